@@ -1,0 +1,124 @@
+"""Sink attention over a paged KV cache: the step metadata, the reference math, backend choice.
+
+KV cache layout (one pair of tensors per layer):
+    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]
+A sequence's logical page i (token positions i*page_size .. (i+1)*page_size-1) lives in physical
+page `block_table[seq, i]`. Sliding-window layers use their own block table, in which pages that
+fell out of the window may have been freed (entry -1); attention on those layers never reads them.
+
+A step processes a ragged batch: sequence b contributes `q_len[b]` new tokens (1 for decode,
+more for prefill/extend) whose K/V were already written to the cache; it has `context_len[b]`
+tokens in total (cached + new). New token i of sequence b sits at absolute position
+`context_len[b] - q_len[b] + i` and attends to keys at positions j with j <= pos and, on sliding
+layers, j > pos - window.
+
+Per head h the softmax has one extra logit, the learned sink:
+    p_j = exp(s_j - m) / (exp(sink_h - m) + sum_k exp(s_k - m)),  s_j = q . k_j * sm_scale
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, shared by all layers.
+
+    Shapes (B sequences, T new tokens in total, P max pages per sequence):
+        cu_seqlens_q:   [B+1] int32, offsets of each sequence's new tokens in the flat batch
+        context_lens:   [B] int32, total tokens per sequence including the new ones
+        block_tables:   {"full": [B, P] int32, "sliding": [B, P] int32}; -1 = no page
+        slot_mapping:   {"full": [T] int64, "sliding": [T] int64}, physical slot
+                        (page * page_size + offset) where each new token's K/V go
+        positions:      [T] int64 absolute positions of the new tokens
+        max_q_len:      python int, max new tokens of any sequence (1 means pure decode)
+        q_lens / context_lens_list: the same numbers as python lists (no device sync needed)
+    """
+
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: dict[str, torch.Tensor]
+    slot_mapping: dict[str, torch.Tensor]
+    positions: torch.Tensor
+    max_q_len: int
+    q_lens: list[int]
+    context_lens_list: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_q_len == 1
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store new keys/values. k, v: [T, Hkv, D]; slots: [T] int64 flat slot ids (-1: skip)."""
+    num_pages, page_size, hkv, d = k_cache.shape
+    flat_k = k_cache.view(num_pages * page_size, hkv, d)
+    flat_v = v_cache.view(num_pages * page_size, hkv, d)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
+    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, start: int, end: int
+) -> torch.Tensor:
+    """Keys (or values) of positions [start, end) of one sequence: [end-start, Hkv, D]."""
+    page_size = cache.shape[1]
+    pos = torch.arange(start, end, device=cache.device)
+    pages = block_table_row[pos // page_size].long()
+    if bool((pages < 0).any()):
+        raise RuntimeError("attention would read a freed page")
+    return cache[pages, pos % page_size]
+
+
+def sink_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_table: torch.Tensor,
+    sinks: torch.Tensor,
+    sm_scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Reference paged sink attention in float32.
+
+    q: [T, Hq, D] new queries; sinks: [Hq]; window: None for full attention.
+    Returns [T, Hq, D] in q's dtype.
+    """
+    t_total, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    out = torch.empty_like(q)
+    offset = 0
+    for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.context_lens_list)):
+        if q_len == 0:
+            continue
+        first_pos = ctx - q_len
+        # Oldest key any of these queries may see.
+        lo = 0 if window is None else max(0, first_pos - window + 1)
+        k = gather_kv(k_cache, block_table[b], lo, ctx).float()  # [L, Hkv, D]
+        v = gather_kv(v_cache, block_table[b], lo, ctx).float()
+        qb = q[offset : offset + q_len].float()  # [q_len, Hq, D]
+        k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale  # [Hq, q_len, L]
+        q_pos = torch.arange(first_pos, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(lo, ctx, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        sink = sinks.float().view(hq, 1, 1).expand(hq, q_len, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        out[offset : offset + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        offset += q_len
+    return out

@@ -1,0 +1,199 @@
+"""The gpt-oss model configuration, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+class ConfigError(ValueError):
+    """A config.json value is missing, of the wrong type, or inconsistent; the message names it."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """YaRN rotary embedding parameters (SPEC §1)."""
+
+    theta: float = 150000.0
+    factor: float = 32.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_hidden_layers: int = 24
+    num_local_experts: int = 32
+    num_experts_per_tok: int = 4
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    vocab_size: int = 201088
+    sliding_window: int = 128
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-5
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    layer_types: tuple[str, ...] = ()
+    quantized_experts: bool = True  # quantization_config.quant_method == "mxfp4"
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(
+                self,
+                "layer_types",
+                tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)),
+            )
+        self.validate()
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == "sliding_attention"
+
+    def validate(self) -> None:
+        positive = [
+            "num_hidden_layers", "num_local_experts", "num_experts_per_tok", "hidden_size",
+            "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "vocab_size", "sliding_window", "max_position_embeddings",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"config field '{name}' must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"config field 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ConfigError(
+                f"config field 'num_experts_per_tok' ({self.num_experts_per_tok}) exceeds "
+                f"num_local_experts ({self.num_local_experts})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"config field 'head_dim' must be even for rotary embeddings, got {self.head_dim}")
+        if self.quantized_experts:
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(self, name) % 32:
+                    raise ConfigError(f"config field '{name}' must be a multiple of 32 for MXFP4 experts")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"config field 'layer_types' has {len(self.layer_types)} entries, "
+                f"num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ConfigError(f"config field 'layer_types[{i}]' is {kind!r}, expected one of {LAYER_TYPES}")
+        if self.rms_norm_eps <= 0:
+            raise ConfigError("config field 'rms_norm_eps' must be > 0")
+        if self.rope.factor < 1:
+            raise ConfigError("config field 'rope_scaling.factor' must be >= 1")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Build from a parsed HF config.json. Unknown keys are ignored; known ones are checked."""
+        model_type = raw.get("model_type", "gpt_oss")
+        if model_type != "gpt_oss":
+            raise ConfigError(f"config field 'model_type' is {model_type!r}, expected 'gpt_oss'")
+        kwargs: dict[str, Any] = {}
+        int_fields = [
+            "num_hidden_layers", "num_local_experts", "hidden_size", "intermediate_size",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "sliding_window",
+            "max_position_embeddings",
+        ]
+        for name in int_fields:
+            if name in raw:
+                kwargs[name] = _int(raw, name)
+        # Older exports call it experts_per_token.
+        if "num_experts_per_tok" in raw:
+            kwargs["num_experts_per_tok"] = _int(raw, "num_experts_per_tok")
+        elif "experts_per_token" in raw:
+            kwargs["num_experts_per_tok"] = _int(raw, "experts_per_token")
+        if "head_dim" not in raw and "hidden_size" in raw and "num_attention_heads" in raw:
+            kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+        for name in ("rms_norm_eps", "swiglu_limit"):
+            if name in raw:
+                kwargs[name] = _float(raw, name)
+        if "layer_types" in raw and raw["layer_types"] is not None:
+            if not isinstance(raw["layer_types"], list):
+                raise ConfigError("config field 'layer_types' must be a list")
+            kwargs["layer_types"] = tuple(raw["layer_types"])
+        kwargs["rope"] = _rope(raw)
+        quant = raw.get("quantization_config")
+        if quant is None:
+            kwargs["quantized_experts"] = False
+        else:
+            method = quant.get("quant_method") if isinstance(quant, dict) else None
+            if method != "mxfp4":
+                raise ConfigError(
+                    f"config field 'quantization_config.quant_method' is {method!r}; only 'mxfp4' is supported"
+                )
+            kwargs["quantized_experts"] = True
+        if raw.get("tie_word_embeddings"):
+            raise ConfigError("config field 'tie_word_embeddings' must be false for gpt-oss (untied lm_head)")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a JSON object")
+        return cls.from_dict(raw)
+
+
+def _int(raw: dict, name: str) -> int:
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config field '{name}' must be an integer, got {value!r}")
+    return value
+
+
+def _float(raw: dict, name: str) -> float:
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config field '{name}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _rope(raw: dict) -> RopeConfig:
+    # transformers 5 writes rope_parameters (theta inside); older files rope_scaling + rope_theta.
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    if not isinstance(params, dict):
+        raise ConfigError(f"config field '{key}' must be an object")
+    rope_type = params.get("rope_type", params.get("type", "yarn"))
+    if rope_type != "yarn":
+        raise ConfigError(f"config field '{key}.rope_type' is {rope_type!r}; gpt-oss uses 'yarn'")
+    theta = params.get("rope_theta", raw.get("rope_theta", 150000.0))
+    try:
+        return RopeConfig(
+            theta=float(theta),
+            factor=float(params.get("factor", 32.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 4096)),
+            beta_fast=float(params.get("beta_fast", 32.0)),
+            beta_slow=float(params.get("beta_slow", 1.0)),
+            truncate=bool(params.get("truncate", False)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config field '{key}' has a bad value: {e}") from None

@@ -1,0 +1,223 @@
+"""gpt-oss, the model itself, written to mirror SPEC §1.
+
+One forward call processes a flat, ragged batch of new tokens (any mix of prefill chunks and
+decode tokens) against a paged KV cache; see `inference/attention.py` for the step metadata.
+Attention and MoE math go through swappable backends (pure torch reference on CPU, Triton or
+flashinfer kernels on GPU) so the model code stays the same everywhere.
+
+    x = embed(tokens)
+    for each layer:  x += attn(rmsnorm(x));  x += moe(rmsnorm(x))
+    logits = lm_head(rmsnorm(x))
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .attention import AttentionMetadata
+from .checkpoint import CheckpointReader
+from .config import ModelConfig
+from .moe import ExpertWeights, MoEWeights
+from .rope import cos_sin_table
+
+log = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H]; normalised in float32, scaled, cast back to x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.window = c.sliding_window if c.is_sliding(layer) else None
+        self.cache_kind = "sliding" if c.is_sliding(layer) else "full"
+        self.sm_scale = c.sm_scale
+        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        # q, k and v in one matmul: rows [q | k | v].
+        self.qkv = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=True)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=True)
+        self.sinks = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x, meta: AttentionMetadata, kv_cache, cos_sin, backend) -> torch.Tensor:
+        t = x.shape[0]
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self.qkv(x)
+        q = qkv[:, :q_dim].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_dim : q_dim + kv_dim].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_dim + kv_dim :].view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        q = backend.rope_and_write_kv(
+            q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping[self.cache_kind]
+        )
+        out = backend.attention(
+            q, k_cache, v_cache, meta, meta.block_tables[self.cache_kind], self.sinks, self.sm_scale, self.window
+        )
+        return self.o_proj(out.reshape(t, q_dim))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.limit = config.swiglu_limit
+        self.weights: MoEWeights | None = None  # raw weights as loaded
+        self.prepared = None  # the backend's layout of them
+
+    def forward(self, x: torch.Tensor, backend) -> torch.Tensor:
+        return backend.forward(x, self.prepared, self.top_k, self.limit)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.attn_norm = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
+        self.mlp_norm = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
+        self.attn = Attention(config, layer)
+        self.mlp = MoE(config)
+
+    def forward(self, x, meta, kv_cache, cos_sin, backends) -> torch.Tensor:
+        attention_backend, moe_backend = backends
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), meta, kv_cache, cos_sin, attention_backend)
+        x = x + self.mlp(rms_norm(x, self.mlp_norm, self.eps), moe_backend)
+        return x
+
+
+class GptOssModel(nn.Module):
+    """The whole model. Build with `from_pretrained`; call `forward` then `compute_logits`."""
+
+    def __init__(self, config: ModelConfig, attention_backend, moe_backend, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        self.attention_backend = attention_backend
+        self.moe_backend = moe_backend
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.register_buffer(
+            "cos_sin", cos_sin_table(config.rope, config.head_dim, self.max_positions), persistent=False
+        )
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> torch.Tensor:
+        """input_ids: [T] int64 new tokens; kv_caches[layer] = (k_cache, v_cache). Returns hidden [T, H]."""
+        x = self.embed(input_ids)
+        backends = (self.attention_backend, self.moe_backend)
+        for layer, block in enumerate(self.layers):
+            x = block(x, meta, kv_caches[layer], self.cos_sin, backends)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] (already normed) -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        attention_backend: str | None = None,
+        moe_backend: str | None = None,
+        max_positions: int | None = None,
+        progress: bool = True,
+    ) -> "GptOssModel":
+        """Load a HF-layout gpt-oss checkpoint directory.
+
+        device defaults to CUDA when available; dtype to bfloat16 on GPU and float32 on CPU
+        (CPU bf16 matmuls are slow and the reference tests compare in float32).
+        """
+        from .attention_backend import select_attention_backend
+        from .moe_backend import select_moe_backend
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        config = ModelConfig.from_file(model_dir)
+        reader = CheckpointReader(model_dir, config)
+        with torch.device("meta"):
+            model = cls(config, None, None, max_positions=max_positions)
+        model.attention_backend = select_attention_backend(device, attention_backend)
+        model.moe_backend = select_moe_backend(device, moe_backend)
+        model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
+        load_weights(model, reader, device, dtype, progress=progress)
+        return model.eval()
+
+
+def load_weights(model: GptOssModel, reader: CheckpointReader, device, dtype, progress: bool = True) -> None:
+    """Copy checkpoint tensors into the model on `device`, layer by layer (with a progress bar)."""
+    from tqdm import tqdm
+
+    c = model.config
+
+    def param(name: str, want_dtype=dtype) -> nn.Parameter:
+        return nn.Parameter(reader.get(name).to(device=device, dtype=want_dtype), requires_grad=False)
+
+    def raw(name: str) -> torch.Tensor:
+        return reader.get(name).to(device)
+
+    model.embed.weight = param("model.embed_tokens.weight")
+    model.norm = param("model.norm.weight")
+    model.lm_head.weight = param("lm_head.weight")
+    bar = tqdm(
+        total=c.num_hidden_layers,
+        desc="loading layers",
+        unit="layer",
+        disable=not progress or reader.total_bytes() < (256 << 20),
+    )
+    for i, block in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        block.attn_norm = param(p + "input_layernorm.weight")
+        block.mlp_norm = param(p + "post_attention_layernorm.weight")
+        a = block.attn
+        qkv_w = torch.cat([reader.get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        qkv_b = torch.cat([reader.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        a.qkv.weight = nn.Parameter(qkv_w.to(device=device, dtype=dtype), requires_grad=False)
+        a.qkv.bias = nn.Parameter(qkv_b.to(device=device, dtype=dtype), requires_grad=False)
+        a.o_proj.weight = param(p + "self_attn.o_proj.weight")
+        a.o_proj.bias = param(p + "self_attn.o_proj.bias")
+        a.sinks = param(p + "self_attn.sinks", torch.float32)
+        e = p + "mlp.experts."
+        biases = dict(gate_up_bias=raw(e + "gate_up_proj_bias").float(), down_bias=raw(e + "down_proj_bias").float())
+        if c.quantized_experts:
+            experts = ExpertWeights(
+                gate_up_blocks=raw(e + "gate_up_proj_blocks"),
+                gate_up_scales=raw(e + "gate_up_proj_scales"),
+                down_blocks=raw(e + "down_proj_blocks"),
+                down_scales=raw(e + "down_proj_scales"),
+                **biases,
+            )
+        else:
+            experts = ExpertWeights(
+                gate_up=raw(e + "gate_up_proj").to(dtype), down=raw(e + "down_proj").to(dtype), **biases
+            )
+        block.mlp.weights = MoEWeights(
+            router_weight=raw(p + "mlp.router.weight").to(dtype),
+            router_bias=raw(p + "mlp.router.bias").to(dtype),
+            experts=experts,
+        )
+        block.mlp.prepared = model.moe_backend.prepare(block.mlp.weights)
+        bar.update(1)
+    bar.close()

@@ -1,0 +1,128 @@
+"""What callers hand the engine and what it hands back.
+
+These plain dataclasses are the whole contract between the serving layer (agent_server) and the
+engine: `Engine.generate(GenerationRequest)` yields `TokenDelta`s, `Engine.abort(request_id)` stops
+one. Nothing here knows about HTTP, Harmony or tools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings. Defaults mean plain greedy-free sampling at temperature 1."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    max_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Number of top alternatives to return with each sampled token's logprob; None: no logprobs.
+    logprobs: int | None = None
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the field if a value is out of range."""
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in [0, 20]")
+        for tok in list(self.logit_bias) + list(self.stop_token_ids):
+            if not 0 <= tok < vocab_size:
+                raise ValueError(f"token id {tok} is outside the vocabulary")
+
+
+@dataclass
+class GenerationRequest:
+    """One generation. `prompt_token_ids` is the full rendered prompt.
+
+    Continuation (the agent loop's tool calls): with `keep_alive=True`, a finished request's
+    sequence stays parked with its KV pages under `request_id` instead of being freed. A later
+    request naming it in `continue_from` whose prompt starts with the parked sequence's tokens
+    (prompt + generated) reuses those pages and prefills only the new suffix. `Engine.release`
+    frees a parked sequence; an unused parked sequence may be evicted under memory pressure (the
+    continuation then falls back to prefix reuse / recompute, never to wrong output).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    keep_alive: bool = False
+    continue_from: str | None = None
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class TokenDelta:
+    """New tokens for one request. The last delta of a request has `finish_reason` set.
+
+    `num_prompt_tokens` and `num_cached_tokens` (prompt tokens served from cache, not prefilled)
+    are filled on every delta so a consumer can read usage from any of them.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # which stop token ended it, when finish_reason == "stop"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None  # message when finish_reason == "error"
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of engine counters for metrics (monotonic counters are totals since start)."""
+
+    running: int = 0
+    waiting: int = 0
+    parked: int = 0
+    pages_total: int = 0
+    pages_used: int = 0
+    prefix_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens found cached
+    tokens_prefilled: int = 0
+    tokens_decoded: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+class EngineClient(Protocol):
+    """What the serving layer needs from an engine (the real one or a scripted fake)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self) -> None: ...
