@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .attention import AttentionMetadata
-from .checkpoint import CheckpointReader
+from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig
 from .moe import ExpertWeights, MoEWeights
 from .rope import cos_sin_table
@@ -162,38 +162,89 @@ class GptOssModel(nn.Module):
         model.attention_backend = select_attention_backend(device, attention_backend)
         model.moe_backend = select_moe_backend(device, moe_backend)
         model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
-        load_weights(model, reader, device, dtype, progress=progress)
+        bar = progress and reader.total_bytes() >= (256 << 20)
+        load_weights(model, reader.get, device, dtype, progress=bar)
+        return model.eval()
+
+    @classmethod
+    def from_random(
+        cls,
+        config: ModelConfig,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        attention_backend: str | None = None,
+        moe_backend: str | None = None,
+        max_positions: int | None = None,
+        seed: int = 0,
+    ) -> "GptOssModel":
+        """A model of `config`'s real shapes with random weights made directly on the device.
+
+        For benchmarks: full-size gpt-oss with MXFP4 experts and no checkpoint to download.
+        """
+        from .attention_backend import select_attention_backend
+        from .moe_backend import select_moe_backend
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        with torch.device("meta"):
+            model = cls(config, None, None, max_positions=max_positions)
+        model.attention_backend = select_attention_backend(device, attention_backend)
+        model.moe_backend = select_moe_backend(device, moe_backend)
+        model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
+        load_weights(model, random_tensor_source(config, device, seed), device, dtype, progress=False)
         return model.eval()
 
 
-def load_weights(model: GptOssModel, reader: CheckpointReader, device, dtype, progress: bool = True) -> None:
-    """Copy checkpoint tensors into the model on `device`, layer by layer (with a progress bar)."""
+def random_tensor_source(config: ModelConfig, device, seed: int = 0):
+    """A `get(name)` over random tensors with the checkpoint's shapes, made on `device`.
+
+    Float tensors ~ N(0, 1/fan_in) (norm weights 1, sinks N(0,1)); MXFP4 blocks are uniform random
+    bytes with scales around 2^-6, which keeps activations finite through many layers.
+    """
+    specs = expected_tensors(config)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def get(name: str) -> torch.Tensor:
+        spec = specs[name]
+        if not spec.float:
+            if name.endswith("_scales"):
+                return torch.randint(118, 122, spec.shape, generator=g, device=device, dtype=torch.uint8)
+            return torch.randint(0, 256, spec.shape, generator=g, device=device, dtype=torch.uint8)
+        if name.endswith("norm.weight") or "layernorm" in name:
+            return torch.ones(spec.shape, device=device)
+        std = 1.0 if name.endswith("sinks") or "embed_tokens" in name else spec.shape[-1] ** -0.5
+        if name.endswith("bias"):
+            std = 0.02
+        return torch.randn(spec.shape, generator=g, device=device, dtype=torch.bfloat16) * std
+
+    return get
+
+
+def load_weights(model: GptOssModel, get_tensor, device, dtype, progress: bool = True) -> None:
+    """Copy tensors (`get_tensor(name)`, e.g. `CheckpointReader.get`) into the model on `device`,
+    layer by layer, with a progress bar when `progress`."""
     from tqdm import tqdm
 
     c = model.config
 
     def param(name: str, want_dtype=dtype) -> nn.Parameter:
-        return nn.Parameter(reader.get(name).to(device=device, dtype=want_dtype), requires_grad=False)
+        return nn.Parameter(get_tensor(name).to(device=device, dtype=want_dtype), requires_grad=False)
 
     def raw(name: str) -> torch.Tensor:
-        return reader.get(name).to(device)
+        return get_tensor(name).to(device)
 
     model.embed.weight = param("model.embed_tokens.weight")
     model.norm = param("model.norm.weight")
     model.lm_head.weight = param("lm_head.weight")
-    bar = tqdm(
-        total=c.num_hidden_layers,
-        desc="loading layers",
-        unit="layer",
-        disable=not progress or reader.total_bytes() < (256 << 20),
-    )
+    bar = tqdm(total=c.num_hidden_layers, desc="loading layers", unit="layer", disable=not progress)
     for i, block in enumerate(model.layers):
         p = f"model.layers.{i}."
         block.attn_norm = param(p + "input_layernorm.weight")
         block.mlp_norm = param(p + "post_attention_layernorm.weight")
         a = block.attn
-        qkv_w = torch.cat([reader.get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        qkv_b = torch.cat([reader.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        qkv_w = torch.cat([get_tensor(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        qkv_b = torch.cat([get_tensor(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
         a.qkv.weight = nn.Parameter(qkv_w.to(device=device, dtype=dtype), requires_grad=False)
         a.qkv.bias = nn.Parameter(qkv_b.to(device=device, dtype=dtype), requires_grad=False)
         a.o_proj.weight = param(p + "self_attn.o_proj.weight")

@@ -145,3 +145,19 @@ def write_tiny_checkpoint(
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return path
+
+
+def default_tiny_checkpoint(seed: int = 0) -> Path:
+    """The tiny checkpoint served when no model is given, written once into the user's cache.
+
+    `$OSS_AGENT_CACHE` (default `~/.cache/oss-agent`) holds it; a half-written one is rewritten.
+    """
+    import os
+
+    root = Path(os.environ.get("OSS_AGENT_CACHE", Path.home() / ".cache" / "oss-agent"))
+    path = root / f"tiny-gpt-oss-seed{seed}"
+    done = path / ".complete"
+    if not done.is_file():
+        write_tiny_checkpoint(path, seed=seed)
+        done.write_text("ok\n")
+    return path

@@ -1,0 +1,69 @@
+"""`oss-agent generate`: one prompt in, the model's answer out, no server.
+
+Renders a Harmony conversation (system message with the reasoning effort, the user's prompt),
+generates on one sequence until `<|return|>`/`<|call|>` or the token limit, and prints the
+parsed messages: the final answer, and the reasoning with `--show-reasoning`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the user's message")
+    parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default="medium")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--show-reasoning", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from openai_harmony import (
+        Conversation,
+        Message,
+        ReasoningEffort,
+        Role,
+        StreamableParser,
+        SystemContent,
+    )
+
+    from inference.model import GptOssModel
+    from inference.single_sequence import generate
+    from inference.tiny_checkpoint import default_tiny_checkpoint
+    from inference.tokenizer import ASSISTANT_STOP_TOKENS, harmony_encoding
+
+    model_dir = args.model or default_tiny_checkpoint()
+    model = GptOssModel.from_pretrained(model_dir, device=args.device)
+    encoding = harmony_encoding()
+    effort = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
+    system = SystemContent.new().with_reasoning_effort(effort[args.reasoning_effort])
+    conversation = Conversation.from_messages(
+        [Message.from_role_and_content(Role.SYSTEM, system), Message.from_role_and_content(Role.USER, args.prompt)]
+    )
+    prompt = encoding.render_conversation_for_completion(conversation, Role.ASSISTANT)
+    tokens = generate(
+        model, prompt, args.max_tokens, ASSISTANT_STOP_TOKENS, temperature=args.temperature, seed=args.seed
+    )
+    # A streaming parser tolerates output that stops mid-message (token limit, noise from a tiny model).
+    parser = StreamableParser(encoding, role=Role.ASSISTANT)
+    try:
+        for token in tokens:
+            parser.process(token)
+    except Exception:  # malformed Harmony from the model: the raw text is printed below
+        pass
+    messages = list(parser.messages)
+    for message in messages:
+        text = "".join(part.text for part in message.content if hasattr(part, "text"))
+        if message.channel == "final":
+            print(text)
+        elif args.show_reasoning:
+            print(f"[{message.channel}] {text}", file=sys.stderr)
+    if not any(m.channel == "final" for m in messages):
+        # No complete final message (token limit, or a random-weight model's noise): show it all.
+        print(encoding.decode(tokens))
+    return 0

@@ -1,0 +1,274 @@
+"""End-to-end model speed on one GPU: decode tok/s by batch, prefill tok/s, batch-1 roofline.
+
+Builds gpt-oss-20b or -120b with random weights of the real shapes directly on the GPU (MXFP4
+experts), measures the device-to-device copy bandwidth in the same process, then times:
+  * decode steps at each batch size with CUDA graphs (model + lm_head + greedy pick + reading the
+    ids back to the host, as the engine does each step), every sequence at `--context` tokens;
+  * prefill of one `--prefill`-token prompt.
+Batch-1 tok/s is compared with the bandwidth roofline: bytes a token must read (SPEC §2) divided
+by the measured copy bandwidth.
+
+    python benchmarks/bench_engine.py --model 20b
+    python benchmarks/bench_engine.py --model 120b --batches 1,64
+    python benchmarks/bench_engine.py --model 20b --profile        # per-kernel breakdown of a step
+    python benchmarks/bench_engine.py --model 20b --hf             # also transformers, same shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inference.attention import AttentionMetadata  # noqa: E402
+from inference.config import ModelConfig  # noqa: E402
+from inference.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from inference.model import GptOssModel  # noqa: E402
+from inference.tiny_checkpoint import hf_config_dict  # noqa: E402
+
+SHAPES = {
+    "20b": dict(num_hidden_layers=24, num_local_experts=32),
+    "120b": dict(num_hidden_layers=36, num_local_experts=128),
+}
+COMMON = dict(
+    num_experts_per_tok=4, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128, max_position_embeddings=131072,
+)
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = int(gib * (1 << 30))
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    return 2 * n / seconds
+
+
+def bytes_per_token(c: ModelConfig, context: int) -> dict[str, float]:
+    """Bytes one batch-1 decode step must read (weights + KV), by part."""
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv + h)) * 2 + c.num_attention_heads * 4 + 2 * h * 2
+    i = c.intermediate_size
+    expert_weights = (2 * i * h + h * i) * (0.5 + 1 / 32) + (2 * i + h) * 4  # MXFP4 + scales + f32 bias
+    router = (c.num_local_experts * h + c.num_local_experts) * 2
+    kv_bytes = 0.0
+    for layer in range(c.num_hidden_layers):
+        seen = min(context, c.sliding_window) if c.is_sliding(layer) else context
+        kv_bytes += seen * 2 * kv * 2
+    return {
+        "attention": c.num_hidden_layers * attn,
+        "experts": c.num_hidden_layers * (c.num_experts_per_tok * expert_weights + router),
+        "lm_head": c.vocab_size * h * 2 + h * 2,
+        "kv": kv_bytes,
+    }
+
+
+class StaticBatch:
+    """B sequences with `context` tokens each already in the cache, pages laid out contiguously."""
+
+    def __init__(self, model: GptOssModel, kv_caches, batch: int, context: int, pages_per_seq: int, page_size: int):
+        dev = model.device
+        self.batch, self.page_size, self.context = batch, page_size, context
+        self.lengths = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        table = torch.arange(batch * pages_per_seq, dtype=torch.int32, device=dev).view(batch, pages_per_seq)
+        self.table = table
+        self.ids = torch.randint(0, model.config.vocab_size, (batch,), device=dev)
+
+    def metadata(self) -> AttentionMetadata:
+        pos = self.lengths.long()
+        page = self.table.gather(1, (pos // self.page_size).view(-1, 1)).view(-1).long()
+        slots = page * self.page_size + pos % self.page_size
+        self.lengths += 1
+        self.context += 1
+        return AttentionMetadata(
+            cu_seqlens_q=torch.arange(self.batch + 1, dtype=torch.int32, device=pos.device),
+            context_lens=self.lengths.clone(),
+            block_tables={"full": self.table, "sliding": self.table},
+            slot_mapping={"full": slots, "sliding": slots},
+            positions=pos,
+            max_q_len=1,
+            q_lens=[1] * self.batch,
+            context_lens_list=[self.context] * self.batch,
+        )
+
+
+def bench_decode(model, kv_caches, runner, batch, context, steps, pages_per_seq, page_size) -> float:
+    seqs = StaticBatch(model, kv_caches, batch, context, pages_per_seq, page_size)
+    ids = seqs.ids
+    for _ in range(3):  # warm-up
+        ids = runner.run(ids, seqs.metadata()).argmax(-1)
+        ids.tolist()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ids = runner.run(ids, seqs.metadata()).argmax(-1)
+        ids.tolist()  # the engine reads the sampled ids every step
+    torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def bench_prefill(model, kv_caches, tokens: int, page_size: int, repeats: int = 5) -> float:
+    dev = model.device
+    table = torch.arange(-(-tokens // page_size), dtype=torch.int32, device=dev)[None]
+    pos = torch.arange(tokens, device=dev)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
+        context_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
+        block_tables={"full": table, "sliding": table},
+        slot_mapping={"full": pos, "sliding": pos},
+        positions=pos,
+        max_q_len=tokens,
+        q_lens=[tokens],
+        context_lens_list=[tokens],
+    )
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), device=dev)
+    for _ in range(2):
+        model.compute_logits(model(ids, meta, kv_caches)[-1:])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        model.compute_logits(model(ids, meta, kv_caches)[-1:]).argmax(-1).tolist()
+    torch.cuda.synchronize()
+    return tokens * repeats / (time.perf_counter() - t0)
+
+
+def profile_step(model, kv_caches, batch, context, pages_per_seq, page_size) -> str:
+    """Per-kernel GPU time of one eager decode step, top entries."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seqs = StaticBatch(model, kv_caches, batch, context, pages_per_seq, page_size)
+    for _ in range(2):
+        model.compute_logits(model(seqs.ids, seqs.metadata(), kv_caches))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.compute_logits(model(seqs.ids, seqs.metadata(), kv_caches)).argmax(-1).tolist()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+
+
+def bench_transformers(config_dict: dict, prompt: int = 128, new: int = 64) -> float:
+    """transformers' GptOssForCausalLM (bf16 weights, eager attention, generate), batch 1."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(**{k: v for k, v in config_dict.items() if k != "quantization_config"})
+    with torch.device("cuda"):
+        hf = GptOssForCausalLM(cfg).to(torch.bfloat16).eval()
+    hf.config._attn_implementation = "eager"
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt), device="cuda")
+    hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    torch.cuda.synchronize()
+    rate = new / (time.perf_counter() - t0)
+    del hf
+    torch.cuda.empty_cache()
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=list(SHAPES), default="20b")
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--attention", default=None, help="attention backend (default: best available)")
+    ap.add_argument("--moe", default=None, help="MoE backend (default: best available)")
+    ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
+    ap.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of a batch-1 step")
+    ap.add_argument("--hf", action="store_true", help="also time transformers on the same shapes")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    gpu = torch.cuda.get_device_name()
+    progress(f"device {gpu}; measuring copy bandwidth")
+    bandwidth = copy_bandwidth()
+    raw = hf_config_dict({**COMMON, **SHAPES[args.model]})
+    config = ModelConfig.from_dict(raw)
+    batches = [int(b) for b in args.batches.split(",")]
+    max_context = args.context + args.steps + 8
+    pages_per_seq = -(-max(max_context, args.prefill) // args.page_size)
+    progress(f"building gpt-oss-{args.model} with random weights on the GPU")
+    model = GptOssModel.from_random(
+        config, device="cuda", attention_backend=args.attention, moe_backend=args.moe,
+        max_positions=max(max_context, args.prefill) + 16,
+    )
+    num_pages = max(batches) * pages_per_seq
+    shape = (num_pages, args.page_size, config.num_key_value_heads, config.head_dim)
+    progress(f"allocating KV cache: {num_pages} pages x {config.num_hidden_layers} layers")
+    kv_caches = []
+    for _ in range(config.num_hidden_layers):
+        k = torch.randn(shape, dtype=torch.bfloat16, device="cuda") * 0.5
+        kv_caches.append((k, torch.randn_like(k)))
+    runner = DecodeGraphRunner(model, kv_caches, pages_per_seq, max_context, batch_sizes=tuple(batches))
+    if not args.no_graphs:
+        progress(f"capturing CUDA graphs for batch sizes {batches}")
+        runner.capture()
+    else:
+        runner.run = lambda ids, meta: model.compute_logits(model(ids, meta, kv_caches))  # type: ignore[method-assign]
+
+    parts = bytes_per_token(config, args.context)
+    roofline = bandwidth / sum(parts.values())
+    results = {
+        "device": gpu, "model": args.model, "date": time.strftime("%Y-%m-%d"),
+        "attention_backend": type(model.attention_backend).__name__, "moe_backend": type(model.moe_backend).__name__,
+        "copy_bandwidth_TBps": bandwidth / 1e12, "bytes_per_token_GB": sum(parts.values()) / 1e9,
+        "roofline_batch1_tok_s": roofline, "context": args.context, "decode": {},
+    }
+    for b in batches:
+        progress(f"decode batch {b}")
+        results["decode"][b] = bench_decode(model, kv_caches, runner, b, args.context, args.steps, pages_per_seq, args.page_size)
+    if args.prefill:
+        progress(f"prefill {args.prefill} tokens")
+        results["prefill_tok_s"] = bench_prefill(model, kv_caches, args.prefill, args.page_size)
+
+    print(f"\ngpt-oss-{args.model} random weights on {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+          f"attention={results['attention_backend']} moe={results['moe_backend']}")
+    print(f"bytes per batch-1 token at {args.context} context: {sum(parts.values()) / 1e9:.2f} GB "
+          f"({', '.join(f'{k} {v / 1e9:.2f}' for k, v in parts.items())}); roofline {roofline:.0f} tok/s\n")
+    print("| measure | tok/s | note |\n| --- | ---: | --- |")
+    for b, rate in results["decode"].items():
+        note = f"{rate / roofline:.1%} of roofline" if b == 1 else ""
+        print(f"| decode batch {b}, context {args.context} | {rate:,.0f} | {note} |")
+    if args.prefill:
+        print(f"| prefill, {args.prefill}-token prompt | {results['prefill_tok_s']:,.0f} | |")
+    if args.profile:
+        print("\nper-kernel breakdown of one eager batch-1 decode step:\n")
+        print(profile_step(model, kv_caches, 1, args.context, pages_per_seq, args.page_size))
+    if args.hf:
+        del model, kv_caches, runner
+        torch.cuda.empty_cache()
+        progress("transformers GptOssForCausalLM, same shapes")
+        results["transformers_tok_s"] = rate_hf = bench_transformers(raw)
+        ours = results["decode"].get(1)
+        ratio = f"; ours / transformers = {ours / rate_hf:.1f}x" if ours else ""
+        print(f"\ntransformers batch 1 (bf16, eager, generate): {rate_hf:.1f} tok/s{ratio}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
