@@ -1,0 +1,202 @@
+"""The Starlette application: routes, errors, auth, metrics, and startup/shutdown.
+
+`create_app(config, engine_factory)` returns the ASGI app. The engine is built in the
+background at startup so /health answers at once and /ready turns 200 when the model is
+loaded; until then model endpoints answer 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from inference.request import EngineClient
+
+from . import chat_api, responses_api
+from .auth import ApiKeyMiddleware
+from .errors import APIError, not_found
+from .metrics import Metrics, MetricsMiddleware
+from .state import ServerConfig, ServerState
+from .store import ResponseStore, SQLiteResponseStore
+from .tool_registry import ToolRegistry
+
+log = logging.getLogger(__name__)
+
+
+def warm_up() -> None:
+    """Load tokenizer tables and build the SDK's models now, not during the first request."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from inference.tokenizer import harmony_encoding
+
+    from . import response_events
+    from .token_bytes import token_bytes
+
+    harmony_encoding()
+    token_bytes(0)
+    response_events.warm_up()
+    header = {"id": "x", "created": 0, "model": "m"}
+    ChatCompletionChunk.model_validate({**header, "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": "x"}, "finish_reason": None,
+         "logprobs": {"content": [{"token": "x", "bytes": [120], "logprob": 0.0, "top_logprobs": []}]}}]})
+    ChatCompletion.model_validate({**header, "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop", "logprobs": None}]})
+
+EngineFactory = Callable[[], "EngineClient | Awaitable[EngineClient]"]
+ToolServersFactory = Callable[[], Awaitable[list[Any]]]
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    if state.ready:
+        return JSONResponse({"status": "ready", "model": state.config.model_name})
+    error = state.extra.get("load_error")
+    return JSONResponse({"status": "failed" if error else "loading", "error": error}, status_code=503)
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    engine = state.engine
+    return {
+        "id": state.config.model_name,
+        "object": "model",
+        "created": int(state.extra.get("loaded_at", time.time())),
+        "owned_by": "oss-agent",
+        "context_length": engine.max_model_len if engine else None,
+        "max_model_len": engine.max_model_len if engine else None,
+    }
+
+
+async def list_models(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    model = request.path_params["model"]
+    if not state.config.serves(model):
+        raise not_found("Model", model, param="model")
+    return JSONResponse(_model_card(state))
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    message = {404: f"No route {request.method} {request.url.path}.", 405: f"Method {request.method} is not "
+               f"allowed on {request.url.path}."}.get(exc.status_code, str(exc.detail))
+    return APIError(message, status=exc.status_code, code="not_found" if exc.status_code == 404 else None).response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return APIError("The server had an error while processing your request.", status=500,
+                    code="server_error").response()
+
+
+class ReadinessGate:
+    """Model endpoints answer 503 until the engine is loaded (health, ready, metrics do not wait)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self.state.ready \
+                and not scope["path"].startswith("/v1/models"):
+            error = self.state.extra.get("load_error")
+            message = f"The model failed to load: {error}" if error else "The model is still loading; retry shortly."
+            return await APIError(message, status=503, code="model_not_ready", type="server_error").response()(
+                scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(
+    config: ServerConfig,
+    engine_factory: EngineFactory,
+    *,
+    tool_servers: ToolServersFactory | None = None,
+    store: ResponseStore | None = None,
+) -> Starlette:
+    """The ASGI app. `engine_factory` builds the engine (sync or async) at startup;
+    `tool_servers` starts the tool servers; `store` defaults to SQLite at config.store_path."""
+    state = ServerState(config=config, metrics=Metrics(lambda: state.engine))
+
+    async def load() -> None:
+        try:
+            await asyncio.to_thread(warm_up)
+            servers = await tool_servers() if tool_servers is not None else []
+            state.tools = ToolRegistry(servers)
+            engine = engine_factory()
+            if inspect.isawaitable(engine):
+                engine = await engine
+            state.engine = engine
+            state.extra["loaded_at"] = time.time()
+            log.info("serving %s (context %d tokens)", config.model_name, engine.max_model_len)
+        except Exception as e:  # reported by /ready; the process stays up to say so
+            log.exception("startup failed")
+            state.extra["load_error"] = f"{type(e).__name__}: {e}"
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        state.store = store or SQLiteResponseStore(config.store_path)
+        loading = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+            await state.runs.cancel_all()
+            for server in state.tools.servers:
+                try:
+                    await server.aclose()
+                except Exception:
+                    log.exception("closing tool server %s", getattr(server, "name", server))
+            if state.engine is not None:
+                await state.engine.shutdown()
+            await state.store.close()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+        *responses_api.routes,
+        *chat_api.routes,
+    ]
+    middleware = [Middleware(MetricsMiddleware, metrics=state.metrics)]
+    if config.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
+                                     allow_headers=["*"]))
+    middleware += [Middleware(ApiKeyMiddleware, api_key=config.api_key), Middleware(ReadinessGate, state=state)]
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
+    )
+    app.state.server = state
+    return app

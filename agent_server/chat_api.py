@@ -1,0 +1,351 @@
+"""`POST /v1/chat/completions`: one Harmony turn per choice, no server-side tools.
+
+Each choice is an engine request whose tokens go through `HarmonyStream`: the analysis
+channel becomes `reasoning_content`, final (and commentary preambles) `content`, commentary
+calls to `functions.*` become `tool_calls`. Streaming sends OpenAI chunks (`data:` lines, then
+`[DONE]`); a client that disconnects stops every choice's generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from inference.request import GenerationRequest, SamplingParams, TokenLogprob
+from inference.tokenizer import CALL, RETURN
+from schemas.chat import ChatCompletionRequest
+
+from .chat_prompt import chat_prompt
+from .errors import APIError
+from .harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, recipient_kind
+from .request_parsing import read_request
+from .sse import data_only, sse_response
+from .state import ServerState
+from .stop_strings import StopStringMatcher
+from .token_bytes import token_bytes
+
+log = logging.getLogger(__name__)
+
+# --- one choice ---------------------------------------------------------------------------
+
+
+@dataclass
+class ChoicePiece:
+    """What one choice added since the last piece (a streaming delta, in effect)."""
+
+    index: int
+    reasoning: str = ""
+    content: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI delta tool_calls entries
+    finish_reason: str | None = None
+
+    def empty(self) -> bool:
+        return not (self.reasoning or self.content or self.logprobs or self.tool_calls or self.finish_reason)
+
+
+@dataclass
+class ChoiceUsage:
+    prompt: int = 0
+    cached: int = 0
+    completion: int = 0
+    reasoning: int = 0
+
+
+def _logprob_entry(lp: TokenLogprob, top: int) -> dict[str, Any]:
+    raw = token_bytes(lp.token_id)
+    return {
+        "token": raw.decode("utf-8", errors="replace"),
+        "bytes": list(raw),
+        "logprob": lp.logprob,
+        "top_logprobs": [
+            {"token": token_bytes(t).decode("utf-8", errors="replace"), "bytes": list(token_bytes(t)), "logprob": v}
+            for t, v in lp.top[:top]
+        ],
+    }
+
+
+class ChoiceStream:
+    """Generates one choice and yields its pieces as Harmony messages are parsed."""
+
+    def __init__(self, state: ServerState, index: int, request: GenerationRequest, req: ChatCompletionRequest,
+                 started: float):
+        self.state = state
+        self.index = index
+        self.request = request
+        self.want_logprobs = req.logprobs
+        self.top_logprobs = req.top_logprobs or 0
+        self.stops = StopStringMatcher(req.stop_strings)
+        self.started = started
+        self.usage = ChoiceUsage()
+        self.kind: str | None = None  # "reasoning" | "content" | "tool" | None between messages
+        self.pending_logprobs: list[dict[str, Any]] = []  # tokens of the current message not yet emitted
+        self.tool_calls = 0
+        self.finish: str | None = None
+
+    async def pieces(self) -> AsyncIterator[ChoicePiece]:
+        engine = self.state.engine
+        stream = HarmonyStream()
+        try:
+            generation = engine.generate(self.request)
+        except ValueError as e:  # the engine refused the request (limits it checks itself)
+            raise APIError(f"Invalid request: {e}.") from None
+        deltas = self.state.metrics.observe_generation(generation, self.started)
+        finish, stop_token = None, None
+        try:
+            async for delta in deltas:
+                if not self.usage.prompt:
+                    self.usage.prompt, self.usage.cached = delta.num_prompt_tokens, delta.num_cached_tokens
+                piece = ChoicePiece(self.index)
+                for i, token in enumerate(delta.token_ids):
+                    self.usage.completion += 1
+                    if self.want_logprobs and delta.logprobs:
+                        self.pending_logprobs.append(_logprob_entry(delta.logprobs[i], self.top_logprobs))
+                    self._apply(stream.feed(token), piece)
+                    if self.stops.stopped:
+                        break
+                if delta.finish_reason is not None:
+                    finish, stop_token = delta.finish_reason, delta.stop_token_id
+                    if delta.finish_reason == "error":
+                        raise APIError(f"Generation failed: {delta.error or 'engine error'}", status=500,
+                                       code="server_error")
+                if self.stops.stopped:
+                    engine.abort(self.request.request_id)
+                    finish = "stop_string"
+                if not piece.empty():
+                    yield piece
+                if finish is not None:
+                    break
+        except BaseException:
+            engine.abort(self.request.request_id)
+            raise
+        finally:
+            await deltas.aclose()
+        last = ChoicePiece(self.index)
+        if finish != "stop_string":
+            self._apply(stream.finish(), last)
+            last.content += self.stops.flush()
+        if finish == "length":
+            last.finish_reason = "length"
+        elif self.tool_calls and (finish != "stop" or stop_token in (CALL, None)):
+            last.finish_reason = "tool_calls"
+        else:
+            last.finish_reason = "stop"
+        self.finish = last.finish_reason
+        yield last
+
+    def _apply(self, events, piece: ChoicePiece) -> None:
+        for event in events:
+            if isinstance(event, MessageStart):
+                namespace, name = recipient_kind(event.recipient)
+                if event.malformed:
+                    self.kind = "content"  # keep the header tokens: they are part of the text
+                    continue
+                self.pending_logprobs = []
+                if namespace == "functions" and name:
+                    self.kind = "tool"
+                    piece.tool_calls.append({
+                        "index": self.tool_calls, "id": f"call_{secrets.token_hex(12)}", "type": "function",
+                        "function": {"name": name, "arguments": ""},
+                    })
+                    self.tool_calls += 1
+                elif event.channel == "analysis" and not event.recipient:
+                    self.kind = "reasoning"
+                else:
+                    self.kind = "content"
+            elif isinstance(event, ContentDelta):
+                if self.kind == "reasoning":
+                    piece.reasoning += event.text
+                elif self.kind == "tool":
+                    piece.tool_calls.append({"index": self.tool_calls - 1, "function": {"arguments": event.text}})
+                elif self.kind == "content" and not self.stops.stopped:
+                    piece.content += self.stops.feed(event.text)
+                    piece.logprobs += self.pending_logprobs
+                    self.pending_logprobs = []
+            elif isinstance(event, MessageEnd):
+                if event.channel == "analysis":
+                    self.usage.reasoning += event.num_tokens
+                self.kind, self.pending_logprobs = None, []
+
+
+# --- the endpoint -------------------------------------------------------------------------
+
+
+def _sampling(req: ChatCompletionRequest, index: int, max_tokens: int, vocab_size: int) -> SamplingParams:
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=None if req.seed is None else req.seed + index,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+        max_tokens=max_tokens,
+        stop_token_ids=[RETURN, CALL],
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    )
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise APIError(f"Invalid value for 'logit_bias': {e}.", param="logit_bias") from None
+    return params
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    started = time.perf_counter()
+    req = await read_request(request, ChatCompletionRequest, state.config.max_request_bytes)
+    engine = state.engine
+    if not state.config.serves(req.model):
+        raise APIError(f"The model '{req.model}' does not exist; this server serves '{state.config.model_name}'.",
+                       status=404, param="model", code="model_not_found")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs requires logprobs=true.", param="top_logprobs")
+    prompt = chat_prompt(req)
+    room = engine.max_model_len - len(prompt)
+    if room <= 0:
+        raise APIError(f"The messages are {len(prompt)} tokens; this model's context is {engine.max_model_len} "
+                       "tokens.", param="messages", code="context_length_exceeded")
+    max_tokens = min(req.token_limit or room, room)
+    completion_id = f"chatcmpl-{secrets.token_hex(12)}"
+    choices = [
+        ChoiceStream(state, i, GenerationRequest(f"{completion_id}/{i}", prompt,
+                                                 _sampling(req, i, max_tokens, engine.vocab_size)), req, started)
+        for i in range(req.n)
+    ]
+    header = {"id": completion_id, "created": int(time.time()), "model": req.model}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(state, choices, header, include_usage)
+    return await _complete(request, choices, header)
+
+
+async def _complete(request: Request, choices: list[ChoiceStream], header: dict[str, Any]) -> Response:
+    async def run(choice: ChoiceStream) -> dict[str, Any]:
+        reasoning, content, logprobs, calls = "", "", [], []
+        async for piece in choice.pieces():
+            reasoning += piece.reasoning
+            content += piece.content
+            logprobs += piece.logprobs
+            for call in piece.tool_calls:
+                if "id" in call:
+                    calls.append({"id": call["id"], "type": "function", "function": dict(call["function"])})
+                else:
+                    calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return {
+            "index": choice.index,
+            "message": message,
+            "finish_reason": choice.finish,
+            "logprobs": {"content": logprobs} if choice.want_logprobs else None,
+        }
+
+    work = asyncio.ensure_future(asyncio.gather(*(run(c) for c in choices)))
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not work.done():  # the client left: stop every choice
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return Response(status_code=499)
+    results = work.result()
+    body = ChatCompletion.model_validate({
+        **header, "object": "chat.completion", "choices": results, "usage": _usage(choices),
+    })
+    return JSONResponse(body.model_dump(mode="json", exclude_unset=True))
+
+
+def _usage(choices: list[ChoiceStream]) -> dict[str, Any]:
+    prompt = choices[0].usage.prompt
+    completion = sum(c.usage.completion for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": choices[0].usage.cached},
+        "completion_tokens_details": {"reasoning_tokens": sum(c.usage.reasoning for c in choices)},
+    }
+
+
+def _stream(state: ServerState, choices: list[ChoiceStream], header: dict[str, Any], include_usage: bool):
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def produce(choice: ChoiceStream) -> None:
+        try:
+            async for piece in choice.pieces():
+                await queue.put(piece)
+        except APIError as e:
+            await queue.put(e)
+        except Exception:
+            log.exception("chat completion %s failed", header["id"])
+            await queue.put(APIError("The server had an error while generating.", status=500, code="server_error"))
+        finally:
+            await queue.put(None)
+
+    tasks: list[asyncio.Task] = []
+
+    def chunk(choice: dict[str, Any], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        body = {**header, "object": "chat.completion.chunk", "choices": [choice] if choice else []}
+        if include_usage:
+            body["usage"] = usage
+        return ChatCompletionChunk.model_validate(body)
+
+    async def events():
+        for choice in choices:
+            yield data_only(chunk({"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}))
+        tasks.extend(asyncio.create_task(produce(c)) for c in choices)
+        running = len(choices)
+        while running:
+            piece = await queue.get()
+            if piece is None:
+                running -= 1
+                continue
+            if isinstance(piece, APIError):
+                yield data_only(piece.body())
+                continue
+            delta: dict[str, Any] = {}
+            if piece.reasoning:
+                delta["reasoning_content"] = piece.reasoning
+            if piece.content:
+                delta["content"] = piece.content
+            if piece.tool_calls:
+                delta["tool_calls"] = piece.tool_calls
+            logprobs = {"content": piece.logprobs} if piece.logprobs else None
+            if delta or logprobs:
+                yield data_only(chunk({"index": piece.index, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": None}))
+            if piece.finish_reason:
+                yield data_only(chunk({"index": piece.index, "delta": {}, "logprobs": None,
+                                       "finish_reason": piece.finish_reason}))
+        if include_usage:
+            yield data_only(chunk({}, _usage(choices)))
+        yield data_only("[DONE]")
+
+    def stop() -> None:
+        for task in tasks:
+            task.cancel()  # each choice aborts its engine request
+
+    return sse_response(events(), ping_seconds=state.config.sse_ping_seconds, on_close=stop)
+
+
+routes = [Route("/v1/chat/completions", create_chat_completion, methods=["POST"])]

@@ -1,0 +1,87 @@
+"""Chat Completions messages -> a Harmony prompt.
+
+system/developer -> developer instructions; user -> user; assistant -> its earlier reasoning
+(`reasoning_content`) on the analysis channel, its text on the final channel and each tool call
+as a commentary message to `functions.<name>`; tool -> a tool message from that function.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from openai_harmony import Message, Role, ToolDescription
+
+from schemas.chat import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    NamedToolChoice,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+    SystemMessage,
+    ToolMessage,
+    UserMessage,
+)
+
+from .conversation import assistant_call
+from .errors import APIError
+from .harmony import PromptConfig, preamble, render_prompt, tool_message
+
+
+def chat_prompt(req: ChatCompletionRequest) -> list[int]:
+    """The request's conversation rendered for the assistant's next turn."""
+    instructions: list[str] = []
+    messages: list[Message] = []
+    call_names: dict[str, str] = {}
+    for i, message in enumerate(req.messages):
+        if isinstance(message, SystemMessage):
+            instructions.append(message.text())
+        elif isinstance(message, UserMessage):
+            messages.append(Message.from_role_and_content(Role.USER, message.text()))
+        elif isinstance(message, AssistantMessage):
+            reasoning = message.reasoning_content or message.reasoning
+            if reasoning:
+                messages.append(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
+            if message.text():
+                messages.append(Message.from_role_and_content(Role.ASSISTANT, message.text()).with_channel("final"))
+            for call in message.tool_calls or []:
+                call_names[call.id] = call.function.name
+                messages.append(assistant_call(f"functions.{call.function.name}", call.function.arguments))
+        elif isinstance(message, ToolMessage):
+            name = call_names.get(message.tool_call_id)
+            if name is None:
+                raise APIError(f"No assistant tool call has id '{message.tool_call_id}'.",
+                               param=f"messages[{i}].tool_call_id")
+            messages.append(tool_message(f"functions.{name}", message.text()))
+
+    tools = req.tools or []
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        if not any(t.function.name == choice.function.name for t in tools):
+            raise APIError(f"Tool choice '{choice.function.name}' is not one of the functions in 'tools'.",
+                           param="tool_choice")
+        instructions.append(f"You must call the function `{choice.function.name}`.")
+    elif choice == "required":
+        instructions.append("You must call one of the available functions before giving your final answer.")
+    functions = [] if choice == "none" else [
+        ToolDescription.new(t.function.name, t.function.description or "", parameters=t.function.parameters)
+        for t in tools
+    ]
+    config = PromptConfig(
+        reasoning_effort=req.reasoning_effort or "medium",
+        instructions="\n\n".join(t for t in instructions if t) or None,
+        function_tools=functions,
+        response_format=_response_format(req),
+        conversation_start_date=datetime.date.today().isoformat(),
+    )
+    return render_prompt(preamble(config) + messages)
+
+
+def _response_format(req: ChatCompletionRequest) -> dict | None:
+    fmt = req.response_format
+    if isinstance(fmt, ResponseFormatJsonSchema):
+        spec = fmt.json_schema
+        return {"name": spec.name, "schema": spec.schema_, "description": spec.description}
+    if isinstance(fmt, ResponseFormatJsonObject):
+        return {"name": "json_object", "schema": {"type": "object"},
+                "description": "Answer with a single JSON object and nothing else."}
+    return None

@@ -1,0 +1,91 @@
+"""Browser citations in a streamed answer.
+
+gpt-oss cites what it read as `【{cursor}†L{start}-L{end}】`. The browser session knows which
+page each cursor was; `resolve_citations(text) -> (text, annotations)` rewrites the marks and
+says where the cited spans are. Deltas arrive a few characters at a time, so a mark is held
+back until it closes (or clearly is not one), then resolved and released with its
+annotations, their offsets shifted to the answer's running length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+OPEN, CLOSE = "【", "】"
+MAX_MARK_CHARS = 64  # a longer "mark" is just text that happens to contain 【
+
+
+@dataclass
+class Citation:
+    url: str
+    title: str
+    start_index: int  # characters, in the text the chunk belongs to
+    end_index: int
+
+
+@dataclass
+class CitedChunk:
+    text: str
+    citations: list[Citation] = field(default_factory=list)  # offsets relative to this chunk
+
+
+def _field(annotation: Any, name: str, default: Any = None) -> Any:
+    if isinstance(annotation, dict):
+        return annotation.get(name, default)
+    return getattr(annotation, name, default)
+
+
+def as_citation(annotation: Any) -> Citation | None:
+    url = _field(annotation, "url")
+    if not url:
+        return None
+    return Citation(
+        url=url,
+        title=_field(annotation, "title") or url,
+        start_index=int(_field(annotation, "start_index", 0)),
+        end_index=int(_field(annotation, "end_index", 0)),
+    )
+
+
+class CitationStreamer:
+    def __init__(self, resolve: Callable[[str], tuple[str, list[Any]]] | None):
+        self.resolve = resolve
+        self.pending = ""  # an open mark waiting for its 】
+
+    def feed(self, text: str) -> list[CitedChunk]:
+        if self.resolve is None:
+            return [CitedChunk(text)] if text else []
+        chunks: list[CitedChunk] = []
+        plain = ""
+        for char in text:
+            if self.pending:
+                self.pending += char
+                if char == CLOSE:
+                    if plain:
+                        chunks.append(CitedChunk(plain))
+                        plain = ""
+                    chunks.append(self._resolved(self.pending))
+                    self.pending = ""
+                elif len(self.pending) > MAX_MARK_CHARS:
+                    plain += self.pending
+                    self.pending = ""
+            elif char == OPEN:
+                self.pending = char
+            else:
+                plain += char
+        if plain:
+            chunks.append(CitedChunk(plain))
+        return chunks
+
+    def flush(self) -> list[CitedChunk]:
+        rest, self.pending = self.pending, ""
+        return [CitedChunk(rest)] if rest else []
+
+    def _resolved(self, mark: str) -> CitedChunk:
+        try:
+            text, annotations = self.resolve(mark)
+        except Exception:  # a citation we cannot resolve stays as the model wrote it
+            return CitedChunk(mark)
+        citations = [c for c in (as_citation(a) for a in annotations or []) if c is not None]
+        return CitedChunk(text, citations)

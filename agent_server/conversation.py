@@ -1,0 +1,103 @@
+"""Responses API input items -> Harmony messages.
+
+user text -> user message; assistant text -> final-channel message (commentary for preambles);
+`reasoning` -> analysis message; `function_call` -> commentary message to `functions.<name>`
+(JSON-constrained); `function_call_output` -> a tool message from `functions.<name>`, the name
+found through the call id; our own `code_interpreter_call` / `mcp_call` items sent back as
+input replay the call and its output. System and developer messages in `input` join the
+instructions (Harmony has one developer message, at the top).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai_harmony import Message, Role
+
+from schemas.responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    LenientItem,
+    MessageItem,
+    ReasoningItem,
+)
+
+from .errors import APIError
+from .harmony import tool_message
+
+JSON_CONTENT_TYPE = "<|constrain|>json"
+
+
+@dataclass
+class ConvertedInput:
+    messages: list[Message] = field(default_factory=list)
+    instructions: list[str] = field(default_factory=list)  # from system/developer input messages
+    function_calls: dict[str, str] = field(default_factory=dict)  # call_id -> name, seen in this input
+
+
+def assistant_call(recipient: str, arguments: str, channel: str = "commentary", json_args: bool = True) -> Message:
+    message = Message.from_role_and_content(Role.ASSISTANT, arguments).with_channel(channel).with_recipient(recipient)
+    return message.with_content_type(JSON_CONTENT_TYPE) if json_args else message
+
+
+def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> ConvertedInput:
+    """Convert validated input items. `known_calls` maps call ids of earlier responses in the
+    chain to function names. APIError names the offending item."""
+    out = ConvertedInput()
+    for i, item in enumerate(items):
+        if isinstance(item, MessageItem):
+            text = item.text()
+            if item.role in ("system", "developer"):
+                out.instructions.append(text)
+            elif item.role == "user":
+                out.messages.append(Message.from_role_and_content(Role.USER, text))
+            else:
+                channel = "commentary" if item.phase == "commentary" else "final"
+                out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel))
+        elif isinstance(item, ReasoningItem):
+            if item.encrypted_content:
+                raise APIError("Encrypted reasoning is not supported by this server; send reasoning items with "
+                               "their 'content', or use previous_response_id.",
+                               param=f"input[{i}].encrypted_content")
+            parts = item.content or []
+            text = "".join(p.text for p in parts) or "".join(s.text for s in item.summary)
+            if text:
+                out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("analysis"))
+        elif isinstance(item, FunctionCallItem):
+            out.function_calls[item.call_id] = item.name
+            out.messages.append(assistant_call(f"functions.{item.name}", item.arguments))
+        elif isinstance(item, FunctionCallOutputItem):
+            name = out.function_calls.get(item.call_id) or known_calls.get(item.call_id)
+            if name is None:
+                raise APIError(f"No tool call found for function call output with call_id {item.call_id}.",
+                               param=f"input[{i}].call_id")
+            out.messages.append(tool_message(f"functions.{name}", item.text()))
+        elif isinstance(item, LenientItem):
+            out.messages += _replayed_call(item)
+    return out
+
+
+def _replayed_call(item: LenientItem) -> list[Message]:
+    """Our own built-in tool items, sent back by a client that manages its context."""
+    data = item.model_dump()
+    if item.type == "code_interpreter_call" and data.get("code"):
+        messages = [assistant_call("python", data["code"], channel="analysis", json_args=False)]
+        logs = "".join(o.get("logs", "") for o in data.get("outputs") or [] if isinstance(o, dict))
+        return messages + [tool_message("python", logs)]
+    if item.type == "mcp_call" and data.get("name"):
+        namespace = data.get("server_label", "")
+        messages = [assistant_call(f"{namespace}.{data['name']}", data.get("arguments") or "{}")]
+        output = data.get("output") or json.dumps(data.get("error") or "")
+        return messages + [tool_message(f"{namespace}.{data['name']}", output)]
+    # A web_search_call item carries no results: the search itself cannot be replayed.
+    return []
+
+
+def messages_from_json(raw: list[dict[str, Any]]) -> list[Message]:
+    return [Message.from_dict(m) for m in raw]
+
+
+def messages_to_json(messages: list[Message]) -> list[dict[str, Any]]:
+    return [m.to_dict() for m in messages]

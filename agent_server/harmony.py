@@ -1,0 +1,313 @@
+"""The Harmony layer shared by both APIs: prompts in, parsed model messages out.
+
+Rendering: the system message (reasoning effort, built-in tool namespaces), the developer
+message (instructions, function tools, response format) and the conversation become token ids
+through openai-harmony. Parsing: `HarmonyStream` wraps openai-harmony's `StreamableParser` and
+turns generated tokens into message start / content / end events. The model's output is not
+trusted: a malformed header or stray tokens close the current message as *malformed* and the
+parser resynchronises at the next `<|start|>`, so the text is kept and the request finishes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai_harmony import (
+    Author,
+    Conversation,
+    DeveloperContent,
+    HarmonyError,
+    Message,
+    ReasoningEffort,
+    RenderConversationConfig,
+    Role,
+    StreamableParser,
+    SystemContent,
+    ToolDescription,
+    ToolNamespaceConfig,
+)
+
+from inference.tokenizer import CALL, END, MESSAGE, RETURN, START, harmony_encoding
+
+from .token_bytes import token_bytes
+
+# Real headers ("<|channel|>commentary to=functions.name <|constrain|>json") are far shorter;
+# past this the output is not Harmony and is streamed as malformed text instead of buffered.
+MAX_HEADER_TOKENS = 48
+
+EFFORTS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
+
+
+@dataclass
+class PromptConfig:
+    """Everything that goes into the system and developer messages."""
+
+    reasoning_effort: str = "medium"
+    instructions: str | None = None
+    function_tools: list[ToolDescription] = field(default_factory=list)
+    # Built-in and MCP namespaces (browser, python, ...) described in the system message.
+    tool_namespaces: list[ToolNamespaceConfig] = field(default_factory=list)
+    # {"name", "schema", "description"} for structured output, or None.
+    response_format: dict[str, Any] | None = None
+    conversation_start_date: str | None = None
+
+
+def system_message(config: PromptConfig) -> Message:
+    content = SystemContent.new().with_reasoning_effort(EFFORTS[config.reasoning_effort])
+    if config.conversation_start_date:
+        content = content.with_conversation_start_date(config.conversation_start_date)
+    for namespace in config.tool_namespaces:
+        content = content.with_tools(namespace)
+    return Message.from_role_and_content(Role.SYSTEM, content)
+
+
+def developer_message(config: PromptConfig) -> Message | None:
+    """Instructions, function tools and response format, or None when there are none."""
+    instructions = config.instructions or ""
+    if config.response_format is not None:
+        fmt = config.response_format
+        section = f"# Response Formats\n\n## {fmt['name']}\n\n"
+        if fmt.get("description"):
+            section += f"// {fmt['description']}\n"
+        section += json.dumps(fmt["schema"], separators=(",", ":"))
+        instructions = f"{instructions}\n\n{section}" if instructions else section
+    if not instructions and not config.function_tools:
+        return None
+    content = DeveloperContent.new()
+    if instructions:
+        content = content.with_instructions(instructions)
+    if config.function_tools:
+        content = content.with_function_tools(config.function_tools)
+    return Message.from_role_and_content(Role.DEVELOPER, content)
+
+
+def preamble(config: PromptConfig) -> list[Message]:
+    developer = developer_message(config)
+    return [system_message(config)] + ([developer] if developer else [])
+
+
+def render_prompt(messages: list[Message]) -> list[int]:
+    """Token ids of the conversation followed by `<|start|>assistant`, ready to generate.
+
+    Analysis messages of turns that ended in a final answer are dropped, as gpt-oss expects.
+    """
+    conversation = Conversation.from_messages(messages)
+    config = RenderConversationConfig(auto_drop_analysis=True)
+    return harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT, config)
+
+
+def assistant_start_tokens() -> list[int]:
+    return [START] + harmony_encoding().encode("assistant", allowed_special=set())
+
+
+def tool_message(author: str, text: str) -> Message:
+    """A tool's answer to the assistant, e.g. author "browser.search" or "python"."""
+    return (
+        Message.from_author_and_content(Author.new(Role.TOOL, author), text)
+        .with_channel("commentary")
+        .with_recipient("assistant")
+    )
+
+
+def continuation_tokens(messages: list[Message]) -> list[int]:
+    """Tokens to append after a turn that ended in `<|call|>`: the tool messages, then
+    `<|start|>assistant` so the model answers them on the same sequence."""
+    encoding = harmony_encoding()
+    return [t for message in messages for t in encoding.render(message)] + assistant_start_tokens()
+
+
+def message_text(message: Message) -> str:
+    return "".join(getattr(part, "text", "") for part in message.content)
+
+
+# --- parsing generated tokens ---------------------------------------------------------------
+
+
+@dataclass
+class MessageStart:
+    channel: str | None
+    recipient: str | None
+    content_type: str | None
+    malformed: bool = False
+
+
+@dataclass
+class ContentDelta:
+    text: str
+
+
+@dataclass
+class MessageEnd:
+    """A finished message. `malformed` explains what was wrong when the model broke Harmony."""
+
+    channel: str | None
+    recipient: str | None
+    content_type: str | None
+    text: str
+    num_tokens: int  # tokens of this message, header and end token included
+    malformed: str | None = None
+    truncated: bool = False  # cut off by the token limit or an abort
+
+    def to_message(self) -> Message:
+        """The message as it goes back into a later prompt."""
+        message = Message.from_role_and_content(Role.ASSISTANT, self.text)
+        if self.channel:
+            message = message.with_channel(self.channel)
+        if self.recipient:
+            message = message.with_recipient(self.recipient)
+        if self.content_type:
+            message = message.with_content_type(self.content_type)
+        return message
+
+
+HarmonyEvent = MessageStart | ContentDelta | MessageEnd
+
+
+class HarmonyStream:
+    """Incremental, forgiving parse of an assistant turn (the tokens after `<|start|>assistant`).
+
+    `feed(token)` returns the events that token caused; `finish()` closes whatever is open.
+    Every token fed belongs to exactly one message, so `MessageEnd.num_tokens` adds up to the
+    tokens generated (reasoning tokens are those of `analysis` messages).
+
+    Cost per token is O(1): the parser's `state` and `messages` serialise everything parsed so
+    far, so the header/content position is followed from the token ids themselves (the parser
+    still validates every token) and finished messages are read once, at their end token.
+    """
+
+    def __init__(self, role: Role | None = Role.ASSISTANT):
+        self.encoding = harmony_encoding()
+        self.parser = StreamableParser(self.encoding, role, strict=True)
+        self.in_content = False  # past this message's <|message|>
+        self.started: MessageStart | None = None  # the message being streamed, if any
+        self.message_tokens: list[int] = []  # tokens of the current message so far
+        self.raw: list[int] | None = None  # tokens of a malformed stretch being recovered
+        self.raw_text = ""
+        self.raw_error = ""
+        self.raw_decoder = None
+
+    # -- the normal path
+
+    def feed(self, token: int) -> list[HarmonyEvent]:
+        if self.raw is not None:
+            return self._feed_raw(token)
+        self.message_tokens.append(token)
+        try:
+            self.parser.process(token)
+        except HarmonyError as e:
+            return self._start_raw(str(e))
+        if self.in_content:
+            if token in (END, RETURN, CALL):
+                return self._ended(self.parser.messages[-1])
+            delta = self.parser.last_content_delta
+            return [ContentDelta(delta)] if delta else []
+        if token == MESSAGE:
+            self.in_content = True
+            p = self.parser
+            self.started = MessageStart(p.current_channel, p.current_recipient, p.current_content_type)
+            return [self.started]
+        if len(self.message_tokens) > MAX_HEADER_TOKENS:
+            return self._start_raw(f"message header longer than {MAX_HEADER_TOKENS} tokens")
+        return []
+
+    def _ended(self, message: Message, truncated: bool = False) -> list[HarmonyEvent]:
+        events: list[HarmonyEvent] = []
+        text = message_text(message)
+        if self.started is None:  # a message that never reached <|message|> (no content)
+            self.started = MessageStart(message.channel, message.recipient, message.content_type)
+            events.append(self.started)
+            if text:
+                events.append(ContentDelta(text))
+        events.append(
+            MessageEnd(
+                message.channel, message.recipient, message.content_type, text, len(self.message_tokens),
+                truncated=truncated,
+            )
+        )
+        self.started, self.message_tokens, self.in_content = None, [], False
+        return events
+
+    def finish(self) -> list[HarmonyEvent]:
+        """The turn is over (stop token, token limit or abort): close what is still open."""
+        if self.raw is not None:
+            return self._end_raw(truncated=True)
+        if not self.message_tokens:
+            return []
+        try:
+            self.parser.process_eos()
+        except HarmonyError as e:
+            return self._start_raw(str(e), ending=True)
+        if self.in_content:
+            return self._ended(self.parser.messages[-1], truncated=True)
+        return self._start_raw("the turn ended inside a message header", ending=True)
+
+    # -- recovery from malformed output
+
+    def _start_raw(self, error: str, ending: bool = False) -> list[HarmonyEvent]:
+        """Parsing failed: keep this message's tokens as text of a malformed message."""
+        events: list[HarmonyEvent] = []
+        tokens = self.message_tokens
+        if self.started is not None:
+            # Content already streamed stays what it was; the rest joins the malformed stretch.
+            streamed = self.parser.current_content
+            events.append(
+                MessageEnd(
+                    self.started.channel, self.started.recipient, self.started.content_type, streamed,
+                    len(tokens) - 1, malformed=error,
+                )
+            )
+            tokens = tokens[-1:]
+            self.started = None
+        self.raw, self.raw_error, self.raw_text, self.message_tokens = [], error, "", []
+        self.in_content = False
+        self.raw_decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        events.append(MessageStart(None, None, None, malformed=True))
+        if ending:
+            for token in tokens:
+                events += self._feed_raw(token, close_on_stop=False)
+            return events + self._end_raw(truncated=True)
+        for token in tokens[:-1]:
+            events += self._feed_raw(token, close_on_stop=False)
+        # The offending token may itself end the stretch (a stop token) or open a new message.
+        return events + (self._feed_raw(tokens[-1]) if tokens else [])
+
+    def _feed_raw(self, token: int, close_on_stop: bool = True) -> list[HarmonyEvent]:
+        if close_on_stop and token == START:
+            events = self._end_raw()
+            self.parser = StreamableParser(self.encoding, None, strict=True)
+            return events + self.feed(token)
+        self.raw.append(token)
+        if close_on_stop and token in (END, RETURN, CALL):
+            return self._end_raw()
+        delta = self.raw_decoder.decode(token_bytes(token))
+        self.raw_text += delta
+        return [ContentDelta(delta)] if delta else []
+
+    def _end_raw(self, truncated: bool = False) -> list[HarmonyEvent]:
+        events: list[HarmonyEvent] = []
+        rest = self.raw_decoder.decode(b"", final=True)  # a dangling partial character
+        if rest:
+            self.raw_text += rest
+            events.append(ContentDelta(rest))
+        events.append(MessageEnd(None, None, None, self.raw_text, len(self.raw), malformed=self.raw_error,
+                                 truncated=truncated))
+        self.raw = None
+        self.raw_text = ""
+        self.message_tokens = []
+        # What follows a closed malformed stretch must open a new message.
+        self.parser = StreamableParser(self.encoding, None, strict=True)
+        return events
+
+
+def recipient_kind(recipient: str | None) -> tuple[str, str]:
+    """Split a recipient into (namespace, tool name): "functions.get_weather" ->
+    ("functions", "get_weather"), "browser.search" -> ("browser", "search"), "python" ->
+    ("python", "")."""
+    if not recipient:
+        return "", ""
+    recipient = recipient.strip()
+    namespace, _, name = recipient.partition(".")
+    return namespace, name

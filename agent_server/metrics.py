@@ -1,0 +1,140 @@
+"""Prometheus metrics, scraped at `GET /metrics`.
+
+Requests and their latency (per endpoint and status), time to first token and time per output
+token, prompt / cached / generated token counts, tool calls by tool and outcome, and the
+engine's own state (KV usage, prefix-cache hit rate, queue lengths) read at scrape time.
+Each app has its own registry so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from inference.request import TokenDelta
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.5, 1, 2.5)
+ID_SEGMENT = re.compile(r"/(resp|msg|rs|fc|ws|ci|mcp|chatcmpl)_[A-Za-z0-9]+")
+
+
+class EngineCollector:
+    """Engine gauges and counters, read from `engine.stats()` when scraped."""
+
+    def __init__(self, engine_getter):
+        self.engine_getter = engine_getter
+
+    def collect(self):
+        engine = self.engine_getter()
+        if engine is None:
+            return
+        s = engine.stats()
+        gauges = {
+            "oss_agent_engine_running_requests": ("Sequences being generated", s.running),
+            "oss_agent_engine_waiting_requests": ("Sequences waiting to be scheduled", s.waiting),
+            "oss_agent_engine_parked_sequences": ("Sequences parked for a continuation", s.parked),
+            "oss_agent_kv_cache_usage_ratio": ("Fraction of KV pages in use",
+                                               s.pages_used / s.pages_total if s.pages_total else 0.0),
+            "oss_agent_prefix_cache_hit_ratio": ("Prompt tokens found in the prefix cache / looked up",
+                                                 s.prefix_hit_tokens / s.prefix_queries_tokens
+                                                 if s.prefix_queries_tokens else 0.0),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "oss_agent_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache",
+                                                      s.prefix_queries_tokens),
+            "oss_agent_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache", s.prefix_hit_tokens),
+            "oss_agent_engine_preemptions": ("Sequences preempted for memory", s.preemptions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self, engine_getter=lambda: None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("oss_agent_requests", "HTTP requests served", ["endpoint", "status"], registry=r)
+        self.request_latency = Histogram("oss_agent_request_duration_seconds", "Request latency, to the last byte",
+                                         ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("oss_agent_time_to_first_token_seconds", "Time from request to first generated token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.per_token = Histogram("oss_agent_time_per_output_token_seconds", "Time between generated tokens",
+                                   buckets=TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("oss_agent_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.cached_tokens = Counter("oss_agent_cached_prompt_tokens", "Prompt tokens served from cache", registry=r)
+        self.generated_tokens = Counter("oss_agent_generation_tokens", "Tokens generated", registry=r)
+        self.tool_calls = Counter("oss_agent_tool_calls", "Built-in tool calls", ["tool", "outcome"], registry=r)
+        r.register(EngineCollector(engine_getter))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def observe_generation(
+        self, deltas: AsyncIterator[TokenDelta], started: float | None
+    ) -> AsyncIterator[TokenDelta]:
+        """Pass deltas through, timing them; `started` is when the request arrived (None for a
+        continuation turn, whose first token is not a user-visible first token)."""
+        last = None
+        prompt = cached = generated = 0
+        try:
+            async for delta in deltas:
+                now = time.perf_counter()
+                if delta.token_ids:
+                    if last is None and started is not None:
+                        self.ttft.observe(now - started)
+                    elif last is not None:
+                        gap = (now - last) / len(delta.token_ids)
+                        for _ in delta.token_ids:
+                            self.per_token.observe(gap)
+                    last = now
+                prompt, cached = delta.num_prompt_tokens, delta.num_cached_tokens
+                generated += len(delta.token_ids)
+                yield delta
+        finally:
+            self.prompt_tokens.inc(prompt)
+            self.cached_tokens.inc(cached)
+            self.generated_tokens.inc(generated)
+
+
+KNOWN_ENDPOINTS = {
+    "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/cancel", "/v1/responses/{id}/input_items",
+    "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics",
+}
+
+
+def endpoint_label(path: str) -> str:
+    """The route of a path, ids replaced; "other" for unknown paths (bounded label values)."""
+    label = ID_SEGMENT.sub(lambda m: "/{id}", path.rstrip("/") or "/")
+    return label if label in KNOWN_ENDPOINTS else "other"
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request and times it until its last body byte (streams included)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        status: dict[str, Any] = {"code": 500}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            endpoint = endpoint_label(scope["path"])
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - started)

@@ -1,0 +1,469 @@
+"""`/v1/responses`: create (plain, streamed or background), retrieve (or resume its stream),
+delete, cancel, and list input items.
+
+A create request is validated, turned into an `AgentTask` (Harmony prompt, tools, sampling),
+and run as a task that writes events into a `ResponseRun`; the HTTP side only reads that log.
+Stored responses keep their Harmony conversation so `previous_response_id` continues it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai.types.responses import Response as SDKResponse
+from openai_harmony import Message
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from inference.request import SamplingParams
+from schemas.responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    ResponseCreateRequest,
+    TextFormatJsonObject,
+    TextFormatJsonSchema,
+    ToolChoiceBuiltin,
+    ToolChoiceFunction,
+    ToolChoiceMcp,
+)
+
+from .agent_loop import AgentLoop, AgentOutcome, AgentTask
+from .conversation import input_to_messages, messages_from_json, messages_to_json
+from .errors import APIError, not_found
+from .harmony import PromptConfig, preamble, render_prompt
+from .request_parsing import read_request
+from .response_events import ResponseEvents, dump, new_id
+from .runs import ResponseRun
+from .sse import sdk_event, sse_response
+from .state import ServerState
+from .store import StoredResponse
+from .tool_registry import ToolSessions
+
+log = logging.getLogger(__name__)
+
+TOOL_CHOICE_NOTES = {
+    "required": "You must call one of the available tools before giving your final answer.",
+}
+
+
+@dataclass
+class PreparedResponse:
+    request: ResponseCreateRequest
+    task: AgentTask
+    response: SDKResponse  # the snapshot the events will update
+    history: list[Message]  # earlier turns (previous_response_id), without system/developer
+    new_messages: list[Message]  # this request's input as Harmony messages
+    input_items: list[dict[str, Any]]  # this request's input, as /input_items lists it
+    function_calls: dict[str, str] = field(default_factory=dict)  # call_id -> name, whole chain
+
+
+# --- create -------------------------------------------------------------------------------
+
+
+async def create_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    started = time.perf_counter()
+    body = await read_request(request, ResponseCreateRequest, state.config.max_request_bytes)
+    prepared = await prepare(state, body, started)
+    run = start_run(state, prepared)
+    if body.stream:
+        # A background response outlives its stream; a foreground one stops with its reader.
+        return sse_response(
+            (sdk_event(e) async for e in run.stream()),
+            ping_seconds=state.config.sse_ping_seconds,
+            on_close=None if body.background else run.cancel,
+        )
+    if body.background:
+        return JSONResponse(dump(run.snapshot))
+    await _wait_unless_disconnected(request, run)
+    return JSONResponse(dump(run.snapshot))
+
+
+async def _wait_unless_disconnected(request: Request, run: ResponseRun) -> None:
+    """Wait for the run; if the client hangs up first, stop generating for it."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    finished = asyncio.create_task(run.done.wait())
+    try:
+        await asyncio.wait({watcher, finished}, return_when=asyncio.FIRST_COMPLETED)
+        if not finished.done():
+            run.cancel()
+            await finished
+    finally:
+        watcher.cancel()
+        finished.cancel()
+
+
+async def prepare(state: ServerState, req: ResponseCreateRequest, started: float) -> PreparedResponse:
+    """Validate what the schema cannot, and build the agent's task and the first snapshot."""
+    config, engine = state.config, state.engine
+    if not config.serves(req.model):
+        raise APIError(f"The model '{req.model}' does not exist; this server serves '{config.model_name}'.",
+                       status=404, param="model", code="model_not_found")
+    if req.input is None and req.previous_response_id is None:
+        raise APIError("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
+    if req.background and not req.store:
+        raise APIError("Background responses must be stored: set store=true.", param="background")
+    include = set(req.include or [])
+    if "reasoning.encrypted_content" in include:
+        raise APIError("'reasoning.encrypted_content' is not supported: this server does not encrypt reasoning. "
+                       "Keep responses stored and continue with previous_response_id instead.", param="include")
+
+    history: list[Message] = []
+    known_calls: dict[str, str] = {}
+    listed_mcp: set[str] = set()
+    if req.previous_response_id:
+        previous = await _previous(state, req.previous_response_id)
+        history = messages_from_json(previous.conversation)
+        known_calls = dict(previous.function_calls)
+        listed_mcp = {o.get("server_label") for o in previous.response.get("output", [])
+                      if o.get("type") == "mcp_list_tools"}
+
+    active = state.tools.select(req.tools, enabled=req.tool_choice != "none")
+    notes = _tool_choice_notes(req)
+    converted = input_to_messages(req.input_items(), known_calls)
+    instructions = "\n\n".join(t for t in [req.instructions, *converted.instructions, *notes] if t)
+    prompt_config = PromptConfig(
+        reasoning_effort=req.effort,
+        instructions=instructions or None,
+        function_tools=active.function_descriptions(),
+        tool_namespaces=active.namespaces(),
+        response_format=_response_format(req),
+        conversation_start_date=datetime.date.today().isoformat(),
+    )
+    prompt = render_prompt(preamble(prompt_config) + history + converted.messages)
+    if len(prompt) >= engine.max_model_len:
+        raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens.",
+                       param="input", code="context_length_exceeded")
+
+    response_id = new_id("resp")
+    sampling = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+    )
+    container = next((t.container for t in req.tools if t.type == "code_interpreter"), "auto")
+    task = AgentTask(
+        response_id=response_id,
+        prompt=prompt,
+        tools=active,
+        sampling=sampling,
+        max_output_tokens=req.max_output_tokens,
+        max_tool_calls=req.max_tool_calls,
+        include=include,
+        container_id=container if isinstance(container, str) and container != "auto" else new_id("cntr"),
+        list_mcp_servers=[ns for ns, b in active.mcp.items() if b.label not in listed_mcp],
+        started=started,
+        tool_timeout=config.tool_timeout,
+    )
+    return PreparedResponse(
+        request=req,
+        task=task,
+        response=_initial_snapshot(req, response_id, instructions),
+        history=history,
+        new_messages=converted.messages,
+        input_items=listed_input_items(req.input_items()),
+        function_calls={**known_calls, **converted.function_calls},
+    )
+
+
+async def _previous(state: ServerState, response_id: str) -> StoredResponse:
+    run = state.runs.get(response_id)
+    if run is not None and run.store:
+        raise APIError(f"Previous response '{response_id}' is still in progress.", param="previous_response_id",
+                       code="previous_response_in_progress")
+    record = await state.store.get(response_id)
+    if record is None:
+        raise not_found("Previous response", response_id, param="previous_response_id")
+    if record.status not in ("completed", "incomplete"):
+        raise APIError(f"Previous response '{response_id}' has status '{record.status}' and cannot be continued.",
+                       param="previous_response_id")
+    return record
+
+
+def _tool_choice_notes(req: ResponseCreateRequest) -> list[str]:
+    """Harmony has no forced tool calls; the choice becomes an instruction (and is checked)."""
+    choice = req.tool_choice
+    if isinstance(choice, str):
+        return [TOOL_CHOICE_NOTES[choice]] if choice in TOOL_CHOICE_NOTES else []
+    if isinstance(choice, ToolChoiceFunction):
+        if not any(t.type == "function" and t.name == choice.name for t in req.tools):
+            raise APIError(f"Tool choice '{choice.name}' is not one of the functions in 'tools'.",
+                           param="tool_choice")
+        return [f"You must call the function `{choice.name}`."]
+    if isinstance(choice, ToolChoiceBuiltin):
+        wanted = "code_interpreter" if choice.type == "code_interpreter" else "web_search"
+        if not any(t.type.startswith(wanted) for t in req.tools):
+            raise APIError(f"Tool choice '{choice.type}' is not in 'tools'.", param="tool_choice")
+        return ["You must use the python tool." if wanted == "code_interpreter" else "You must use the browser tool."]
+    if isinstance(choice, ToolChoiceMcp):
+        if not any(t.type == "mcp" and t.server_label == choice.server_label for t in req.tools):
+            raise APIError(f"Tool choice server '{choice.server_label}' is not in 'tools'.", param="tool_choice")
+        target = f"the tool `{choice.name}` of" if choice.name else "a tool of"
+        return [f"You must call {target} the `{choice.server_label}` server."]
+    return []
+
+
+def _response_format(req: ResponseCreateRequest) -> dict[str, Any] | None:
+    fmt = req.text.format if req.text else None
+    if isinstance(fmt, TextFormatJsonSchema):
+        return {"name": fmt.name, "schema": fmt.schema_, "description": fmt.description}
+    if isinstance(fmt, TextFormatJsonObject):
+        return {"name": "json_object", "schema": {"type": "object"},
+                "description": "Answer with a single JSON object and nothing else."}
+    return None
+
+
+def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str) -> SDKResponse:
+    text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
+    text.setdefault("format", {"type": "text"})
+    reasoning = {"effort": req.effort}
+    if req.reasoning and (req.reasoning.summary or req.reasoning.generate_summary):
+        reasoning["summary"] = req.reasoning.summary or req.reasoning.generate_summary
+    tool_choice = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump(exclude_none=True)
+    return SDKResponse.model_validate({
+        "id": response_id,
+        "object": "response",
+        "created_at": time.time(),
+        "model": req.model,
+        "status": "queued" if req.background else "in_progress",
+        "background": req.background,
+        "output": [],
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "reasoning": reasoning,
+        "text": text,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "tool_choice": tool_choice,
+        "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools],
+        "metadata": req.metadata or {},
+        "user": req.user,
+        "usage": None,
+        "truncation": req.truncation or "disabled",
+    })
+
+
+def listed_input_items(items: list[Any]) -> list[dict[str, Any]]:
+    """Input items as `GET /v1/responses/{id}/input_items` returns them, each with an id."""
+    listed = []
+    for item in items:
+        data = item.model_dump(by_alias=True, exclude_none=True)
+        if isinstance(item, MessageItem):
+            part = "output_text" if item.role == "assistant" else "input_text"
+            if isinstance(item.content, str):
+                data["content"] = [{"type": part, "text": item.content}]
+            data.setdefault("id", new_id("msg"))
+            data.setdefault("status", "completed")
+            data["type"] = "message"
+        elif isinstance(item, FunctionCallItem):
+            data.setdefault("id", new_id("fc"))
+            data.setdefault("status", "completed")
+        elif isinstance(item, FunctionCallOutputItem):
+            data.setdefault("id", new_id("fco"))
+            data.setdefault("status", "completed")
+        else:
+            data.setdefault("id", new_id("item"))
+        listed.append(data)
+    return listed
+
+
+# --- running ------------------------------------------------------------------------------
+
+
+def start_run(state: ServerState, prepared: PreparedResponse) -> ResponseRun:
+    req = prepared.request
+    run = ResponseRun(prepared.response.id, background=req.background)
+    run.store = req.store
+    run.snapshot = prepared.response
+    run.input_items = prepared.input_items
+    state.runs.add(run)
+    run.task = asyncio.create_task(_execute(state, run, prepared))
+    return run
+
+
+async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedResponse) -> None:
+    req, response = prepared.request, prepared.response
+    events = ResponseEvents(response, run.publish)
+    sessions = ToolSessions()
+    try:
+        if req.background:  # stored at once, so it can be polled (and failed if we restart)
+            await state.store.put(_record(prepared, run, []))
+        events.lifecycle("response.created")
+        if req.background:
+            events.lifecycle("response.queued")
+            response.status = "in_progress"
+        events.lifecycle("response.in_progress")
+        loop = AgentLoop(state.engine, prepared.task, events, sessions, state.metrics)
+        run.work = asyncio.create_task(loop.run())
+        await asyncio.wait({run.work})
+        outcome = AgentOutcome(status="cancelled") if run.work.cancelled() else run.work.result()
+        if outcome.status == "incomplete":
+            response.incomplete_details = SDKResponse.model_validate(
+                {**dump(response), "incomplete_details": {"reason": outcome.incomplete_reason}}
+            ).incomplete_details
+        elif outcome.status == "failed":
+            response.error = SDKResponse.model_validate(
+                {**dump(response), "error": {"code": "server_error", "message": outcome.error or "failed"}}
+            ).error
+        events.finish(outcome.status)
+        if req.store and not run.deleted:
+            await state.store.put(_record(prepared, run, outcome.new_messages, outcome.function_calls))
+    except Exception:
+        log.exception("response %s could not be finished", response.id)
+        if response.status not in ("completed", "incomplete", "failed", "cancelled"):
+            response.error = SDKResponse.model_validate(
+                {**dump(response), "error": {"code": "server_error", "message": "internal error"}}
+            ).error
+            events.finish("failed")
+    finally:
+        await sessions.close()
+        run.finished()
+        state.runs.remove(run.response_id)
+
+
+def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Message],
+            new_calls: dict[str, str] | None = None) -> StoredResponse:
+    conversation = prepared.history + prepared.new_messages + new_messages
+    return StoredResponse(
+        id=prepared.response.id,
+        response=dump(prepared.response),
+        input_items=prepared.input_items,
+        conversation=messages_to_json(conversation),
+        function_calls={**prepared.function_calls, **(new_calls or {})},
+        events=[dump(e) for e in run.events] if prepared.request.background else None,
+        created_at=prepared.response.created_at,
+    )
+
+
+# --- retrieve, delete, cancel, input items ------------------------------------------------
+
+
+def _live(state: ServerState, response_id: str) -> ResponseRun | None:
+    run = state.runs.get(response_id)
+    return run if run is not None and run.store else None
+
+
+async def _stored(state: ServerState, response_id: str) -> StoredResponse:
+    record = await state.store.get(response_id)
+    if record is None:
+        raise not_found("Response", response_id)
+    return record
+
+
+def _int_query(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise APIError(f"Invalid value for '{name}': expected an integer.", param=name, code="invalid_type") from None
+    if not low <= value <= high:
+        raise APIError(f"Invalid value for '{name}': must be between {low} and {high}.", param=name,
+                       code="invalid_value")
+    return value
+
+
+async def retrieve_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    response_id = request.path_params["response_id"]
+    stream = request.query_params.get("stream", "false").lower() == "true"
+    run = _live(state, response_id)
+    if not stream:
+        if run is not None:
+            return JSONResponse(dump(run.snapshot))
+        return JSONResponse((await _stored(state, response_id)).response)
+    starting_after = _int_query(request, "starting_after", -1, -1, 1 << 62)
+    if run is not None and run.background:
+        return sse_response((sdk_event(e) async for e in run.stream(starting_after)),
+                            ping_seconds=state.config.sse_ping_seconds)
+    record = None if run is not None else await _stored(state, response_id)
+    if record is None or record.events is None:
+        raise APIError("Only background responses can be streamed again; this one was not created with "
+                       "background=true.", param="stream")
+
+    async def replay():
+        for event in record.events[starting_after + 1:]:
+            yield sdk_event(event)
+
+    return sse_response(replay(), ping_seconds=state.config.sse_ping_seconds)
+
+
+async def delete_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    response_id = request.path_params["response_id"]
+    run = _live(state, response_id)
+    if run is not None:
+        run.deleted = True
+        run.cancel()
+    deleted = await state.store.delete(response_id)
+    if not deleted and run is None:
+        raise not_found("Response", response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def cancel_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    response_id = request.path_params["response_id"]
+    run = _live(state, response_id)
+    if run is None:
+        record = await _stored(state, response_id)
+        if not record.response.get("background"):
+            raise APIError("Only responses created with background=true can be cancelled.", param="response_id")
+        return JSONResponse(record.response)
+    if not run.background:
+        raise APIError("Only responses created with background=true can be cancelled.", param="response_id")
+    run.cancel()
+    await run.done.wait()
+    return JSONResponse(dump(run.snapshot))
+
+
+async def list_input_items(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    response_id = request.path_params["response_id"]
+    limit = _int_query(request, "limit", 20, 1, 100)
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError("Invalid value for 'order': must be 'asc' or 'desc'.", param="order", code="invalid_value")
+    run = _live(state, response_id)
+    items = run.input_items if run is not None else (await _stored(state, response_id)).input_items
+    items = list(items) if order == "asc" else list(reversed(items))
+    after = request.query_params.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise APIError(f"No input item with id '{after}' in this response.", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    })
+
+
+routes = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
+]

@@ -1,0 +1,75 @@
+"""Responses being generated right now: their event logs, tasks, and cancellation.
+
+Every response runs as its own asyncio task writing events into a `ResponseRun`'s log. A
+streaming client reads the log as it grows; a non-streaming one waits for the end; a
+background response is polled, resumed (`starting_after`) or cancelled through the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+
+class ResponseRun:
+    def __init__(self, response_id: str, background: bool):
+        self.response_id = response_id
+        self.background = background
+        self.events: list[Any] = []  # SDK event objects, sequence_number == index
+        self.done = asyncio.Event()
+        self.task: asyncio.Task | None = None  # the whole run, storing included
+        self.work: asyncio.Task | None = None  # the agent loop: what cancelling stops
+        self.deleted = False  # deleted while running: do not store it when it ends
+        self.store = True  # False: never visible through GET (store=false)
+        self.input_items: list[dict[str, Any]] = []
+        self.snapshot: Any = None  # the live Response (ResponseEvents.response)
+        self._changed = asyncio.Event()
+
+    def publish(self, event: Any) -> None:
+        self.events.append(event)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def finished(self) -> None:
+        self.done.set()
+        self._changed.set()
+
+    async def stream(self, starting_after: int = -1) -> AsyncIterator[Any]:
+        """Events with sequence_number > starting_after, live until the run ends."""
+        index = starting_after + 1
+        while True:
+            while index < len(self.events):
+                yield self.events[index]
+                index += 1
+            if self.done.is_set():
+                return
+            changed = self._changed
+            if index < len(self.events):
+                continue
+            await changed.wait()
+
+    def cancel(self) -> None:
+        if self.work is not None and not self.work.done():
+            self.work.cancel()
+
+
+class RunRegistry:
+    def __init__(self) -> None:
+        self.runs: dict[str, ResponseRun] = {}
+
+    def add(self, run: ResponseRun) -> None:
+        self.runs[run.response_id] = run
+
+    def get(self, response_id: str) -> ResponseRun | None:
+        return self.runs.get(response_id)
+
+    def remove(self, response_id: str) -> None:
+        self.runs.pop(response_id, None)
+
+    async def cancel_all(self) -> None:
+        runs = list(self.runs.values())
+        for run in runs:
+            run.cancel()
+            if run.work is None and run.task is not None:  # not started yet
+                run.task.cancel()
+        await asyncio.gather(*(r.task for r in runs if r.task is not None), return_exceptions=True)

@@ -1,0 +1,98 @@
+"""`oss-agent serve`: the HTTP server (Responses, Chat Completions) on one model.
+
+With no --model it serves a tiny random-weight checkpoint written to the cache, so every
+endpoint can be tried without a download (its text is noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("oss_agent")
+
+TINY_MODEL_NAME = "gpt-oss-tiny-random"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
+    parser.add_argument("--served-model-name", help="the model id clients use (default: the folder's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("OSS_AGENT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $OSS_AGENT_API_KEY)")
+    parser.add_argument("--tool-server", action="append", default=[], metavar="SPEC",
+                        help="start a tool server (browser, python, an MCP server, or 'demo'); repeatable")
+    parser.add_argument("--search-dir", help="folder of documents for the local browser backend")
+    parser.add_argument("--exa-api-key", default=os.environ.get("EXA_API_KEY"), help="Exa key for web search")
+    parser.add_argument("--store", type=Path, help="SQLite file for stored responses")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--max-model-len", type=int, help="context length to serve (default: the engine's)")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra keyword for AsyncEngine.from_pretrained (value as a Python literal)")
+    parser.add_argument("--tool-timeout", type=float, default=300.0, help="seconds a built-in tool call may take")
+    parser.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (CORS)")
+    parser.add_argument("--log-level", default="info")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    options = {}
+    for item in args.engine_option:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-option wants KEY=VALUE, got {item!r}")
+        try:
+            options[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            options[key] = raw
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .state import ServerConfig, default_store_path
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model:
+        model_dir = Path(args.model)
+        name = args.served_model_name or model_dir.name
+    else:
+        from inference.tiny_checkpoint import default_tiny_checkpoint
+
+        model_dir = default_tiny_checkpoint()
+        name = args.served_model_name or TINY_MODEL_NAME
+        log.warning("No --model given: serving a tiny checkpoint with random weights from %s. Everything works, "
+                    "but the text it writes is noise.", model_dir)
+    options = engine_options(args)
+
+    def build_engine():
+        from inference.engine import AsyncEngine
+
+        return AsyncEngine.from_pretrained(str(model_dir), device=args.device, **options)
+
+    tool_servers = None
+    if args.tool_server:
+        async def tool_servers():
+            from tools.tool_server import start_tool_servers
+
+            return await start_tool_servers(args.tool_server, search_dir=args.search_dir,
+                                            exa_api_key=args.exa_api_key)
+
+    config = ServerConfig(
+        model_name=name,
+        aliases=[str(model_dir)],
+        api_key=args.api_key,
+        store_path=args.store or default_store_path(),
+        tool_timeout=args.tool_timeout,
+        cors_origins=args.cors_origin,
+    )
+    app = create_app(config, build_engine, tool_servers=tool_servers)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0

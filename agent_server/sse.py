@@ -1,0 +1,44 @@
+"""Server-sent events through sse-starlette, with keep-alive pings and disconnect handling."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Callable
+
+from sse_starlette.sse import EventSourceResponse, ServerSentEvent
+
+
+def sse_response(
+    events: AsyncIterator[ServerSentEvent],
+    *,
+    ping_seconds: float,
+    on_close: Callable[[], None] | None = None,
+) -> EventSourceResponse:
+    """Stream `events`; `on_close` runs when the stream ends for any reason (the client went
+    away included), e.g. to stop a generation nobody reads any more."""
+
+    async def guarded() -> AsyncIterator[ServerSentEvent]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            if on_close is not None:
+                on_close()
+
+    return EventSourceResponse(guarded(), ping=ping_seconds, headers={"Cache-Control": "no-cache"})
+
+
+def sdk_event(event: Any) -> ServerSentEvent:
+    """A Responses API event (an SDK object or its stored dict) as `event:` + `data:` lines."""
+    if isinstance(event, dict):
+        return ServerSentEvent(data=json.dumps(event, separators=(",", ":")), event=event["type"])
+    return ServerSentEvent(data=event.model_dump_json(exclude_unset=True, by_alias=True), event=event.type)
+
+
+def data_only(payload: Any) -> ServerSentEvent:
+    """A Chat Completions chunk (`data:` only): an SDK object, a dict, or the string "[DONE]"."""
+    if isinstance(payload, str):
+        return ServerSentEvent(data=payload)
+    if isinstance(payload, dict):
+        return ServerSentEvent(data=json.dumps(payload, separators=(",", ":")))
+    return ServerSentEvent(data=payload.model_dump_json(exclude_unset=True))

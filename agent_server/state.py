@@ -1,0 +1,51 @@
+"""What the routes share: the server's settings and the live objects built at startup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inference.request import EngineClient
+
+from .metrics import Metrics
+from .runs import RunRegistry
+from .store import ResponseStore
+from .tool_registry import ToolRegistry
+
+
+def default_store_path() -> Path:
+    import os
+
+    root = Path(os.environ.get("OSS_AGENT_CACHE", Path.home() / ".cache" / "oss-agent"))
+    return root / "responses.sqlite3"
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # what /v1/models lists and responses echo
+    aliases: list[str] = field(default_factory=list)  # other names requests may use for it
+    api_key: str | None = None
+    store_path: Path = field(default_factory=default_store_path)
+    tool_timeout: float = 300.0  # seconds one built-in tool call may take
+    max_request_bytes: int = 32 << 20
+    cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
+    sse_ping_seconds: float = 15.0
+
+    def serves(self, model: str) -> bool:
+        return model == self.model_name or model in self.aliases
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    metrics: Metrics
+    runs: RunRegistry = field(default_factory=RunRegistry)
+    tools: ToolRegistry = field(default_factory=ToolRegistry)
+    engine: EngineClient | None = None
+    store: ResponseStore | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.store is not None

@@ -1,0 +1,102 @@
+"""Where responses live after they are created: `GET`, `previous_response_id`, stream resume.
+
+`ResponseStore` is the interface; `SQLiteResponseStore` is the embedded default (one file,
+survives restarts). A record holds the public `Response`, the request's input items, the
+Harmony messages of the conversation so far (what `previous_response_id` continues from) and,
+for background responses, the event stream so `?stream=true&starting_after=N` can replay it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass
+class StoredResponse:
+    id: str
+    response: dict[str, Any]  # the Response as JSON
+    input_items: list[dict[str, Any]]  # this request's input items, each with an id
+    # Harmony messages (Message.to_dict()) after this response, system/developer excluded.
+    conversation: list[dict[str, Any]] = field(default_factory=list)
+    function_calls: dict[str, str] = field(default_factory=dict)  # call_id -> function name, whole chain
+    events: list[dict[str, Any]] | None = None  # the SSE stream, kept for background responses
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def status(self) -> str | None:
+        return self.response.get("status")
+
+
+class ResponseStore(Protocol):
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    async def put(self, record: StoredResponse) -> None: ...
+
+    async def delete(self, response_id: str) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class SQLiteResponseStore:
+    """Records as JSON in one SQLite table. Calls run in a worker thread, one at a time."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False)
+        with self._lock, self._db:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, created_at REAL, record TEXT NOT NULL)"
+            )
+        self._fail_interrupted()
+
+    def _fail_interrupted(self) -> None:
+        """Responses still running when the server last stopped will never finish: say so."""
+        with self._lock:
+            rows = self._db.execute("SELECT record FROM responses").fetchall()
+        for (raw,) in rows:
+            record = StoredResponse(**json.loads(raw))
+            if record.status in ("queued", "in_progress"):
+                record.response["status"] = "failed"
+                record.response["error"] = {"code": "server_error", "message": "The server stopped before this "
+                                            "response finished."}
+                self._put(record)
+
+    def _put(self, record: StoredResponse) -> None:
+        raw = json.dumps(asdict(record), separators=(",", ":"))
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO responses (id, created_at, record) VALUES (?, ?, ?)",
+                (record.id, record.created_at, raw),
+            )
+
+    def _get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            row = self._db.execute("SELECT record FROM responses WHERE id = ?", (response_id,)).fetchone()
+        return StoredResponse(**json.loads(row[0])) if row else None
+
+    def _delete(self, response_id: str) -> bool:
+        with self._lock, self._db:
+            return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return await asyncio.to_thread(self._get, response_id)
+
+    async def put(self, record: StoredResponse) -> None:
+        await asyncio.to_thread(self._put, record)
+
+    async def delete(self, response_id: str) -> bool:
+        return await asyncio.to_thread(self._delete, response_id)
+
+    async def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,280 @@
+"""Attention kernel benchmark: paged sink attention (decode and prefill) and the RoPE + KV write.
+
+gpt-oss shapes (64 query heads, 8 KV heads, head_dim 64, bf16 cache, 16-token pages scattered
+at random over the pool). Prints, beside each time, what fraction of the GPU's measured ceilings
+it reaches: device-to-device copy bandwidth (bytes read + written) for decode, where the floor is
+reading every K/V entry once, and a large bf16 matmul's rate for prefill (causal FLOPs counted
+exactly: 4 * D per visible (query, key, head)).
+
+Decode is timed as the engine runs it, inside a CUDA graph (one replay = many calls), rotating
+over several block tables so small shapes do not just measure L2. Usage:
+
+    python3 benchmarks/bench_attention.py [--sweep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inference.attention import AttentionMetadata  # noqa: E402
+from inference.kernels import attention_triton as at  # noqa: E402
+from inference.kernels.rope_cache import rope_and_write_kv_triton  # noqa: E402
+
+HQ, HKV, D, PAGE, WINDOW = 64, 8, 64, 16, 128
+DEV = torch.device("cuda")
+BYTES = 2  # bf16
+
+
+def time_events(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() over `reps` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(2**30 // 2, device=DEV, dtype=torch.bfloat16).view(torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / time_events(lambda: dst.copy_(src))
+
+
+def matmul_flops() -> float:
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    return 2 * 8192**3 / time_events(lambda: a @ b, reps=10)
+
+
+class KVPool:
+    """One big bf16 K/V cache; each `table` call scatters sequences over random pages."""
+
+    def __init__(self, max_tokens: int):
+        self.num_pages = max_tokens // PAGE
+        shape = (self.num_pages, PAGE, HKV, D)
+        self.k = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+        self.v = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+
+    def table(self, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
+        pages = -(-context // PAGE)
+        assert batch * pages <= self.num_pages
+        perm = torch.randperm(self.num_pages, generator=gen)[: batch * pages]
+        return perm.view(batch, pages).to(torch.int32).to(DEV)
+
+
+def metadata(q_lens: list[int], context_lens: list[int], table: torch.Tensor) -> AttentionMetadata:
+    total = sum(q_lens)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    slots = torch.full((total,), -1, dtype=torch.long, device=DEV)
+    return AttentionMetadata(
+        cu_seqlens_q=cu,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEV),
+        block_tables={"full": table, "sliding": table},
+        slot_mapping={"full": slots, "sliding": slots},
+        positions=torch.cat([torch.arange(c - n, c) for n, c in zip(q_lens, context_lens)]).to(DEV),
+        max_q_len=max(q_lens),
+        q_lens=q_lens,
+        context_lens_list=context_lens,
+    )
+
+
+def bench_decode(pool: KVPool, batch: int, context: int, window, cfg: at.DecodeConfig, calls: int = 20) -> dict:
+    """Seconds per decode attention call (one layer), measured over CUDA graph replays."""
+    gen = torch.Generator().manual_seed(batch * 100003 + context)
+    keys = min(context, window) if window else context
+    kv_bytes = batch * keys * HKV * D * BYTES * 2
+    rotations = max(1, min(8, math.ceil(400e6 / kv_bytes)))  # several tables: stay out of L2
+    steps = []
+    for _ in range(rotations):
+        q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+        meta = metadata([1] * batch, [context] * batch, pool.table(batch, context, gen))
+        steps.append((q, meta))
+    sinks = torch.randn(HQ, device=DEV)
+
+    def run(i):
+        q, meta = steps[i % rotations]
+        return at.paged_sink_attention(q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window,
+                                       decode_cfg=cfg)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(rotations):
+            run(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            run(i)
+    seconds = time_events(graph.replay, reps=10) / calls
+    q_out_bytes = 2 * batch * HQ * D * BYTES
+    sms = at._multiprocessors(DEV)
+    return dict(seconds=seconds, bytes=kv_bytes + q_out_bytes, splits=at.decode_num_splits(batch, HKV, keys, sms, cfg),
+                block_n=at.decode_block_n(batch, HKV, sms, cfg))
+
+
+def time_graph(fn, calls: int = 10) -> float:
+    """Seconds per fn() replayed from a CUDA graph: device time without host launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_events(graph.replay, reps=10) / calls
+
+
+def host_seconds(fn, calls: int = 50) -> float:
+    """Host time to issue one fn() (Python + launch), GPU work left running."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return host
+
+
+def bench_prefill(pool: KVPool, tokens: int, window, cfg: at.PrefillConfig) -> dict:
+    gen = torch.Generator().manual_seed(tokens)
+    meta = metadata([tokens], [tokens], pool.table(1, tokens, gen))
+    q = torch.randn(tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
+    sinks = torch.randn(HQ, device=DEV)
+
+    def run():
+        return at.paged_sink_attention(q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window,
+                                       prefill_cfg=cfg)
+
+    w = window or tokens
+    visible = sum(min(i + 1, w) for i in range(tokens))  # (query, key) pairs, per head
+    return dict(seconds=time_graph(run), eager_seconds=time_events(run), host_seconds=host_seconds(run),
+                flops=4 * D * HQ * visible)
+
+
+def bench_rope(tokens: int) -> dict:
+    qkv = torch.randn(tokens, HQ + 2 * HKV, D, device=DEV, dtype=torch.bfloat16)
+    q, k, v = qkv[:, :HQ], qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :]
+    positions = torch.randint(0, 4096, (tokens,), device=DEV)
+    cos_sin = torch.randn(4096, D, device=DEV)
+    pages = -(-tokens // PAGE) + 1
+    k_cache = torch.empty(pages, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(pages * PAGE, device=DEV)[:tokens]
+    def run():
+        return rope_and_write_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+
+    moved = tokens * (HQ + 2 * HKV) * D * BYTES * 2  # read q, k, v; write q, k, v
+    return dict(seconds=time_graph(run), host_seconds=host_seconds(run), bytes=moved)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="also try other launch configurations")
+    ap.add_argument("--json", type=Path, help="write all results here")
+    args = ap.parse_args()
+
+    props = torch.cuda.get_device_properties(DEV)
+    bw, flops = copy_bandwidth(), matmul_flops()
+    header = (f"{datetime.date.today()}  {props.name}  SMs={props.multi_processor_count}  torch {torch.__version__}"
+              f"  triton {at.triton.__version__}\ncopy bandwidth {bw / 1e12:.2f} TB/s (read+write), "
+              f"bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    print(header, flush=True)
+    results: dict = {"header": header, "copy_bw": bw, "matmul_flops": flops, "decode": [], "prefill": [], "sweep": []}
+    pool = KVPool(128 * 32768 + 8 * 1024)
+
+    print("\ndecode attention, one layer (split-K, CUDA graph replay)")
+    print(f"{'layer':>8} {'batch':>5} {'context':>7} {'splits':>6} {'block_n':>7} {'us':>9} {'TB/s':>6} {'of copy':>7}")
+    for window in (None, WINDOW):
+        for batch in (1, 32, 64, 128):
+            for context in (1024, 8192, 32768):
+                if window and context != 8192:
+                    continue
+                r = bench_decode(pool, batch, context, window, at.DECODE)
+                tbs = r["bytes"] / r["seconds"]
+                r.update(window=window, batch=batch, context=context, tb_s=tbs / 1e12, of_copy=tbs / bw)
+                results["decode"].append(r)
+                print(f"{'sliding' if window else 'full':>8} {batch:>5} {context:>7} {r['splits']:>6} {r['block_n']:>7} "
+                      f"{r['seconds'] * 1e6:>9.1f} {tbs / 1e12:>6.2f} {tbs / bw:>7.0%}", flush=True)
+
+    print("\nprefill attention, one sequence, one layer (device time from graph replay; eager call; host issue time)")
+    print(f"{'layer':>8} {'tokens':>7} {'us':>9} {'TFLOP/s':>8} {'of matmul':>9} {'eager us':>9} {'host us':>8}")
+    for window in (None, WINDOW):
+        for tokens in (2048, 8192):
+            r = bench_prefill(pool, tokens, window, at.PREFILL)
+            rate = r["flops"] / r["seconds"]
+            r.update(window=window, tokens=tokens, tflops=rate / 1e12, of_matmul=rate / flops)
+            results["prefill"].append(r)
+            print(f"{'sliding' if window else 'full':>8} {tokens:>7} {r['seconds'] * 1e6:>9.1f} "
+                  f"{rate / 1e12:>8.1f} {rate / flops:>9.0%} {r['eager_seconds'] * 1e6:>9.1f} "
+                  f"{r['host_seconds'] * 1e6:>8.1f}", flush=True)
+
+    print("\nrope + KV write (device time from graph replay; host issue time)")
+    for tokens in (64, 2048, 8192):
+        r = bench_rope(tokens)
+        results.setdefault("rope", []).append(dict(r, tokens=tokens))
+        print(f"{tokens:>7} tokens {r['seconds'] * 1e6:>8.1f} us  {r['bytes'] / r['seconds'] / bw:>5.0%} of copy  "
+              f"host {r['host_seconds'] * 1e6:.1f} us", flush=True)
+
+    if args.sweep:
+        print("\nsweep: decode, full layer")
+        default = at.DECODE
+        grid = [(64, 8192, n, w, st, None) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+        grid += [(64, 8192, 32, default.num_warps, default.num_stages, sp) for sp in (1, 2, 4, 8)]
+        grid += [(b, c, n, w, 3, None) for b, c in ((1, 32768), (128, 1024)) for n in (32, 64, 128) for w in (4, 8)]
+        for batch, context, block_n, warps, stages, splits in grid:
+            cfg = at.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+            try:
+                r = bench_decode(pool, batch, context, None, cfg)
+            except Exception as e:  # a configuration the compiler rejects
+                print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            frac = r["bytes"] / r["seconds"] / bw
+            results["sweep"].append(dict(kind="decode", batch=batch, context=context, cfg=repr(cfg),
+                                         seconds=r["seconds"], of_copy=frac, splits=r["splits"]))
+            print(f"  b{batch} ctx{context} n{block_n} w{warps} s{stages} splits={r['splits']}: "
+                  f"{r['seconds'] * 1e6:.1f} us {frac:.0%}", flush=True)
+        print("\nsweep: prefill 8k")
+        grid = [(None, rows, n, w, 3) for rows in (64, 128) for n in (64, 128) for w in (4, 8)]
+        grid += [(WINDOW, rows, 64, w, st) for rows in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+        for window, rows, block_n, warps, stages in grid:
+            cfg = at.PrefillConfig(rows=rows, block_n=block_n, num_warps=warps, num_stages=stages,
+                                   sliding_num_stages=stages)
+            try:
+                r = bench_prefill(pool, 8192, window, cfg)
+            except Exception as e:
+                print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            rate = r["flops"] / r["seconds"]
+            results["sweep"].append(dict(kind="prefill", window=window, cfg=repr(cfg), seconds=r["seconds"],
+                                         of_matmul=rate / flops))
+            print(f"  {'sliding' if window else 'full'} rows{rows} n{block_n} w{warps} s{stages}: {r['seconds'] * 1e6:.1f} us "
+                  f"{rate / 1e12:.1f} TFLOP/s", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

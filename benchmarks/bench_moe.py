@@ -1,0 +1,199 @@
+"""One gpt-oss MoE layer on one GPU: time, bandwidth against the measured copy bandwidth, TFLOP/s.
+
+Builds one layer's router and MXFP4 experts with random weights of the real shapes directly on
+the GPU (20b: 32 experts, 120b: 128; H = I = 2880, top-4), then times the Triton backend's
+forward (router, expert kernels, combine) replayed from a CUDA graph at each batch size.
+
+    bytes    = every expert the batch routes to (MXFP4 blocks + scales + fp32 biases)
+               + the router + activations in and out
+    TFLOP/s  = 2 * T * top_k * 3 * H * I / time (router excluded)
+
+    python benchmarks/bench_moe.py
+    python benchmarks/bench_moe.py --models 20b --batches 1,2048 --profile   # per-kernel times
+    python benchmarks/bench_moe.py --sweep                                   # try launch configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inference.moe import ExpertWeights, MoEWeights, route  # noqa: E402
+from inference.moe_backend import TritonMoEBackend  # noqa: E402
+
+HIDDEN = INTERMEDIATE = 2880
+TOP_K = 4
+SWIGLU_LIMIT = 7.0
+EXPERTS = {"20b": 32, "120b": 128}
+
+# Launch variants tried by --sweep (fields of MoEKernelConfig; the rest keep their defaults).
+DECODE_SWEEP = [
+    dict(),
+    dict(gemv_down_block_n=32),
+    dict(gemv_block_n=32, gemv_down_block_n=32),
+    dict(gemv_stages=4),
+    dict(gemv_block_u=4),
+]
+DECODE_SWEEP_MAX_BATCH = 16  # up to here both paths are timed
+GROUPED_SWEEP = [
+    dict(),
+    dict(stages=3),
+    dict(down_block_n=128),
+    dict(down_block_n=128, down_warps=8),
+    dict(down_block_n=256, down_warps=8),
+]
+GROUPED_SWEEP_BATCHES = {"20b": (64, 2048), "120b": (2048,)}  # where grouped variants are compared
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = int(gib * (1 << 30))
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    return 2 * n / seconds
+
+
+def random_layer(num_experts: int, seed: int = 0) -> MoEWeights:
+    """Random MXFP4 experts (scales 2^-10..2^-6, like `inference.model.random_tensor_source`)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, i, e = HIDDEN, INTERMEDIATE, num_experts
+
+    def u8(*shape, low=0, high=256):
+        return torch.randint(low, high, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+    def normal(*shape, std):
+        return torch.randn(shape, generator=g, device="cuda") * std
+
+    experts = ExpertWeights(
+        gate_up_bias=normal(e, 2 * i, std=0.02), down_bias=normal(e, h, std=0.02),
+        gate_up_blocks=u8(e, 2 * i, h // 32, 16), gate_up_scales=u8(e, 2 * i, h // 32, low=117, high=122),
+        down_blocks=u8(e, h, i // 32, 16), down_scales=u8(e, h, i // 32, low=117, high=122),
+    )
+    return MoEWeights(router_weight=normal(e, h, std=h**-0.5).bfloat16(), router_bias=normal(e, std=0.02).bfloat16(),
+                      experts=experts)
+
+
+def expert_bytes(h: int, i: int) -> int:
+    """Bytes one expert must read: MXFP4 values (4 bits), one scale byte per 32, fp32 biases."""
+    weights = 2 * i * h + h * i
+    return weights // 2 + weights // 32 + (2 * i + h) * 4
+
+
+def time_graph(fn, iters: int) -> float:
+    """Seconds per call of `fn`, captured once in a CUDA graph and replayed `iters` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def profile_kernels(fn, iters: int = 20) -> list[tuple[str, float]]:
+    """Mean GPU microseconds per call of each kernel `fn` launches."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if total > 0:
+            rows.append((evt.key[:60], total / iters))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="20b,120b")
+    ap.add_argument("--batches", default="1,8,64,256,2048")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the variants in DECODE_SWEEP and GROUPED_SWEEP")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU times for the first model's batches")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_moe.py needs a CUDA GPU")
+
+    bandwidth = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    print("| model | batch | path | config | time (us) | experts read | GB/s | % of copy | TFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    batches = [int(b) for b in args.batches.split(",")]
+    for model_index, model in enumerate(args.models.split(",")):
+        progress(f"building a random {model} MoE layer")
+        weights = random_layer(EXPERTS[model])
+        backend = TritonMoEBackend()
+        prepared = backend.prepare(weights)
+        float_router = dataclasses.replace(
+            weights, router_weight=weights.router_weight.float(), router_bias=weights.router_bias.float())
+        per_expert = expert_bytes(HIDDEN, INTERMEDIATE)
+        router_bytes = prepared.router_weight.numel() * 2 + prepared.router_bias.numel() * 4
+        for t in batches:
+            x = (torch.randn(t, HIDDEN, device="cuda") * 0.5).bfloat16()
+            touched = torch.unique(route(x.float(), float_router, TOP_K)[0]).numel()
+            moved = touched * per_expert + router_bytes + 2 * x.numel() * 2
+            flops = 2 * t * TOP_K * 3 * HIDDEN * INTERMEDIATE
+            default = backend.config
+            decode = t <= default.decode_max_tokens
+            variants = [dict()]
+            if args.sweep and t <= DECODE_SWEEP_MAX_BATCH:
+                variants = [dict(decode_max_tokens=t, **v) for v in DECODE_SWEEP] + [dict(decode_max_tokens=0)]
+            elif args.sweep and t in GROUPED_SWEEP_BATCHES.get(model, ()):
+                variants = [dict(decode_max_tokens=0, **v) for v in GROUPED_SWEEP]
+            for variant in variants:
+                config = dataclasses.replace(default, **variant)
+                path = "gemv" if t <= config.decode_max_tokens else "grouped"
+                bench = TritonMoEBackend(config)
+                try:
+                    seconds = time_graph(lambda: bench.forward(x, prepared, TOP_K, SWIGLU_LIMIT), args.iters)
+                except Exception as exc:  # a variant that does not compile must not end the sweep
+                    print(f"| {model} | {t} | {path} | {variant or 'default'} | failed: {type(exc).__name__}: "
+                          f"{str(exc)[:120]} |")
+                    continue
+                print(f"| {model} | {t} | {path} | {variant or 'default'} | {seconds * 1e6:.1f} | {touched} | "
+                      f"{moved / seconds / 1e9:.0f} | {100 * moved / seconds / bandwidth:.0f}% | "
+                      f"{flops / seconds / 1e12:.1f} |", flush=True)
+            if args.profile and model_index == 0:
+                for name, us in profile_kernels(lambda: backend.forward(x, prepared, TOP_K, SWIGLU_LIMIT))[:8]:
+                    print(f"    {'gemv' if decode else 'grouped'} T={t}: {us:8.1f} us  {name}")
+        weights = float_router = prepared = None  # free this model's layer before the next
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

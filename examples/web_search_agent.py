@@ -1,0 +1,31 @@
+"""Ask a question the model answers by searching the web (the server runs the browser tool).
+
+    oss-agent serve --tool-server browser          # in another terminal
+    OSS_AGENT_BASE_URL=http://127.0.0.1:8000/v1 python examples/web_search_agent.py "What is gpt-oss?"
+"""
+
+import os
+import sys
+
+from openai import OpenAI
+
+client = OpenAI(base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
+                api_key=os.environ.get("OSS_AGENT_API_KEY", "none"))
+model = os.environ.get("OSS_AGENT_MODEL") or client.models.list().data[0].id
+question = sys.argv[1] if len(sys.argv) > 1 else "What is gpt-oss? Cite your sources."
+
+response = client.responses.create(
+    model=model,
+    input=question,
+    tools=[{"type": "web_search_preview"}],
+    include=["web_search_call.action.sources"],
+)
+for item in response.output:
+    if item.type == "web_search_call":
+        print(f"[{item.action.type}] {getattr(item.action, 'query', None) or getattr(item.action, 'url', '')}")
+print(response.output_text)
+for item in response.output:
+    if item.type == "message":
+        for part in item.content:
+            for citation in part.annotations:
+                print(f"  cited: {citation.title} <{citation.url}>")

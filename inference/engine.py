@@ -1,0 +1,493 @@
+"""The serving engine: many concurrent requests sharing one model and one paged KV cache.
+
+`LLMEngine` is the synchronous core, driven one `step()` at a time (tests drive it directly):
+
+    engine = LLMEngine.from_pretrained(model_dir, num_pages=256)
+    engine.add_request(GenerationRequest("a", prompt_ids, SamplingParams(temperature=0)))
+    while engine.has_unfinished():
+        for delta in engine.step(): ...
+
+Each step: the scheduler picks sequences and token counts, the model runner runs them and
+samples, and the engine appends tokens, checks stop conditions, and turns results into
+`TokenDelta`s. `AsyncEngine` runs that loop on its own thread and streams each request's
+deltas to asyncio consumers (the `EngineClient` protocol of `inference/request.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from .kv_cache import CacheUsage, KVCacheManager, allocate_kv_tensors, describe_plan, plan_cache
+from .model import GptOssModel
+from .model_runner import ModelRunner
+from .request import EngineStats, GenerationRequest, SamplingParams, TokenDelta
+from .scheduler import Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Engine options (the model's own ones, device/dtype/backends, go to `from_pretrained`).
+
+    KV cache size: `num_pages` (full-attention pages) if given; else on CUDA a share
+    `gpu_memory_utilization` of the GPU's memory minus what the model and one largest step
+    need; else (CPU) `kv_cache_memory` bytes. `num_sliding_pages` overrides the sliding pool.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    num_sliding_pages: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int = 512 << 20
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enforce_eager: bool = False  # no CUDA graphs
+
+    def validate(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError("page_size must be a power of two")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("num_pages", "num_sliding_pages", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+class LLMEngine:
+    """The synchronous engine core. Not thread-safe: one thread drives it."""
+
+    def __init__(self, model: GptOssModel, config: EngineConfig | None = None, model_name: str = "gpt-oss"):
+        config = config or EngineConfig()
+        config.validate()
+        c = model.config
+        self.model = model
+        self.config = config
+        self.model_name = model_name
+        self.vocab_size = c.vocab_size
+        self.max_model_len = min(config.max_model_len or c.max_position_embeddings, model.max_positions)
+        self.page_size = config.page_size
+        has_sliding = any(c.is_sliding(i) for i in range(c.num_hidden_layers))
+        dtype, device = model.dtype, model.device
+
+        memory = None
+        if config.num_pages is None:
+            memory = self._profile_kv_memory() if device.type == "cuda" else config.kv_cache_memory
+        plan = plan_cache(
+            c, config.page_size, dtype, memory_bytes=memory, num_pages=config.num_pages,
+            num_sliding_pages=config.num_sliding_pages, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+        )
+        min_sliding = -(-c.sliding_window // config.page_size) + 1
+        if has_sliding and plan.num_sliding_pages < min_sliding:
+            raise ValueError(
+                f"the sliding-layer pool needs at least {min_sliding} pages (window {c.sliding_window}, "
+                f"page size {config.page_size}); it has {plan.num_sliding_pages}"
+            )
+        log.info(describe_plan(plan, c, config.page_size))
+        if plan.num_full_pages * config.page_size < self.max_model_len:
+            log.warning("the KV cache holds %d tokens: serving a context of %d tokens instead of %d",
+                        plan.num_full_pages * config.page_size, plan.num_full_pages * config.page_size,
+                        self.max_model_len)
+            self.max_model_len = plan.num_full_pages * config.page_size
+        self.kv_caches = allocate_kv_tensors(c, plan, config.page_size, dtype, device)
+        self.cache = KVCacheManager(
+            plan.num_full_pages, plan.num_sliding_pages, config.page_size,
+            c.sliding_window if has_sliding else None, plan.bytes_per_full_page, plan.bytes_per_sliding_page,
+        )
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            model, self.kv_caches, config.page_size, self.max_model_len, config.max_num_seqs,
+            has_sliding=has_sliding, enforce_eager=config.enforce_eager,
+        )
+        self.tokens_prefilled = 0
+        self.tokens_decoded = 0
+        self.steps = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        attention_backend: str | None = None,
+        moe_backend: str | None = None,
+        model_name: str | None = None,
+        **options,
+    ) -> LLMEngine:
+        """Load a HF gpt-oss checkpoint and build an engine; `options` are `EngineConfig` fields."""
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(options) - known
+        if unknown:
+            raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
+        config = EngineConfig(**options)
+        config.validate()
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES and dtype != "auto":
+                raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto")
+            dtype = _DTYPES.get(dtype)
+        model = GptOssModel.from_pretrained(
+            model_dir, device=device, dtype=dtype, attention_backend=attention_backend,
+            moe_backend=moe_backend, max_positions=config.max_model_len,
+        )
+        return cls(model, config, model_name=model_name or Path(model_dir).name)
+
+    def _profile_kv_memory(self) -> int:
+        """Bytes left for the KV cache on the GPU after the weights and one largest step."""
+        from .single_sequence import SingleSequenceCache
+
+        c = self.model.config
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        scratch = SingleSequenceCache(self.model, tokens, self.config.page_size)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.model.device)
+        hidden = self.model(ids, scratch.metadata(tokens), scratch.kv_caches)
+        self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak, now = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        # Sampling works on [max_num_seqs, vocab] float32 tensors (a few copies: sort, probs, noise).
+        sampler = 6 * self.config.max_num_seqs * c.vocab_size * 4
+        available = int(total * self.config.gpu_memory_utilization) - (total - free) - (peak - now) - sampler
+        if available <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            )
+        return available
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise ValueError (with a message fit for a 400) if the request cannot be served."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        request.sampling.validate(self.vocab_size)
+        total = len(prompt) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
+                f"{total}, more than the model's context length {self.max_model_len}"
+            )
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.check_request(request)
+        if self.scheduler.find(request.request_id) is not None:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        sampling = request.sampling
+        seq = Sequence(
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling=sampling,
+            keep_alive=request.keep_alive,
+            continue_from=request.continue_from,
+        )
+        if sampling.seed is not None and sampling.temperature > 0:
+            seq.generator = torch.Generator(device=self.model.device)
+            seq.generator.manual_seed(sampling.seed)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> TokenDelta | None:
+        """Stop a request and free its pages now; returns its final delta (None if not live).
+        Aborting a parked request's id releases the parked sequence."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            self.scheduler.release_parked(request_id)
+            return None
+        self.scheduler.remove(seq)
+        return self._delta(seq, [], None, "abort")
+
+    def release(self, request_id: str) -> bool:
+        """Free a parked sequence's pages; False if no such parked sequence."""
+        return self.scheduler.release_parked(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def fail_all(self, error: str) -> list[TokenDelta]:
+        """End every running and waiting request with finish_reason "error" (after a bug)."""
+        deltas = []
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            try:
+                self.scheduler.remove(seq)
+            except Exception:  # bookkeeping already broken: still end the stream
+                log.exception("could not free the pages of %s", seq.request_id)
+            deltas.append(self._delta(seq, [], None, "error", error=error))
+        return deltas
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[TokenDelta]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        self.steps += 1
+        try:
+            out = self.runner.run(batch)
+        except Exception as e:  # fail this step's requests only; the engine keeps serving
+            log.exception("engine step failed")
+            deltas = []
+            for seq in batch.seqs:
+                self.scheduler.remove(seq)
+                deltas.append(self._delta(seq, [], None, "error", error=f"{type(e).__name__}: {e}"))
+            return deltas
+
+        deltas = []
+        for seq, n, token, logprob in zip(batch.seqs, batch.num_new, out.token_ids, out.logprobs):
+            decode = n == 1 and seq.num_computed >= seq.num_prompt_tokens and token is not None
+            if not decode:
+                self.tokens_prefilled += n
+            seq.num_computed += n
+            self.cache.register_computed(seq.pages, seq.token_ids, seq.num_computed)
+            if token is None:
+                continue
+            self.tokens_decoded += 1
+            seq.token_ids.append(token)
+            finish, stop_token = self._finish_reason(seq, token)
+            if finish is not None:
+                self.scheduler.finish(seq)
+            deltas.append(self._delta(seq, [token], [logprob] if logprob else None, finish, stop_token))
+        return deltas
+
+    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        if token in seq.sampling.stop_token_ids:
+            return "stop", token
+        if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    @staticmethod
+    def _delta(seq: Sequence, tokens, logprobs, finish, stop_token=None, error=None) -> TokenDelta:
+        return TokenDelta(
+            request_id=seq.request_id,
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=finish,
+            stop_token_id=stop_token,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            error=error,
+        )
+
+    # -- numbers -------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            parked=len(s.parked),
+            pages_total=self.cache.full.num_pages,
+            pages_used=self.cache.full.num_used,
+            prefix_queries_tokens=s.counters.prefix_queries_tokens,
+            prefix_hit_tokens=s.counters.prefix_hit_tokens,
+            tokens_prefilled=self.tokens_prefilled,
+            tokens_decoded=self.tokens_decoded,
+            preemptions=s.counters.preemptions,
+            steps=self.steps,
+        )
+
+    def cache_usage(self) -> CacheUsage:
+        """Both pools' page counts, with the sliding window's saving (see `CacheUsage`)."""
+        s = self.scheduler
+        live = [*s.running, *s.waiting, *s.parked.values()]
+        return self.cache.usage([(seq.pages, seq.num_computed) for seq in live])
+
+
+class AsyncEngine:
+    """`LLMEngine` on a dedicated thread, streaming to asyncio (implements `EngineClient`).
+
+    The thread owns the engine: requests, aborts and releases reach it through an inbox and are
+    applied between steps; deltas go back to each request's queue on its event loop with
+    `call_soon_threadsafe`, so the event loop never waits on the model.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self._inbox: list[tuple] = []
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stopping = False
+        self._active: set[str] = set()  # request ids with an open stream (event-loop side)
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine-thread side
+        self._stats = engine.stats()
+        self._usage = engine.cache_usage()
+        self._thread = threading.Thread(target=self._loop, name="oss-agent-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, device: str | None = None, **engine_options) -> AsyncEngine:
+        """Load the model and start the engine thread; options as in `LLMEngine.from_pretrained`."""
+        return cls(LLMEngine.from_pretrained(model_dir, device=device, **engine_options))
+
+    # -- EngineClient --------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Validate now (ValueError for a bad request), then stream its deltas when iterated.
+        Leaving the iteration early (client gone, task cancelled) aborts the request."""
+        if self._stopping:
+            raise RuntimeError("the engine is shut down")
+        self.engine.check_request(request)
+        self._check_not_active(request.request_id)
+        return self._stream(request)
+
+    def _check_not_active(self, request_id: str) -> None:
+        if request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already running")
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        # Registered on first iteration, so a stream that is never iterated leaves nothing behind.
+        self._check_not_active(request.request_id)
+        self._active.add(request.request_id)
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self._submit(("add", request, asyncio.get_running_loop(), queue))
+        done = False
+        try:
+            while not done:
+                delta = await queue.get()
+                done = delta.finish_reason is not None
+                yield delta
+        finally:
+            self._active.discard(request.request_id)
+            if not done:
+                self._submit(("abort", request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def release(self, request_id: str) -> None:
+        self._submit(("release", request_id))
+
+    def stats(self) -> EngineStats:
+        """The counters as of the engine thread's last step."""
+        return self._stats
+
+    def cache_usage(self) -> CacheUsage:
+        return self._usage
+
+    async def wait_idle(self) -> None:
+        """Return once every submitted request has finished."""
+        await asyncio.to_thread(self._idle.wait)
+
+    async def shutdown(self) -> None:
+        """Abort what is still running (streams end with finish_reason "abort") and stop the thread."""
+        self._stopping = True
+        self._submit(("stop",))
+        await asyncio.to_thread(self._thread.join)
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _submit(self, command: tuple) -> None:
+        with self._lock:
+            self._inbox.append(command)
+            self._idle.clear()
+        self._wakeup.set()
+
+    def _loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self._wakeup.wait()
+            self._wakeup.clear()
+            with self._lock:
+                commands, self._inbox = self._inbox, []
+            stop = False
+            for command in commands:
+                try:
+                    stop |= self._apply(command)
+                except Exception:
+                    log.exception("engine command %s failed", command[0])
+            try:
+                if stop:
+                    self._abort_all()
+                elif self.engine.has_unfinished():
+                    steps = self.engine.steps
+                    for delta in self.engine.step():
+                        self._deliver(delta)
+                    if self.engine.steps == steps:
+                        self._wakeup.wait(0.01)  # nothing could be scheduled (should not happen): don't spin
+            except Exception as e:  # a bug must not kill the thread: fail what is in flight, keep serving
+                log.exception("engine loop failed")
+                for delta in self.engine.fail_all(f"{type(e).__name__}: {e}"):
+                    self._deliver(delta)
+            self._publish()
+            with self._lock:
+                if stop or (not self._inbox and not self.engine.has_unfinished()):
+                    self._idle.set()
+            if stop:
+                return
+
+    def _apply(self, command: tuple) -> bool:
+        kind = command[0]
+        if kind == "add":
+            _, request, loop, queue = command
+            self._sinks[request.request_id] = (loop, queue)
+            try:
+                self.engine.add_request(request)
+            except Exception as e:
+                self._deliver(TokenDelta(request.request_id, [], finish_reason="error", error=str(e),
+                                         num_prompt_tokens=len(request.prompt_token_ids)))
+        elif kind == "abort":
+            delta = self.engine.abort(command[1])
+            if delta is not None:
+                self._deliver(delta)
+        elif kind == "release":
+            self.engine.release(command[1])
+        elif kind == "stop":
+            return True
+        return False
+
+    def _deliver(self, delta: TokenDelta) -> None:
+        sink = self._sinks.get(delta.request_id)
+        if sink is None:
+            return
+        if delta.finish_reason is not None:
+            del self._sinks[delta.request_id]
+        loop, queue = sink
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
+        except RuntimeError:  # the consumer's event loop is gone
+            if delta.finish_reason is None:
+                self.engine.abort(delta.request_id)
+                self._sinks.pop(delta.request_id, None)
+
+    def _abort_all(self) -> None:
+        for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
+            delta = self.engine.abort(seq.request_id)
+            if delta is not None:
+                self._deliver(delta)
+        for request_id in list(self.engine.scheduler.parked):
+            self.engine.release(request_id)
+
+    def _publish(self) -> None:
+        self._stats = self.engine.stats()
+        self._usage = self.engine.cache_usage()
+
+
+__all__ = ["AsyncEngine", "EngineConfig", "LLMEngine", "SamplingParams"]

@@ -1,0 +1,384 @@
+"""Triton sink attention over the paged KV cache (layout and math: `inference/attention.py`).
+
+Two launches cover every step:
+
+* decode (every sequence has exactly one new token): grid (sequence, KV head, split). One
+  program holds the G query heads of its KV group as the rows of one tile (GQA packing), so each
+  K/V page is read once for all of them. Long contexts are cut into `num_splits` chunks
+  (flash-decoding); each split writes an unnormalised partial output with its running max and
+  sum, and `_combine_kernel` merges the splits together with the sink logit.
+* prefill/extend (a ragged batch of new tokens over cached plus new keys, causal): grid (query
+  tile, KV head). A tile is BLOCK_T consecutive new tokens of one sequence times the G heads of
+  one KV group, again packed as rows, so K/V blocks are shared by the group. Each program finds
+  its sequence from `cu_seqlens_q` itself, so the host builds no tile list (no copy, no sync).
+
+Both walk keys in blocks of BLOCK_N positions, look up each position's physical page in the
+block table, and only ever touch positions a query may see: [0, pos] on full layers,
+(pos - window, pos] on sliding ones. Freed pages (-1) lie outside every window, so they are never
+loaded. Softmax runs online in base 2 (scores pre-multiplied by log2 e); a non-split program
+starts its running max at the sink logit and its sum at 1, which both counts the sink exactly
+once and keeps fully masked blocks from producing NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_blocks(
+    acc, m_i, l_i, q, K, V, block_table_row, kv_head_offset, start, end, q_pos, window, qk_scale,
+    stride_page, stride_slot,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, SLIDING: tl.constexpr,
+):
+    """Fold keys [start, end) into the running softmax state of the rows of `q` [M, D].
+
+    Without MASKED every key in [start, end) must be visible to every row and `end - start` must
+    be a multiple of BLOCK_N (no bounds checks at all); with MASKED, keys past `end`, after a
+    row's position, or (SLIDING) at or before `q_pos - window` are dropped.
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in range(start, end, BLOCK_N):
+        k_pos = block_start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            in_range = k_pos < end
+            page = tl.load(block_table_row + k_pos // PAGE_SIZE, mask=in_range, other=0)
+        else:
+            page = tl.load(block_table_row + k_pos // PAGE_SIZE)
+        offsets = page.to(tl.int64) * stride_page + (k_pos % PAGE_SIZE) * stride_slot + kv_head_offset
+        ptrs = offsets[:, None] + dims[None, :]
+        if MASKED:
+            k = tl.load(K + ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(K + ptrs)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            visible = in_range[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(V + ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(V + ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Sinks, BlockTables, ContextLens, Out, PartAcc, PartMax, PartSum,
+    stride_qt, stride_qh, stride_page, stride_slot, stride_kv_head, stride_bt, stride_ot, stride_oh,
+    qk_scale, window, num_splits,
+    NUM_Q_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SPLIT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ContextLens + seq)
+    if SLIDING:
+        lo = tl.maximum(ctx - window, 0)
+    else:
+        lo = ctx * 0
+    # Splits cut [lo, ctx) into equal whole-block chunks; trailing splits may get nothing.
+    chunk = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, ctx)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+
+    rows = tl.arange(0, BLOCK_G)
+    row_ok = rows < G
+    heads = kv_head * G + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q = q.to(K.dtype.element_ty)
+    sink = tl.load(Sinks + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    if SPLIT:
+        m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+    else:
+        m_i = sink
+        l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + (ctx - 1)
+    table = BlockTables + seq.to(tl.int64) * stride_bt
+    kv_off = kv_head * stride_kv_head
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, start, full_end, q_pos, window,
+                                   qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
+                                   False, False)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, full_end, end, q_pos, window,
+                                   qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
+                                   True, False)
+    if SPLIT:
+        part = (seq * NUM_Q_HEADS + heads).to(tl.int64) * num_splits + split
+        tl.store(PartAcc + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(PartMax + part, m_i, mask=row_ok)
+        tl.store(PartSum + part, l_i, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(Out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    PartAcc, PartMax, PartSum, Sinks, Out, stride_ot, stride_oh, num_splits,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge one (sequence, head)'s split partials; the sink joins the denominator here."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < num_splits
+    part = (seq * NUM_Q_HEADS + head).to(tl.int64) * num_splits + splits
+    m = tl.load(PartMax + part, mask=split_ok, other=-1.0e30)
+    s = tl.load(PartSum + part, mask=split_ok, other=0.0)
+    sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+    m_all = tl.maximum(tl.max(m, 0), sink)
+    w = tl.exp2(m - m_all)
+    denom = tl.sum(s * w, 0) + tl.exp2(sink - m_all)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(PartAcc + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(Out + seq.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, Sinks, BlockTables, ContextLens, CuSeqlensQ, Out,
+    stride_qt, stride_qh, stride_page, stride_slot, stride_kv_head, stride_bt, stride_ot, stride_oh,
+    qk_scale, window, num_seqs, num_tiles,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    # Tiles are numbered through the batch, sequence by sequence; run them last-first so that
+    # a long prompt's heaviest (latest) tiles start first.
+    tile = num_tiles - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Find this tile's sequence from the per-sequence tile counts (no host-side tile list).
+    b_idx = tl.arange(0, BLOCK_B)
+    b_ok = b_idx < num_seqs
+    q_starts = tl.load(CuSeqlensQ + b_idx, mask=b_ok, other=0)
+    q_ends = tl.load(CuSeqlensQ + b_idx + 1, mask=b_ok, other=0)
+    seq_tiles = (q_ends - q_starts + BLOCK_T - 1) // BLOCK_T
+    tiles_through = tl.cumsum(seq_tiles, 0)
+    seq = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+    t0 = (tile - tl.sum(tl.where(b_idx < seq, seq_tiles, 0), 0)) * BLOCK_T  # first token, within the sequence
+    q_first = tl.load(CuSeqlensQ + seq)
+    q_len = tl.load(CuSeqlensQ + seq + 1) - q_first
+    ctx = tl.load(ContextLens + seq)
+    first_pos = ctx - q_len  # absolute position of the sequence's first new token
+
+    # Row r of the tile is token t0 + r // G_PAD, query head kv_head * G + r % G_PAD.
+    rows = tl.arange(0, BLOCK_T * G_PAD)
+    tok = t0 + rows // G_PAD
+    g = rows % G_PAD
+    row_ok = (tok < q_len) & (g < G)
+    heads = kv_head * G + g
+    dims = tl.arange(0, HEAD_DIM)
+    q_ptrs = (q_first + tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0).to(K.dtype.element_ty)
+    q_pos = first_pos + tok
+
+    sink = tl.load(Sinks + heads, mask=g < G, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_i = sink
+    l_i = tl.full([BLOCK_T * G_PAD], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_T * G_PAD, HEAD_DIM], tl.float32)
+
+    tile_first = first_pos + t0
+    hi = tl.minimum(tile_first + BLOCK_T, ctx)
+    table = BlockTables + seq.to(tl.int64) * stride_bt
+    kv_off = kv_head * stride_kv_head
+    if SLIDING:
+        # The window's edge moves with every row, so every block is masked (at most
+        # (window + BLOCK_T) / BLOCK_N of them).
+        lo = tl.maximum(tile_first - window + 1, 0)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, lo, hi, q_pos, window,
+                                       qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
+                                       True, True)
+    else:
+        # Keys before the tile's first token are visible to all its rows: unmasked whole blocks.
+        full_end = tile_first // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, 0, full_end, q_pos, window,
+                                       qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
+                                       False, False)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, full_end, hi, q_pos, window,
+                                       qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
+                                       True, False)
+    out = acc / l_i[:, None]
+    o_ptrs = (q_first + tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the decode kernel; None = pick from the batch and context.
+
+    block_n: keys per loop step. Measured on an H100 (BENCHMARKS.md): 32 when the grid already
+    fills the GPU (more programs per SM hide latency better), 64 when few (sequence, KV head)
+    pairs are split many ways.
+    """
+
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+    num_splits: int | None = None
+    min_chunk: int = 256  # fewest keys worth a split of their own
+    waves: float = 4.0  # aim for this many programs per multiprocessor
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape of the prefill kernel (best of a sweep on an H100: BENCHMARKS.md)."""
+
+    rows: int = 128  # tile rows = BLOCK_T tokens x G_PAD heads
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3  # full layers: long key loops
+    sliding_num_stages: int = 2  # sliding layers: ~3 key blocks per tile
+
+
+DECODE = DecodeConfig()
+PREFILL = PrefillConfig()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter runs: any small number exercises the split path
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_keys: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
+    """Splits per (sequence, KV head): enough programs to fill the GPU, each with >= min_chunk keys."""
+    if cfg.num_splits is not None:
+        return cfg.num_splits
+    programs = batch * num_kv_heads
+    wanted = triton.cdiv(int(cfg.waves * sm_count), programs)
+    return max(1, min(wanted, triton.cdiv(max_keys, cfg.min_chunk)))
+
+
+def decode_block_n(batch: int, num_kv_heads: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
+    if cfg.block_n is not None:
+        return cfg.block_n
+    return 32 if batch * num_kv_heads >= sm_count else 64
+
+
+def _check_inputs(q, k_cache, v_cache, sinks) -> tuple[int, int, int, int, int]:
+    t, hq, d = q.shape
+    _, page_size, hkv, d_cache = k_cache.shape
+    if d != d_cache or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    if d not in (16, 32, 64, 128) or page_size & (page_size - 1):
+        raise ValueError(f"head_dim {d} / page_size {page_size} unsupported (head_dim 16-128, power-of-two pages)")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache must share one layout; last dimensions must be contiguous")
+    if sinks.numel() != hq:
+        raise ValueError(f"sinks has {sinks.numel()} entries for {hq} heads")
+    return t, hq, d, page_size, hkv
+
+
+def paged_sink_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_table: torch.Tensor,
+    sinks: torch.Tensor,
+    sm_scale: float,
+    window: int | None,
+    decode_cfg: DecodeConfig = DECODE,
+    prefill_cfg: PrefillConfig = PREFILL,
+) -> torch.Tensor:
+    """Same contract as `sink_attention_reference`: returns [T, Hq, D] in q's dtype.
+
+    Pure decode steps (one token per sequence) take the split-K decode kernel and do no host
+    synchronisation (CUDA-graph safe; `meta.context_lens_list` only bounds the work); anything
+    else takes the prefill/extend kernel.
+    """
+    t, hq, d, page_size, hkv = _check_inputs(q, k_cache, v_cache, sinks)
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    if meta.max_q_len == 1 and t == len(meta.q_lens):
+        _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, decode_cfg)
+    else:
+        _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, prefill_cfg)
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, cfg: DecodeConfig) -> None:
+    batch, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    max_keys = max(meta.context_lens_list)
+    if window is not None:
+        max_keys = min(max_keys, window)
+    sm_count = _multiprocessors(q.device)
+    splits = decode_num_splits(batch, hkv, max_keys, sm_count, cfg)
+    block_n = decode_block_n(batch, hkv, sm_count, cfg)
+    split = splits > 1
+    if split:
+        part_acc = torch.empty((batch, hq, splits, d), dtype=torch.float32, device=q.device)
+        part_max = torch.empty((batch, hq, splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused
+    _decode_kernel[(batch, hkv, splits)](
+        q, k_cache, v_cache, sinks, block_table, meta.context_lens, out, part_acc, part_max, part_sum,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        sm_scale * LOG2E, window or 0, splits,
+        NUM_Q_HEADS=hq, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, SLIDING=window is not None, SPLIT=split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        _combine_kernel[(batch, hq)](
+            part_acc, part_max, part_sum, sinks, out, out.stride(0), out.stride(1), splits,
+            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,
+        )
+
+
+def _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, cfg: PrefillConfig) -> None:
+    t, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    g_pad = triton.next_power_of_2(group)
+    block_t = max(1, cfg.rows // g_pad)
+    while block_t * g_pad < 16:  # tl.dot needs at least 16 rows
+        block_t *= 2
+    num_seqs = len(meta.q_lens)
+    num_tiles = sum(-(-n // block_t) for n in meta.q_lens)
+    if num_tiles == 0:
+        return
+    _prefill_kernel[(num_tiles, hkv)](
+        q, k_cache, v_cache, sinks, block_table, meta.context_lens, meta.cu_seqlens_q, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        sm_scale * LOG2E, window or 0, num_seqs, num_tiles,
+        G=group, G_PAD=g_pad, BLOCK_T=block_t, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=cfg.block_n,
+        SLIDING=window is not None, BLOCK_B=triton.next_power_of_2(num_seqs + 1),
+        num_warps=cfg.num_warps, num_stages=cfg.sliding_num_stages if window is not None else cfg.num_stages,
+    )

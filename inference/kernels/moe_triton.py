@@ -1,0 +1,645 @@
+"""Triton kernels for the gpt-oss MoE block with MXFP4 experts and bf16 activations.
+
+The math is `inference.moe.moe_reference`; expert weights stay 4-bit on the GPU and are
+dequantised in registers. `prepare_moe_weights` converts the checkpoint's packed layout once at
+load time into the layout below; `fused_moe` runs one MoE block. Two paths:
+
+  decode, T <= decode_max_tokens (bandwidth-bound GEMVs on CUDA cores, 4 launches):
+    router logits, spread over many programs (and zeroing the fp32 output rows)      [T, E]
+    gate_up GEMV per (token, slot): top-k + softmax of the token's logits in its
+        prologue, the clamped SwiGLU in its epilogue                                 act [T*k, I]
+    down GEMV per (token, slot): epilogue scales by the routing weight and
+        atomically adds into the token's fp32 output row                             [T, H]
+    cast to bf16
+  larger batches (grouped GEMMs on tensor cores, 5 launches plus a memset and the cast):
+    route: logits, top-k, softmax, per-expert counts, zeroing the output rows        ids, gates
+    align: (token, slot) pairs grouped by expert into BLOCK_M-row blocks
+    gate_up grouped GEMM + SwiGLU epilogue, rows in expert order                     act [R, I]
+    down grouped GEMM, routing-weighted atomic adds into the fp32 output rows        [T, H]
+
+Nothing here reads a GPU value on the host, so both paths can be captured in a CUDA graph.
+The fp32 atomics make the order of a token's k expert sums vary between runs (float rounding).
+
+Weight layout (per expert, a matrix W [N, K] used as y = x W^T, K padded to a multiple of 64):
+    w  uint8 [E, N, K/2]: K is cut into 64-value tiles; byte j (0..31) of tile t holds value
+       64t+j in its low half and value 64t+32+j in its high half ("planar"). So a tile's low
+       halves are one whole 32-value scale block and its high halves the next, and the two
+       dequantise without shuffling values across registers. Bits of a byte: low value's sign
+       0 and magnitude 1-3, high value's sign 4 and magnitude 5-7 (see `_e2m1_tiny`).
+    s  uint8 [E, N, S]: the block scales, each row padded to S = a multiple of 16 bytes so a
+       GEMV step's scales are one aligned 16-byte load (which the pipeliner can copy ahead).
+gate_up rows are de-interleaved at load time: rows [0, I) are the gates, [I, 2I) the ups, so the
+SwiGLU epilogue pairs row n with row I+n.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..moe import MoEWeights
+from ..mxfp4 import BLOCK_SIZE
+
+SWIGLU_ALPHA = 1.702
+SCALE_ROW_ALIGN = 16  # bytes
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass
+class TritonMoEWeights:
+    """One layer's MoE weights in the kernels' layout (see the module docstring)."""
+
+    router_weight: torch.Tensor  # [E, H] as loaded (bf16 on GPU)
+    router_bias: torch.Tensor  # [E] float32
+    w1: torch.Tensor  # [E, 2I, K1/2] uint8, rows: gates then ups
+    s1: torch.Tensor  # [E, 2I, S1] uint8
+    b1: torch.Tensor  # [E, 2I] float32, gates then ups
+    w2: torch.Tensor  # [E, H, K2/2] uint8
+    s2: torch.Tensor  # [E, H, S2] uint8
+    b2: torch.Tensor  # [E, H] float32
+    large_scales: bool  # some scale byte > 128: dequantise in two multiplies (see _dequant)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.router_weight.shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w1.shape[1] // 2
+
+
+def pack_planar(
+    blocks: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF MXFP4 (blocks [E, N, G, 16], scales [E, N, G]) -> (w [E, N, Gp*16], s [E, N, S]).
+
+    `rows` optionally reorders the N rows. Gp is G rounded up to even (a zero block with scale
+    0 pads an odd G); S is Gp rounded up to SCALE_ROW_ALIGN. Works expert by expert to bound
+    the temporary memory.
+    """
+    e_count, n, g, _ = blocks.shape
+    gp = g + (g % 2)
+    s_row = -(-gp // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
+    w = torch.empty(e_count, n, gp * 16, dtype=torch.uint8, device=blocks.device)
+    s = torch.zeros(e_count, n, s_row, dtype=torch.uint8, device=blocks.device)
+    for e in range(e_count):
+        b, sc = (blocks[e], scales[e]) if rows is None else (blocks[e, rows], scales[e, rows])
+        codes = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(n, g, BLOCK_SIZE)  # in value order
+        if gp != g:
+            codes = torch.cat([codes, torch.zeros_like(codes[:, :1])], dim=1)
+        codes = codes.view(n, gp // 2, 2, BLOCK_SIZE)
+        low, high = codes[:, :, 0], codes[:, :, 1]  # e2m1 codes: sign bit 3, magnitude bits 0-2
+        packed = (low >> 3) | ((low & 7) << 1) | ((high & 8) << 1) | ((high & 7) << 5)
+        w[e] = packed.reshape(n, gp * 16)
+        s[e, :, :g] = sc
+    return w, s
+
+
+def prepare_moe_weights(weights: MoEWeights) -> TritonMoEWeights:
+    """Convert one layer's MXFP4 MoE weights to the kernels' layout (once, at load time)."""
+    ex = weights.experts
+    if not ex.is_mxfp4:
+        raise ValueError("the Triton MoE kernels need MXFP4 experts")
+    e_count, hidden = weights.router_weight.shape
+    two_i = ex.gate_up_bias.shape[1]
+    inter = two_i // 2
+    expect = {
+        "gate_up_blocks": (ex.gate_up_blocks, (e_count, two_i, hidden // BLOCK_SIZE, 16)),
+        "down_blocks": (ex.down_blocks, (e_count, hidden, inter // BLOCK_SIZE, 16)),
+    }
+    for name, (tensor, shape) in expect.items():
+        if tuple(tensor.shape) != shape or hidden % BLOCK_SIZE or inter % BLOCK_SIZE:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
+    dev = ex.gate_up_blocks.device
+    deinterleave = torch.cat([torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)]).to(dev)
+    w1, s1 = pack_planar(ex.gate_up_blocks, ex.gate_up_scales, deinterleave)
+    w2, s2 = pack_planar(ex.down_blocks, ex.down_scales)
+    large = bool(ex.gate_up_scales.max() > 128 or ex.down_scales.max() > 128)
+    return TritonMoEWeights(
+        router_weight=weights.router_weight.contiguous(),
+        router_bias=weights.router_bias.float().contiguous(),
+        w1=w1,
+        s1=s1,
+        b1=ex.gate_up_bias.float()[:, deinterleave.to(ex.gate_up_bias.device)].contiguous(),
+        w2=w2,
+        s2=s2,
+        b2=ex.down_bias.float().contiguous(),
+        large_scales=large,
+    )
+
+
+# ----------------------------------------------------------------------------- device helpers
+
+# fp32 bit masks, written as int32 values so the bit tricks stay 32-bit.
+_E2M1_FP32_MASK = tl.constexpr(0x81C00000 - (1 << 32))  # sign bit 31, magnitude bits 22-24
+_SHIFT_17_27 = tl.constexpr((1 << 17) + (1 << 27))  # x * this == (x << 17) | (x << 27) for a byte
+_SHIFT_21_31 = tl.constexpr((1 << 21) + (1 << 31) - (1 << 32))  # == (x << 21) | (x << 31), as int32
+_TWO_POW_100 = tl.constexpr(1.2676506002282294e30)
+_TWO_POW_126 = tl.constexpr(8.507059173023462e37)
+
+
+@triton.jit
+def _e2m1_tiny(byte, HIGH: tl.constexpr):
+    """One half of each packed byte (int32 0..255) -> float32 e2m1 * 2^-126, exactly.
+
+    The code's 3 magnitude bits land on fp32 bits 22-24 and its sign on bit 31, which is that
+    value (a subnormal when the exponent bits are 0; fp32 math here keeps subnormals). The
+    byte layout (low value: sign bit 0, magnitude bits 1-3; high value: sign bit 4, magnitude
+    bits 5-7) makes the two shifted copies of the byte 10 bits apart, so they never overlap:
+    their OR is a sum, one integer multiply does both shifts, and one AND finishes.
+    """
+    if HIGH:
+        bits = (byte * _SHIFT_17_27) & _E2M1_FP32_MASK
+    else:
+        bits = (byte * _SHIFT_21_31) & _E2M1_FP32_MASK
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant(byte, scale, HIGH: tl.constexpr, LARGE_SCALES: tl.constexpr):
+    """MXFP4 bytes (int32) and their block scales (int32, broadcastable) -> float32 weights.
+
+    e2m1 * 2^-126 times 2^(scale - 1) is e2m1 * 2^(scale - 127); that factor is a normal float
+    only for scale <= 128, so checkpoints with larger scales take two multiplies.
+    """
+    tiny = _e2m1_tiny(byte, HIGH)
+    if LARGE_SCALES:
+        return tiny * _TWO_POW_126 * (scale << 23).to(tl.float32, bitcast=True)
+    return tiny * ((scale + 126) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block_factor(scale):
+    """2^(scale - 101): undoes e2m1 * 2^-126 times activations * 2^100 (the GEMV's products).
+    Exact for scale bytes up to 228 (weights up to 6 * 2^101); real checkpoints sit near 120."""
+    return ((scale + 26) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _swiglu(gate, up, limit, alpha):
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+
+
+@triton.jit
+def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Expert id and routing weight of `slot` in token's top-k (ties: lowest id first)."""
+    e = tl.arange(0, BLOCK_E)
+    row = tl.load(logits_ptr + token * E + e, mask=e < E, other=float("-inf"))
+    first = tl.max(row, axis=0)
+    denom = 0.0
+    chosen = 0
+    chosen_logit = 0.0
+    for i in tl.static_range(TOP_K):
+        best = tl.max(row, axis=0)
+        idx = tl.min(tl.where(row == best, e, BLOCK_E), axis=0)
+        denom += tl.exp(best - first)
+        chosen = tl.where(slot == i, idx, chosen)
+        chosen_logit = tl.where(slot == i, best, chosen_logit)
+        row = tl.where(e == idx, float("-inf"), row)
+    return chosen, tl.exp(chosen_logit - first) / denom
+
+
+# ----------------------------------------------------------------------------- router
+
+
+@triton.jit
+def _route_kernel(
+    x_ptr, wr_ptr, br_ptr, ids_ptr, gates_ptr, counts_ptr, out_ptr,
+    T, H, E, stride_x,
+    TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, OPERAND: tl.constexpr,
+):
+    """Router for BLOCK_T tokens: logits over all experts, top-k, softmax over the k.
+
+    Writes ids [T, k] int32 and gates [T, k] float32, adds per-expert pair counts to counts [E],
+    and zeroes the tokens' fp32 output rows (for the atomic combine).
+    """
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    t_ok = t < T
+    e_ok = e < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=3):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        xt = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(wr_ptr + e[None, :] * H + k[:, None], mask=e_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(xt.to(OPERAND), wt.to(OPERAND), acc)
+    logits = acc + tl.load(br_ptr + e, mask=e_ok, other=0.0)[None, :]
+    logits = tl.where(e_ok[None, :], logits, float("-inf"))
+
+    slot = tl.arange(0, K_POW2)
+    top_vals = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
+    top_ids = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(logits, axis=1)
+        idx = tl.min(tl.where(logits == best[:, None], e[None, :], BLOCK_E), axis=1)  # ties: lowest id
+        chosen = e[None, :] == idx[:, None]
+        logits = tl.where(chosen, float("-inf"), logits)
+        top_vals = tl.where(slot[None, :] == i, best[:, None], top_vals)
+        top_ids = tl.where(slot[None, :] == i, idx[:, None], top_ids)
+        counts += tl.sum((chosen & t_ok[:, None]).to(tl.int32), axis=0)
+    k_ok2 = slot[None, :] < TOP_K
+    first = tl.max(tl.where(k_ok2, top_vals, float("-inf")), axis=1)
+    p = tl.where(k_ok2, tl.exp(top_vals - first[:, None]), 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+    out_off = t[:, None] * TOP_K + slot[None, :]
+    mask = t_ok[:, None] & k_ok2
+    tl.store(ids_ptr + out_off, top_ids, mask=mask)
+    tl.store(gates_ptr + out_off, p, mask=mask)
+    tl.atomic_add(counts_ptr + e, counts, mask=e_ok & (counts > 0), sem="relaxed")
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        zeros = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        tl.store(out_ptr + t[:, None] * H + k[None, :], zeros, mask=t_ok[:, None] & (k < H)[None, :])
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, wr_ptr, br_ptr, logits_ptr, out_ptr, x_scaled_ptr, H, E, stride_x,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+):
+    """logits[t, e] = x[t] . Wr[e] + br[e] for BLOCK_E experts of one token (float32): many small
+    programs, so a decode step's router read is spread over the GPU, not one multiprocessor.
+    Also zeroes ZERO_BLOCK columns of the token's fp32 output row, and the first program of a
+    token writes x_scaled[t] = x[t] * 2^100 in float32 for the GEMVs."""
+    eb = tl.program_id(0)
+    t = tl.program_id(1)
+    e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=3):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + t * stride_x + k, mask=k < H, other=0.0).to(tl.float32)
+        tl.store(x_scaled_ptr + t * H + k, xk * _TWO_POW_100, mask=(k < H) & (k * 0 + eb == 0))
+        wk = tl.load(wr_ptr + e[:, None] * H + k[None, :], mask=e_ok[:, None] & (k < H)[None, :], other=0.0)
+        acc += wk.to(tl.float32) * xk[None, :]
+    logits = tl.sum(acc, axis=1) + tl.load(br_ptr + e, mask=e_ok, other=0.0)
+    tl.store(logits_ptr + t * E + e, logits, mask=e_ok)
+    h = eb * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+    tl.store(out_ptr + t * H + h, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=h < H)
+
+
+# ----------------------------------------------------------------------------- decode (GEMV)
+# float32 FMAs on CUDA cores; the step is bandwidth-bound, so what matters is bytes in flight
+# (software-pipelined loads, many programs) and few instructions per weight: the e2m1 bits are
+# used as tiny floats, activations come pre-scaled by 2^100 in float32 (x by the router kernel,
+# act by the gate_up GEMV) so the products stay normal, and the block scale is applied once per
+# 32 products.
+
+
+@triton.jit
+def _gemv_gate_up_kernel(
+    x_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    H, I, E, num_tiles, s_row, limit, alpha,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """act[p, n] = 2^100 * swiglu(x[t] W1g[e]^T + b, x[t] W1u[e]^T + b) for pair p = (token t,
+    slot), e the slot's expert, n in this program's BLOCK_N columns; BLOCK_U 64-value K tiles per
+    step. x_ptr holds x * 2^100 in float32 (row stride H)."""
+    pair = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token = pair // TOP_K
+    e, _ = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
+    e = e.to(tl.int64)
+    u = tl.arange(0, BLOCK_U)
+    j = tl.arange(0, 32)
+    c = tl.arange(0, 2 * BLOCK_U)
+    n_ok = n < I
+    row_bytes = num_tiles * 32
+    g_rows = w_ptr + e * (2 * I) * row_bytes + n.to(tl.int64)[:, None, None] * row_bytes + j[None, None, :]
+    u_rows = g_rows + I * row_bytes
+    sg_rows = s_ptr + e * (2 * I) * s_row + n[:, None] * s_row + c[None, :]
+    su_rows = sg_rows + I * s_row
+    x_row = x_ptr + token.to(tl.int64) * H + j[None, :]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
+    for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
+        tile = t0 + u
+        m3 = n_ok[:, None, None] & (tile < num_tiles)[None, :, None]
+        wg = tl.load(g_rows + (tile * 32)[None, :, None], mask=m3, other=0).to(tl.int32)
+        wu = tl.load(u_rows + (tile * 32)[None, :, None], mask=m3, other=0).to(tl.int32)
+        ms = n_ok[:, None] & (t0 + c // 2 < num_tiles)[None, :]
+        sg = tl.reshape(tl.load(sg_rows + 2 * t0, mask=ms, other=0).to(tl.int32), [BLOCK_N, BLOCK_U, 2])
+        su = tl.reshape(tl.load(su_rows + 2 * t0, mask=ms, other=0).to(tl.int32), [BLOCK_N, BLOCK_U, 2])
+        sg_lo, sg_hi = tl.split(sg)
+        su_lo, su_hi = tl.split(su)
+        k_lo = (tile * 64)[:, None]
+        x_lo = tl.load(x_row + k_lo, mask=k_lo + j[None, :] < H, other=0.0)[None, :, :]
+        x_hi = tl.load(x_row + k_lo + 32, mask=k_lo + 32 + j[None, :] < H, other=0.0)[None, :, :]
+        acc_g += tl.sum(_e2m1_tiny(wg, False) * x_lo, axis=2) * _block_factor(sg_lo)
+        acc_g += tl.sum(_e2m1_tiny(wg, True) * x_hi, axis=2) * _block_factor(sg_hi)
+        acc_u += tl.sum(_e2m1_tiny(wu, False) * x_lo, axis=2) * _block_factor(su_lo)
+        acc_u += tl.sum(_e2m1_tiny(wu, True) * x_hi, axis=2) * _block_factor(su_hi)
+    gate = tl.sum(acc_g, axis=1) + tl.load(b_ptr + e * 2 * I + n, mask=n_ok, other=0.0)
+    up = tl.sum(acc_u, axis=1) + tl.load(b_ptr + e * 2 * I + I + n, mask=n_ok, other=0.0)
+    tl.store(act_ptr + pair * I + n, _swiglu(gate, up, limit, alpha) * _TWO_POW_100, mask=n_ok)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    act_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    H, I, E, num_tiles, s_row,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """out[t, n] += gate * (act[p] W2[e]^T + b2[e]) for pair p = (token t, slot), fp32 atomics.
+    act_ptr holds act * 2^100 (as the gate_up GEMV writes it)."""
+    pair = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token = pair // TOP_K
+    e, gate = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
+    e = e.to(tl.int64)
+    u = tl.arange(0, BLOCK_U)
+    j = tl.arange(0, 32)
+    c = tl.arange(0, 2 * BLOCK_U)
+    n_ok = n < H
+    row_bytes = num_tiles * 32
+    rows = w_ptr + e * H * row_bytes + n.to(tl.int64)[:, None, None] * row_bytes + j[None, None, :]
+    s_rows = s_ptr + e * H * s_row + n[:, None] * s_row + c[None, :]
+    a_row = act_ptr + pair * I + j[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
+    for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
+        tile = t0 + u
+        w = tl.load(rows + (tile * 32)[None, :, None], mask=n_ok[:, None, None] & (tile < num_tiles)[None, :, None],
+                    other=0).to(tl.int32)
+        ms = n_ok[:, None] & (t0 + c // 2 < num_tiles)[None, :]
+        sc = tl.load(s_rows + 2 * t0, mask=ms, other=0).to(tl.int32)
+        sc_lo, sc_hi = tl.split(tl.reshape(sc, [BLOCK_N, BLOCK_U, 2]))
+        k_lo = (tile * 64)[:, None]
+        a_lo = tl.load(a_row + k_lo, mask=k_lo + j[None, :] < I, other=0.0)
+        a_hi = tl.load(a_row + k_lo + 32, mask=k_lo + 32 + j[None, :] < I, other=0.0)
+        acc += tl.sum(_e2m1_tiny(w, False) * a_lo[None, :, :], axis=2) * _block_factor(sc_lo)
+        acc += tl.sum(_e2m1_tiny(w, True) * a_hi[None, :, :], axis=2) * _block_factor(sc_hi)
+    y = tl.sum(acc, axis=1) + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)
+    tl.atomic_add(out_ptr + token * H + n, gate * y, mask=n_ok, sem="relaxed")
+
+
+# ----------------------------------------------------------------------------- grouped (prefill)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, E, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Group (token, slot) pairs by expert: sorted[row] = pair (or -1 for padding), each expert's
+    rows starting at a multiple of BLOCK_M; block_expert[b] = the expert of rows
+    [b*BLOCK_M, (b+1)*BLOCK_M), -1 past the last. Order within an expert is arbitrary (atomics).
+    """
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    counts = tl.load(counts_ptr + e, mask=e_ok, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = p < num_pairs
+    pe = tl.load(ids_ptr + p, mask=p_ok, other=0)
+    start = tl.sum(tl.where(pe[:, None] == e[None, :], starts[None, :], 0), axis=1)
+    rank = tl.atomic_add(cursor_ptr + pe, 1, mask=p_ok, sem="relaxed")
+    tl.store(sorted_ptr + start + rank, p, mask=p_ok)
+    if pid == 0:
+        r = tl.arange(0, BLOCK_M)
+        pad_mask = e_ok[:, None] & (r[None, :] < (padded - counts)[:, None])
+        tl.store(sorted_ptr + (starts + counts)[:, None] + r[None, :], -1, mask=pad_mask)
+        for b0 in range(0, max_blocks, BLOCK_P):
+            b = b0 + tl.arange(0, BLOCK_P)
+            done = (ends[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
+            expert = tl.sum(done.to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, tl.where(expert < E, expert, -1), mask=b < max_blocks)
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    H, I, num_tiles, s_row, stride_x, limit, alpha,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LARGE_SCALES: tl.constexpr, OPERAND: tl.constexpr,
+):
+    """act[rows, n] = swiglu(gate, up) for one BLOCK_M-row block of one expert's pairs.
+
+    Computed transposed, [BLOCK_N weight rows, BLOCK_M tokens], so the dequantised weights are
+    the MMA's register operand and the gathered activations its shared-memory one. The scale
+    bytes (too small for the pipeliner's async copies) are loaded one K tile ahead by hand.
+    """
+    mb = tl.program_id(0)
+    e = tl.load(block_expert_ptr + mb)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair >= 0
+    token = tl.where(valid, pair // TOP_K, 0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    j = tl.arange(0, 32)
+    row_bytes = num_tiles * 32
+    g_rows = w_ptr + e * (2 * I) * row_bytes + n.to(tl.int64)[:, None] * row_bytes + j[None, :]
+    u_rows = g_rows + I * row_bytes
+    sg = s_ptr + e * (2 * I) * s_row + n * s_row
+    su = sg + I * s_row
+    x_rows = x_ptr + token.to(tl.int64)[None, :] * stride_x + j[:, None]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    sg_lo_next = tl.load(sg, mask=n_ok, other=0)
+    sg_hi_next = tl.load(sg + 1, mask=n_ok, other=0)
+    su_lo_next = tl.load(su, mask=n_ok, other=0)
+    su_hi_next = tl.load(su + 1, mask=n_ok, other=0)
+    for tile in range(num_tiles):
+        sg_lo = sg_lo_next.to(tl.int32)[:, None]
+        sg_hi = sg_hi_next.to(tl.int32)[:, None]
+        su_lo = su_lo_next.to(tl.int32)[:, None]
+        su_hi = su_hi_next.to(tl.int32)[:, None]
+        more = n_ok & (n * 0 + tile + 1 < num_tiles)  # (a tensor also under the interpreter)
+        sg_lo_next = tl.load(sg + 2 * tile + 2, mask=more, other=0)
+        sg_hi_next = tl.load(sg + 2 * tile + 3, mask=more, other=0)
+        su_lo_next = tl.load(su + 2 * tile + 2, mask=more, other=0)
+        su_hi_next = tl.load(su + 2 * tile + 3, mask=more, other=0)
+        wg = tl.load(g_rows + tile * 32, mask=n_ok[:, None], other=0).to(tl.int32)
+        wu = tl.load(u_rows + tile * 32, mask=n_ok[:, None], other=0).to(tl.int32)
+        k = tile * 64 + j
+        x_lo = tl.load(x_rows + tile * 64, mask=valid[None, :] & (k < H)[:, None], other=0.0).to(OPERAND)
+        x_hi = tl.load(x_rows + tile * 64 + 32, mask=valid[None, :] & (k + 32 < H)[:, None], other=0.0).to(OPERAND)
+        acc_g = tl.dot(_dequant(wg, sg_lo, False, LARGE_SCALES).to(OPERAND), x_lo, acc_g)
+        acc_g = tl.dot(_dequant(wg, sg_hi, True, LARGE_SCALES).to(OPERAND), x_hi, acc_g)
+        acc_u = tl.dot(_dequant(wu, su_lo, False, LARGE_SCALES).to(OPERAND), x_lo, acc_u)
+        acc_u = tl.dot(_dequant(wu, su_hi, True, LARGE_SCALES).to(OPERAND), x_hi, acc_u)
+    gate = acc_g + tl.load(b_ptr + e * 2 * I + n, mask=n_ok, other=0.0)[:, None]
+    up = acc_u + tl.load(b_ptr + e * 2 * I + I + n, mask=n_ok, other=0.0)[:, None]
+    act = _swiglu(gate, up, limit, alpha)
+    dst = act_ptr + rows.to(tl.int64)[None, :] * I + n[:, None]
+    tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    act_ptr, sorted_ptr, block_expert_ptr, gates_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    H, I, num_tiles, s_row,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LARGE_SCALES: tl.constexpr, OPERAND: tl.constexpr,
+):
+    """out[token, n] += gate * (act[row] W2[e]^T + b2[e]) for one block of one expert's rows
+    (fp32 atomics: the k experts of a token meet in its output row, no extra pass)."""
+    mb = tl.program_id(0)
+    e = tl.load(block_expert_ptr + mb)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair >= 0
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    j = tl.arange(0, 32)
+    row_bytes = num_tiles * 32
+    w_rows = w_ptr + e * H * row_bytes + n.to(tl.int64)[:, None] * row_bytes + j[None, :]
+    s_base = s_ptr + e * H * s_row + n * s_row
+    a_rows = act_ptr + rows.to(tl.int64)[None, :] * I + j[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    lo_next = tl.load(s_base, mask=n_ok, other=0)
+    hi_next = tl.load(s_base + 1, mask=n_ok, other=0)
+    for tile in range(num_tiles):
+        sc_lo = lo_next.to(tl.int32)[:, None]
+        sc_hi = hi_next.to(tl.int32)[:, None]
+        more = n_ok & (n * 0 + tile + 1 < num_tiles)  # (a tensor also under the interpreter)
+        lo_next = tl.load(s_base + 2 * tile + 2, mask=more, other=0)
+        hi_next = tl.load(s_base + 2 * tile + 3, mask=more, other=0)
+        w = tl.load(w_rows + tile * 32, mask=n_ok[:, None], other=0).to(tl.int32)
+        k = tile * 64 + j
+        a_lo = tl.load(a_rows + tile * 64, mask=(k < I)[:, None], other=0.0).to(OPERAND)
+        a_hi = tl.load(a_rows + tile * 64 + 32, mask=(k + 32 < I)[:, None], other=0.0).to(OPERAND)
+        acc = tl.dot(_dequant(w, sc_lo, False, LARGE_SCALES).to(OPERAND), a_lo, acc)
+        acc = tl.dot(_dequant(w, sc_hi, True, LARGE_SCALES).to(OPERAND), a_hi, acc)
+    gate = tl.load(gates_ptr + pair, mask=valid, other=0.0)
+    y = (acc + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)[:, None]) * gate[None, :]
+    token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+    tl.atomic_add(out_ptr + token[None, :] * H + n[:, None], y, mask=valid[None, :] & n_ok[:, None], sem="relaxed")
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    """Launch choices; the defaults are the fastest of `benchmarks/bench_moe.py --sweep` on an
+    H100 (BENCHMARKS.md, "MoE kernels")."""
+
+    decode_max_tokens: int = 8  # T at or below this takes the GEMV path
+    gemv_block_n: int = 32  # gate_up GEMV: output columns per program
+    gemv_down_block_n: int = 32  # down GEMV: output columns per program
+    gemv_block_u: int = 8  # 64-value K tiles per loop step (1, 2, 4 or 8)
+    gemv_warps: int = 4
+    gemv_stages: int = 3
+    block_m: int | None = None  # grouped path tokens per block; None: by tokens per expert
+    block_n: int = 64  # grouped gate_up: weight rows (of gates, and as many of ups) per program
+    warps: int = 4
+    down_block_n: int | None = 128  # grouped down: weight rows per program; None: block_n
+    down_warps: int | None = None  # None: warps
+    stages: int = 4
+
+
+DEFAULT_CONFIG = MoEKernelConfig()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
+    if config.block_m is not None:
+        return config.block_m
+    per_expert = pairs / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 160 else 128
+
+
+def fused_moe(
+    x: torch.Tensor, w: TritonMoEWeights, top_k: int, swiglu_limit: float, config: MoEKernelConfig = DEFAULT_CONFIG
+) -> torch.Tensor:
+    """The MoE block. x: [T, H] bf16 (float32 under the interpreter) -> [T, H] in x's dtype."""
+    t_count, hidden = x.shape
+    num_experts, inter = w.num_experts, w.intermediate_size
+    if hidden != w.hidden_size:
+        raise ValueError(f"x has hidden size {hidden}, the weights {w.hidden_size}")
+    if t_count == 0:
+        return torch.empty_like(x)
+    x = x.contiguous()
+    dev = x.device
+    cfg = config
+    pairs = t_count * top_k
+    tiles1, tiles2 = w.w1.shape[2] // 32, w.w2.shape[2] // 32
+    block_e = triton.next_power_of_2(max(num_experts, 16))
+    out32 = torch.empty(t_count, hidden, dtype=torch.float32, device=dev)  # zeroed by the router
+
+    if t_count <= cfg.decode_max_tokens:
+        logits = torch.empty(t_count, num_experts, dtype=torch.float32, device=dev)
+        x_scaled = torch.empty(t_count, hidden, dtype=torch.float32, device=dev)
+        experts_per_program = 2
+        programs = triton.cdiv(num_experts, experts_per_program)
+        _router_logits_kernel[(programs, t_count)](
+            x, w.router_weight, w.router_bias, logits, out32, x_scaled, hidden, num_experts, x.stride(0),
+            BLOCK_E=experts_per_program, BLOCK_K=1024, ZERO_BLOCK=triton.next_power_of_2(triton.cdiv(hidden, programs)),
+        )
+        act = torch.empty(pairs, inter, dtype=torch.float32, device=dev)  # * 2^100
+        gemv = dict(TOP_K=top_k, BLOCK_E=block_e, BLOCK_U=cfg.gemv_block_u, STAGES=cfg.gemv_stages,
+                    num_warps=cfg.gemv_warps)
+        _gemv_gate_up_kernel[(pairs, triton.cdiv(inter, cfg.gemv_block_n))](
+            x_scaled, logits, w.w1, w.s1, w.b1, act, hidden, inter, num_experts, tiles1, w.s1.shape[2],
+            swiglu_limit, SWIGLU_ALPHA, BLOCK_N=cfg.gemv_block_n, **gemv,
+        )
+        _gemv_down_kernel[(pairs, triton.cdiv(hidden, cfg.gemv_down_block_n))](
+            act, logits, w.w2, w.s2, w.b2, out32, hidden, inter, num_experts, tiles2, w.s2.shape[2],
+            BLOCK_N=cfg.gemv_down_block_n, **gemv,
+        )
+        return out32.to(x.dtype)
+
+    operand = tl.float32 if interpreting() else tl.bfloat16  # the interpreter has no bf16 math
+    ids = torch.empty(t_count, top_k, dtype=torch.int32, device=dev)
+    gates = torch.empty(t_count, top_k, dtype=torch.float32, device=dev)
+    counters = torch.zeros(2, num_experts, dtype=torch.int32, device=dev)  # counts, cursors
+    block_t = 16
+    _route_kernel[(triton.cdiv(t_count, block_t),)](
+        x, w.router_weight, w.router_bias, ids, gates, counters[0], out32, t_count, hidden, num_experts, x.stride(0),
+        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128,
+        OPERAND=operand,
+    )
+    block_m = _block_m(pairs, num_experts, cfg)
+    max_blocks = min(pairs, (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    block_p = 128
+    _align_kernel[(triton.cdiv(pairs, block_p),)](
+        ids, counters[0], counters[1], sorted_pairs, block_expert, pairs, num_experts, max_blocks,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
+    )
+    act_dtype = torch.float32 if interpreting() else torch.bfloat16  # exact checks under the interpreter
+    act = torch.empty(max_blocks * block_m, inter, dtype=act_dtype, device=dev)
+    common = dict(TOP_K=top_k, BLOCK_M=block_m, LARGE_SCALES=w.large_scales, OPERAND=operand, num_stages=cfg.stages)
+    _grouped_gate_up_kernel[(max_blocks, triton.cdiv(inter, cfg.block_n))](
+        x, sorted_pairs, block_expert, w.w1, w.s1, w.b1, act, hidden, inter, tiles1, w.s1.shape[2], x.stride(0),
+        swiglu_limit, SWIGLU_ALPHA, BLOCK_N=cfg.block_n, num_warps=cfg.warps, **common,
+    )
+    down_n = cfg.down_block_n or cfg.block_n
+    _grouped_down_kernel[(max_blocks, triton.cdiv(hidden, down_n))](
+        act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, w.s2.shape[2],
+        BLOCK_N=down_n, num_warps=cfg.down_warps or cfg.warps, **common,
+    )
+    return out32.to(x.dtype)

@@ -1,0 +1,86 @@
+"""Which MoE implementation the model runs: chosen once per model, by device.
+
+Every backend has the same two methods:
+    prepare(weights: MoEWeights) -> prepared
+        once per layer at load time: converts the weights into the backend's layout. It may
+        release the original expert tensors (the Triton backend does, so a model does not hold
+        two copies); use only `prepared` afterwards.
+    forward(x [T, H], prepared, top_k, swiglu_limit) -> [T, H] in x's dtype
+        the MoE block (contract: `inference.moe.moe_reference`).
+
+"reference" is pure torch over the packed weights, dequantising only the experts a batch uses;
+always available, the CPU path. "triton" (`inference/kernels/moe_triton.py`) keeps experts in
+MXFP4 on the GPU and never synchronises with the host, so decode steps can be captured in CUDA
+graphs. flashinfer's fused MoE was not wired in (see BENCHMARKS.md, "MoE kernels"), so asking
+for it is an error rather than a silent substitute.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .moe import MoEWeights, moe_reference
+
+BACKENDS = ("reference", "triton")
+
+
+class ReferenceMoEBackend:
+    """Float32 math over the checkpoint's own layout: exact, slow; the tests' yardstick."""
+
+    name = "reference"
+
+    @staticmethod
+    def prepare(weights: MoEWeights) -> MoEWeights:
+        return weights
+
+    @staticmethod
+    def forward(x: torch.Tensor, prepared: MoEWeights, top_k: int, swiglu_limit: float) -> torch.Tensor:
+        return moe_reference(x, prepared, top_k, swiglu_limit)
+
+
+class TritonMoEBackend:
+    """MXFP4 experts, Triton kernels. Checkpoints with dense (bf16) experts fall back to the
+    reference math, which is correct but slow and not capturable in a CUDA graph."""
+
+    name = "triton"
+
+    def __init__(self, config=None) -> None:
+        from .kernels import moe_triton
+
+        self._kernels = moe_triton
+        self.config = config or moe_triton.DEFAULT_CONFIG
+
+    def prepare(self, weights: MoEWeights):
+        experts = weights.experts
+        if not experts.is_mxfp4:
+            return weights
+        prepared = self._kernels.prepare_moe_weights(weights)
+        # The kernels' copy replaces the checkpoint's: drop ours so the GPU holds one.
+        experts.gate_up_blocks = experts.gate_up_scales = experts.down_blocks = experts.down_scales = None
+        return prepared
+
+    def forward(self, x: torch.Tensor, prepared, top_k: int, swiglu_limit: float) -> torch.Tensor:
+        if isinstance(prepared, MoEWeights):
+            return moe_reference(x, prepared, top_k, swiglu_limit)
+        return self._kernels.fused_moe(x, prepared, top_k, swiglu_limit, self.config)
+
+
+def triton_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def select_moe_backend(device, prefer: str | None = None):
+    """The MoE backend for `device`: `prefer` if given (error if it cannot run there),
+    otherwise the fastest available one (Triton on CUDA, the reference elsewhere)."""
+    device = torch.device(device)
+    if prefer is not None and prefer not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {prefer!r}; choose from {', '.join(BACKENDS)}")
+    if prefer == "reference":
+        return ReferenceMoEBackend()
+    if triton_available(device):
+        return TritonMoEBackend()
+    if prefer == "triton":
+        raise RuntimeError(f"the triton MoE backend needs a CUDA device with triton installed, not {device}")
+    return ReferenceMoEBackend()

@@ -1,0 +1,130 @@
+"""Batched sampling: one call turns a step's logits into next tokens (and logprobs).
+
+Order of operations per row, all on the logits' device:
+    logits += logit_bias
+    logits -= frequency_penalty * count + presence_penalty * (count > 0)   (count: generated tokens)
+    temperature 0  -> argmax
+    otherwise      -> logits / temperature, keep the top_k, keep the smallest set with mass
+                      >= top_p, drop tokens below min_p * p_max, sample
+Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which draws from p
+exactly. A seeded row draws its E from its own `torch.Generator`, so the same seed gives the
+same tokens whatever else is in the batch. Logprobs are those of the model's raw distribution
+(log_softmax of the logits before any of the above), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import SamplingParams, TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    @torch.inference_mode()
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """logits: [N, V] float32, one row per sequence; output_ids: tokens each has generated."""
+        device = logits.device
+        processed = self._apply_bias_and_penalties(logits, params, output_ids)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        tokens = processed.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=device)
+            scaled = processed[rows] / temperature[rows, None]
+            probs = self._truncated_probs(scaled, [params[i] for i in sampled_rows])
+            noise = torch.empty_like(probs)
+            seeded = [(j, generators[i]) for j, i in enumerate(sampled_rows) if generators[i] is not None]
+            if len(seeded) < len(sampled_rows):
+                noise.exponential_()
+            for j, generator in seeded:
+                noise[j].exponential_(generator=generator)
+            tokens[rows] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(logits, tokens, params))
+
+    @staticmethod
+    def _apply_bias_and_penalties(logits, params, output_ids) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        device = logits.device
+        bias = [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias.items()]
+        penalised = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+        if not bias and not penalised:
+            return logits
+        logits = logits.clone()
+        if bias:
+            rows, cols, values = zip(*bias)
+            logits.index_put_(
+                (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                torch.tensor(values, dtype=logits.dtype, device=device),
+                accumulate=True,
+            )
+        if penalised:
+            # Token counts per penalised row: scatter the generated ids (padded with an extra
+            # column `vocab` that is dropped) into [rows, vocab + 1].
+            width = max(1, max(len(output_ids[i]) for i in penalised))
+            padded = [output_ids[i] + [vocab] * (width - len(output_ids[i])) for i in penalised]
+            ids = torch.tensor(padded, dtype=torch.long, device=device)
+            counts = torch.zeros(len(penalised), vocab + 1, dtype=logits.dtype, device=device)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+            counts = counts[:, :vocab]
+            freq = torch.tensor([params[i].frequency_penalty for i in penalised], device=device)[:, None]
+            pres = torch.tensor([params[i].presence_penalty for i in penalised], device=device)[:, None]
+            rows = torch.tensor(penalised, device=device)
+            logits[rows] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+        return logits
+
+    @staticmethod
+    def _truncated_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Softmax of [M, V] temperature-scaled logits with top_k / top_p / min_p applied."""
+        device = scaled.device
+        vocab = scaled.shape[-1]
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            rank = torch.arange(vocab, device=device)[None, :]
+            sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Drop a token when the tokens ranked above it already reach top_p (the first stays).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+        probs = scaled.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    @staticmethod
+    def _logprobs(logits, tokens, params) -> list[TokenLogprob | None]:
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(params)
+        if not wanted:
+            return out
+        rows = torch.tensor(wanted, device=logits.device)
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        chosen = logprobs.gather(1, tokens[rows, None]).squeeze(1).tolist()
+        k = max(params[i].logprobs for i in wanted)
+        top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        token_list = tokens[rows].tolist()
+        for j, i in enumerate(wanted):
+            kk = params[i].logprobs
+            out[i] = TokenLogprob(token_list[j], chosen[j], list(zip(top_ids[j][:kk], top_values[j][:kk])))
+        return out

@@ -1,0 +1,227 @@
+"""Request body of Chat Completions (`POST /v1/chat/completions`), validated at the HTTP edge."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from .responses import check_json_schema
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class RefusalPart(StrictModel):
+    type: Literal["refusal"]
+    refusal: str
+
+
+def _text_of(content: Union[str, list[Any], None]) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in content)
+
+
+def _text_only(value: Any) -> Any:
+    if isinstance(value, list):
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "input_audio", "file"):
+                raise ValueError(f"'{kind}' content is not supported: gpt-oss reads text only")
+    return value
+
+
+class SystemMessage(StrictModel):
+    role: Literal["system", "developer"]
+    content: Union[str, list[TextPart]]
+    name: str | None = None
+
+    def text(self) -> str:
+        return _text_of(self.content)
+
+
+class UserMessage(StrictModel):
+    role: Literal["user"]
+    content: Union[str, list[TextPart]]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        return _text_only(value)
+
+    def text(self) -> str:
+        return _text_of(self.content)
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(StrictModel):
+    role: Literal["assistant"]
+    content: Union[str, list[Annotated[Union[TextPart, RefusalPart], Field(discriminator="type")]], None] = None
+    tool_calls: list[ToolCall] | None = None
+    # The analysis channel of an earlier turn, as this server (and other gpt-oss servers) return it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        return _text_of(self.content)
+
+
+class ToolMessage(StrictModel):
+    role: Literal["tool"]
+    content: Union[str, list[TextPart]]
+    tool_call_id: str
+
+    def text(self) -> str:
+        return _text_of(self.content)
+
+
+def _role(value: Any) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    return "system" if role == "developer" else role
+
+
+ChatMessage = Annotated[
+    Union[
+        Annotated[SystemMessage, Tag("system")],
+        Annotated[UserMessage, Tag("user")],
+        Annotated[AssistantMessage, Tag("assistant")],
+        Annotated[ToolMessage, Tag("tool")],
+    ],
+    Discriminator(_role),
+]
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+class ResponseFormatText(StrictModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(StrictModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(StrictModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_json_schema(value)
+
+
+class ResponseFormatJsonSchema(StrictModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    Union[ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema], Field(discriminator="type")
+]
+
+
+class ChatCompletionRequest(StrictModel):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"key {key!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias {bias} for token {key} is outside [-100, 100]")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,158 @@
+"""Shared fixtures: live servers (uvicorn on a loopback port) over a scripted or a real engine.
+
+`fake_server` runs the app on `ScriptedEngine` with fake browser / python / MCP tool servers;
+`tiny_engine_server` runs it on the real `inference.engine.AsyncEngine` over a tiny random
+checkpoint (skipped while that engine cannot be built); `live_server` is parametrized over both
+for tests whose assertions hold for any model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+MODEL = "gpt-oss-test"
+
+
+class LiveServer:
+    """An ASGI app served by uvicorn on 127.0.0.1 (a free port) in a background thread."""
+
+    def __init__(self, app, *, kind: str = "fake", api_key: str | None = None):
+        import uvicorn
+
+        self.app = app
+        self.kind = kind
+        self.api_key = api_key
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = ""
+
+    @property
+    def state(self):
+        return self.app.state.server
+
+    @property
+    def engine(self):
+        return self.state.engine
+
+    def start(self, ready_timeout: float = 300) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + ready_timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        while True:
+            r = httpx.get(f"{self.url}/ready", headers=headers)
+            if r.status_code == 200:
+                return self
+            if r.json().get("status") == "failed":
+                raise RuntimeError(f"server failed to start: {r.json()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("server not ready in time")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0,
+                             timeout=120, **kwargs)
+
+    def __enter__(self) -> "LiveServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def make_app(engine_factory, store_path: Path, *, tools=None, api_key: str | None = None, **config):
+    from agent_server.app import create_app
+    from agent_server.state import ServerConfig
+
+    async def tool_servers():
+        return list(tools or [])
+
+    cfg = ServerConfig(model_name=MODEL, store_path=store_path, api_key=api_key, **config)
+    return create_app(cfg, engine_factory, tool_servers=tool_servers)
+
+
+@pytest.fixture
+def fake_tools():
+    from tests.fake_tools import FakeBrowser, FakeMcp, FakePython
+
+    return {"browser": FakeBrowser(), "python": FakePython(), "mcp": FakeMcp()}
+
+
+@pytest.fixture
+def fake_engine():
+    from tests.fake_engine import ScriptedEngine
+
+    return ScriptedEngine()
+
+
+@pytest.fixture
+def fake_server(tmp_path, fake_engine, fake_tools):
+    app = make_app(lambda: fake_engine, tmp_path / "responses.sqlite3", tools=fake_tools.values())
+    with LiveServer(app, kind="fake") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    from inference.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-gpt-oss"), seed=0)
+
+
+def build_tiny_engine(checkpoint: Path):
+    """The real engine on the tiny checkpoint, float32 on CPU; skips while it cannot be built."""
+    try:
+        from inference.engine import AsyncEngine
+    except ImportError as e:
+        pytest.skip(f"inference.engine is not available: {e}")
+    try:
+        return AsyncEngine.from_pretrained(str(checkpoint), device="cpu", max_model_len=1024, num_pages=256,
+                                          enforce_eager=True)
+    except ImportError as e:  # a module the engine needs is still being written
+        pytest.skip(f"the real engine cannot be built yet: {e}")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_server(tmp_path_factory, tiny_checkpoint):
+    engine = build_tiny_engine(tiny_checkpoint)
+    app = make_app(lambda: engine, tmp_path_factory.mktemp("tiny-store") / "responses.sqlite3")
+    with LiveServer(app, kind="tiny") as server:
+        yield server
+
+
+@pytest.fixture(params=["fake", "tiny"])
+def tool_server(request, tmp_path, fake_tools, tiny_checkpoint):
+    """A server with the fake tool servers whose engine says what the test scripts: the
+    `ScriptedEngine`, or the real engine teacher-forced through the same script."""
+    if request.param == "fake":
+        return request.getfixturevalue("fake_server")
+    from tests.fake_engine import TeacherForcedEngine
+
+    engine = TeacherForcedEngine(build_tiny_engine(tiny_checkpoint))
+    server = LiveServer(make_app(lambda: engine, tmp_path / "responses.sqlite3", tools=fake_tools.values()),
+                        kind="tiny").start()
+    request.addfinalizer(server.stop)
+    return server
+
+
+@pytest.fixture(params=["fake", "tiny"])
+def live_server(request):
+    """A running server on either engine; tests read `live_server.kind` to script the fake."""
+    return request.getfixturevalue("fake_server" if request.param == "fake" else "tiny_engine_server")

@@ -1,0 +1,446 @@
+"""GPU attention path: Triton paged sink attention and fused RoPE + cache write vs pure torch.
+
+On a CUDA machine the kernels run for real (bf16, relative error < 1e-2). Without CUDA they run
+under Triton's interpreter (TRITON_INTERPRET=1, float32, tiny shapes); without Triton those tests
+skip and only the reference-path tests run.
+
+Every case poisons what attention must not read: the cache starts as NaN and only the positions
+a sequence's queries may see get real values; on sliding layers the pages below the window are
+freed (-1 in the block table) and physical page -1 (a guard page just before the cache view) is
+NaN too. Reading anything outside the window therefore turns the output into NaN.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # Must be set before the kernel modules are decorated by triton.jit.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from inference.attention import AttentionMetadata, sink_attention_reference  # noqa: E402
+from inference.attention_backend import ReferenceAttentionBackend, select_attention_backend  # noqa: E402
+from inference.kernels.rope_cache import rope_and_write_kv_reference  # noqa: E402
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+def _interpreter_ready() -> bool:
+    """Triton's own library functions (tl.max, tl.sum, ...) are decorated when triton is first
+    imported; if that happened before TRITON_INTERPRET was set (another test module got there
+    first), kernels cannot be interpreted in this process."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(triton.language.standard.max, InterpretedFunction)
+
+
+# Where the kernels can run in this process: a GPU, or a correctly set-up interpreter.
+IN_PROCESS = HAVE_TRITON and (CUDA or _interpreter_ready())
+needs_triton = pytest.mark.skipif(
+    not IN_PROCESS,
+    reason="triton is not installed" if not HAVE_TRITON
+    else "triton was imported before TRITON_INTERPRET=1; test_triton_in_fresh_interpreter runs these",
+)
+gpu_only = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA GPU and triton")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+TOL = 1e-2 if CUDA else 1e-4
+
+
+def _kernel_modules():
+    """The Triton modules, reloaded if they were first imported outside interpreter mode."""
+    attention_triton = importlib.import_module("inference.kernels.attention_triton")
+    rope_cache = importlib.import_module("inference.kernels.rope_cache")
+    if not CUDA:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(attention_triton._decode_kernel, InterpretedFunction):
+            attention_triton = importlib.reload(attention_triton)
+        if not isinstance(rope_cache._rope_write_kv_kernel, InterpretedFunction):
+            rope_cache = importlib.reload(rope_cache)
+    return attention_triton, rope_cache
+
+
+@pytest.mark.skipif(not HAVE_TRITON or CUDA or IN_PROCESS, reason="the Triton tests run in this process")
+def test_triton_in_fresh_interpreter():
+    """Run this file's Triton tests in a new interpreter-mode process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "triton_ and not fresh"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-500:]
+
+
+# ----------------------------------------------------------------------------- test batches
+
+
+def make_batch(
+    seed: int,
+    q_lens: list[int],
+    context_lens: list[int],
+    heads: tuple[int, int, int],
+    page_size: int,
+    window: int | None,
+    dtype=DTYPE,
+    device=DEVICE,
+):
+    """A random paged step. Returns (q, k_cache, v_cache, meta, block_table, sinks, sm_scale).
+
+    Pages are scattered over a shuffled pool; every cache entry a query may not see is NaN.
+    """
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-c // page_size) for c in context_lens]
+    max_pages = max(pages)
+    pool = sum(pages) + 3  # a few spare pages nobody owns
+    # Storage page 0 is a NaN guard: the caches handed to attention start at page 1, so a
+    # block-table entry of -1 addresses the guard.
+    k_store = torch.full((pool + 1, page_size, hkv, d), float("nan"), dtype=dtype)
+    v_store = torch.full_like(k_store, float("nan"))
+    k_cache, v_cache = k_store[1:], v_store[1:]
+    order = torch.randperm(pool, generator=gen).tolist()
+    block_table = torch.full((len(q_lens), max_pages + 2), -1, dtype=torch.int32)
+    for b, (q_len, ctx) in enumerate(zip(q_lens, context_lens)):
+        owned = [order.pop() for _ in range(pages[b])]
+        lo = 0 if window is None else max(0, ctx - q_len - window + 1)
+        for i, page in enumerate(owned):
+            if (i + 1) * page_size <= lo:
+                continue  # freed: wholly below every query's window
+            block_table[b, i] = page
+        pos = torch.arange(lo, ctx)
+        page, off = torch.tensor(owned, dtype=torch.long)[pos // page_size], pos % page_size
+        k_cache[page, off] = torch.randn(len(pos), hkv, d, generator=gen).to(dtype)
+        v_cache[page, off] = torch.randn(len(pos), hkv, d, generator=gen).to(dtype)
+    total = sum(q_lens)
+    q = torch.randn(total, hq, d, generator=gen).to(dtype)
+    sinks = torch.randn(hq, generator=gen) * 2
+    positions = torch.cat([torch.arange(c - n, c) for n, c in zip(q_lens, context_lens)]).long()
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_tables={"full": block_table, "sliding": block_table},
+        slot_mapping={"full": torch.full((total,), -1), "sliding": torch.full((total,), -1)},
+        positions=positions,
+        max_q_len=max(q_lens),
+        q_lens=list(q_lens),
+        context_lens_list=list(context_lens),
+    )
+    to = lambda t: t.to(device)  # noqa: E731
+    meta = AttentionMetadata(
+        cu_seqlens_q=to(meta.cu_seqlens_q),
+        context_lens=to(meta.context_lens),
+        block_tables={k: to(v) for k, v in meta.block_tables.items()},
+        slot_mapping={k: to(v) for k, v in meta.slot_mapping.items()},
+        positions=to(meta.positions),
+        max_q_len=meta.max_q_len,
+        q_lens=meta.q_lens,
+        context_lens_list=meta.context_lens_list,
+    )
+    k_cache, v_cache = to(k_store)[1:], to(v_store)[1:]  # slice after the move: keep the guard page
+    return to(q), k_cache, v_cache, meta, to(block_table), to(sinks), 1 / math.sqrt(d)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(ref).all(), "the reference itself read poisoned entries"
+    assert torch.isfinite(out).all(), "kernel output has NaN/inf (read outside the window or unwritten)"
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def check_attention(kernel, seed, q_lens, context_lens, heads, page_size, window, **kw):
+    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(seed, q_lens, context_lens, heads, page_size, window)
+    ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
+    out = kernel(q, k_cache, v_cache, meta, table, sinks, scale, window, **kw)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    err = relative_error(out, ref)
+    assert err < TOL, f"relative error {err:.2e}"
+
+
+# ----------------------------------------------------------------------------- reference path
+
+
+def naive_sink_attention(q, keys, values, sinks, scale, positions, window):
+    """One query at a time over a sequence's dense keys [L, Hkv, D] (independent of the paging)."""
+    hq, hkv = q.shape[1], keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, pos in enumerate(positions):
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            first = 0 if window is None else max(0, pos - window + 1)
+            s = keys[first : pos + 1, kv].double() @ q[i, h].double() * scale
+            logits = torch.cat([s, sinks[h : h + 1].double()])
+            p = torch.softmax(logits, 0)[:-1]
+            out[i, h] = p @ values[first : pos + 1, kv].double()
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_reference_backend_matches_naive_attention(window):
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d, page_size, ctx, new = 4, 2, 8, 4, 13, 6
+    keys, values = torch.randn(ctx, hkv, d, generator=gen), torch.randn(ctx, hkv, d, generator=gen)
+    q, sinks = torch.randn(new, hq, d, generator=gen), torch.randn(hq, generator=gen)
+    pages = torch.tensor([3, 0, 2, 1], dtype=torch.int32)  # logical page i -> physical pages[i]
+    k_cache = torch.zeros(4, page_size, hkv, d)
+    v_cache = torch.zeros_like(k_cache)
+    for pos in range(ctx):
+        k_cache[pages[pos // page_size], pos % page_size] = keys[pos]
+        v_cache[pages[pos // page_size], pos % page_size] = values[pos]
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, new], dtype=torch.int32), context_lens=torch.tensor([ctx], dtype=torch.int32),
+        block_tables={}, slot_mapping={}, positions=torch.arange(ctx - new, ctx), max_q_len=new,
+        q_lens=[new], context_lens_list=[ctx],
+    )
+    out = ReferenceAttentionBackend.attention(q, k_cache, v_cache, meta, pages[None], sinks, 0.3, window)
+    expected = naive_sink_attention(q, keys, values, sinks, 0.3, range(ctx - new, ctx), window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # The sink matters: dropping it changes the answer.
+    no_sink = naive_sink_attention(q, keys, values, sinks - 1e4, 0.3, range(ctx - new, ctx), window)
+    assert (out.double() - no_sink).abs().max() > 1e-3
+
+
+def complex_rope(x: torch.Tensor, cos_sin_rows: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE written as complex multiplication (x1 + i x2) * (cos + i sin)."""
+    half = x.shape[-1] // 2
+    z = torch.complex(x[..., :half].double(), x[..., half:].double())
+    w = torch.complex(cos_sin_rows[:, None, :half].double(), cos_sin_rows[:, None, half:].double())
+    r = z * w
+    return torch.cat([r.real, r.imag], dim=-1)
+
+
+def rope_inputs(seed, t=7, hq=6, hkv=2, d=16, page_size=4, num_pages=5, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(dtype)  # views into one qkv tensor, like the model
+    q, k, v = q[:, :hq], q[:, hq : hq + hkv], q[:, hq + hkv :]
+    positions = torch.randint(0, 50, (t,), generator=gen)
+    angles = torch.rand(50, d // 2, generator=gen) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1) * 1.3  # scaled like YaRN's attention factor
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:t]
+    slots[2] = -1
+    k_cache = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    to = lambda x: x.to(device)  # noqa: E731
+    return tuple(map(to, (q, k, v, positions, cos_sin, k_cache, v_cache, slots)))
+
+
+def test_rope_and_write_kv_reference():
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots = rope_inputs(0)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q_rot = rope_and_write_kv_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    rows = cos_sin[positions]
+    torch.testing.assert_close(q_rot.double(), complex_rope(q, rows), atol=1e-5, rtol=1e-5)
+    flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    k_rot = complex_rope(k, rows)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(flat_k[slot].double(), k_rot[i], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(flat_v[slot], v[i])
+    # Only the written slots changed (slot -1 was skipped).
+    written = torch.zeros(flat_k.shape[0], dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    assert torch.equal(flat_k[~written], k_before.view_as(flat_k)[~written])
+    assert torch.equal(flat_v[~written], v_before.view_as(flat_v)[~written])
+
+
+def test_rope_reference_is_the_models_rope():
+    """Same numbers as inference/rope.py on a real YaRN table (the model's own path)."""
+    from inference.config import RopeConfig
+    from inference.rope import apply_rope, cos_sin_table
+
+    table = cos_sin_table(RopeConfig(), 64, 5000)
+    q, k, v, _, _, k_cache, v_cache, slots = rope_inputs(4, d=64, num_pages=4)
+    positions = torch.tensor([0, 1, 7, 100, 4095, 4096, 4999])
+    q_rot = rope_and_write_kv_reference(q, k, v, positions, table, k_cache, v_cache, slots)
+    assert torch.equal(q_rot, apply_rope(q, table[positions]))
+
+
+def test_backend_selection():
+    assert select_attention_backend("cpu").name == "reference"
+    assert select_attention_backend("cpu", "reference").name == "reference"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_attention_backend("cpu", "fastest")
+    if not CUDA:
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            select_attention_backend("cpu", "triton")
+    else:
+        assert select_attention_backend("cuda").name == "triton"
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+# Tiny shapes (interpreter) on CPU; the GPU adds the real gpt-oss shapes below.
+
+
+def small_cfgs(attention_triton):
+    return dict(
+        decode_cfg=attention_triton.DecodeConfig(block_n=16, min_chunk=16),
+        prefill_cfg=attention_triton.PrefillConfig(rows=16, block_n=16),
+    )
+
+
+HEADS = [(4, 2, 16), (6, 2, 32), (8, 1, 16)]  # GQA 2, 3 (not a power of two), 8
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_triton_decode(heads, window, page_size):
+    attention_triton, _ = _kernel_modules()
+    lens = [1, 9, 23, 40]  # inside and across the window, not multiples of the page size
+    check_attention(attention_triton.paged_sink_attention, 11, [1] * len(lens), lens, heads, page_size, window,
+                    **small_cfgs(attention_triton))
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_triton_decode_splits(splits):
+    attention_triton, _ = _kernel_modules()
+    cfgs = small_cfgs(attention_triton)
+    cfgs["decode_cfg"] = attention_triton.DecodeConfig(block_n=16, num_splits=splits)
+    for window in (None, 8):
+        check_attention(attention_triton.paged_sink_attention, 5 + splits, [1, 1, 1], [3, 70, 33], (4, 2, 16), 8,
+                        window, **cfgs)
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("window", [None, 8])
+def test_triton_prefill_extend(heads, window):
+    attention_triton, _ = _kernel_modules()
+    # A fresh prompt, an extend over a cached prefix, and a decode token, in one ragged batch.
+    check_attention(attention_triton.paged_sink_attention, 21, [19, 6, 1], [19, 37, 12], heads, 4, window,
+                    **small_cfgs(attention_triton))
+
+
+@needs_triton
+def test_triton_prefill_many_sequences():
+    """Tiles find their sequence in-kernel: many sequences, some with no new tokens."""
+    attention_triton, _ = _kernel_modules()
+    q_lens = [3, 0, 17, 1, 0, 9, 2, 16, 1, 5]
+    contexts = [3, 4, 30, 22, 7, 9, 40, 16, 2, 12]
+    check_attention(attention_triton.paged_sink_attention, 8, q_lens, contexts, (4, 2, 16), 4, 8,
+                    **small_cfgs(attention_triton))
+
+
+@needs_triton
+def test_triton_prefill_default_tiles():
+    attention_triton, _ = _kernel_modules()
+    check_attention(attention_triton.paged_sink_attention, 4, [70, 3], [70, 9], (4, 1, 32), 8, 16)
+
+
+@needs_triton
+def test_triton_rope_and_write_kv():
+    _, rope_cache = _kernel_modules()
+    for seed, (hq, hkv, d) in enumerate([(6, 2, 16), (8, 1, 32)]):
+        args = rope_inputs(seed, hq=hq, hkv=hkv, d=d, dtype=DTYPE, device=DEVICE)
+        ref_args = [a.clone() for a in args]
+        out = rope_cache.rope_and_write_kv_triton(*args)
+        ref = rope_and_write_kv_reference(*ref_args)
+        tol = dict(atol=1e-2, rtol=1e-2) if CUDA else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, ref, **tol)
+        torch.testing.assert_close(args[5], ref_args[5], **tol)  # k_cache
+        torch.testing.assert_close(args[6], ref_args[6], **tol)  # v_cache
+
+
+# ----------------------------------------------------------------------------- GPU: real shapes
+
+GPT_OSS = (64, 8, 64)
+
+
+@gpu_only
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_gpu_decode_gpt_oss_shapes(batch, window, page_size):
+    attention_triton, _ = _kernel_modules()
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, 3000, (batch,), generator=gen).tolist()
+    lens[0] = 129  # just across the window
+    check_attention(attention_triton.paged_sink_attention, batch, [1] * batch, lens, GPT_OSS, page_size, window)
+
+
+@gpu_only
+@pytest.mark.parametrize("heads", [(64, 8, 16), (16, 2, 32), (24, 8, 128), (8, 8, 64)])
+@pytest.mark.parametrize("window", [None, 128])
+def test_gpu_head_dims_and_groups(heads, window):
+    attention_triton, _ = _kernel_modules()
+    check_attention(attention_triton.paged_sink_attention, 1, [1] * 5, [1, 100, 129, 1000, 4097], heads, 16, window)
+    check_attention(attention_triton.paged_sink_attention, 2, [300, 1, 77], [300, 500, 1077], heads, 16, window)
+
+
+@gpu_only
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 128])
+def test_gpu_prefill_extend_gpt_oss_shapes(window, page_size):
+    attention_triton, _ = _kernel_modules()
+    check_attention(attention_triton.paged_sink_attention, 7, [2000, 1, 333, 50], [2000, 900, 1500, 50], GPT_OSS,
+                    page_size, window)
+    gen = torch.Generator().manual_seed(page_size)
+    q_lens = torch.randint(0, 60, (70,), generator=gen).tolist()  # a mixed batch, some sequences idle
+    contexts = [n + int(torch.randint(0, 700, (1,), generator=gen)) for n in q_lens]
+    check_attention(attention_triton.paged_sink_attention, 8, q_lens, contexts, GPT_OSS, page_size, window)
+
+
+@gpu_only
+def test_gpu_decode_under_cuda_graph():
+    """Captured once with upper-bound lengths, replayed on other lengths: still exact."""
+    attention_triton, _ = _kernel_modules()
+    batch = 8
+    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(0, [1] * batch, [4000] * batch, GPT_OSS, 16, None)
+    lens = meta.context_lens.clone()
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention_triton.paged_sink_attention(q, k_cache, v_cache, meta, table, sinks, scale, None)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(attention_triton.paged_sink_attention(q, k_cache, v_cache, meta, table, sinks, scale, None))
+    new_lens = torch.tensor([1, 17, 128, 129, 999, 2048, 3001, 4000], dtype=torch.int32, device=DEVICE)
+    meta.context_lens.copy_(new_lens)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    meta_now = AttentionMetadata(
+        cu_seqlens_q=meta.cu_seqlens_q, context_lens=new_lens, block_tables=meta.block_tables,
+        slot_mapping=meta.slot_mapping, positions=new_lens.long() - 1, max_q_len=1, q_lens=[1] * batch,
+        context_lens_list=new_lens.tolist(),
+    )
+    ref = sink_attention_reference(q, k_cache, v_cache, meta_now, table, sinks, scale, None)
+    assert relative_error(out, ref) < TOL
+    meta.context_lens.copy_(lens)
+
+
+@gpu_only
+def test_gpu_rope_and_write_kv_gpt_oss_shapes():
+    _, rope_cache = _kernel_modules()
+    args = rope_inputs(9, t=300, hq=64, hkv=8, d=64, page_size=16, num_pages=40, dtype=torch.bfloat16, device=DEVICE)
+    ref_args = [a.clone() for a in args]
+    out = rope_cache.rope_and_write_kv_triton(*args)
+    ref = rope_and_write_kv_reference(*ref_args)
+    for got, want in ((out, ref), (args[5], ref_args[5]), (args[6], ref_args[6])):
+        assert relative_error(got, want) < 1e-2
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:All-NaN slice")
+def test_poisoned_cache_catches_reads_outside_the_window():
+    """The checks above can fail: attending over a sliding batch as if it were full reads freed
+    pages and out-of-window entries, and the output turns NaN."""
+    attention_triton, _ = _kernel_modules()
+    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(2, [1, 3], [40, 40], (4, 2, 16), 4, 8)
+    out = attention_triton.paged_sink_attention(q, k_cache, v_cache, meta, table, sinks, scale, None,
+                                                **small_cfgs(attention_triton))
+    assert not torch.isfinite(out).all()

@@ -1,0 +1,376 @@
+"""GPU MoE path: Triton MXFP4 expert kernels and the backend choice vs the float32 reference.
+
+On a CUDA machine the kernels run for real (bf16 activations, real gpt-oss shapes too). Without
+CUDA they run under Triton's interpreter (TRITON_INTERPRET=1, float32, tiny shapes); without
+Triton those tests skip and only the reference-path tests run.
+
+The reference for a bf16 input is `moe_reference` on the same values in float32 (router
+included), so both sides pick the same experts; ties between router logits are then as unlikely
+as in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # Must be set before the kernel modules are decorated by triton.jit.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from inference.moe import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
+from inference.moe_backend import ReferenceMoEBackend, select_moe_backend  # noqa: E402
+from inference.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+def _interpreter_ready() -> bool:
+    """Triton's own library functions are decorated when triton is first imported; if that
+    happened before TRITON_INTERPRET was set, kernels cannot be interpreted in this process."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(triton.language.standard.max, InterpretedFunction)
+
+
+IN_PROCESS = HAVE_TRITON and (CUDA or _interpreter_ready())
+needs_triton = pytest.mark.skipif(
+    not IN_PROCESS,
+    reason="triton is not installed" if not HAVE_TRITON
+    else "triton was imported before TRITON_INTERPRET=1; test_triton_in_fresh_interpreter runs these",
+)
+gpu_only = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA GPU and triton")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+LIMIT = 7.0
+
+
+def _kernels():
+    """The Triton module, reloaded if it was first imported outside interpreter mode."""
+    moe_triton = importlib.import_module("inference.kernels.moe_triton")
+    if not CUDA:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(moe_triton._route_kernel, InterpretedFunction):
+            moe_triton = importlib.reload(moe_triton)
+    return moe_triton
+
+
+@pytest.mark.skipif(not HAVE_TRITON or CUDA or IN_PROCESS, reason="the Triton tests run in this process")
+def test_triton_in_fresh_interpreter():
+    """Run this file's Triton tests in a new interpreter-mode process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+           "-k", "triton_ and not fresh"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-500:]
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def make_weights(
+    num_experts: int, hidden: int, inter: int, seed: int = 0, device=DEVICE, weight_scale: float = 0.05
+) -> MoEWeights:
+    """Random MXFP4 MoE weights (router in DTYPE, like a loaded model's)."""
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * weight_scale
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * weight_scale
+    b1, s1 = quantize_mxfp4(w1)
+    b2, s2 = quantize_mxfp4(w2)
+    experts = ExpertWeights(
+        gate_up_bias=torch.randn(num_experts, 2 * inter, generator=g) * 0.1,
+        down_bias=torch.randn(num_experts, hidden, generator=g) * 0.1,
+        gate_up_blocks=b1, gate_up_scales=s1, down_blocks=b2, down_scales=s2,
+    )
+    experts = ExpertWeights(**{f.name: t.to(device) for f in dataclasses.fields(experts)
+                               if (t := getattr(experts, f.name)) is not None})
+    router = (torch.randn(num_experts, hidden, generator=g) * hidden**-0.5).to(device, DTYPE)
+    return MoEWeights(router_weight=router, router_bias=(torch.randn(num_experts, generator=g) * 0.1).to(device, DTYPE),
+                      experts=experts)
+
+
+def random_packed_weights(num_experts: int, hidden: int, inter: int, seed: int = 0) -> MoEWeights:
+    """Real-size weights made directly on the device: random MXFP4 bytes, scales 2^-10..2^-6."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def u8(*shape, low=0, high=256):
+        return torch.randint(low, high, shape, generator=g, device=DEVICE, dtype=torch.uint8)
+
+    def normal(*shape, std):
+        return torch.randn(shape, generator=g, device=DEVICE) * std
+
+    e, h, i = num_experts, hidden, inter
+    experts = ExpertWeights(
+        gate_up_bias=normal(e, 2 * i, std=0.05), down_bias=normal(e, h, std=0.05),
+        gate_up_blocks=u8(e, 2 * i, h // 32, 16), gate_up_scales=u8(e, 2 * i, h // 32, low=117, high=122),
+        down_blocks=u8(e, h, i // 32, 16), down_scales=u8(e, h, i // 32, low=117, high=122),
+    )
+    return MoEWeights(router_weight=normal(num_experts, hidden, std=hidden**-0.5).to(DTYPE),
+                      router_bias=normal(num_experts, std=0.1).to(DTYPE), experts=experts)
+
+
+def float_copy(w: MoEWeights) -> MoEWeights:
+    """The same weights with a float32 router (the reference's routing in float32)."""
+    return dataclasses.replace(w, router_weight=w.router_weight.float(), router_bias=w.router_bias.float())
+
+
+def reference(x: torch.Tensor, w: MoEWeights, top_k: int) -> torch.Tensor:
+    return moe_reference(x.float(), float_copy(w), top_k, LIMIT)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    assert out.shape == ref.shape and out.dtype in (torch.bfloat16, torch.float32)
+    assert torch.isfinite(out).all()
+    scale = ref.abs().max().item()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= rel * scale, f"max error {err:.3g} vs output scale {scale:.3g}"
+
+
+def triton_backend(config=None):
+    from inference.moe_backend import TritonMoEBackend
+
+    backend = TritonMoEBackend.__new__(TritonMoEBackend)
+    backend._kernels = _kernels()
+    backend.config = config or backend._kernels.DEFAULT_CONFIG
+    return backend
+
+
+def prepared_copy(backend, w: MoEWeights):
+    """prepare() releases the packed tensors it is given, so hand it a shallow copy."""
+    return backend.prepare(dataclasses.replace(w, experts=dataclasses.replace(w.experts)))
+
+
+TOL = 2e-2 if CUDA else 1e-5
+
+
+# ----------------------------------------------------------------------------- reference path
+
+
+def test_select_backend():
+    assert isinstance(select_moe_backend("cpu"), ReferenceMoEBackend)
+    assert isinstance(select_moe_backend("cpu", "reference"), ReferenceMoEBackend)
+    with pytest.raises(ValueError):
+        select_moe_backend("cpu", "cutlass")
+    if not CUDA:
+        with pytest.raises(RuntimeError):
+            select_moe_backend("cpu", "triton")
+    elif HAVE_TRITON:
+        assert select_moe_backend("cuda").name == "triton"
+
+
+def test_reference_backend_packed_equals_dense():
+    """Dequantised-dense experts and packed ones give the same block output."""
+    w = make_weights(6, 64, 32, seed=1, device="cpu")
+    w = float_copy(w)
+    ex = w.experts
+    dense = ExpertWeights(
+        gate_up_bias=ex.gate_up_bias, down_bias=ex.down_bias,
+        gate_up=dequantize_mxfp4(ex.gate_up_blocks, ex.gate_up_scales, torch.float32).transpose(1, 2),
+        down=dequantize_mxfp4(ex.down_blocks, ex.down_scales, torch.float32).transpose(1, 2),
+    )
+    x = torch.randn(9, 64)
+    backend = ReferenceMoEBackend()
+    packed_out = backend.forward(x, backend.prepare(w), 3, LIMIT)
+    dense_out = backend.forward(x, backend.prepare(dataclasses.replace(w, experts=dense)), 3, LIMIT)
+    torch.testing.assert_close(packed_out, dense_out, rtol=1e-5, atol=1e-5)
+    # Each token's output is its routing-weighted sum of its experts: spot-check token 0.
+    ids, gates = route(x[:1], w, 3)
+    y = torch.zeros(64)
+    for e, g in zip(ids[0].tolist(), gates[0].tolist()):
+        w1, w2 = ex.expert_matrices(e)
+        h = x[0] @ w1 + ex.gate_up_bias[e]
+        gate, up = h[0::2].clamp(max=LIMIT), h[1::2].clamp(-LIMIT, LIMIT)
+        y += g * (((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ w2 + ex.down_bias[e])
+    torch.testing.assert_close(packed_out[0], y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_planar_layout_round_trip():
+    """The kernels' layout holds exactly the checkpoint's values (decoded here in torch)."""
+    from inference.kernels.moe_triton import pack_planar
+
+    lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    g = torch.Generator().manual_seed(2)
+    for groups in (2, 3):  # 3: odd, padded with a zero block
+        blocks = torch.randint(0, 256, (2, 5, groups, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(110, 140, (2, 5, groups), generator=g, dtype=torch.uint8)
+        rows = torch.tensor([4, 0, 3, 1, 2])
+        w, s = pack_planar(blocks, scales, rows)
+        gp = groups + groups % 2
+        assert w.shape == (2, 5, gp * 16) and s.shape == (2, 5, 16)  # scale rows padded to 16 bytes
+        assert (s[..., groups:] == 0).all()
+        b = w.view(2, 5, gp // 2, 32).long()
+        low = lut[(b >> 1) & 7] * (1 - 2 * (b & 1))
+        high = lut[b >> 5] * (1 - 2 * ((b >> 4) & 1))
+        values = torch.stack((low, high), dim=3).reshape(2, 5, gp, 32)
+        values = values * torch.exp2(s[..., :gp].float() - 127).unsqueeze(-1)
+        want = dequantize_mxfp4(blocks, scales, torch.float32)[:, rows]
+        assert torch.equal(values.reshape(2, 5, -1)[..., : groups * 32], want)
+        assert (values.reshape(2, 5, -1)[..., groups * 32 :] == 0).all()
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+# (experts, hidden, intermediate, top_k): 96 = 3 scale blocks, so K pads to a whole 64-tile.
+TINY = [(4, 64, 64, 2), (8, 96, 64, 4), (6, 64, 96, 3)]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", TINY)
+def test_triton_router_matches_torch(shape):
+    e_count, hidden, inter, top_k = shape
+    mt = _kernels()
+    w = make_weights(e_count, hidden, inter, seed=3)
+    prepared = mt.prepare_moe_weights(w)
+    x = torch.randn(19, hidden, device=DEVICE).to(DTYPE)
+    ids = torch.empty(19, top_k, dtype=torch.int32, device=DEVICE)
+    gates = torch.empty(19, top_k, dtype=torch.float32, device=DEVICE)
+    counts = torch.zeros(e_count, dtype=torch.int32, device=DEVICE)
+    out32 = torch.full((19, hidden), 5.0, device=DEVICE)
+    operand = triton.language.bfloat16 if CUDA else triton.language.float32
+    mt._route_kernel[(2,)](
+        x, prepared.router_weight, prepared.router_bias, ids, gates, counts, out32, 19, hidden, e_count, x.stride(0),
+        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=16, BLOCK_E=16, BLOCK_K=32, OPERAND=operand,
+    )
+    want_ids, want_gates = route(x.float(), float_copy(w), top_k)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(gates, want_gates, rtol=1e-4, atol=1e-5)
+    assert torch.equal(counts.cpu(), torch.bincount(want_ids.flatten().cpu(), minlength=e_count).int())
+    assert (out32 == 0).all()
+
+
+def _run_both_paths(w, x, top_k, tol=TOL, **config):
+    """Compare the decode (GEMV) and grouped paths with the reference; returns their outputs."""
+    mt = _kernels()
+    ref = reference(x, w, top_k)
+    outs = {}
+    for name, decode_max in (("decode", x.shape[0]), ("grouped", 0)):
+        backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=decode_max, **config))
+        out = backend.forward(x, prepared_copy(backend, w), top_k, LIMIT)
+        assert out.dtype == x.dtype
+        assert_close(out, ref, tol)
+        outs[name] = out
+    return outs
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", TINY)
+def test_triton_paths_match_reference(shape):
+    e_count, hidden, inter, top_k = shape
+    w = make_weights(e_count, hidden, inter, seed=4)
+    for t in (1, 3):
+        _run_both_paths(w, torch.randn(t, hidden, device=DEVICE).to(DTYPE), top_k)
+
+
+@needs_triton
+def test_triton_grouped_many_tokens_and_block_sizes():
+    """More pairs than one block per expert, each block size the heuristic can pick."""
+    mt = _kernels()
+    w = make_weights(4, 64, 64, seed=5)
+    x = torch.randn(45, 64, device=DEVICE).to(DTYPE)
+    ref = reference(x, w, 2)
+    for block_m, down_n in ((16, None), (32, 16), (64, 64)):
+        config = mt.MoEKernelConfig(decode_max_tokens=0, block_m=block_m, block_n=32, down_block_n=down_n)
+        backend = triton_backend(config)
+        assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), ref, TOL)
+
+
+@needs_triton
+def test_triton_skewed_routing():
+    """Every token picks the same experts: those get all tokens, the rest none."""
+    w = make_weights(8, 64, 64, seed=6)
+    w.router_bias = torch.tensor([0, 0, 50, 0, 0, 40, 0, 0], dtype=DTYPE, device=DEVICE)
+    x = torch.randn(21, 64, device=DEVICE).to(DTYPE)
+    ids, _ = route(x.float(), float_copy(w), 2)
+    assert set(ids.flatten().tolist()) == {2, 5}
+    _run_both_paths(w, x[:3], 2)
+    mt = _kernels()
+    backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=0))
+    assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), reference(x, w, 2), TOL)
+
+
+@needs_triton
+def test_triton_large_scales():
+    """Scale bytes above 128 (weights beyond 2^1 * 6) take the two-multiply dequantisation."""
+    mt = _kernels()
+    w = make_weights(4, 64, 64, seed=7, weight_scale=300.0)
+    assert w.experts.gate_up_scales.max() > 128
+    assert mt.prepare_moe_weights(w).large_scales
+    x = (torch.randn(3, 64, device=DEVICE) * 1e-3).to(DTYPE)
+    _run_both_paths(w, x, 2)
+
+
+@needs_triton
+def test_triton_empty_batch_and_bad_shape():
+    mt = _kernels()
+    w = make_weights(4, 64, 64, seed=8)
+    prepared = mt.prepare_moe_weights(w)
+    assert mt.fused_moe(torch.empty(0, 64, device=DEVICE, dtype=DTYPE), prepared, 2, LIMIT).shape == (0, 64)
+    with pytest.raises(ValueError):
+        mt.fused_moe(torch.zeros(1, 32, device=DEVICE, dtype=DTYPE), prepared, 2, LIMIT)
+
+
+@needs_triton
+def test_triton_prepare_releases_packed_weights():
+    backend = triton_backend()
+    w = make_weights(4, 64, 64, seed=9)
+    x = torch.randn(2, 64, device=DEVICE).to(DTYPE)
+    ref = reference(x, w, 2)
+    prepared = backend.prepare(w)
+    assert w.experts.gate_up_blocks is None and w.experts.down_blocks is None
+    assert_close(backend.forward(x, prepared, 2, LIMIT), ref, TOL)
+
+
+# ----------------------------------------------------------------------------- GPU only: real shapes
+
+
+@gpu_only
+@pytest.mark.parametrize("e_count", [32, 128])
+def test_gpu_real_shapes(e_count):
+    """gpt-oss shapes (H = I = 2880, 90 scale blocks) with random weights, both paths, and
+    batches where many experts get no tokens (T=1) and where every expert gets many."""
+    w = random_packed_weights(e_count, 2880, 2880, seed=10)
+    for t in (1, 4):
+        x = torch.randn(t, 2880, device=DEVICE).to(DTYPE)
+        _run_both_paths(w, x, 4)
+    mt = _kernels()
+    backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=0))
+    prepared = prepared_copy(backend, w)
+    for t in (37, 700):
+        x = torch.randn(t, 2880, device=DEVICE).to(DTYPE)
+        assert_close(backend.forward(x, prepared, 4, LIMIT), reference(x, w, 4), TOL)
+
+
+@gpu_only
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_gpu_cuda_graph_capture(t):
+    """forward has no host synchronisation: it captures in a graph and replays on new inputs."""
+    w = random_packed_weights(32, 256, 128, seed=11)
+    backend = select_moe_backend("cuda")
+    prepared = prepared_copy(backend, w)
+    x = torch.randn(t, 256, device=DEVICE).to(DTYPE)
+    backend.forward(x, prepared, 4, LIMIT)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = backend.forward(x, prepared, 4, LIMIT)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(2):
+        x.copy_(torch.randn(t, 256, generator=torch.Generator().manual_seed(seed)).to(DEVICE, DTYPE))
+        graph.replay()
+        assert_close(out, reference(x, w, 4), TOL)

@@ -1,0 +1,116 @@
+"""Server plumbing: health and readiness, models, metrics, API keys, unknown routes, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import openai
+import pytest
+
+from agent_server.cli import build_parser
+from tests.conftest import MODEL, LiveServer, make_app
+from tests.fake_engine import ScriptedEngine
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one Prometheus sample (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # exposition sorts labels
+    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else r"") + r" (\S+)"
+    match = re.search(r"^" + pattern + r"$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_health_ready_and_models(live_server):
+    assert httpx.get(f"{live_server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{live_server.url}/ready").json()["status"] == "ready"
+    models = live_server.client().models.list()
+    (card,) = models.data
+    assert card.id == MODEL and card.object == "model"
+    assert card.context_length == live_server.engine.max_model_len > 0
+    assert live_server.client().models.retrieve(MODEL).id == MODEL
+
+
+def test_metrics_move_as_requests_are_served(fake_server, fake_tools):
+    engine, client = fake_server.engine, fake_server.client()
+    before = httpx.get(f"{fake_server.url}/metrics").text
+    engine.say("<|channel|>analysis to=python code<|message|>print(1)<|call|>",
+               "<|channel|>final<|message|>1<|return|>")
+    client.responses.create(model=MODEL, input="x", tools=[{"type": "code_interpreter", "container": "auto"}])
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+    after = httpx.get(f"{fake_server.url}/metrics").text
+
+    def grew(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert grew("oss_agent_requests_total", endpoint="/v1/responses", status="200") == 1
+    assert grew("oss_agent_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert grew("oss_agent_requests_total", endpoint="/v1/chat/completions", status="400") == 1
+    assert grew("oss_agent_time_to_first_token_seconds_count") == 2  # one per response, not per turn
+    generated = sum(len(c.generated) for c in engine.calls)
+    assert grew("oss_agent_generation_tokens_total") == generated
+    assert grew("oss_agent_prompt_tokens_total") == sum(len(c.request.prompt_token_ids) for c in engine.calls)
+    assert grew("oss_agent_cached_prompt_tokens_total") == sum(c.num_cached_tokens for c in engine.calls) > 0
+    assert grew("oss_agent_time_per_output_token_seconds_count") > 0
+    assert grew("oss_agent_tool_calls_total", tool="python", outcome="ok") == 1
+    assert grew("oss_agent_request_duration_seconds_count", endpoint="/v1/responses") == 1
+    stats = engine.stats()
+    assert metric(after, "oss_agent_prefix_cache_hit_ratio") == pytest.approx(
+        stats.prefix_hit_tokens / stats.prefix_queries_tokens)
+    assert "oss_agent_kv_cache_usage_ratio" in after
+
+
+def test_api_key_protects_everything_but_health(tmp_path):
+    app = make_app(ScriptedEngine, tmp_path / "r.db", api_key="s3cret")
+    with LiveServer(app, api_key="s3cret") as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        for path in ("/ready", "/metrics", "/v1/models"):
+            r = httpx.get(f"{server.url}{path}")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert server.client().models.list().data[0].id == MODEL
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_unknown_routes_and_methods_get_json_errors(fake_server):
+    r = httpx.get(f"{fake_server.url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.put(f"{fake_server.url}/v1/responses")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_model_endpoints_wait_for_the_engine(tmp_path):
+    gate = asyncio.Event()
+
+    async def slow_engine():
+        await gate.wait()
+        return ScriptedEngine()
+
+    server = LiveServer(make_app(slow_engine, tmp_path / "r.db"))
+    server.thread.start()
+    try:
+        while not server.server.started:
+            pass
+        url = f"http://127.0.0.1:{server.server.servers[0].sockets[0].getsockname()[1]}"
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/ready").status_code == 503
+        r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    finally:
+        server.server.should_exit = True
+        server.thread.join(timeout=30)
+
+
+def test_cli_has_serve_and_generate():
+    args = build_parser().parse_args(["serve", "--port", "9000", "--tool-server", "demo", "--engine-option",
+                                      "num_pages=64"])
+    assert args.command == "serve" and args.port == 9000 and args.tool_server == ["demo"]
+    from agent_server.serve_command import engine_options
+
+    assert engine_options(args) == {"num_pages": 64}
+    assert build_parser().parse_args(["generate", "hello"]).command == "generate"

@@ -1,0 +1,269 @@
+"""Chat Completions against a live server with the official `openai` client, streaming and not."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+from inference.tokenizer import harmony_encoding
+from tests.conftest import MODEL
+from tests.fake_engine import harmony_tokens
+
+REASONED = ("<|channel|>analysis<|message|>Simple greeting.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Hello, world!<|return|>")
+ONE_CALL = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+            "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+TWO_CALLS = ("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}"
+             "<|end|><|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>"
+             "{\"zone\": \"CET\"}<|call|>")
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}}}},
+]
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def prompt_text(engine, index=-1) -> str:
+    return harmony_encoding().decode(engine.calls[index].request.prompt_token_ids)
+
+
+def collect(stream):
+    """A chat stream folded into per-choice text, reasoning, tool calls and finish reasons."""
+    chunks = list(stream)
+    choices: dict[int, dict] = {}
+    for chunk in chunks:
+        assert chunk.object == "chat.completion.chunk"
+        for c in chunk.choices:
+            acc = choices.setdefault(c.index, {"content": "", "reasoning": "", "calls": {}, "finish": None,
+                                               "logprobs": []})
+            acc["content"] += c.delta.content or ""
+            acc["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            for call in c.delta.tool_calls or []:
+                slot = acc["calls"].setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = call.id or slot["id"]
+                if call.function.name:
+                    slot["name"] = call.function.name
+                slot["arguments"] += call.function.arguments or ""
+            if c.logprobs and c.logprobs.content:
+                acc["logprobs"] += c.logprobs.content
+            if c.finish_reason:
+                acc["finish"] = c.finish_reason
+    return chunks, choices
+
+
+def test_plain_text_with_reasoning(live_server):
+    client = live_server.client()
+    if live_server.kind == "fake":
+        live_server.engine.say(REASONED)
+    completion = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0,
+                                                reasoning_effort="high")
+    assert completion.object == "chat.completion" and len(completion.choices) == 1
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant"
+    usage = completion.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.completion_tokens <= 24
+    if live_server.kind == "tiny":
+        assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
+        return
+    assert choice.message.content == "Hello, world!" and choice.finish_reason == "stop"
+    assert choice.message.reasoning_content == "Simple greeting."
+    assert usage.completion_tokens == len(harmony_tokens(REASONED))
+    assert usage.completion_tokens_details.reasoning_tokens == len(
+        harmony_tokens("<|channel|>analysis<|message|>Simple greeting.<|end|>"))
+    assert "Reasoning: high" in prompt_text(live_server.engine)
+
+
+def test_streaming_text_and_usage_chunk(live_server):
+    client = live_server.client()
+    if live_server.kind == "fake":
+        live_server.engine.say(REASONED)
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks, choices = collect(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+    if live_server.kind == "tiny":
+        assert choices[0]["finish"] in ("stop", "length")
+        return
+    assert choices[0]["content"] == "Hello, world!" and choices[0]["reasoning"] == "Simple greeting."
+    assert choices[0]["finish"] == "stop"
+
+
+def test_one_tool_call_and_its_result(fake_server):
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say(ONE_CALL)
+    completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                                tools=TOOLS)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id.startswith("call_")
+    assert "type get_time = (_: {\nzone?: string,\n}) => any;" in prompt_text(engine)
+
+    engine.say("<|channel|>final<|message|>Sunny.<|return|>")
+    follow = client.chat.completions.create(model=MODEL, tools=TOOLS, messages=[
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Need weather.",
+         "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+    ])
+    assert follow.choices[0].message.content == "Sunny."
+    text = prompt_text(engine)
+    assert "# Instructions\n\nYou are terse." in text
+    assert text.endswith("<|start|>assistant<|channel|>analysis<|message|>Need weather.<|end|>"
+                         "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+                         "<|message|>{\"city\": \"Paris\"}<|call|>"
+                         "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+                         "{\"sky\": \"clear\"}<|end|><|start|>assistant")
+
+
+def test_several_tool_calls_streamed(fake_server):
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say(TWO_CALLS)
+    _, choices = collect(client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, stream=True))
+    calls = choices[0]["calls"]
+    assert [calls[i]["name"] for i in sorted(calls)] == ["get_weather", "get_time"]
+    assert json.loads(calls[1]["arguments"]) == {"zone": "CET"} and calls[0]["id"] != calls[1]["id"]
+    assert choices[0]["finish"] == "tool_calls" and choices[0]["content"] == ""
+
+    engine.say(TWO_CALLS)
+    completion = client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS)
+    assert [c.function.name for c in completion.choices[0].message.tool_calls] == ["get_weather", "get_time"]
+
+
+def test_sampling_options_reach_the_engine(fake_server):
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say(REASONED, REASONED)
+    completion = client.chat.completions.create(
+        model=MODEL, messages=HELLO, n=2, seed=7, temperature=0.5, top_p=0.9, max_completion_tokens=100,
+        frequency_penalty=0.5, presence_penalty=-0.5, logit_bias={"15": 5, "16": -100},
+    )
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert all(c.message.content == "Hello, world!" for c in completion.choices)
+    s0, s1 = (call.request.sampling for call in engine.calls[-2:])
+    assert (s0.seed, s1.seed) == (7, 8) and s0.temperature == 0.5 and s0.top_p == 0.9 and s0.max_tokens == 100
+    assert s0.frequency_penalty == 0.5 and s0.presence_penalty == -0.5 and s0.logit_bias == {15: 5, 16: -100}
+    assert completion.usage.completion_tokens == 2 * len(harmony_tokens(REASONED))
+
+
+def test_stop_strings_and_length(fake_server):
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say("<|channel|>final<|message|>one two three four five<|return|>")
+    stopped = client.chat.completions.create(model=MODEL, messages=HELLO, stop=["three"])
+    assert stopped.choices[0].message.content == "one two " and stopped.choices[0].finish_reason == "stop"
+    assert engine.calls[-1].finish_reason == "abort"  # generation stopped at the stop string
+
+    engine.say("<|channel|>final<|message|>one two three four five<|return|>")
+    _, choices = collect(client.chat.completions.create(model=MODEL, messages=HELLO, stop="thr", stream=True))
+    assert choices[0]["content"] == "one two " and choices[0]["finish"] == "stop"
+
+    engine.say(REASONED)
+    short = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=9)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 9
+
+
+def test_logprobs_shapes(fake_server):
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say(REASONED)
+    completion = client.chat.completions.create(model=MODEL, messages=HELLO, logprobs=True, top_logprobs=3)
+    content = completion.choices[0].logprobs.content
+    tokens = harmony_tokens("Hello, world!")
+    assert [lp.token for lp in content] == [harmony_encoding().decode([t]) for t in tokens]
+    assert b"".join(bytes(lp.bytes) for lp in content) == b"Hello, world!"
+    assert all(lp.logprob == -0.25 and len(lp.top_logprobs) == 3 for lp in content)
+
+    engine.say(REASONED)
+    _, choices = collect(client.chat.completions.create(model=MODEL, messages=HELLO, logprobs=True, stream=True))
+    assert "".join(lp.token for lp in choices[0]["logprobs"]) == "Hello, world!"
+
+
+def test_bad_chat_requests(fake_server):
+    url = f"{fake_server.url}/v1/chat/completions"
+
+    def error(body, status=400):
+        r = httpx.post(url, json=body)
+        assert r.status_code == status, r.text
+        return r.json()["error"]
+
+    assert error({"model": MODEL, "messages": []})["param"] == "messages"
+    assert error({"model": MODEL, "messages": HELLO, "top_logprobs": 2})["param"] == "top_logprobs"
+    assert error({"model": MODEL, "messages": HELLO, "logit_bias": {"999999": 1}})["param"] == "logit_bias"
+    assert error({"model": MODEL, "messages": HELLO, "logit_bias": {"abc": 1}})["param"] == "logit_bias"
+    assert error({"model": MODEL, "messages": HELLO, "n": 0})["param"] == "n"
+    assert error({"model": MODEL, "messages": HELLO, "reasoning_effort": "max"})["param"] == "reasoning_effort"
+    assert error({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+                 )["param"] == "messages[0].content"
+    assert error({"model": MODEL, "messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}]}
+                 )["param"] == "messages[0].tool_call_id"
+    assert error({"model": MODEL, "messages": HELLO, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}
+                 )["param"] == "response_format.json_schema.schema"
+    assert error({"model": "nope", "messages": HELLO}, 404)["code"] == "model_not_found"
+
+
+def test_json_schema_response_format_reaches_the_prompt(fake_server):
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say('<|channel|>final<|message|>{"answer": 4}<|return|>')
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    completion = client.chat.completions.create(model=MODEL, messages=HELLO, response_format={
+        "type": "json_schema", "json_schema": {"name": "math", "schema": schema}})
+    assert json.loads(completion.choices[0].message.content) == {"answer": 4}
+    assert "# Response Formats\n\n## math\n\n" + json.dumps(schema, separators=(",", ":")) in prompt_text(engine)
+
+
+def test_client_disconnect_stops_generation(fake_server):
+    engine = fake_server.engine
+    engine.token_delay = 0.02
+    engine.say("<|channel|>final<|message|>" + " word" * 500 + "<|return|>")
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{fake_server.url}/v1/chat/completions",
+                         json={"model": MODEL, "messages": HELLO, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 10:
+                    break
+    deadline = time.monotonic() + 20
+    while engine.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.running == 0 and engine.calls[-1].finish_reason == "abort"
+    assert len(engine.calls[-1].generated) < 500
+
+
+def test_logprobs_match_transformers_on_the_tiny_checkpoint(tiny_engine_server, tiny_checkpoint):
+    """From HTTP to the model: the served logprobs are transformers' log-softmax on the same
+    weights and tokens (greedy, so the tokens are transformers' argmax too)."""
+    transformers = pytest.importorskip("transformers")
+    from agent_server.chat_prompt import chat_prompt
+    from agent_server.token_bytes import token_bytes
+    from schemas.chat import ChatCompletionRequest
+
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 8, "temperature": 0, "logprobs": True,
+            "top_logprobs": 4}
+    completion = tiny_engine_server.client().chat.completions.create(**body)
+    served = completion.choices[0].logprobs.content
+    assert len(served) == completion.usage.completion_tokens == 8
+
+    hf = transformers.GptOssForCausalLM.from_pretrained(
+        tiny_checkpoint, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32,
+        attn_implementation="eager").eval()
+    ids = chat_prompt(ChatCompletionRequest.model_validate(body))
+    with torch.no_grad():
+        for entry in served:
+            logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+            token = int(logprobs.argmax())
+            assert bytes(entry.bytes) == token_bytes(token)
+            assert entry.logprob == pytest.approx(float(logprobs[token]), abs=2e-3)
+            top_values, top_ids = logprobs.topk(4)
+            assert [bytes(t.bytes) for t in entry.top_logprobs] == [token_bytes(int(i)) for i in top_ids]
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top_values.tolist(), abs=2e-3)
+            ids.append(token)

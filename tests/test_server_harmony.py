@@ -1,0 +1,182 @@
+"""The pieces under the HTTP layer: Harmony parsing with recovery, stop strings, citations,
+error mapping and the response store."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from openai_harmony import Role
+
+from agent_server.citations import CitationStreamer
+from agent_server.errors import from_validation_error
+from agent_server.harmony import (
+    MAX_HEADER_TOKENS,
+    ContentDelta,
+    HarmonyStream,
+    MessageEnd,
+    MessageStart,
+    PromptConfig,
+    continuation_tokens,
+    preamble,
+    render_prompt,
+    tool_message,
+)
+from agent_server.stop_strings import StopStringMatcher
+from agent_server.store import SQLiteResponseStore, StoredResponse
+from inference.tokenizer import harmony_encoding
+from tests.fake_engine import harmony_tokens
+
+
+def parse(text_or_tokens):
+    tokens = harmony_tokens(text_or_tokens) if isinstance(text_or_tokens, str) else text_or_tokens
+    stream = HarmonyStream()
+    events = []
+    for token in tokens:
+        events += stream.feed(token)
+    events += stream.finish()
+    ends = [e for e in events if isinstance(e, MessageEnd)]
+    # Streamed text adds up to each message's text, and every token belongs to one message.
+    texts, current = [], None
+    for e in events:
+        if isinstance(e, MessageStart):
+            current = ""
+        elif isinstance(e, ContentDelta):
+            current += e.text
+        elif isinstance(e, MessageEnd):
+            texts.append(current)
+    assert texts == [e.text for e in ends]
+    assert sum(e.num_tokens for e in ends) == len(tokens)
+    return ends
+
+
+def test_well_formed_turn():
+    ends = parse("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary "
+                 "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+    assert [(e.channel, e.recipient, e.text, e.malformed) for e in ends] == [
+        ("analysis", None, "Think.", None),
+        ("commentary", "functions.get_weather", '{"city": "Paris"}', None),
+    ]
+    assert ends[1].content_type == "<|constrain|>json"
+
+
+def test_junk_after_a_message_is_kept_as_malformed_text_and_parsing_resumes():
+    ends = parse("<|channel|>final<|message|>Hi<|end|>stray words<|start|>assistant<|channel|>final"
+                 "<|message|>Again<|return|>")
+    assert [e.text for e in ends] == ["Hi", "stray words", "Again"]
+    assert ends[1].malformed and not ends[0].malformed and not ends[2].malformed
+
+
+def test_broken_header_recovers_its_text():
+    ends = parse("<|channel|><|channel|>final<|message|>x<|return|>")
+    assert len(ends) == 1 and ends[0].malformed
+    assert "final" in ends[0].text and ends[0].text.endswith("x")
+
+
+def test_text_without_header_is_streamed_once_the_header_is_too_long():
+    words = harmony_tokens(" word" * (MAX_HEADER_TOKENS + 10))
+    stream = HarmonyStream()
+    deltas_before_end = 0
+    for token in words:
+        deltas_before_end += sum(isinstance(e, ContentDelta) for e in stream.feed(token))
+    assert deltas_before_end > 0  # not buffered to the end
+    ends = [e for e in stream.finish() if isinstance(e, MessageEnd)]
+    assert ends[0].malformed and ends[0].text == " word" * (MAX_HEADER_TOKENS + 10)
+
+
+def test_random_tokens_never_raise():
+    rng = random.Random(0)
+    for _ in range(20):
+        tokens = [rng.randrange(0, 201088) for _ in range(rng.randrange(1, 80))]
+        parse(tokens)
+
+
+def test_truncated_message_is_marked():
+    ends = parse("<|channel|>final<|message|>Hello wor")
+    assert ends[0].truncated and ends[0].text == "Hello wor" and not ends[0].malformed
+
+
+def test_continuation_tokens_match_harmony_rendering():
+    """Appending a tool message to a turn gives exactly what Harmony renders for the whole
+    conversation, so the engine's parked sequence is a prefix of the next prompt."""
+    from openai_harmony import Message
+
+    config = PromptConfig(reasoning_effort="low")
+    user = Message.from_role_and_content(Role.USER, "Search.")
+    prompt = render_prompt(preamble(config) + [user])
+    call_text = '{"query":"x"}'
+    call = (Message.from_role_and_content(Role.ASSISTANT, call_text).with_channel("analysis")
+            .with_recipient("browser.search").with_content_type("<|constrain|>json"))
+    generated = harmony_encoding().render(call)[2:]  # the model's tokens after "<|start|>assistant"
+    answer = tool_message("browser.search", "results")
+    whole = render_prompt(preamble(config) + [user, call, answer])
+    assert prompt + generated + continuation_tokens([answer]) == whole
+
+
+def test_stop_strings_hold_back_only_possible_prefixes():
+    m = StopStringMatcher(["END", "stop here"])
+    out = m.feed("Hello E") + m.feed("N") + m.feed("x and s") + m.feed("top") + m.feed(" hereafter")
+    assert m.stopped and out == "Hello ENx and "
+    m = StopStringMatcher(["END"])
+    assert m.feed("abc E") == "abc " and m.flush() == "E" and not m.stopped
+
+
+def test_citations_are_resolved_across_deltas():
+    def resolve(mark):
+        return "[src]", [{"url": "https://a.example", "title": "A", "start_index": 0, "end_index": 5}]
+
+    streamer = CitationStreamer(resolve)
+    chunks = []
+    for piece in ["It is 【", "3†L1", "-L2】 so.", " 【not a cite"]:
+        chunks += streamer.feed(piece)
+    chunks += streamer.flush()
+    text, spans = "", []
+    for chunk in chunks:
+        spans += [(len(text) + c.start_index, len(text) + c.end_index, c.url) for c in chunk.citations]
+        text += chunk.text
+    assert text == "It is [src] so. 【not a cite"
+    assert [(text[a:b], url) for a, b, url in spans] == [("[src]", "https://a.example")]
+
+
+def test_validation_errors_name_the_parameter():
+    from pydantic import ValidationError
+
+    from schemas.responses import ResponseCreateRequest
+
+    cases = {
+        "temperature": {"model": "m", "input": "x", "temperature": 7},
+        "foo": {"model": "m", "input": "x", "foo": 1},
+        "model": {"input": "x"},
+        "input[1].content": {"model": "m", "input": [{"role": "user", "content": "a"},
+                                                    {"role": "user", "content": [{"type": "input_image"}]}]},
+        "tools[0].name": {"model": "m", "input": "x", "tools": [{"type": "function", "name": "bad name!"}]},
+        "reasoning.effort": {"model": "m", "input": "x", "reasoning": {"effort": "extreme"}},
+    }
+    for param, body in cases.items():
+        with pytest.raises(ValidationError) as info:
+            ResponseCreateRequest.model_validate(body)
+        error = from_validation_error(info.value, body)
+        assert error.status == 400 and error.param == param, (param, error.body())
+
+
+def test_sqlite_store_round_trip_and_interrupted_responses(tmp_path):
+    import asyncio
+
+    async def scenario():
+        store = SQLiteResponseStore(tmp_path / "r.db")
+        done = StoredResponse("resp_1", {"id": "resp_1", "status": "completed"}, [{"id": "msg_1"}],
+                              conversation=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                              function_calls={"call_1": "f"})
+        running = StoredResponse("resp_2", {"id": "resp_2", "status": "in_progress"}, [])
+        await store.put(done)
+        await store.put(running)
+        await store.close()
+        store = SQLiteResponseStore(tmp_path / "r.db")  # a restart
+        again = await store.get("resp_1")
+        assert again == done
+        assert (await store.get("resp_2")).status == "failed"
+        assert await store.delete("resp_1") and await store.get("resp_1") is None
+        assert not await store.delete("resp_1")
+        await store.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,507 @@
+"""The Responses API against a live server, driven by the official `openai` client.
+
+Scripted-engine tests choose what the model says (Harmony text) and check the items, the
+stream and the tool loop exactly; `live_server` tests also run on the real engine over a tiny
+random checkpoint, where the text is noise but every structural promise must still hold.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from agent_server.harmony import continuation_tokens, tool_message
+from inference.tokenizer import harmony_encoding
+from tests.conftest import MODEL, LiveServer, make_app
+from tests.fake_engine import ScriptedEngine, harmony_tokens
+
+ANSWER = ("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final"
+          "<|message|>Hello! How can I help?<|return|>")
+SEARCH = ("<|channel|>analysis<|message|>I should look this up.<|end|><|start|>assistant<|channel|>analysis "
+          "to=browser.search <|constrain|>json<|message|>{\"query\": \"gpt-oss license\"}<|call|>")
+CITED = "<|channel|>final<|message|>gpt-oss is Apache-2.0 licensed 【0†L1-L2】.<|return|>"
+PYTHON = "<|channel|>analysis to=python code<|message|>print(6 * 7)<|call|>"
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER_CALL = ("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                "{\"city\": \"Paris\"}<|call|>")
+
+
+def stream_events(client, **kwargs):
+    """All events of `client.responses.stream(...)` and the response they end with (the SDK's
+    parsed final response when completed; an incomplete one is only in its terminal event)."""
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response() if events[-1].type == "response.completed" else events[-1].response
+    return events, final
+
+
+def plain(response) -> dict:
+    """A response as JSON, without the SDK's client-side `parsed` additions."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k != "parsed"}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+    return strip(response.model_dump(mode="json"))
+
+
+def check_stream_invariants(events, final):
+    """What every stream must satisfy: numbering, item/part bookkeeping, agreement with the end."""
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type in (
+        "response.completed", "response.incomplete", "response.failed")
+    added = {e.output_index: e.item for e in events if e.type == "response.output_item.added"}
+    done = {e.output_index: e.item for e in events if e.type == "response.output_item.done"}
+    assert sorted(added) == sorted(done) == list(range(len(final.output)))
+    for index, item in done.items():
+        assert added[index].id == item.id == final.output[index].id
+        assert item.type == final.output[index].type
+    for e in events:
+        if hasattr(e, "item_id") and hasattr(e, "output_index") and e.type != "response.output_item.added":
+            assert done[e.output_index].id == e.item_id, e
+    # Deltas add up to what the items end with.
+    text = {}
+    for e in events:
+        if e.type in ("response.output_text.delta", "response.reasoning_text.delta",
+                      "response.function_call_arguments.delta", "response.code_interpreter_call_code.delta"):
+            text[(e.output_index, e.type)] = text.get((e.output_index, e.type), "") + e.delta
+    for (index, kind), value in text.items():
+        item = final.output[index]
+        if kind == "response.function_call_arguments.delta":
+            assert value == item.arguments
+        elif kind == "response.code_interpreter_call_code.delta":
+            assert value == item.code
+        else:  # citations are resolved before text is streamed, so this holds for them too
+            assert value == item.content[0].text
+
+
+def prompt_text(call) -> str:
+    return harmony_encoding().decode(call.request.prompt_token_ids)
+
+
+# --- the plain path, on both engines -----------------------------------------------------
+
+
+def test_plain_answer_with_reasoning(live_server):
+    client = live_server.client()
+    if live_server.kind == "fake":
+        live_server.engine.say(ANSWER)
+    response = client.responses.create(model=MODEL, input="Hi!", max_output_tokens=24, temperature=0,
+                                       reasoning={"effort": "low"})
+    assert response.object == "response" and response.model == MODEL
+    assert response.usage.output_tokens <= 24 and response.usage.input_tokens > 0
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    assert response.reasoning.effort == "low"
+    if live_server.kind == "tiny":  # noise: it rarely ends on its own, but always finishes cleanly
+        assert response.status in ("completed", "incomplete")
+        if response.status == "incomplete":
+            assert response.incomplete_details.reason == "max_output_tokens"
+            assert response.usage.output_tokens == 24
+        assert response.output and all(item.status in ("completed", "incomplete") for item in response.output)
+        return
+    assert response.status == "completed" and response.error is None
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "The user greets me."
+    assert message.type == "message" and message.status == "completed"
+    assert response.output_text == "Hello! How can I help?"
+    call = live_server.engine.calls[-1]
+    assert "Reasoning: low" in prompt_text(call) and prompt_text(call).endswith("<|start|>assistant")
+    assert response.usage.input_tokens == len(call.request.prompt_token_ids)
+    assert response.usage.output_tokens == len(harmony_tokens(ANSWER))
+    analysis = harmony_tokens("<|channel|>analysis<|message|>The user greets me.<|end|>")
+    assert response.usage.output_tokens_details.reasoning_tokens == len(analysis)
+    assert call.request.sampling.temperature == 0
+
+
+def test_streaming_plain_answer_event_order(live_server):
+    client = live_server.client()
+    if live_server.kind == "fake":
+        live_server.engine.say(ANSWER)
+    events, final = stream_events(client, model=MODEL, input="Hi!", max_output_tokens=32, temperature=0)
+    check_stream_invariants(events, final)
+    assert plain(client.responses.retrieve(final.id)) == plain(final)
+    if live_server.kind == "tiny":
+        return
+    kinds = [e.type for e in events]
+    assert kinds == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        *["response.reasoning_text.delta"] * kinds.count("response.reasoning_text.delta"),
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * kinds.count("response.output_text.delta"),
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ]
+    assert final.output_text == "Hello! How can I help?"
+
+
+def test_previous_response_id_continues_the_conversation(live_server):
+    client = live_server.client()
+    if live_server.kind == "fake":
+        live_server.engine.say(
+            "<|channel|>final<|message|>Nice to meet you, Ada.<|return|>",
+            "<|channel|>analysis<|message|>Name was given earlier.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Your name is Ada.<|return|>",
+        )
+    first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=32, temperature=0)
+    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=32, temperature=0)
+    assert second.previous_response_id == first.id
+    items = client.responses.input_items.list(second.id)
+    assert [i.content[0].text for i in items.data] == ["What is my name?"]
+    if live_server.kind == "tiny":
+        # The second prompt starts with the first conversation: the prefix cache serves it.
+        assert second.usage.input_tokens > first.usage.input_tokens
+        assert second.usage.input_tokens_details.cached_tokens > 0
+        return
+    assert second.output_text == "Your name is Ada."
+    text = prompt_text(live_server.engine.calls[-1])
+    assert "My name is Ada." in text and "Nice to meet you, Ada." in text and "What is my name?" in text
+    assert second.usage.input_tokens_details.cached_tokens > 0
+
+
+# --- built-in tools, the agent loop -----------------------------------------------------
+
+
+def test_web_search_then_answer_with_citations(tool_server, fake_tools):
+    engine, client = tool_server.engine, tool_server.client()
+    engine.say(SEARCH, CITED)
+    events, final = stream_events(client, model=MODEL, input="What license does gpt-oss use?",
+                                  tools=[{"type": "web_search_preview"}], include=["web_search_call.action.sources"])
+    check_stream_invariants(events, final)
+    assert [item.type for item in final.output] == ["reasoning", "web_search_call", "message"]
+    search = final.output[1]
+    assert search.status == "completed" and search.action.type == "search"
+    assert search.action.query == "gpt-oss license"
+    assert [s.url for s in search.action.sources] == ["https://example.org/oss", "https://example.org/harmony"]
+    assert fake_tools["browser"].calls == [("browser.search", '{"query": "gpt-oss license"}')]
+    text = final.output[2].content[0]
+    assert text.text == "gpt-oss is Apache-2.0 licensed [gpt-oss release notes]."
+    (citation,) = text.annotations
+    assert citation.url == "https://example.org/oss" and text.text[citation.start_index:citation.end_index] == \
+        "[gpt-oss release notes]"
+    kinds = [e.type for e in events]
+    i = kinds.index("response.web_search_call.in_progress")
+    assert kinds[i - 1] == "response.output_item.added"
+    assert kinds[i + 1:i + 4] == ["response.web_search_call.searching", "response.web_search_call.completed",
+                                  "response.output_item.done"]
+    assert kinds.count("response.output_text.annotation.added") == 1
+    # The model saw the tool's answer, and the continuation reused the parked sequence.
+    first, second = engine.calls
+    tool_text = fake_tools["browser"].sessions[0]
+    expected_suffix = continuation_tokens([tool_message("browser.search", "# Search results for 'gpt-oss license'\n"
+                                                        "【0†gpt-oss release notes†https://example.org/oss】\n"
+                                                        "【1†The Harmony format†https://example.org/harmony】")])
+    assert second.request.continue_from == first.request.request_id and first.request.keep_alive
+    assert second.request.prompt_token_ids == first.request.prompt_token_ids + first.generated + expected_suffix
+    # Everything the first turn computed is reused; the last sampled token (<|call|>) was never fed
+    # through the model, so it is prefilled with the tool message.
+    assert second.num_cached_tokens == len(first.request.prompt_token_ids) + len(first.generated) - 1
+    assert second.num_prefilled == len(expected_suffix) + 1
+    assert final.usage.input_tokens_details.cached_tokens == first.num_cached_tokens + second.num_cached_tokens
+    assert tool_text.closed and second.request.request_id in engine.released
+
+
+def test_code_interpreter_call(tool_server, fake_tools):
+    engine, client = tool_server.engine, tool_server.client()
+    engine.say(PYTHON, "<|channel|>final<|message|>6 times 7 is 42.<|return|>")
+    events, final = stream_events(client, model=MODEL, input="What is 6*7? Use python.",
+                                  tools=[{"type": "code_interpreter", "container": {"type": "auto"}}],
+                                  include=["code_interpreter_call.outputs"])
+    check_stream_invariants(events, final)
+    call, message = final.output
+    assert call.type == "code_interpreter_call" and call.code == "print(6 * 7)" and call.status == "completed"
+    assert call.outputs[0].type == "logs" and call.outputs[0].logs == "42\n"
+    assert call.container_id.startswith("cntr_")
+    assert message.content[0].text == "6 times 7 is 42."
+    kinds = [e.type for e in events if e.type.startswith("response.code_interpreter")]
+    assert kinds[0] == "response.code_interpreter_call.in_progress"
+    assert kinds[-3:] == ["response.code_interpreter_call_code.done", "response.code_interpreter_call.interpreting",
+                          "response.code_interpreter_call.completed"]
+    assert set(kinds[1:-3]) == {"response.code_interpreter_call_code.delta"}
+    first, second = engine.calls
+    assert second.num_prefilled == len(continuation_tokens([tool_message("python", "42\n")])) + 1
+    assert "<|start|>python to=assistant<|channel|>commentary<|message|>42\n<|end|>" in prompt_text(second)
+
+
+def test_mcp_tools_are_listed_and_called(tool_server, fake_tools):
+    engine, client = tool_server.engine, tool_server.client()
+    engine.say("<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|>",
+               "<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{\"city\": \"Atlantis\"}"
+               "<|call|>",
+               "<|channel|>final<|message|>Sunny in Oslo.<|return|>")
+    events, final = stream_events(client, model=MODEL, input="Weather?",
+                                  tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}])
+    check_stream_invariants(events, final)
+    listing, ok, failed, message = final.output
+    assert listing.type == "mcp_list_tools" and [t.name for t in listing.tools] == ["get_forecast"]
+    assert ok.type == "mcp_call" and ok.status == "completed" and ok.output == "Sunny in Oslo, 21°C."
+    assert failed.status == "failed" and failed.error is not None and failed.output is None
+    assert message.content[0].text == "Sunny in Oslo."
+    kinds = [e.type for e in events]
+    assert "response.mcp_list_tools.completed" in kinds and "response.mcp_call.failed" in kinds
+    assert kinds.count("response.mcp_call.completed") == 1
+    assert fake_tools["mcp"].calls[0] == ("weather.get_forecast", '{"city": "Oslo"}')
+    # The next response in the conversation does not list the tools again.
+    engine.say("<|channel|>final<|message|>Still sunny.<|return|>")
+    again = client.responses.create(model=MODEL, input="And now?", previous_response_id=final.id,
+                                    tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}])
+    assert [item.type for item in again.output] == ["message"]
+
+
+def test_function_call_and_its_output(tool_server):
+    engine, client = tool_server.engine, tool_server.client()
+    engine.say("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant" + WEATHER_CALL)
+    events, first = stream_events(client, model=MODEL, input="Weather in Paris?", tools=[WEATHER_TOOL])
+    check_stream_invariants(events, first)
+    assert first.status == "completed"
+    reasoning, call = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {
+        "city": "Paris"}
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert [e.type for e in events].count("response.function_call_arguments.done") == 1
+    assert "type get_weather = (_: {\ncity: string,\n}) => any;" in prompt_text(engine.calls[0])
+    assert not engine.calls[0].request.keep_alive  # nothing server-side to continue
+
+    engine.say("<|channel|>final<|message|>It is 21°C and clear in Paris.<|return|>")
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'}])
+    assert second.output_text == "It is 21°C and clear in Paris."
+    text = prompt_text(engine.calls[-1])
+    assert "to=functions.get_weather" in text
+    assert text.endswith("<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+                         "{\"temperature_c\": 21}<|end|><|start|>assistant")
+
+    # The same continuation with the client managing the context itself.
+    engine.say("<|channel|>final<|message|>21°C.<|return|>")
+    manual = client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21"},
+    ])
+    assert manual.output_text == "21°C."
+    assert prompt_text(engine.calls[-1]).endswith(
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|><|start|>assistant")
+
+
+def test_limits_make_responses_incomplete_or_stop_tools(tool_server, fake_tools):
+    engine, client = tool_server.engine, tool_server.client()
+    engine.say(ANSWER)
+    short = client.responses.create(model=MODEL, input="Hi", max_output_tokens=5)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.usage.output_tokens == 5 and short.output[0].status == "incomplete"
+
+    engine.say(PYTHON, PYTHON, "<|channel|>final<|message|>Done.<|return|>")
+    limited = client.responses.create(model=MODEL, input="Compute twice", max_tool_calls=1,
+                                      tools=[{"type": "code_interpreter", "container": {"type": "auto"}}])
+    assert [o.status for o in limited.output] == ["completed", "failed", "completed"]
+    assert len(fake_tools["python"].calls) == 1
+    assert "limit of 1 tool calls" in prompt_text(engine.calls[-1])
+
+
+def test_malformed_harmony_never_fails_the_response(tool_server):
+    engine, client = tool_server.engine, tool_server.client()
+    engine.say("<|channel|>final<|message|>Partly fine.<|end|>then garbage<|return|>")
+    response = client.responses.create(model=MODEL, input="Hi")
+    assert response.status == "completed"
+    good, bad = response.output
+    assert good.status == "completed" and good.content[0].text == "Partly fine."
+    assert bad.status == "incomplete" and bad.content[0].text == "then garbage"
+
+    engine.say("<|channel|>commentary to=nowhere.tool <|constrain|>json<|message|>{\"a\": 1}<|call|>")
+    events, response = stream_events(client, model=MODEL, input="Hi")
+    check_stream_invariants(events, response)
+    assert response.status == "completed"
+    assert response.output[0].type == "message" and response.output[0].status == "incomplete"
+    assert response.output[0].content[0].text == '{"a": 1}'
+
+
+# --- storage, background, errors ----------------------------------------------------------
+
+
+def test_retrieve_delete_and_input_items(fake_server):
+    client = fake_server.client()
+    response = client.responses.create(model=MODEL, metadata={"topic": "test"}, input=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "One"}]},
+        {"role": "assistant", "content": "Two"},
+        {"role": "user", "content": "Three"},
+    ])
+    assert "Be brief." in prompt_text(fake_server.engine.calls[-1])
+    got = client.responses.retrieve(response.id)
+    assert got.model_dump() == response.model_dump() and got.metadata == {"topic": "test"}
+    items = client.responses.input_items.list(response.id, order="asc")
+    texts = [i.content[0].text for i in items.data]
+    assert texts == ["Be brief.", "One", "Two", "Three"]
+    page = client.responses.input_items.list(response.id, limit=2, order="asc", after=items.data[0].id)
+    assert [i.content[0].text for i in page.data] == ["One", "Two"] and page.has_more
+    assert client.responses.delete(response.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+    unstored = client.responses.create(model=MODEL, input="x", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_stored_responses_survive_a_restart(tmp_path):
+    store = tmp_path / "responses.sqlite3"
+    engine = ScriptedEngine().say(ANSWER)
+    with LiveServer(make_app(lambda: engine, store)) as server:
+        first = server.client().responses.create(model=MODEL, input="Hi")
+    engine = ScriptedEngine().say("<|channel|>final<|message|>Welcome back.<|return|>")
+    with LiveServer(make_app(lambda: engine, store)) as server:
+        client = server.client()
+        assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+        second = client.responses.create(model=MODEL, input="Again", previous_response_id=first.id)
+        assert "Hello! How can I help?" in prompt_text(engine.calls[0]) and second.output_text == "Welcome back."
+
+
+def slow_turn(words: int) -> str:
+    return "<|channel|>final<|message|>" + " word" * words + "<|return|>"
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_background_responses_poll_resume_and_cancel(fake_server):
+    engine, client = fake_server.engine, fake_server.client()
+    engine.token_delay = 0.005
+    engine.say(slow_turn(40))
+    queued = client.responses.create(model=MODEL, input="Write", background=True)
+    assert queued.status == "queued" and queued.background
+    wait_for(lambda: client.responses.retrieve(queued.id).status == "completed")
+    done = client.responses.retrieve(queued.id)
+    assert done.output_text == " word" * 40
+
+    # The stored stream replays from any point, response.queued included.
+    events = list(client.responses.retrieve(queued.id, stream=True, starting_after=-1))
+    assert [e.type for e in events[:4]] == ["response.created", "response.queued", "response.in_progress",
+                                            "response.output_item.added"]
+    tail = list(client.responses.retrieve(queued.id, stream=True, starting_after=10))
+    assert [e.sequence_number for e in tail] == list(range(11, len(events)))
+    assert tail[-1].type == "response.completed"
+
+    engine.token_delay = 0.05
+    engine.say(slow_turn(400))
+    running = client.responses.create(model=MODEL, input="Write a lot", background=True)
+    wait_for(lambda: len(engine.calls) == 2 and len(engine.calls[-1].generated) > 3)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    wait_for(lambda: engine.running == 0)
+    assert engine.calls[-1].finish_reason == "abort" and len(engine.calls[-1].generated) < 400
+
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(client.responses.create(model=MODEL, input="x").id)
+
+
+def test_background_stream_resumes_after_the_client_leaves(fake_server):
+    engine, client = fake_server.engine, fake_server.client()
+    engine.token_delay = 0.01
+    engine.say(slow_turn(60))
+    seen = []
+    with client.responses.create(model=MODEL, input="Write", background=True, stream=True) as stream:
+        for event in stream:
+            seen.append(event)
+            if len(seen) == 8:
+                break
+    rest = list(client.responses.retrieve(seen[0].response.id, stream=True, starting_after=seen[-1].sequence_number))
+    assert rest[0].sequence_number == seen[-1].sequence_number + 1 and rest[-1].type == "response.completed"
+    assert rest[-1].response.output_text == " word" * 60
+
+
+def test_disconnect_mid_stream_stops_generation_and_keeps_the_response(fake_server):
+    engine = fake_server.engine
+    engine.token_delay = 0.02
+    engine.say(slow_turn(500))
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{fake_server.url}/v1/responses",
+                         json={"model": MODEL, "input": "Write", "stream": True}) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) > 20:
+                    break
+    wait_for(lambda: engine.running == 0)
+    call = engine.calls[-1]
+    assert call.finish_reason == "abort" and len(call.generated) < 500
+    created = json.loads(next(line for line in lines if line.startswith("data:"))[5:])
+    stored = fake_server.client().responses.retrieve(created["response"]["id"])
+    assert stored.status == "cancelled" and stored.output[0].status == "incomplete"
+    assert stored.output[0].content[0].text.startswith(" word")
+
+
+def test_disconnect_while_waiting_stops_generation(fake_server):
+    engine = fake_server.engine
+    engine.token_delay = 0.02
+    engine.say(slow_turn(500))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "Write"}, timeout=0.5)
+    wait_for(lambda: engine.running == 0)
+    assert engine.calls[-1].finish_reason == "abort" and len(engine.calls[-1].generated) < 500
+
+
+def test_oversized_bodies_are_refused(tmp_path):
+    with LiveServer(make_app(ScriptedEngine, tmp_path / "r.db", max_request_bytes=1000)) as server:
+        r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "x" * 2000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_bad_requests_get_openai_errors(fake_server):
+    client = fake_server.client()
+    url = f"{fake_server.url}/v1/responses"
+
+    def error(body, status=400, **kwargs):
+        r = httpx.post(url, json=body, **kwargs) if body is not None else httpx.post(url, content=b"{oops", **kwargs)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        return err
+
+    assert error({"model": MODEL, "input": "x", "temperature": 9})["param"] == "temperature"
+    assert error({"model": MODEL, "input": "x", "bogus": 1})["code"] == "unknown_parameter"
+    assert error({"input": "x"})["param"] == "model"
+    assert error({"model": MODEL})["param"] == "input"
+    assert error({"model": "other-model", "input": "x"}, 404)["param"] == "model"
+    assert error(None)["code"] == "invalid_json"
+    assert error({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}
+                 )["param"] == "input[0].content"
+    assert error({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "s",
+                                                                     "schema": {"type": "nonsense"}}}}
+                 )["param"] == "text.format.schema"
+    assert error({"model": MODEL, "input": "x", "include": ["reasoning.encrypted_content"]})["param"] == "include"
+    assert error({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, 404)["param"] == \
+        "previous_response_id"
+    assert error({"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}
+                 )["param"] == "input[0].call_id"
+    assert error({"model": MODEL, "input": "x", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+                                                                                        "name": "nope"}}
+                 )["param"] == "tool_choice"
+    assert error({"model": MODEL, "input": "x", "background": True, "store": False})["param"] == "background"
+    assert error({"model": MODEL, "input": "x", "tools": [{"type": "mcp", "server_label": "nope"}]}
+                 )["param"] == "tools[0].server_label"
+    assert error({"model": MODEL, "input": "hello " * 9000}, 400)["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_missing")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="x", max_output_tokens=0)
+    assert info.value.body["param"] == "max_output_tokens"
+
+
+def test_tools_the_server_lacks_are_refused(tmp_path):
+    with LiveServer(make_app(ScriptedEngine, tmp_path / "r.db")) as server:
+        with pytest.raises(openai.BadRequestError) as info:
+            server.client().responses.create(model=MODEL, input="x", tools=[{"type": "web_search_preview"}])
+    assert info.value.body["param"] == "tools[0]" and info.value.body["code"] == "tool_not_available"
