@@ -21,17 +21,29 @@ from torch import nn
 from .attention import AttentionMetadata
 from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig
+from .kernels.rmsnorm_triton import add_rms_norm_reference, rms_norm_reference
 from .moe import ExpertWeights, MoEWeights
 from .rope import cos_sin_table
 
 log = logging.getLogger(__name__)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, H]; normalised in float32, scaled, cast back to x's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * xf).to(x.dtype)
+def select_add_rms_norm(device: torch.device):
+    """`add_rms_norm(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta))` for `device`
+    (delta may be None): the fused Triton kernel on CUDA, the pure-torch reference elsewhere."""
+    from .attention_backend import triton_available
+
+    if triton_available(torch.device(device)):
+        from .kernels.rmsnorm_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton
+
+    def add_rms_norm(x, delta, weight, eps):
+        if delta is None:
+            return x, rms_norm_reference(x, weight, eps)
+        return add_rms_norm_reference(x, delta, weight, eps)
+
+    return add_rms_norm
 
 
 class Attention(nn.Module):
@@ -87,11 +99,12 @@ class Block(nn.Module):
         self.attn = Attention(config, layer)
         self.mlp = MoE(config)
 
-    def forward(self, x, meta, kv_cache, cos_sin, backends) -> torch.Tensor:
+    def forward(self, x, h, meta, kv_cache, cos_sin, backends, next_norm, add_rms_norm):
+        """x: [T, H] residual stream; h: rmsnorm(x) with this block's attn_norm, computed by the
+        previous block's fused add + norm. Returns (x after the block, x normed by `next_norm`)."""
         attention_backend, moe_backend = backends
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), meta, kv_cache, cos_sin, attention_backend)
-        x = x + self.mlp(rms_norm(x, self.mlp_norm, self.eps), moe_backend)
-        return x
+        x, h = add_rms_norm(x, self.attn(h, meta, kv_cache, cos_sin, attention_backend), self.mlp_norm, self.eps)
+        return add_rms_norm(x, self.mlp(h, moe_backend), next_norm, self.eps)
 
 
 class GptOssModel(nn.Module):
@@ -102,6 +115,7 @@ class GptOssModel(nn.Module):
         self.config = config
         self.attention_backend = attention_backend
         self.moe_backend = moe_backend
+        self.add_rms_norm = select_add_rms_norm(torch.device("cpu"))  # from_* pick the device's
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
@@ -112,13 +126,29 @@ class GptOssModel(nn.Module):
         )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> torch.Tensor:
-        """input_ids: [T] int64 new tokens; kv_caches[layer] = (k_cache, v_cache). Returns hidden [T, H]."""
-        x = self.embed(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list, aux_layers: tuple[int, ...] = ()
+    ):
+        """input_ids: [T] int64 new tokens; kv_caches[layer] = (k_cache, v_cache). Returns hidden [T, H].
+
+        With `aux_layers` (an EAGLE-3 drafter's input) returns (hidden, aux [T, len(aux_layers) * H]):
+        the residual stream after each listed layer, concatenated in the order given.
+        """
+        aux = {}
+        # x += attn(rmsnorm(x)); x += moe(rmsnorm(x)) per layer, each add fused with the norm after it.
+        eps = self.config.rms_norm_eps
+        add_rms_norm = self.add_rms_norm
+        x, h = add_rms_norm(self.embed(input_ids), None, self.layers[0].attn_norm, eps)
         backends = (self.attention_backend, self.moe_backend)
+        last = len(self.layers) - 1
         for layer, block in enumerate(self.layers):
-            x = block(x, meta, kv_caches[layer], self.cos_sin, backends)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+            next_norm = self.norm if layer == last else self.layers[layer + 1].attn_norm
+            x, h = block(x, h, meta, kv_caches[layer], self.cos_sin, backends, next_norm, add_rms_norm)
+            if layer in aux_layers:
+                aux[layer] = x
+        if aux_layers:
+            return h, torch.cat([aux[layer] for layer in aux_layers], dim=-1)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -161,6 +191,7 @@ class GptOssModel(nn.Module):
             model = cls(config, None, None, max_positions=max_positions)
         model.attention_backend = select_attention_backend(device, attention_backend)
         model.moe_backend = select_moe_backend(device, moe_backend)
+        model.add_rms_norm = select_add_rms_norm(device)
         model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
         bar = progress and reader.total_bytes() >= (256 << 20)
         load_weights(model, reader.get, device, dtype, progress=bar)
@@ -191,6 +222,7 @@ class GptOssModel(nn.Module):
             model = cls(config, None, None, max_positions=max_positions)
         model.attention_backend = select_attention_backend(device, attention_backend)
         model.moe_backend = select_moe_backend(device, moe_backend)
+        model.add_rms_norm = select_add_rms_norm(device)
         model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
         load_weights(model, random_tensor_source(config, device, seed), device, dtype, progress=False)
         return model.eval()
