@@ -91,19 +91,11 @@ class Sampler:
     def _truncated_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Softmax of [M, V] temperature-scaled logits with top_k / top_p / min_p applied."""
         device = scaled.device
-        vocab = scaled.shape[-1]
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            vocab = scaled.shape[-1]
             top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            rank = torch.arange(vocab, device=device)[None, :]
-            sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the tokens ranked above it already reach top_p (the first stays).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+            scaled = _top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
@@ -128,3 +120,50 @@ class Sampler:
             kk = params[i].logprobs
             out[i] = TokenLogprob(token_list[j], chosen[j], list(zip(top_ids[j][:kk], top_values[j][:kk])))
         return out
+
+
+# top_k / top_p look at the best this many logits of a row first; a full sort of the vocabulary
+# (201k entries) is needed only for rows whose kept set may reach past them.
+TOP_CANDIDATES = 1024
+
+
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask [M, V] logits to each row's top_k, then to the smallest set ranked from the top whose
+    renormalised mass reaches top_p (the first token always stays). top_k: [M] (V means off).
+
+    Exact without sorting V when the kept set lies in the row's `TOP_CANDIDATES` best: true when
+    top_k <= that many, or when top_k is off and those candidates already hold top_p of the mass.
+    Other rows take the full sort."""
+    vocab = scaled.shape[-1]
+    width = min(vocab, TOP_CANDIDATES)
+    values, order = scaled.topk(width, dim=-1)  # sorted, best first
+    rank = torch.arange(width, device=scaled.device)[None, :]
+    values = values.masked_fill(rank >= top_k[:, None], float("-inf"))
+    # Renormalise over the top_k set: inside the candidates, or (top_k off) the whole row.
+    log_total = torch.where(top_k <= width, values.logsumexp(-1), scaled.logsumexp(-1))
+    probs = (values - log_total[:, None]).exp()
+    mass_before = probs.cumsum(-1) - probs
+    values = values.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1), float("-inf"))
+    out = torch.full_like(scaled, float("-inf")).scatter_(1, order, values)
+    fits = (top_k <= width) | ((top_k >= vocab) & (probs.sum(-1) >= top_p))
+    untouched = (top_k >= vocab) & (top_p >= 1)
+    out = torch.where(untouched[:, None], scaled, out)
+    slow = ~(fits | untouched)
+    if bool(slow.any()):  # one host sync, only when some row truncates and the cheap check failed
+        rows = slow.nonzero().squeeze(1)
+        out[rows] = _top_k_top_p_sorted(scaled[rows], top_k[rows], top_p[rows])
+    return out
+
+
+def _top_k_top_p_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_top_k_top_p` by a full sort of each row: the definition, and the fallback."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the first stays).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)

@@ -153,3 +153,24 @@ def test_logprobs_are_the_raw_model_distribution():
     second = out.logprobs[1]
     assert second.top == [] and math.isclose(second.logprob, ref[1, out.token_ids[1]].item(), rel_tol=1e-5)
     assert out.logprobs[2] is None
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0])
+def test_top_k_top_p_without_a_sort_equals_the_sorted_definition(temperature):
+    """The candidate-based mask equals the full-sort definition on every kind of row: top_k inside
+    and beyond the candidates, top_p reached inside them (peaked rows) and not (flat rows)."""
+    from inference.sampler import TOP_CANDIDATES, _top_k_top_p, _top_k_top_p_sorted
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 5000
+    logits = torch.randn(8, vocab, generator=g) / temperature
+    logits[::2] *= 6  # peaked rows: the candidates hold most of the mass
+    top_k = torch.tensor([0, 0, 40, 40, TOP_CANDIDATES + 300, 0, vocab, 3])
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.7, 0.95, 1.0, 0.999, 0.2])
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    fast, reference = _top_k_top_p(logits, k, top_p), _top_k_top_p_sorted(logits, k, top_p)
+    assert torch.equal(torch.isinf(fast), torch.isinf(reference))
+    kept = ~torch.isinf(reference)
+    assert torch.equal(fast[kept], reference[kept])
+    # Row 5 truncates nothing; row 2 keeps exactly its top 40.
+    assert kept[5].all() and int(kept[2].sum()) == 40
