@@ -64,6 +64,9 @@ class AgentTask:
     list_mcp_servers: list[str] = field(default_factory=list)  # Harmony namespaces to list first
     started: float | None = None  # perf_counter() at request arrival, for time to first token
     tool_timeout: float = 300.0
+    # False: at most one function call per response. Harmony lets the model chain several calls
+    # in one turn (`<|end|>` between them), so the turn is cut after the first one.
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -97,6 +100,7 @@ class AgentLoop:
         self.citations: CitationStreamer | None = None
         self.calls: list[PendingCall] = []
         self.tool_calls_made = 0
+        self.turn_over = False  # set when the turn must end before the model ends it
         self.request_id: str | None = None  # the engine request running now
         self.usage = dict(input=0, cached=0, output=0, reasoning=0)
 
@@ -168,7 +172,7 @@ class AgentLoop:
                                     continue_from=parked)
         stream = HarmonyStream()
         generated: list[int] = []
-        finish, error, counted = None, None, False
+        finish, error, counted, cut = None, None, False, False
         self.request_id = request_id
         deltas = self.engine.generate(request)
         if self.metrics is not None:
@@ -183,6 +187,11 @@ class AgentLoop:
                     generated.append(token)
                     self.usage["output"] += 1
                     self._on_events(stream.feed(token))
+                    if self.turn_over:  # nothing the model says after this counts
+                        break
+                if self.turn_over and delta.finish_reason is None:
+                    cut = True  # end the turn here, as if the model had stopped
+                    break
                 if delta.finish_reason is not None:
                     finish, error = delta.finish_reason, delta.error
                     # Engines may leave the stop token out of token_ids; the sequence has it.
@@ -194,6 +203,11 @@ class AgentLoop:
         except BaseException:
             self.engine.abort(request_id)
             raise
+        if cut:
+            self.engine.abort(request_id)
+            if hasattr(deltas, "aclose"):
+                await deltas.aclose()
+            finish = "stop"
         self._on_events(stream.finish())
         return generated, finish or "abort", error
 
@@ -266,6 +280,8 @@ class AgentLoop:
             writer.done()
             self.outcome.function_calls[writer.item.call_id] = route.name
             self.calls.append(PendingCall(route, end.recipient or "", end.text, writer))
+            if not self.task.parallel_tool_calls:
+                self.turn_over = True
         elif route is not None and route.kind in ("browser", "python", "mcp"):
             # Finished when the tool has run, after the turn's <|call|>.
             self.calls.append(PendingCall(route, end.recipient or "", end.text, writer))

@@ -24,10 +24,11 @@ from starlette.routing import Route
 
 from inference.request import EngineClient
 
-from . import chat_api, responses_api
+from . import chat_api, playground, responses_api
 from .auth import ApiKeyMiddleware
-from .errors import APIError, not_found
+from .errors import APIError, UnexpectedErrorMiddleware, internal_error, not_found
 from .metrics import Metrics, MetricsMiddleware
+from .request_ids import RequestIdMiddleware, current_request_id, new_request_id
 from .state import ServerConfig, ServerState
 from .store import ResponseStore, SQLiteResponseStore
 from .tool_registry import ToolRegistry
@@ -111,9 +112,25 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
+    # Last resort (UnexpectedErrorMiddleware catches route errors): Starlette answers this
+    # outside the other middleware, so the request id header is set here.
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return APIError("The server had an error while processing your request.", status=500,
-                    code="server_error").response()
+    response = internal_error().response()
+    response.headers["x-request-id"] = current_request_id.get() or new_request_id()
+    return response
+
+
+async def drain_runs(state: ServerState, timeout: float) -> None:
+    """Shutdown: let running responses finish for up to `timeout` seconds, then cancel the rest.
+    Either way each run writes its final state to the store before this returns (uvicorn has
+    already stopped accepting connections and given open ones their own grace period)."""
+    tasks = [run.task for run in state.runs.runs.values() if run.task is not None and not run.task.done()]
+    if tasks:
+        log.info("shutting down: waiting up to %.1fs for %d running responses", timeout, len(tasks))
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        if pending:
+            log.warning("shutting down: cancelling %d responses still running", len(pending))
+    await state.runs.cancel_all()
 
 
 class ReadinessGate:
@@ -168,7 +185,7 @@ def create_app(
         finally:
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
-            await state.runs.cancel_all()
+            await drain_runs(state, config.shutdown_timeout)
             for server in state.tools.servers:
                 try:
                     await server.aclose()
@@ -186,11 +203,13 @@ def create_app(
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         *responses_api.routes,
         *chat_api.routes,
+        *playground.routes,
     ]
-    middleware = [Middleware(MetricsMiddleware, metrics=state.metrics)]
-    if config.cors_origins:
+    middleware = [Middleware(RequestIdMiddleware), Middleware(UnexpectedErrorMiddleware),
+                  Middleware(MetricsMiddleware, metrics=state.metrics)]
+    if config.cors_origins:  # outside the key check: preflight requests carry no credentials
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
-                                     allow_headers=["*"]))
+                                     allow_headers=["*"], expose_headers=["x-request-id"]))
     middleware += [Middleware(ApiKeyMiddleware, api_key=config.api_key), Middleware(ReadinessGate, state=state)]
     app = Starlette(
         routes=routes,

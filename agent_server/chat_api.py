@@ -35,6 +35,15 @@ from .token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
 
+# Parameters of OpenAI's Chat Completions API this server does not take, and why.
+UNSUPPORTED = {
+    "audio": "gpt-oss reads and writes text only",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "chat completions run no server-side tools; use /v1/responses with a web_search tool",
+    "functions": "it is deprecated; use 'tools'",
+    "function_call": "it is deprecated; use 'tool_choice'",
+}
+
 # --- one choice ---------------------------------------------------------------------------
 
 
@@ -189,7 +198,7 @@ def _sampling(req: ChatCompletionRequest, index: int, max_tokens: int, vocab_siz
         presence_penalty=req.presence_penalty,
         logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
         max_tokens=max_tokens,
-        stop_token_ids=[RETURN, CALL],
+        stop_token_ids=[] if req.ignore_eos else [RETURN, CALL],
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
     try:
@@ -202,7 +211,9 @@ def _sampling(req: ChatCompletionRequest, index: int, max_tokens: int, vocab_siz
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     started = time.perf_counter()
-    req = await read_request(request, ChatCompletionRequest, state.config.max_request_bytes)
+    config = state.config
+    req = await read_request(request, ChatCompletionRequest, config.max_request_bytes, unsupported=UNSUPPORTED,
+                             max_items={"messages": config.max_input_items, "tools": config.max_tools})
     engine = state.engine
     if not state.config.serves(req.model):
         raise APIError(f"The model '{req.model}' does not exist; this server serves '{state.config.model_name}'.",
@@ -214,7 +225,12 @@ async def create_chat_completion(request: Request) -> Response:
     if room <= 0:
         raise APIError(f"The messages are {len(prompt)} tokens; this model's context is {engine.max_model_len} "
                        "tokens.", param="messages", code="context_length_exceeded")
-    max_tokens = min(req.token_limit or room, room)
+    if req.token_limit is not None and req.token_limit > room:
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        raise APIError(f"'{param}' is too large: the messages are {len(prompt)} tokens and this model's context "
+                       f"is {engine.max_model_len}, so at most {room} tokens fit; got {req.token_limit}.",
+                       param=param, code="context_length_exceeded")
+    max_tokens = req.token_limit or room
     completion_id = f"chatcmpl-{secrets.token_hex(12)}"
     choices = [
         ChoiceStream(state, i, GenerationRequest(f"{completion_id}/{i}", prompt,
@@ -252,7 +268,8 @@ async def _complete(request: Request, choices: list[ChoiceStream], header: dict[
             "logprobs": {"content": logprobs} if choice.want_logprobs else None,
         }
 
-    work = asyncio.ensure_future(asyncio.gather(*(run(c) for c in choices)))
+    runs = [asyncio.ensure_future(run(c)) for c in choices]
+    work = asyncio.gather(*runs)
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -267,6 +284,10 @@ async def _complete(request: Request, choices: list[ChoiceStream], header: dict[
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
         return Response(status_code=499)
+    if work.exception() is not None:  # one choice failed: the whole completion fails, stop the rest
+        for task in runs:
+            task.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
     results = work.result()
     body = ChatCompletion.model_validate({
         **header, "object": "chat.completion", "choices": results, "usage": _usage(choices),

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import generate_command, serve_command
+from . import bench_command, generate_command, serve_command
 
 SUBCOMMANDS = {
     "serve": (serve_command, "serve the Responses and Chat Completions APIs"),
     "generate": (generate_command, "generate one answer to a prompt, no server"),
+    "bench": (bench_command, "benchmark a server over HTTP (bench serve) or the engine in-process (bench engine)"),
 }
 
 

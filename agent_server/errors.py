@@ -6,10 +6,16 @@ Handlers raise `APIError`; the app turns it (and pydantic validation errors, via
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
+
+from .request_ids import current_request_id
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -75,5 +81,53 @@ def from_validation_error(exc: ValidationError, body: Any) -> APIError:
     if kind == "missing":
         return APIError(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     message = error["msg"].removeprefix("Value error, ")
-    code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+    wrong_type = kind.endswith(("_type", "_parsing")) or kind in ("int_from_float", "model_attributes_type")
+    code = "invalid_type" if wrong_type else "invalid_value"
     return APIError(f"Invalid value for '{param}': {message}.", param=param or None, code=code)
+
+
+def internal_error() -> APIError:
+    """The 500 for a bug: what went wrong is in the log (with this request id), not in the body."""
+    request_id = current_request_id.get()
+    reference = f" (request id {request_id})" if request_id else ""
+    return APIError(f"The server had an error while processing your request{reference}.", status=500,
+                    code="server_error")
+
+
+def shutting_down() -> APIError:
+    return APIError("The server is shutting down and could not finish this request; retry it.", status=503,
+                    code="server_shutting_down")
+
+
+class UnexpectedErrorMiddleware:
+    """An exception no route handled becomes a 500 with an OpenAI-style body. Unlike Starlette's
+    own last-resort handler it is not re-raised afterwards, so the connection stays usable.
+
+    A request cancelled before it answered (uvicorn does that to requests still open when the
+    shutdown grace period ends) gets a 503 instead of uvicorn's plain-text 500."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            # The request's own top-level task, which nothing awaits: answering ends it.
+            await shutting_down().response()(scope, receive, send)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope["method"], repr(scope["path"])[1:-1])
+            if started:  # too late for an error body: the server drops the connection
+                raise
+            await internal_error().response()(scope, receive, send)

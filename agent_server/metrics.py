@@ -42,6 +42,9 @@ class EngineCollector:
             "oss_agent_prefix_cache_hit_ratio": ("Prompt tokens found in the prefix cache / looked up",
                                                  s.prefix_hit_tokens / s.prefix_queries_tokens
                                                  if s.prefix_queries_tokens else 0.0),
+            "oss_agent_spec_decode_mean_acceptance_length": (
+                "Speculative decoding: tokens emitted per verification step (kept drafts + 1; 0 when off)",
+                s.mean_acceptance_length),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -50,6 +53,11 @@ class EngineCollector:
                                                       s.prefix_queries_tokens),
             "oss_agent_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache", s.prefix_hit_tokens),
             "oss_agent_engine_preemptions": ("Sequences preempted for memory", s.preemptions),
+            "oss_agent_spec_decode_verify_steps": ("Speculative decoding: sequence-steps that verified drafts",
+                                                   s.spec_steps),
+            "oss_agent_spec_decode_draft_tokens": ("Speculative decoding: draft tokens verified", s.spec_draft_tokens),
+            "oss_agent_spec_decode_accepted_tokens": ("Speculative decoding: draft tokens kept",
+                                                      s.spec_accepted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -1,33 +1,133 @@
-"""Request bodies: JSON in, a validated pydantic model out, or an OpenAI-style 4xx."""
+"""Request bodies: JSON in, a validated pydantic model out, or an OpenAI-style 4xx.
+
+Before the schema sees a body it must be at most `max_bytes` long (read in chunks, so a huge
+upload is refused without being buffered), parse as a JSON object, nest at most
+`MAX_JSON_DEPTH` levels, hold only encodable text (no lone surrogates from `\\ud800` escapes)
+and integers that fit 64 bits, not exceed the per-field array limits, and not use a parameter
+this server knows but does not support (named, with the reason).
+"""
 
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from typing import Any, Mapping, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from .errors import APIError, from_validation_error
 
 Model = TypeVar("Model", bound=BaseModel)
 
+MAX_JSON_DEPTH = 100
+INT64 = 1 << 63
 
-async def read_request(request: Request, schema: type[Model], max_bytes: int) -> Model:
+
+def too_large(max_bytes: int) -> APIError:
+    return APIError(f"Request body is larger than {max_bytes} bytes.", status=413, code="request_too_large")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body, or a 413 as soon as it is known to be longer than `max_bytes`."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(f"Request body is larger than {max_bytes} bytes.", status=413, code="request_too_large")
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise APIError(f"Request body is larger than {max_bytes} bytes.", status=413, code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large(max_bytes)
+    chunks, size = [], 0
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody is left to answer; not a server error worth a traceback
+        raise APIError("The client disconnected before sending the whole body.", code="client_disconnected") from None
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError(f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.",
+                       code="invalid_json") from None
+    except ValueError:  # bad JSON, bad UTF-8, NaN/Infinity, an integer too long to convert
         raise APIError("We could not parse the JSON body of your request. The body must be a JSON object.",
                        code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.", code="invalid_json")
+    check_json_values(body)
+    return body
+
+
+def _param(path: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(path))
+
+
+def check_json_values(body: Any) -> None:
+    """Depth, text and integer checks over a parsed body, without recursion."""
+    stack: list[tuple[Any, tuple]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise APIError(f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.",
+                           param=_param(path[:1]) or None, code="invalid_json")
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, bool):
+            continue
+        elif isinstance(value, int):
+            if not -INT64 <= value < INT64:
+                raise APIError(f"Invalid value for '{_param(path)}': integer out of the 64-bit range.",
+                               param=_param(path), code="invalid_value")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, path)
+                stack.append((item, (*path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+
+
+def _check_text(text: str, path: tuple) -> None:
+    if text.isascii():
+        return
     try:
-        return schema.model_validate(body)
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        param = _param(path) or None
+        where = f" in '{param}'" if param else ""
+        raise APIError(f"Invalid Unicode{where}: the text holds an unpaired surrogate (a lone \\ud800-\\udfff "
+                       "escape).", param=param, code="invalid_value") from None
+
+
+def check_limits(body: Mapping[str, Any], max_items: Mapping[str, int], unsupported: Mapping[str, str]) -> None:
+    for name, reason in unsupported.items():
+        if name in body:
+            raise APIError(f"Unsupported parameter: '{name}' is not supported by this server: {reason}.",
+                           param=name, code="unsupported_parameter")
+    for name, most in max_items.items():
+        value = body.get(name)
+        if isinstance(value, list) and len(value) > most:
+            raise APIError(f"Invalid '{name}': {len(value)} items is too many; at most {most} are allowed.",
+                           param=name, code="array_above_max_length")
+
+
+async def read_request(
+    request: Request,
+    schema: type[Model],
+    max_bytes: int,
+    *,
+    max_items: Mapping[str, int] | None = None,
+    unsupported: Mapping[str, str] | None = None,
+) -> Model:
+    """`max_items`: top-level array parameter -> most items; `unsupported`: parameter -> why."""
+    body = parse_json_object(await read_body(request, max_bytes))
+    check_limits(body, max_items or {}, unsupported or {})
+    try:
+        # Strict, as OpenAI is: "10" is not an integer and "yes" not a boolean.
+        return schema.model_validate(body, strict=True)
     except ValidationError as e:
         raise from_validation_error(e, body) from None

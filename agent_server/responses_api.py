@@ -17,6 +17,7 @@ from typing import Any
 
 from openai.types.responses import Response as SDKResponse
 from openai_harmony import Message
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -36,7 +37,7 @@ from schemas.responses import (
 
 from .agent_loop import AgentLoop, AgentOutcome, AgentTask
 from .conversation import input_to_messages, messages_from_json, messages_to_json
-from .errors import APIError, not_found
+from .errors import APIError, from_validation_error, not_found
 from .harmony import PromptConfig, preamble, render_prompt
 from .request_parsing import read_request
 from .response_events import ResponseEvents, dump, new_id
@@ -47,6 +48,13 @@ from .store import StoredResponse
 from .tool_registry import ToolSessions
 
 log = logging.getLogger(__name__)
+
+# Parameters of OpenAI's Responses API this server does not take, and why.
+UNSUPPORTED = {
+    "conversation": "conversations are not stored here; continue with previous_response_id",
+    "prompt": "there are no stored prompt templates here; send instructions and input",
+    "top_logprobs": "this server's Responses API does not return logprobs (Chat Completions does)",
+}
 
 TOOL_CHOICE_NOTES = {
     "required": "You must call one of the available tools before giving your final answer.",
@@ -70,7 +78,9 @@ class PreparedResponse:
 async def create_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     started = time.perf_counter()
-    body = await read_request(request, ResponseCreateRequest, state.config.max_request_bytes)
+    config = state.config
+    body = await read_request(request, ResponseCreateRequest, config.max_request_bytes, unsupported=UNSUPPORTED,
+                              max_items={"input": config.max_input_items, "tools": config.max_tools})
     prepared = await prepare(state, body, started)
     run = start_run(state, prepared)
     if body.stream:
@@ -146,6 +156,11 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     if len(prompt) >= engine.max_model_len:
         raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens.",
                        param="input", code="context_length_exceeded")
+    room = engine.max_model_len - len(prompt)
+    if req.max_output_tokens is not None and req.max_output_tokens > room:
+        raise APIError(f"'max_output_tokens' is too large: the input is {len(prompt)} tokens and this model's "
+                       f"context is {engine.max_model_len}, so at most {room} output tokens fit; got "
+                       f"{req.max_output_tokens}.", param="max_output_tokens", code="context_length_exceeded")
 
     response_id = new_id("resp")
     sampling = SamplingParams(
@@ -165,6 +180,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         list_mcp_servers=[ns for ns, b in active.mcp.items() if b.label not in listed_mcp],
         started=started,
         tool_timeout=config.tool_timeout,
+        parallel_tool_calls=req.parallel_tool_calls,
     )
     return PreparedResponse(
         request=req,
@@ -231,7 +247,7 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
     if req.reasoning and (req.reasoning.summary or req.reasoning.generate_summary):
         reasoning["summary"] = req.reasoning.summary or req.reasoning.generate_summary
     tool_choice = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump(exclude_none=True)
-    return SDKResponse.model_validate({
+    snapshot = {
         "id": response_id,
         "object": "response",
         "created_at": time.time(),
@@ -256,7 +272,11 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
         "user": req.user,
         "usage": None,
         "truncation": req.truncation or "disabled",
-    })
+    }
+    try:
+        return SDKResponse.model_validate(snapshot)
+    except ValidationError as e:  # a request field our schema let through but a Response cannot hold
+        raise from_validation_error(e, snapshot) from None
 
 
 def listed_input_items(items: list[Any]) -> list[dict[str, Any]]:

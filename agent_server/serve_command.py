@@ -31,10 +31,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", type=Path, help="SQLite file for stored responses")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--max-model-len", type=int, help="context length to serve (default: the engine's)")
+    parser.add_argument("--gpu-memory-utilization", type=fraction, metavar="FRACTION",
+                        help="share of GPU memory the engine may use; the KV cache gets what the model and one "
+                             "step leave of it (default: 0.9)")
+    parser.add_argument("--num-pages", type=positive_int,
+                        help="KV cache size in pages (16 tokens each by default), instead of sizing it from memory")
+    parser.add_argument("--max-num-seqs", type=positive_int, help="most sequences in one batch (default: 256)")
+    parser.add_argument("--speculative", choices=["ngram", "eagle3"],
+                        help="speculative decoding: draft tokens by prompt lookup (ngram) or with an EAGLE-3 "
+                             "draft head (eagle3, needs --draft-model); the target verifies them, output unchanged")
+    parser.add_argument("--num-draft-tokens", type=positive_int, help="draft tokens per step (default: 4)")
+    parser.add_argument("--draft-model", help="EAGLE-3 draft checkpoint directory (for --speculative eagle3)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                         help="extra keyword for AsyncEngine.from_pretrained (value as a Python literal)")
     parser.add_argument("--tool-timeout", type=float, default=300.0, help="seconds a built-in tool call may take")
-    parser.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (CORS)")
+    parser.add_argument("--cors-origin", action="append", default=[],
+                        help="allow this browser origin (CORS, off by default); repeatable, '*' for any")
+    parser.add_argument("--max-request-bytes", type=int, default=32 << 20, help="largest request body accepted")
+    parser.add_argument("--max-input-items", type=int, default=2048,
+                        help="most items in a request's input (Responses) or messages (Chat Completions)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish on shutdown before they are cancelled")
     parser.add_argument("--log-level", default="info")
 
 
@@ -50,16 +67,44 @@ def engine_options(args: argparse.Namespace) -> dict:
             options[key] = raw
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
+    # The dedicated flags map onto EngineConfig fields of the same name (and win over --engine-option).
+    for name in ("gpu_memory_utilization", "num_pages", "max_num_seqs", "speculative", "num_draft_tokens",
+                 "draft_model"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if options.get("speculative") == "eagle3" and not options.get("draft_model"):
+        raise SystemExit("--speculative eagle3 needs --draft-model DIR (an EAGLE-3 draft checkpoint)")
     return options
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .request_ids import RequestIdFilter
     from .state import ServerConfig, default_store_path
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("Listening on %s without --api-key: anyone who can reach this port can use the model.",
+                    args.host)
     if args.model:
         model_dir = Path(args.model)
         name = args.served_model_name or model_dir.name
@@ -92,7 +137,13 @@ def run(args: argparse.Namespace) -> int:
         store_path=args.store or default_store_path(),
         tool_timeout=args.tool_timeout,
         cors_origins=args.cors_origin,
+        max_request_bytes=args.max_request_bytes,
+        max_input_items=args.max_input_items,
+        shutdown_timeout=args.shutdown_timeout,
     )
     app = create_app(config, build_engine, tool_servers=tool_servers)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    # Our access log (with request ids) replaces uvicorn's. On SIGTERM/SIGINT uvicorn stops
+    # accepting, gives open connections the shutdown timeout, then the app drains its runs.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

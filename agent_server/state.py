@@ -29,6 +29,9 @@ class ServerConfig:
     store_path: Path = field(default_factory=default_store_path)
     tool_timeout: float = 300.0  # seconds one built-in tool call may take
     max_request_bytes: int = 32 << 20
+    max_input_items: int = 2048  # items in `input` / `messages`
+    max_tools: int = 128
+    shutdown_timeout: float = 30.0  # seconds in-flight responses get to finish when stopping
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
     sse_ping_seconds: float = 15.0
 

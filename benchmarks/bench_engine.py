@@ -12,6 +12,14 @@ by the measured copy bandwidth.
     python benchmarks/bench_engine.py --model 120b --batches 1,64
     python benchmarks/bench_engine.py --model 20b --profile        # per-kernel breakdown of a step
     python benchmarks/bench_engine.py --model 20b --hf             # also transformers, same shapes
+    python benchmarks/bench_engine.py --model 20b --speculative ngram   # batch-1 decode with / without drafts
+
+With --speculative the script instead times batch-1 decode through the engine (scheduler, CUDA
+graphs for decode and verification steps, sampler) on a repetitive prompt, with and without the
+drafter, and prints tok/s and the mean acceptance length (tokens per verification step). Random
+weights do not copy their prompt, so a logit bias confines the output to the prompt's words
+(--spec-words, 0 to turn it off) to give the n-gram drafter repetition to find; a third row
+replays the plain run's own output as drafts, the acceptance a perfect drafter would reach.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference.attention import AttentionMetadata  # noqa: E402
+from inference.speculative import DraftContext  # noqa: E402
 from inference.config import ModelConfig  # noqa: E402
 from inference.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from inference.model import GptOssModel  # noqa: E402
@@ -116,12 +125,12 @@ def bench_decode(model, kv_caches, runner, batch, context, steps, pages_per_seq,
     seqs = StaticBatch(model, kv_caches, batch, context, pages_per_seq, page_size)
     ids = seqs.ids
     for _ in range(3):  # warm-up
-        ids = runner.run(ids, seqs.metadata()).argmax(-1)
+        ids = runner.run(ids, seqs.metadata())[0].argmax(-1)
         ids.tolist()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        ids = runner.run(ids, seqs.metadata()).argmax(-1)
+        ids = runner.run(ids, seqs.metadata())[0].argmax(-1)
         ids.tolist()  # the engine reads the sampled ids every step
     torch.cuda.synchronize()
     return batch * steps / (time.perf_counter() - t0)
@@ -186,6 +195,94 @@ def bench_transformers(config_dict: dict, prompt: int = 128, new: int = 64) -> f
     return rate
 
 
+class ReplayDrafter:
+    """Proposes a known continuation (the plain run's output): what a perfect drafter would guess."""
+
+    aux_layers: tuple[int, ...] = ()
+    writes_ahead = False
+
+    def __init__(self, continuation: list[int]):
+        self.continuation = continuation
+
+    def kv_bytes_per_page(self, page_size: int) -> int:
+        return 0
+
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> list[list[int]]:
+        return [self.continuation[s.num_output_tokens : s.num_output_tokens + n] for s, n in zip(ctx.seqs, ctx.limit)]
+
+
+def bench_speculative(model, args) -> dict:
+    """Batch-1 engine decode on a repetitive prompt: plain, with the drafter, with replayed drafts."""
+    import random
+
+    from inference.engine import EngineConfig, LLMEngine
+    from inference.request import GenerationRequest, SamplingParams
+
+    def sync() -> None:
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    rng = random.Random(0)
+    words = [rng.randrange(200_000) for _ in range(args.spec_words or 64)]
+    prompt = [rng.choice(words) for _ in range(64)] * 8  # a 64-token block, 8 times
+    bias = {w: 20.0 for w in words} if args.spec_words else {}
+    max_len = len(prompt) + args.spec_tokens + 64
+    draft_model = args.draft_model
+    if args.speculative == "eagle3" and draft_model is None:
+        from inference.eagle3 import write_random_eagle3_checkpoint
+
+        draft_model = str(write_random_eagle3_checkpoint(Path("/tmp/oss-agent-bench-eagle3"), model.config,
+                                                         draft_token_ids=sorted(words), draft_vocab_size=len(words)))
+        progress("no --draft-model: a random EAGLE-3 draft head (its guesses are rarely right)")
+
+    def timed(label: str, replay: list[int] | None = None, **spec) -> tuple[list[int], float, float]:
+        eng = LLMEngine(model, EngineConfig(num_pages=-(-max_len // args.page_size) + 8, max_model_len=max_len,
+                                            max_num_seqs=1, page_size=args.page_size, **spec))
+        if replay is not None:
+            eng.drafter = ReplayDrafter(replay)
+        params = SamplingParams(temperature=0.0, max_tokens=args.spec_tokens, logit_bias=bias)
+        for attempt in ("warm-up", "timed"):
+            eng.add_request(GenerationRequest(attempt, prompt, params))
+            out: list[int] = []
+            start = None
+            before = eng.stats()
+            while eng.has_unfinished():
+                for d in eng.step():
+                    out.extend(d.token_ids)
+                if start is None and out:  # the prefill step is done: time decode only
+                    sync()
+                    start, first = time.perf_counter(), len(out)
+            sync()
+            seconds = time.perf_counter() - start
+        after = eng.stats()
+        steps = after.spec_steps - before.spec_steps
+        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+        length = (steps + accepted) / steps if steps else 0.0
+        rate = (len(out) - first) / seconds
+        progress(f"{label}: {rate:,.0f} tok/s, mean acceptance length {length:.2f}")
+        del eng
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return out, rate, length
+
+    spec = dict(speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, draft_model=draft_model)
+    plain, plain_rate, _ = timed("without speculation")
+    ours, rate, length = timed(f"{args.speculative}, k={args.num_draft_tokens}", **spec)
+    _, replay_rate, replay_length = timed("replayed drafts", replay=plain, speculative="ngram",
+                                          num_draft_tokens=args.num_draft_tokens)
+    same = next((i for i, (a, b) in enumerate(zip(ours, plain)) if a != b), len(plain))
+    return {
+        "prompt_tokens": len(prompt), "new_tokens": args.spec_tokens, "num_draft_tokens": args.num_draft_tokens,
+        "method": args.speculative, "confined_to_words": args.spec_words,
+        "plain_tok_s": plain_rate, "spec_tok_s": rate, "spec_mean_acceptance_length": length,
+        "replay_tok_s": replay_rate, "replay_mean_acceptance_length": replay_length,
+        "identical_prefix_tokens": same,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=list(SHAPES), default="20b")
@@ -200,6 +297,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of a batch-1 step")
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same shapes")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--speculative", choices=["ngram", "eagle3"],
+                    help="time batch-1 engine decode with and without this drafter instead")
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-model", help="EAGLE-3 draft checkpoint (default for eagle3: a random one)")
+    ap.add_argument("--spec-tokens", type=int, default=256, help="tokens to generate per speculative run")
+    ap.add_argument("--spec-words", type=int, default=64,
+                    help="distinct words of the repetitive prompt; the output is confined to them (0: no bias)")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -211,6 +315,26 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     max_context = args.context + args.steps + 8
     pages_per_seq = -(-max(max_context, args.prefill) // args.page_size)
+    if args.speculative:
+        progress(f"building gpt-oss-{args.model} with random weights on the GPU")
+        model = GptOssModel.from_random(config, device="cuda", attention_backend=args.attention,
+                                        moe_backend=args.moe, max_positions=4096)
+        r = bench_speculative(model, args)
+        r.update(device=gpu, model=args.model, date=time.strftime("%Y-%m-%d"), copy_bandwidth_TBps=bandwidth / 1e12)
+        print(f"\ngpt-oss-{args.model} random weights on {gpu}; batch 1, {r['prompt_tokens']}-token repetitive "
+              f"prompt, {r['new_tokens']} new tokens, greedy"
+              + (f", output confined to the prompt's {args.spec_words} words by a logit bias" if args.spec_words else ""))
+        print("\n| decode, batch 1 | tok/s | mean acceptance length | speed-up |\n| --- | ---: | ---: | ---: |")
+        print(f"| without speculation | {r['plain_tok_s']:,.0f} | | |")
+        print(f"| {args.speculative}, {args.num_draft_tokens} draft tokens | {r['spec_tok_s']:,.0f} | "
+              f"{r['spec_mean_acceptance_length']:.2f} | {r['spec_tok_s'] / r['plain_tok_s']:.2f}x |")
+        print(f"| replayed drafts (a perfect drafter) | {r['replay_tok_s']:,.0f} | "
+              f"{r['replay_mean_acceptance_length']:.2f} | {r['replay_tok_s'] / r['plain_tok_s']:.2f}x |")
+        print(f"\nwith and without drafts the greedy outputs agree on the first {r['identical_prefix_tokens']} "
+              f"of {r['new_tokens']} tokens (bf16 rounding differs between decode and verification steps)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(r, indent=2))
+        return
     progress(f"building gpt-oss-{args.model} with random weights on the GPU")
     model = GptOssModel.from_random(
         config, device="cuda", attention_backend=args.attention, moe_backend=args.moe,
@@ -228,7 +352,7 @@ def main() -> None:
         progress(f"capturing CUDA graphs for batch sizes {batches}")
         runner.capture()
     else:
-        runner.run = lambda ids, meta: model.compute_logits(model(ids, meta, kv_caches))  # type: ignore[method-assign]
+        runner.run = lambda ids, meta: (model.compute_logits(model(ids, meta, kv_caches)), None)  # type: ignore[method-assign]
 
     parts = bytes_per_token(config, args.context)
     roofline = bandwidth / sum(parts.values())

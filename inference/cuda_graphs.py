@@ -3,10 +3,14 @@
 At batch 1 a gpt-oss step is ~100 kernel launches of a few microseconds each; launching them
 from Python costs more than running them. A captured graph replays them with one launch.
 
-Each captured size owns static input buffers (token ids, positions, slot mappings, context
-lengths, block tables). `run` copies the step's real values into the smallest captured size that
-fits, pads the rest with harmless rows (slot -1: no KV write; context 1 on page 0), replays, and
-returns the real rows' logits. Batches larger than every captured size run eagerly.
+A graph is captured per (batch size, tokens per sequence): 1 token for plain decode, and with
+speculative decoding k + 1 for a step that verifies k drafts per sequence (that step goes
+through the extend attention kernel, which is capture-safe too: its tile count depends only on
+the shape). Each owns static input buffers (token ids, positions, slot mappings, context
+lengths, block tables). `run` copies the step's real values into the smallest captured batch that
+fits, pads the rest with harmless sequences (slot -1: no KV write; context = tokens per sequence,
+on page 0), replays, and returns the real rows' logits (and the target layer outputs an EAGLE-3
+drafter reads, when asked for). Larger batches run eagerly.
 
 The attention and MoE backends must be capture-safe in decode: no host synchronisation and no
 dependence on the metadata's Python lists beyond their length (the lists passed at capture
@@ -31,12 +35,13 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64
-    slots: dict[str, torch.Tensor]  # [B] int64 per cache kind
+    input_ids: torch.Tensor  # [B*Q] int64 (Q tokens per sequence)
+    positions: torch.Tensor  # [B*Q] int64
+    slots: dict[str, torch.Tensor]  # [B*Q] int64 per cache kind
     context_lens: torch.Tensor  # [B] int32
     block_tables: dict[str, torch.Tensor]  # [B, P] int32 per cache kind
-    logits: torch.Tensor  # [B, V] float32, written by the graph
+    logits: torch.Tensor  # [B*Q, V] float32, written by the graph
+    aux: torch.Tensor | None = None  # [B*Q, A] aux layer outputs, written by the graph
 
 
 class DecodeGraphRunner:
@@ -44,6 +49,9 @@ class DecodeGraphRunner:
 
     kv_caches: the per-layer (k_cache, v_cache) the engine allocated; max_pages: block-table width;
     max_context: the longest context any sequence may reach (bounds split-K work in attention).
+    tokens_per_seq: the step shapes to capture (1: decode; k + 1: verify k drafts each);
+    verification graphs are captured for batch sizes up to `max_verify_batch` only.
+    aux_layers: target layers whose outputs each step also returns (for an EAGLE-3 drafter).
     """
 
     def __init__(
@@ -54,34 +62,45 @@ class DecodeGraphRunner:
         max_context: int,
         batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
         max_batch: int | None = None,
+        tokens_per_seq: tuple[int, ...] = (1,),
+        max_verify_batch: int = 32,
+        aux_layers: tuple[int, ...] = (),
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.max_pages = max_pages
         self.max_context = max_context
+        self.aux_layers = tuple(aux_layers)
         limit = max_batch or max(batch_sizes)
         self.batch_sizes = tuple(sorted(b for b in batch_sizes if b <= limit))
-        self.graphs: dict[int, _Captured] = {}
+        # Per tokens-per-sequence shape, the captured batch sizes (ascending).
+        self.sizes: dict[int, tuple[int, ...]] = {
+            q: self.batch_sizes if q == 1 else tuple(b for b in self.batch_sizes if b <= max_verify_batch)
+            for q in tokens_per_seq
+        }
+        self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = None
 
     def capture(self) -> None:
-        """Capture every batch size, largest first so smaller graphs reuse its memory pool."""
-        for b in sorted(self.batch_sizes, reverse=True):
-            self.graphs[b] = self._capture_one(b)
-        log.info("captured decode CUDA graphs", extra={"batch_sizes": list(self.batch_sizes)})
+        """Capture every shape, largest first so smaller graphs reuse its memory pool."""
+        shapes = sorted(((b, q) for q, sizes in self.sizes.items() for b in sizes), key=lambda s: -s[0] * s[1])
+        for b, q in shapes:
+            self.graphs[(b, q)] = self._capture_one(b, q)
+        log.info("captured CUDA graphs", extra={"batch_sizes": {q: list(s) for q, s in self.sizes.items()}})
 
-    def _capture_one(self, b: int) -> _Captured:
+    def _capture_one(self, b: int, q: int = 1) -> _Captured:
         dev = self.model.device
+        t = b * q
         buf = _Captured(
             graph=torch.cuda.CUDAGraph(),
-            input_ids=torch.zeros(b, dtype=torch.long, device=dev),
-            positions=torch.zeros(b, dtype=torch.long, device=dev),
-            slots={k: torch.full((b,), -1, dtype=torch.long, device=dev) for k in ("full", "sliding")},
-            context_lens=torch.ones(b, dtype=torch.int32, device=dev),
+            input_ids=torch.zeros(t, dtype=torch.long, device=dev),
+            positions=torch.zeros(t, dtype=torch.long, device=dev),
+            slots={k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in ("full", "sliding")},
+            context_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
             block_tables={k: torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev) for k in ("full", "sliding")},
             logits=torch.empty(0),
         )
-        meta = self._metadata(buf, b)
+        meta = self._metadata(buf, b, q)
         # Warm up outside the graph (Triton compiles and autotunes here), then capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -90,47 +109,53 @@ class DecodeGraphRunner:
                 self._step(buf, meta)
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(buf.graph, pool=self.pool):
-            buf.logits = self._step(buf, meta)
+            buf.logits, buf.aux = self._step(buf, meta)
         self.pool = buf.graph.pool()
         return buf
 
-    def _metadata(self, buf: _Captured, b: int) -> AttentionMetadata:
+    def _metadata(self, buf: _Captured, b: int, q: int) -> AttentionMetadata:
         return AttentionMetadata(
-            cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=buf.input_ids.device),
+            cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=buf.input_ids.device) * q,
             context_lens=buf.context_lens,
             block_tables=buf.block_tables,
             slot_mapping=buf.slots,
             positions=buf.positions,
-            max_q_len=1,
-            q_lens=[1] * b,
+            max_q_len=q,
+            q_lens=[q] * b,
             context_lens_list=[self.max_context] * b,
         )
 
-    def _step(self, buf: _Captured, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(buf.input_ids, meta, self.kv_caches)
-        return self.model.compute_logits(hidden)
+    def _step(self, buf: _Captured, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.aux_layers:
+            hidden, aux = self.model(buf.input_ids, meta, self.kv_caches, aux_layers=self.aux_layers)
+            return self.model.compute_logits(hidden), aux
+        return self.model.compute_logits(self.model(buf.input_ids, meta, self.kv_caches)), None
 
-    def can_run(self, batch: int) -> bool:
-        return bool(self.graphs) and batch <= self.batch_sizes[-1]
+    def can_run(self, batch: int, tokens_per_seq: int = 1) -> bool:
+        sizes = self.sizes.get(tokens_per_seq)
+        return bool(self.graphs) and bool(sizes) and batch <= sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode step for `len(input_ids)` sequences (meta must be decode-only). Returns logits [B, V].
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, tokens_per_seq: int = 1):
+        """A step where each of B sequences runs `tokens_per_seq` new tokens (len(input_ids) = B * that).
 
-        The returned tensor is the graph's output buffer: read it before the next `run`.
+        Returns (logits [B * tokens_per_seq, V], aux [B * tokens_per_seq, A] or None): the graph's
+        output buffers, so read them before the next `run`.
         """
-        n = input_ids.shape[0]
-        size = next(b for b in self.batch_sizes if b >= n)
-        buf = self.graphs[size]
-        buf.input_ids[:n].copy_(input_ids, non_blocking=True)
-        buf.positions[:n].copy_(meta.positions, non_blocking=True)
+        q = tokens_per_seq
+        t = input_ids.shape[0]
+        n = t // q
+        size = next(b for b in self.sizes[q] if b >= n)
+        buf = self.graphs[(size, q)]
+        buf.input_ids[:t].copy_(input_ids, non_blocking=True)
+        buf.positions[:t].copy_(meta.positions, non_blocking=True)
         buf.context_lens[:n].copy_(meta.context_lens, non_blocking=True)
-        buf.context_lens[n:].fill_(1)
+        buf.context_lens[n:].fill_(q)
         for kind in ("full", "sliding"):
-            buf.slots[kind][:n].copy_(meta.slot_mapping[kind], non_blocking=True)
-            buf.slots[kind][n:].fill_(-1)
+            buf.slots[kind][:t].copy_(meta.slot_mapping[kind], non_blocking=True)
+            buf.slots[kind][t:].fill_(-1)
             table = meta.block_tables[kind]
             buf.block_tables[kind][:n, : table.shape[1]].copy_(table, non_blocking=True)
             buf.block_tables[kind][:n, table.shape[1] :].fill_(-1)
             buf.block_tables[kind][n:].fill_(0)
         buf.graph.replay()
-        return buf.logits[:n]
+        return buf.logits[:t], (buf.aux[:t] if buf.aux is not None else None)

@@ -36,12 +36,25 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass
+class SpeculationCounters:
+    """Verification steps (a sequence with drafts in a step), drafts verified and drafts kept."""
+
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass
 class EngineConfig:
     """Engine options (the model's own ones, device/dtype/backends, go to `from_pretrained`).
 
     KV cache size: `num_pages` (full-attention pages) if given; else on CUDA a share
     `gpu_memory_utilization` of the GPU's memory minus what the model and one largest step
     need; else (CPU) `kv_cache_memory` bytes. `num_sliding_pages` overrides the sliding pool.
+
+    Speculative decoding (`inference/speculative.py`): `speculative` "ngram" or "eagle3" proposes
+    up to `num_draft_tokens` tokens per step for the target to verify; eagle3 reads its draft
+    head from `draft_model` (a checkpoint directory).
     """
 
     page_size: int = 16
@@ -53,6 +66,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     enforce_eager: bool = False  # no CUDA graphs
+    speculative: str | None = None
+    num_draft_tokens: int = 4
+    draft_model: str | None = None
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -66,6 +82,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.speculative is not None:
+            from .speculative import METHODS
+
+            if self.speculative not in METHODS:
+                raise ValueError(f"speculative must be one of {', '.join(METHODS)}")
+            if self.num_draft_tokens < 1:
+                raise ValueError("num_draft_tokens must be >= 1")
+            if self.speculative == "eagle3" and not self.draft_model:
+                raise ValueError("speculative eagle3 needs draft_model (an EAGLE-3 checkpoint directory)")
 
 
 class LLMEngine:
@@ -83,6 +108,12 @@ class LLMEngine:
         self.page_size = config.page_size
         has_sliding = any(c.is_sliding(i) for i in range(c.num_hidden_layers))
         dtype, device = model.dtype, model.device
+        self.drafter = None  # loaded before sizing the cache: its weights and K/V take memory too
+        if config.speculative is not None:
+            from .speculative import make_drafter
+
+            self.drafter = make_drafter(config.speculative, config.draft_model, model)
+        self.num_draft_tokens = config.num_draft_tokens if self.drafter is not None else 0
 
         memory = None
         if config.num_pages is None:
@@ -91,6 +122,7 @@ class LLMEngine:
             c, config.page_size, dtype, memory_bytes=memory, num_pages=config.num_pages,
             num_sliding_pages=config.num_sliding_pages, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+            extra_full_page_bytes=self.drafter.kv_bytes_per_page(config.page_size) if self.drafter else 0,
         )
         min_sliding = -(-c.sliding_window // config.page_size) + 1
         if has_sliding and plan.num_sliding_pages < min_sliding:
@@ -105,6 +137,8 @@ class LLMEngine:
                         self.max_model_len)
             self.max_model_len = plan.num_full_pages * config.page_size
         self.kv_caches = allocate_kv_tensors(c, plan, config.page_size, dtype, device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv(plan.num_full_pages, config.page_size)
         self.cache = KVCacheManager(
             plan.num_full_pages, plan.num_sliding_pages, config.page_size,
             c.sliding_window if has_sliding else None, plan.bytes_per_full_page, plan.bytes_per_sliding_page,
@@ -113,10 +147,12 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, self.kv_caches, config.page_size, self.max_model_len, config.max_num_seqs,
             has_sliding=has_sliding, enforce_eager=config.enforce_eager,
+            aux_layers=self.drafter.aux_layers if self.drafter else (), num_draft_tokens=self.num_draft_tokens,
         )
         self.tokens_prefilled = 0
         self.tokens_decoded = 0
         self.steps = 0
+        self.spec = SpeculationCounters()
 
     @classmethod
     def from_pretrained(
@@ -255,22 +291,75 @@ class LLMEngine:
             return deltas
 
         deltas = []
-        for seq, n, token, logprob in zip(batch.seqs, batch.num_new, out.token_ids, out.logprobs):
-            decode = n == 1 and seq.num_computed >= seq.num_prompt_tokens and token is not None
-            if not decode:
-                self.tokens_prefilled += n
-            seq.num_computed += n
-            self.cache.register_computed(seq.pages, seq.token_ids, seq.num_computed)
-            if token is None:
-                continue
-            self.tokens_decoded += 1
-            seq.token_ids.append(token)
-            finish, stop_token = self._finish_reason(seq, token)
-            if finish is not None:
-                self.scheduler.finish(seq)
-            deltas.append(self._delta(seq, [token], [logprob] if logprob else None, finish, stop_token))
+        drafts = batch.num_draft or [0] * len(batch)
+        starts = [seq.num_computed for seq in batch.seqs]
+        kept = []
+        for seq, n, d, tokens, logprobs, accepted in zip(
+            batch.seqs, batch.num_new, drafts, out.token_ids, out.logprobs, out.num_accepted
+        ):
+            delta, num_kept = self._apply(seq, n, d, tokens, logprobs, accepted)
+            kept.append(num_kept)
+            if delta is not None:
+                deltas.append(delta)
+        if self.drafter is not None:
+            self._propose(batch, out, starts, kept)
         return deltas
 
+    def _apply(self, seq: Sequence, n: int, num_draft: int, tokens: list[int], logprobs, accepted: int):
+        """Append one entry's new tokens (kept drafts, then the target's own), stop at a stop
+        condition, roll the KV cache back past the kept tokens. Returns (delta or None, how many
+        of the entry's rows stay in the cache)."""
+        start = seq.num_computed
+        real = n - num_draft  # tokens of token_ids this step ran; the rest were drafts
+        if not (real == 1 and start >= seq.num_prompt_tokens and tokens):
+            self.tokens_prefilled += real
+        if num_draft:
+            self.spec.steps += 1
+            self.spec.draft_tokens += num_draft
+            self.spec.accepted_tokens += accepted
+        seq.draft_ids.clear()
+        finish = stop_token = None
+        emitted = []
+        for token in tokens:
+            seq.token_ids.append(token)
+            emitted.append(token)
+            finish, stop_token = self._finish_reason(seq, token)
+            if finish is not None:
+                break
+        # Every emitted token but the last was a kept draft whose K/V this step computed.
+        seq.num_computed = start + real + max(len(emitted) - 1, 0)
+        if self.drafter is not None:  # free pages that held only rejected drafts (or were reserved for them)
+            self.cache.truncate(seq.pages, seq.num_computed)
+        self.cache.register_computed(seq.pages, seq.token_ids, seq.num_computed)
+        if not emitted:
+            return None, seq.num_computed - start
+        self.tokens_decoded += len(emitted)
+        if finish is not None:
+            self.scheduler.finish(seq)
+        lps = logprobs[: len(emitted)] if logprobs else None
+        return self._delta(seq, emitted, lps, finish, stop_token), seq.num_computed - start
+
+    def _propose(self, batch, out, starts: list[int], kept: list[int]) -> None:
+        """Ask the drafter for each still-decoding sequence's next drafts."""
+        from .scheduler import SequenceStatus
+        from .speculative import DraftContext
+
+        limits = []
+        for seq in batch.seqs:
+            limit = 0
+            if seq.status == SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed == 1:
+                # Room for every kept draft plus the token after them, within both limits.
+                limit = min(self.num_draft_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1,
+                            self.max_model_len - seq.num_tokens - 1)
+                if limit > 0 and self.drafter.writes_ahead:
+                    # The drafter writes K/V at the drafted positions: reserve next step's pages now.
+                    limit = max(self.cache.fit_tokens(seq.pages, seq.num_computed, 1 + limit) - 1, 0)
+                    if limit:
+                        self.cache.reserve(seq.pages, seq.num_computed, 1 + limit)
+            limits.append(max(limit, 0))
+        ctx = DraftContext(list(batch.seqs), starts, kept, out.first_row, limits, out.aux_hidden)
+        for seq, proposal, limit in zip(batch.seqs, self.drafter.propose(ctx), limits):
+            seq.draft_ids[:] = proposal[:limit]
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         if token in seq.sampling.stop_token_ids:
             return "stop", token
@@ -307,6 +396,9 @@ class LLMEngine:
             tokens_decoded=self.tokens_decoded,
             preemptions=s.counters.preemptions,
             steps=self.steps,
+            spec_steps=self.spec.steps,
+            spec_draft_tokens=self.spec.draft_tokens,
+            spec_accepted_tokens=self.spec.accepted_tokens,
         )
 
     def cache_usage(self) -> CacheUsage:

@@ -212,6 +212,20 @@ class KVCacheManager:
                 if table.sliding[i] < 0:
                     table.sliding[i] = self.sliding.allocate()
 
+    def truncate(self, table: PageTable, num_tokens: int) -> None:
+        """Give back the pages past the first `num_tokens` positions, e.g. those that only held
+        the K/V of rejected draft tokens. Such pages hold no fully computed page of tokens, so
+        none of them was registered for prefix sharing."""
+        keep = self.num_pages(num_tokens)
+        assert len(table.hashes) <= keep, "truncating below a registered page"
+        for page in table.full[keep:]:
+            self.full.release(page)
+        del table.full[keep:]
+        for page in table.sliding[keep:]:
+            if page >= 0:
+                self.sliding.release(page)
+        del table.sliding[keep:]
+
     def release(self, table: PageTable) -> None:
         """Drop every page the table holds (cached ones stay cached until reused)."""
         for page in table.full:
@@ -378,14 +392,17 @@ def plan_cache(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
     max_model_len: int | None = None,
+    extra_full_page_bytes: int = 0,
 ) -> CachePlan:
     """Pool sizes from an explicit page count or a memory budget.
 
     With a budget the sliding pool gets what running sequences can need at once (twice that,
     for cached prefixes) and the full pool the rest, so the window's saving turns into more
     full-attention context. Without sliding layers the sliding pool is empty.
+    `extra_full_page_bytes`: what else each full-pool page costs (an EAGLE-3 draft layer's K/V,
+    which is indexed by the same page tables).
     """
-    full_bytes = bytes_per_page(config, page_size, dtype, sliding=False)
+    full_bytes = bytes_per_page(config, page_size, dtype, sliding=False) + extra_full_page_bytes
     sliding_bytes = bytes_per_page(config, page_size, dtype, sliding=True)
     has_sliding = sliding_bytes > 0
     wanted_sliding = 2 * sliding_pages_needed(config.sliding_window, page_size, max_num_seqs, max_num_batched_tokens)

@@ -2,8 +2,10 @@
 
 The batch is flattened into one ragged row of new tokens (see `inference/attention.py`). Logits
 are computed only for the last new token of sequences that reach their end in this step (a
-prefill chunk that stops short of the prompt's end samples nothing). On CUDA, decode-only steps
-replay captured CUDA graphs (`inference/cuda_graphs.py`) unless `enforce_eager`.
+prefill chunk that stops short of the prompt's end samples nothing), and, with speculative
+decoding, for each draft token a sequence verifies (`inference/rejection_sampler.py` decides
+which drafts stay). On CUDA, decode-only steps and verification steps with the same number of
+drafts per sequence replay captured CUDA graphs (`inference/cuda_graphs.py`) unless `enforce_eager`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from .attention import AttentionMetadata
 from .model import GptOssModel
 from .request import TokenLogprob
-from .sampler import Sampler
+from .rejection_sampler import RejectionSampler
 from .scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -27,15 +29,65 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_index: list[int]  # which batch entries sample a token this step
-    sample_rows: torch.Tensor  # [S] int64, their last token's row in the flat batch
+    sample_rows: torch.Tensor  # [S] int64: rows that need logits (each sampling entry's last 1 + drafts)
+    first_row: list[int]  # each batch entry's first row in the flat batch
 
 
 @dataclass
 class StepOutput:
-    """Per batch entry: the sampled token (None when the entry only prefilled) and its logprob."""
+    """Per batch entry: the tokens to append (empty when the entry only prefilled; with drafts,
+    the kept drafts then one more), their logprobs, and how many drafts were kept."""
 
-    token_ids: list[int | None]
-    logprobs: list[TokenLogprob | None]
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob] | None]
+    num_accepted: list[int]
+    first_row: list[int]  # each entry's first row in the flat batch (indexes aux_hidden)
+    aux_hidden: torch.Tensor | None = None  # [T, A] target layer outputs the drafter asked for
+
+
+def build_metadata(
+    page_size: int,
+    full_tables: list[list[int]],
+    sliding_tables: list[list[int]] | None,
+    starts: list[int],
+    q_lens: list[int],
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for sequences whose new tokens sit at positions [starts[b], starts[b] + q_lens[b]).
+
+    full_tables / sliding_tables: each sequence's physical pages per logical page (-1 = none);
+    sliding_tables None means the model has no sliding layers (the full table stands in).
+    """
+    ps = page_size
+    width = max(len(t) for t in full_tables)
+    full = torch.tensor([t + [-1] * (width - len(t)) for t in full_tables], dtype=torch.int32)
+    if sliding_tables is not None:
+        sliding = torch.tensor([t + [-1] * (width - len(t)) for t in sliding_tables], dtype=torch.int32)
+    else:  # no sliding layers: the table is never read
+        sliding = full
+    # Flat token t belongs to sequence seq_index[t] and sits at starts[seq] + its offset.
+    q = torch.tensor(q_lens)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    torch.cumsum(q, 0, out=cu[1:])
+    seq_index = torch.repeat_interleave(torch.arange(len(q_lens)), q)
+    offset = torch.arange(int(cu[-1])) - cu[:-1].long()[seq_index]
+    positions = torch.tensor(starts)[seq_index] + offset
+    page, within = positions // ps, positions % ps
+    slots = {
+        "full": full[seq_index, page].long() * ps + within,
+        "sliding": sliding[seq_index, page].long() * ps + within,
+    }
+    context = [s + n for s, n in zip(starts, q_lens)]
+    return AttentionMetadata(
+        cu_seqlens_q=cu.to(device),
+        context_lens=torch.tensor(context, dtype=torch.int32).to(device),
+        block_tables={"full": full.to(device), "sliding": sliding.to(device)},
+        slot_mapping={k: v.to(device) for k, v in slots.items()},
+        positions=positions.to(device),
+        max_q_len=max(q_lens),
+        q_lens=list(q_lens),
+        context_lens_list=context,
+    )
 
 
 class ModelRunner:
@@ -48,23 +100,30 @@ class ModelRunner:
         max_num_seqs: int,
         has_sliding: bool = True,
         enforce_eager: bool = False,
+        aux_layers: tuple[int, ...] = (),
+        num_draft_tokens: int = 0,
     ):
+        """aux_layers: target layers whose outputs a drafter reads (returned with each step);
+        num_draft_tokens: with speculation, verification steps of that many drafts get graphs too."""
         self.model = model
         self.has_sliding = has_sliding
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.device = model.device
-        self.sampler = Sampler()
+        self.sampler = RejectionSampler()
+        self.aux_layers = tuple(aux_layers)
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
-            self.graphs = self._capture_graphs(max_model_len, max_num_seqs)
+            self.graphs = self._capture_graphs(max_model_len, max_num_seqs, num_draft_tokens)
 
-    def _capture_graphs(self, max_model_len: int, max_num_seqs: int):
+    def _capture_graphs(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int):
         from .cuda_graphs import DecodeGraphRunner
 
         max_pages = -(-max_model_len // self.page_size)
+        tokens_per_seq = (1, num_draft_tokens + 1) if num_draft_tokens else (1,)
         try:
-            runner = DecodeGraphRunner(self.model, self.kv_caches, max_pages, max_model_len, max_batch=max_num_seqs)
+            runner = DecodeGraphRunner(self.model, self.kv_caches, max_pages, max_model_len, max_batch=max_num_seqs,
+                                       tokens_per_seq=tokens_per_seq, aux_layers=self.aux_layers)
             runner.capture()
             return runner
         except Exception:  # a backend that cannot be captured still serves, eagerly
@@ -72,66 +131,78 @@ class ModelRunner:
             return None
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        ps = self.page_size
         seqs, q_lens = batch.seqs, batch.num_new
+        drafts = batch.num_draft or [0] * len(seqs)
         starts = [seq.num_computed for seq in seqs]
-        context = [s + n for s, n in zip(starts, q_lens)]
         ids: list[int] = []
-        for seq, s, n in zip(seqs, starts, q_lens):
-            ids.extend(seq.token_ids[s : s + n])
-        width = max(len(seq.pages.full) for seq in seqs)
-        full = torch.tensor([seq.pages.full + [-1] * (width - len(seq.pages.full)) for seq in seqs], dtype=torch.int32)
-        if self.has_sliding:
-            sliding = torch.tensor(
-                [seq.pages.sliding + [-1] * (width - len(seq.pages.sliding)) for seq in seqs], dtype=torch.int32
-            )
-        else:  # no sliding layers: the table is never read
-            sliding = full
-
-        # Flat token t belongs to sequence seq_index[t] and sits at starts[seq] + its offset.
-        q = torch.tensor(q_lens)
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        torch.cumsum(q, 0, out=cu[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q)
-        offset = torch.arange(len(ids)) - cu[:-1].long()[seq_index]
-        positions = torch.tensor(starts)[seq_index] + offset
-        page, within = positions // ps, positions % ps
-        slots = {
-            "full": full[seq_index, page].long() * ps + within,
-            "sliding": sliding[seq_index, page].long() * ps + within,
-        }
-        sample_index = [b for b, seq in enumerate(seqs) if context[b] == seq.num_tokens]
-        sample_rows = cu[1:].long()[sample_index] - 1
-
-        dev = self.device
-        meta = AttentionMetadata(
-            cu_seqlens_q=cu.to(dev),
-            context_lens=torch.tensor(context, dtype=torch.int32).to(dev),
-            block_tables={"full": full.to(dev), "sliding": sliding.to(dev)},
-            slot_mapping={k: v.to(dev) for k, v in slots.items()},
-            positions=positions.to(dev),
-            max_q_len=max(q_lens),
-            q_lens=list(q_lens),
-            context_lens_list=context,
+        first_row: list[int] = []
+        sample_index: list[int] = []
+        sample_rows: list[int] = []
+        for b, (seq, s, n, d) in enumerate(zip(seqs, starts, q_lens, drafts)):
+            first_row.append(len(ids))
+            ids.extend(seq.token_ids[s : s + n - d])
+            ids.extend(seq.draft_ids[:d])
+            if s + n - d == seq.num_tokens:  # reaches the end: sample (and verify the drafts)
+                sample_index.append(b)
+                sample_rows.extend(range(len(ids) - d - 1, len(ids)))
+        meta = build_metadata(
+            self.page_size, [seq.pages.full for seq in seqs],
+            [seq.pages.sliding for seq in seqs] if self.has_sliding else None, starts, q_lens, self.device,
         )
-        return StepInputs(torch.tensor(ids, dtype=torch.long).to(dev), meta, sample_index, sample_rows.to(dev))
+        dev = self.device
+        rows = torch.tensor(sample_rows, dtype=torch.long).to(dev)
+        return StepInputs(torch.tensor(ids, dtype=torch.long).to(dev), meta, sample_index, rows, first_row)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
         inputs = self.prepare(batch)
-        if self.graphs is not None and inputs.meta.is_decode and self.graphs.can_run(len(batch)):
-            logits = self.graphs.run(inputs.input_ids, inputs.meta)[inputs.sample_rows]
+        drafts = batch.num_draft or [0] * len(batch)
+        aux = None
+        # Graphs cover steps where every sequence runs the same number of tokens: plain decode
+        # (1 each) or verification of the same number of drafts each.
+        q_len = batch.num_new[0]
+        uniform = all(n == q_len for n in batch.num_new) and (q_len == 1 or all(d == q_len - 1 for d in drafts))
+        if self.graphs is not None and uniform and self.graphs.can_run(len(batch), q_len):
+            logits, aux = self.graphs.run(inputs.input_ids, inputs.meta, q_len)
+            logits = logits[inputs.sample_rows]
         else:
-            hidden = self.model(inputs.input_ids, inputs.meta, self.kv_caches)
+            out = self.model(inputs.input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
+            hidden, aux = out if self.aux_layers else (out, None)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_index else None
-        tokens: list[int | None] = [None] * len(batch)
-        logprobs: list[TokenLogprob | None] = [None] * len(batch)
+        tokens: list[list[int]] = [[] for _ in batch.seqs]
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(batch)
+        accepted = [0] * len(batch)
         if inputs.sample_index:
-            seqs = [batch.seqs[b] for b in inputs.sample_index]
-            params = [seq.sampling for seq in seqs]
-            # Penalties count generated tokens; copying them is only worth it where one is set.
-            history = [s.output_ids if p.frequency_penalty or p.presence_penalty else [] for s, p in zip(seqs, params)]
-            out = self.sampler(logits, params, history, [seq.generator for seq in seqs])
-            for b, token, logprob in zip(inputs.sample_index, out.token_ids, out.logprobs):
-                tokens[b], logprobs[b] = token, logprob
-        return StepOutput(tokens, logprobs)
+            self._sample(batch, drafts, inputs.sample_index, logits, tokens, logprobs, accepted)
+        return StepOutput(tokens, logprobs, accepted, inputs.first_row, aux)
+
+    def _sample(self, batch, drafts, sample_index, logits, tokens, logprobs, accepted) -> None:
+        """Fill tokens/logprobs/accepted for the sampling entries; `logits` holds their rows in
+        order (1 + drafts rows each)."""
+        rows, plain, verified = 0, [], []
+        for b in sample_index:
+            (verified if drafts[b] else plain).append((b, rows))
+            rows += drafts[b] + 1
+        if plain:
+            seqs = [batch.seqs[b] for b, _ in plain]
+            rows_logits = logits if not verified else logits[torch.tensor([r for _, r in plain], device=logits.device)]
+            out = self.sampler(rows_logits, [s.sampling for s in seqs], [self._history(s) for s in seqs],
+                               [s.generator for s in seqs])
+            for (b, _), token, logprob in zip(plain, out.token_ids, out.logprobs):
+                tokens[b], logprobs[b] = [token], [logprob] if logprob is not None else None
+        if verified:
+            seqs = [batch.seqs[b] for b, _ in verified]
+            row_index = [r + i for b, r in verified for i in range(drafts[b] + 1)]
+            draft_ids = [s.draft_ids[: drafts[b]] for (b, _), s in zip(verified, seqs)]
+            out = self.sampler.verify(
+                logits[torch.tensor(row_index, device=logits.device)], draft_ids,
+                [s.sampling for s in seqs], [self._history(s) for s in seqs], [s.generator for s in seqs],
+            )
+            for (b, _), toks, lps, n in zip(verified, out.token_ids, out.logprobs, out.num_accepted):
+                tokens[b], logprobs[b], accepted[b] = toks, lps, n
+
+    @staticmethod
+    def _history(seq) -> list[int]:
+        # Penalties count generated tokens; copying them is only worth it where one is set.
+        p = seq.sampling
+        return seq.output_ids if p.frequency_penalty or p.presence_penalty else []

@@ -108,6 +108,16 @@ class EngineStats:
     tokens_decoded: int = 0
     preemptions: int = 0
     steps: int = 0
+    # Speculative decoding: verification steps (one sequence's drafts checked in one step),
+    # drafts checked, drafts kept. Mean acceptance length = (steps + accepted) / steps tokens.
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step (kept drafts + 1); 0 without speculation."""
+        return (self.spec_steps + self.spec_accepted_tokens) / self.spec_steps if self.spec_steps else 0.0
 
 
 class EngineClient(Protocol):

@@ -49,6 +49,8 @@ class Sequence:
     pages: PageTable = field(default_factory=PageTable)
     generator: torch.Generator | None = None  # own RNG for seeded requests
     counted_prefix: bool = False  # prefix-cache lookup already counted in the stats
+    # Speculative decoding: tokens a drafter guessed to follow token_ids, verified next step.
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -65,10 +67,15 @@ class Sequence:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: `num_new[i]` tokens of `seqs[i]`, starting at its `num_computed`."""
+    """One step's work: `num_new[i]` tokens of `seqs[i]`, starting at its `num_computed`.
+
+    With speculative decoding the last `num_draft[i]` of those are the sequence's first draft
+    tokens (`seqs[i].draft_ids`), to be verified; they are not in `token_ids` yet.
+    """
 
     seqs: list[Sequence]
     num_new: list[int]
+    num_draft: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -148,13 +155,16 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        batch = ScheduledBatch([], [])
+        batch = ScheduledBatch([], [], [])
         under_pressure = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             wanted = min(seq.num_tokens - seq.num_computed, budget)
+            decoding = seq.num_tokens - seq.num_computed == 1
+            if decoding and seq.draft_ids:  # verify the drafts too, as far as budget allows
+                wanted = min(1 + len(seq.draft_ids), budget)
             n = self.cache.fit_tokens(seq.pages, seq.num_computed, wanted)
             if n == 0:
                 under_pressure = True
@@ -163,8 +173,11 @@ class Scheduler:
                     self._preempt(seq)
                 continue  # retry this index (or whichever sequence moved into it)
             self.cache.reserve(seq.pages, seq.num_computed, n)
+            num_draft = n - 1 if decoding else 0
+            del seq.draft_ids[num_draft:]  # drafts that did not fit are dropped, not deferred
             batch.seqs.append(seq)
             batch.num_new.append(n)
+            batch.num_draft.append(num_draft)
             budget -= n
             i += 1
 
@@ -197,9 +210,11 @@ class Scheduler:
                 self.counters.prefix_hit_tokens += seq.num_computed
             self.cache.reserve(seq.pages, seq.num_computed, n)
             seq.status = SequenceStatus.RUNNING
+            seq.draft_ids.clear()  # drafts belong to a running sequence's last step
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new.append(n)
+            batch.num_draft.append(0)
             budget -= n
         return batch
 
@@ -241,6 +256,7 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.release(seq.pages)
         seq.num_computed = 0
+        seq.draft_ids.clear()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.counters.preemptions += 1

@@ -198,6 +198,9 @@ class ChatCompletionRequest(StrictModel):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # Not OpenAI's: keep generating past the end of the turn (<|return|>, <|call|>) until the token
+    # limit, for benchmarks that need exact output lengths. vLLM and SGLang take the same field.
+    ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod

@@ -1,7 +1,9 @@
 """The Python tool's sandbox: notebook behaviour, limits, and what model code must not reach.
 
 Each containment test has a positive control (the same action outside the sandbox succeeds),
-so a test cannot pass because the action was impossible anyway.
+so a test cannot pass because the action was impossible anyway. A test whose protection this
+machine lacks skips, except under CI (CI=true), where it fails: CI machines have namespaces,
+Landlock and seccomp, and a containment test that skips there would check nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ from tools.python_tool import PythonToolServer
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = SandboxLimits(wall_seconds=3.0, interrupt_grace_seconds=1.0, cpu_seconds=60)
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip when this machine lacks what a test needs; under CI, fail instead."""
+    if not condition:
+        if IN_CI:
+            pytest.fail(f"CI must run this containment test, but: {reason}")
+        pytest.skip(reason)
 
 
 @pytest.fixture
@@ -125,8 +136,8 @@ async def test_caller_giving_up_mid_cell_leaves_nothing_running(sandbox):
 
 
 async def test_fork_bomb_is_contained(sandbox, isolation):
-    if isolation.user == "root without capabilities":
-        pytest.skip("uid 0 is exempt from RLIMIT_NPROC and no namespaces here")
+    require(isolation.user != "root without capabilities",
+            "uid 0 is exempt from RLIMIT_NPROC and no namespaces here")
     await sandbox.start()
     result = await sandbox.execute("import os\nwhile True:\n    os.fork()")
     assert result.status in ("error", "timeout")
@@ -205,10 +216,8 @@ asyncio.run(main())
 
 @pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "landlock-only"])
 def test_server_environment_is_out_of_reach(isolation, namespaces):
-    if not namespaces and not isolation.landlock_abi:
-        pytest.skip("no Landlock on this kernel")
-    if namespaces and not isolation.namespaces:
-        pytest.skip("no namespaces here")
+    require(namespaces or isolation.landlock_abi, "no Landlock on this kernel")
+    require(not namespaces or isolation.namespaces, "no namespaces here")
     # A stand-in server whose environment (its initial one, as /proc shows it) holds a secret.
     env = {**os.environ, "OSS_AGENT_TEST_SECRET": os.urandom(8).hex()}
     done = subprocess.run([sys.executable, "-c", SERVER, str(REPO), SCAN_FOR_SECRET,
@@ -222,8 +231,8 @@ def test_server_environment_is_out_of_reach(isolation, namespaces):
 
 @pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "landlock-only"])
 async def test_writing_outside_scratch_is_denied(tmp_path, isolation, namespaces):
-    if not (isolation.landlock_abi or (namespaces and isolation.namespaces)):
-        pytest.skip("neither Landlock nor namespaces here")
+    require(isolation.landlock_abi or (namespaces and isolation.namespaces),
+            "neither Landlock nor namespaces here")
     target = tmp_path / "open-to-all"
     target.mkdir(mode=0o777)
     target.chmod(0o777)
@@ -257,34 +266,142 @@ open('inside.txt', 'w').write('fine')
             path.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "landlock-only"])
-async def test_network_is_unreachable(isolation, namespaces):
-    if not (isolation.landlock_abi >= 4 or (namespaces and isolation.namespaces)):
-        pytest.skip("no network isolation available here")
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    listener.setblocking(False)
-    port = listener.getsockname()[1]
-    with socket.create_connection(("127.0.0.1", port), timeout=2):  # positive control
-        pass
-    listener.accept()[0].close()
-    box = PythonSandbox(FAST, use_namespaces=namespaces)
-    try:
-        code = f"""
+class Listeners:
+    """A TCP and a UDP socket on loopback, each checked reachable from outside the sandbox."""
+
+    def __init__(self):
+        self.tcp = socket.create_server(("127.0.0.1", 0))
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        for listener in (self.tcp, self.udp):
+            listener.setblocking(False)
+        with socket.create_connection(self.tcp.getsockname(), timeout=2):  # positive controls
+            pass
+        self.tcp.accept()[0].close()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            sender.sendto(b"control", self.udp.getsockname())
+        assert self.udp.recv(64) == b"control"
+
+    def probe_code(self) -> str:
+        """A cell that tries both, printing CONNECTED/SENT or BLOCKED for each."""
+        return f"""
 import socket
 try:
-    socket.create_connection(("127.0.0.1", {port}), timeout=2)
-    print("CONNECTED")
+    socket.create_connection(("127.0.0.1", {self.tcp.getsockname()[1]}), timeout=2).close()
+    print("tcp CONNECTED")
 except OSError as e:
-    print("BLOCKED", type(e).__name__)
+    print("tcp BLOCKED", type(e).__name__)
+try:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(b"escaped", ("127.0.0.1", {self.udp.getsockname()[1]}))
+    print("udp SENT")
+except OSError as e:
+    print("udp BLOCKED", type(e).__name__)
 """
-        result = await box.execute(code)
-        assert result.stdout.startswith("BLOCKED"), result.tool_text()
-        with pytest.raises(BlockingIOError):
-            listener.accept()  # nothing arrived
+
+    def tcp_arrived(self) -> bool:
+        try:
+            self.tcp.accept()[0].close()
+            return True
+        except BlockingIOError:
+            return False
+
+    def udp_arrived(self) -> bool:
+        try:
+            return self.udp.recv(64) == b"escaped"
+        except BlockingIOError:
+            return False
+
+    def close(self) -> None:
+        self.tcp.close()
+        self.udp.close()
+
+
+@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "landlock-only"])
+async def test_network_is_unreachable(isolation, namespaces):
+    require(isolation.seccomp, "no seccomp socket filter here")
+    require(not namespaces or isolation.namespaces, "no namespaces here")
+    listeners = Listeners()
+    box = PythonSandbox(FAST, use_namespaces=namespaces)
+    try:
+        report = await box.start()
+        assert report.namespaces == namespaces and report.seccomp and report.network_blocked
+        assert not any("UDP" in gap or "network" in gap for gap in report.gaps())
+        result = await box.execute(listeners.probe_code())
+        # The seccomp filter refuses IP sockets outright, in either mode.
+        assert result.stdout == "tcp BLOCKED PermissionError\nudp BLOCKED PermissionError\n", result.tool_text()
+        assert not listeners.tcp_arrived() and not listeners.udp_arrived()
     finally:
-        listener.close()
+        listeners.close()
+        await box.close()
+
+
+@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "landlock-only"])
+async def test_network_stays_closed_without_the_socket_filter(isolation, namespaces):
+    """With seccomp off, the other layers still block what they claim to: the network
+    namespace everything, Landlock only TCP. The landlock-only case is also the control for
+    the test above: its probe does see a datagram leave when nothing stops UDP."""
+    require(isolation.landlock_abi >= 4, "no Landlock network rules on this kernel")
+    require(not namespaces or isolation.namespaces, "no namespaces here")
+    listeners = Listeners()
+    box = PythonSandbox(FAST, use_namespaces=namespaces, use_seccomp=False)
+    try:
+        report = await box.start()
+        assert not report.seccomp and report.network_blocked
+        result = await box.execute(listeners.probe_code())
+        assert result.stdout.startswith("tcp BLOCKED"), result.tool_text()
+        assert not listeners.tcp_arrived()
+        if namespaces:
+            # No interface is up in the namespace, so the datagram goes nowhere.
+            assert "udp BLOCKED" in result.stdout and not listeners.udp_arrived()
+            assert report.gaps() == []
+        else:
+            assert "udp SENT" in result.stdout and listeners.udp_arrived()
+            assert "only TCP is blocked (Landlock), not UDP" in report.gaps()
+    finally:
+        listeners.close()
+        await box.close()
+
+
+X32_SOCKET = 0x40000000 | 41  # socket() through the x32 ABI, which the filter must not let by
+SYSCALL_PROBE = f"""
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def errno_of(number, *args):
+    result = libc.syscall(ctypes.c_long(number), *args)
+    return "ok" if result >= 0 else os.strerror(ctypes.get_errno())
+params = ctypes.create_string_buffer(120)
+print("io_uring", errno_of(425, 1, params))
+if os.uname().machine == "x86_64":
+    print("x32 socket", errno_of({X32_SOCKET}, socket.AF_INET, socket.SOCK_DGRAM, 0))
+a, b = socket.socketpair()
+a.sendall(b"unix ok")
+print(b.recv(16).decode())
+import asyncio
+async def main():
+    await asyncio.sleep(0)
+    return "asyncio ok"
+print(asyncio.run(main()))
+"""
+
+
+async def test_socket_filter_leaves_unix_sockets_and_closes_side_doors(isolation):
+    """AF_UNIX (socketpair, asyncio's self-pipe) keeps working; io_uring (which can open
+    sockets without socket()) and the x32 ABI's socket() are refused."""
+    require(isolation.seccomp, "no seccomp socket filter here")
+    outside = subprocess.run([sys.executable, "-c", SYSCALL_PROBE], capture_output=True, text=True, timeout=30)
+    assert "io_uring ok" in outside.stdout, outside  # positive control: the kernel has io_uring
+    assert "x32 socket Operation not permitted" not in outside.stdout
+    box = PythonSandbox(FAST)
+    try:
+        result = await box.execute(SYSCALL_PROBE)
+        lines = result.stdout.splitlines()
+        assert "io_uring Operation not permitted" in lines, result.tool_text()
+        if os.uname().machine == "x86_64":
+            assert "x32 socket Operation not permitted" in lines
+        assert lines[-2:] == ["unix ok", "asyncio ok"]
+    finally:
         await box.close()
 
 

@@ -4,8 +4,8 @@ One `PythonSandbox` is one notebook-like session: a long-lived worker process
 (`python_sandbox_worker.py`) that keeps its variables between cells, as the gpt-oss `python`
 tool ("a stateful Jupyter notebook environment") promises. The worker never shares memory with
 the server, gets no environment variable of the server's, works in a fresh scratch directory
-and confines itself before it runs anything (namespaces, Landlock, rlimits: see the worker's
-docstring). What each cell may use:
+and confines itself before it runs anything (namespaces, Landlock, rlimits, a seccomp filter
+that leaves only AF_UNIX sockets: see the worker's docstring). What each cell may use:
 
 - wall time per cell (`wall_seconds`): past it the cell gets a KeyboardInterrupt and the session
   keeps its state; if the cell does not stop within `interrupt_grace_seconds`, the process is
@@ -62,13 +62,14 @@ class IsolationReport:
     user_namespace: bool = False
     private_proc: bool = False
     landlock_abi: int = 0
+    seccomp: bool = False  # socket() limited to AF_UNIX
     user: str = ""
     workdir: str = ""
     notes: list[str] = field(default_factory=list)
 
     @property
     def network_blocked(self) -> bool:
-        return self.namespaces or self.landlock_abi >= 4
+        return self.namespaces or self.seccomp or self.landlock_abi >= 4
 
     def gaps(self) -> list[str]:
         """Protections missing on this machine, in words for a warning."""
@@ -78,7 +79,7 @@ class IsolationReport:
                         "see the server's other processes)")
         if not self.network_blocked:
             gaps.append("network access is not blocked")
-        elif not self.namespaces:
+        elif not self.namespaces and not self.seccomp:
             gaps.append("only TCP is blocked (Landlock), not UDP")
         if not self.landlock_abi:
             gaps.append("no Landlock: it can read the server user's files"
@@ -203,11 +204,12 @@ class PythonSandbox:
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, scratch_root: str | None = None,
-                 use_namespaces: bool = True, use_landlock: bool = True):
+                 use_namespaces: bool = True, use_landlock: bool = True, use_seccomp: bool = True):
         self.limits = limits or SandboxLimits()
         self.scratch_root = scratch_root
         self.use_namespaces = use_namespaces
         self.use_landlock = use_landlock
+        self.use_seccomp = use_seccomp
         self.scratch_dir: str | None = None
         self.report: IsolationReport | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -256,6 +258,7 @@ class PythonSandbox:
             "sandbox_uid": random.randrange(*SANDBOX_UID_RANGE),
             "use_namespaces": self.use_namespaces,
             "use_landlock": self.use_landlock,
+            "use_seccomp": self.use_seccomp,
             "limits": {
                 "cpu_seconds": self.limits.cpu_seconds,
                 "memory_bytes": self.limits.memory_bytes,

@@ -23,6 +23,12 @@ Confinement, each step best effort and reported back, strongest first:
      no TCP bind/connect (ABI >= 4); no signals to or abstract sockets of outside processes
      (ABI >= 6). PR_SET_NO_NEW_PRIVS first, so setuid binaries cannot undo any of it.
   5. rlimits: CPU seconds, address space, processes, file size, open files, no core dumps.
+  6. seccomp: socket() and socketpair() work only for AF_UNIX (everything else, e.g. AF_INET,
+     AF_INET6, AF_PACKET, AF_VSOCK, AF_NETLINK, fails with EPERM), io_uring (which can create
+     sockets without the socket() syscall) is refused, and so is any syscall of another ABI
+     (x32, i386 compat) whose numbers the filter does not check. Applied in both modes: in a
+     network namespace it is a second wall; without one it is what stops UDP and raw sockets,
+     since Landlock only governs TCP.
 
 Wire protocol. Requests arrive on the original stdin: a 4-byte big-endian length, then a JSON
 object {"code": str, "nonce": str}. Cell output goes to stdout/stderr as the code writes it.
@@ -48,6 +54,7 @@ import signal
 import stat
 import sys
 import traceback
+from dataclasses import dataclass
 
 # Linux constants (stable ABI, same on x86_64 and arm64).
 CLONE_NEWNS = 0x00020000
@@ -74,6 +81,8 @@ FS_REFER = 1 << 13
 FS_READ = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
 NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+AF_UNIX = 1
 
 SYSTEM_READ_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
                     "/sys/devices/system/cpu")
@@ -380,6 +389,82 @@ def set_limits(limits: dict, shared_uid: bool) -> None:
     cap(resource.RLIMIT_NPROC, processes)
 
 
+# ---------------------------------------------------------------- 6. seccomp
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+@dataclass(frozen=True)
+class _SyscallTable:
+    audit_arch: int  # AUDIT_ARCH_* as seccomp_data.arch reports it
+    socket: int
+    socketpair: int
+    io_uring_setup: int
+    foreign_from: int | None  # numbers from here on belong to another ABI (x32)
+
+
+SYSCALLS = {
+    "x86_64": _SyscallTable(0xC000003E, 41, 53, 425, 0x40000000),
+    "aarch64": _SyscallTable(0xC00000B7, 198, 199, 425, None),
+}
+# Classic BPF opcodes and seccomp return values (linux/filter.h, linux/seccomp.h).
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+# Offsets into struct seccomp_data {int nr; u32 arch; u64 ip; u64 args[6];}.
+DATA_NR, DATA_ARCH = 0, 4
+DATA_ARG0_LOW = 16 if sys.byteorder == "little" else 20  # socket()'s int domain
+
+
+def socket_filter(table: _SyscallTable) -> list[tuple[int, int, int, int]]:
+    """The filter as (code, jt, jf, k) instructions: see step 6 of the module docstring."""
+    # Each entry: (code, k, jump-if-true label, jump-if-false label); None falls through.
+    program: list[tuple[int, int, str | None, str | None]] = [
+        (BPF_LD_W_ABS, DATA_ARCH, None, None),
+        (BPF_JEQ_K, table.audit_arch, None, "deny"),
+        (BPF_LD_W_ABS, DATA_NR, None, None),
+    ]
+    if table.foreign_from is not None:
+        program.append((BPF_JGE_K, table.foreign_from, "deny", None))
+    program += [
+        (BPF_JEQ_K, table.socket, "check_family", None),
+        (BPF_JEQ_K, table.socketpair, "check_family", None),
+        (BPF_JEQ_K, table.io_uring_setup, "deny", None),
+        (BPF_RET_K, SECCOMP_RET_ALLOW, None, None),
+    ]
+    labels = {"check_family": len(program)}
+    program += [
+        (BPF_LD_W_ABS, DATA_ARG0_LOW, None, None),
+        (BPF_JEQ_K, AF_UNIX, None, "deny"),
+        (BPF_RET_K, SECCOMP_RET_ALLOW, None, None),
+    ]
+    labels["deny"] = len(program)
+    program.append((BPF_RET_K, SECCOMP_RET_ERRNO | errno.EPERM, None, None))
+
+    def offset(at: int, label: str | None) -> int:
+        return 0 if label is None else labels[label] - at - 1
+
+    return [(code, offset(i, jt), offset(i, jf), k) for i, (code, k, jt, jf) in enumerate(program)]
+
+
+def apply_socket_filter() -> None:
+    """Install `socket_filter` for this process and its children (needs PR_SET_NO_NEW_PRIVS)."""
+    table = SYSCALLS.get(os.uname().machine)
+    if table is None:
+        raise SetupError(f"no syscall table for {os.uname().machine}")
+    instructions = socket_filter(table)
+    filters = (_SockFilter * len(instructions))(*[_SockFilter(*i) for i in instructions])
+    program = _SockFprog(len(instructions), filters)
+    _check(libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(program),
+                      ctypes.c_ulong(0), ctypes.c_ulong(0)), "seccomp filter")
+
+
 # ---------------------------------------------------------------- confinement
 
 
@@ -410,6 +495,12 @@ def confine(config: dict, report: dict, in_namespaces: bool) -> str:
 
     set_limits(config["limits"], shared_uid=not in_namespaces and not switched)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if config.get("use_seccomp", True):
+        try:
+            apply_socket_filter()
+            report["seccomp"] = True
+        except SetupError as e:
+            report["notes"].append(f"no seccomp socket filter: {e}")
     abi = landlock_abi() if config["use_landlock"] else 0
     if abi:
         read_paths = list(SYSTEM_READ_DIRS) + python_paths
@@ -544,7 +635,7 @@ def main() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
     report = {"namespaces": False, "user_namespace": False, "private_proc": False,
-              "landlock_abi": 0, "user": "", "workdir": "", "notes": []}
+              "landlock_abi": 0, "seccomp": False, "user": "", "workdir": "", "notes": []}
     in_namespaces = bool(config["use_namespaces"]) and enter_namespaces(report)
     if in_namespaces:
         child = os.fork()

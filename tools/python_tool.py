@@ -99,8 +99,8 @@ class PythonToolServer:
         if gaps:
             logger.warning("python tool: weaker sandbox on this machine: %s", "; ".join(gaps))
         else:
-            logger.info("python tool: sandbox with namespaces, Landlock ABI %d, running as %s",
-                        report.landlock_abi, report.user)
+            logger.info("python tool: sandbox with namespaces, Landlock ABI %d, seccomp socket filter, "
+                        "running as %s", report.landlock_abi, report.user)
         return cls(limits, report=report, **sandbox_options)
 
     def harmony_namespace(self) -> ToolNamespaceConfig:

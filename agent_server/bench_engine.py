@@ -1,0 +1,237 @@
+"""`oss-agent bench engine`: the same benchmark in-process, on the engine alone (no HTTP).
+
+Each request is the prompt the server would build for a Chat Completions request with that
+user message (the Harmony system message and template included, so input token counts match
+the server's), streamed through `AsyncEngine.generate`; TTFT is to the first generated token.
+With no `--model` it runs the tiny random checkpoint on CPU (numbers are for trying it out).
+
+`--compare-http` then serves the same engine over HTTP on a loopback port, in this process,
+and runs `bench serve` (Chat API) with prompts of the same shape, so the cost of HTTP, SSE and
+Harmony parsing shows as a ratio measured in one run. The HTTP side times the first streamed
+*text*, which the model writes after its Harmony header (`<|channel|>final<|message|>`, a few
+tokens); use `--ignore-eos` so both sides generate the same number of tokens.
+
+    oss-agent bench engine --model /models/gpt-oss-20b --num-prompts 256 --input-len 1024 \\
+        --output-len 256 --max-concurrency 64 --ignore-eos --compare-http
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .bench_driver import add_load_arguments, check_load_arguments, drive
+from .bench_report import RequestResult, format_summary, json_safe, summarize
+from .bench_serve import add_target_arguments
+from .bench_workload import BenchRequest, add_workload_arguments, workload_from_args
+
+COMPARED = (
+    ("output token throughput (tok/s)", lambda s: s["output_throughput"]),
+    ("request throughput (req/s)", lambda s: s["request_throughput"]),
+    ("mean TTFT (ms)", lambda s: s["ttft_ms"]["mean"]),
+    ("mean TPOT (ms)", lambda s: s["tpot_ms"]["mean"]),
+    ("median ITL (ms)", lambda s: s["itl_ms"]["median"]),
+    ("mean end-to-end latency (ms)", lambda s: s["e2e_ms"]["mean"]),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the engine's)")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra keyword for AsyncEngine.from_pretrained (value as a Python literal)")
+    add_target_arguments(parser)
+    parser.add_argument("--compare-http", action="store_true",
+                        help="also serve this engine over loopback HTTP and report HTTP / engine ratios")
+    add_workload_arguments(parser)
+    add_load_arguments(parser)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options `oss-agent serve` would build from the same flags (its defaults for
+    the serve flags this command does not have), so the engine benchmarked is the one served."""
+    from . import serve_command
+
+    serve_parser = argparse.ArgumentParser()
+    serve_command.add_arguments(serve_parser)
+    merged = {**vars(serve_parser.parse_args([])), **vars(args)}
+    return serve_command.engine_options(argparse.Namespace(**merged))
+
+
+def server_prompt(text: str) -> list[int]:
+    """The token ids the server generates from for a Chat request whose only message is `text`."""
+    from schemas.chat import ChatCompletionRequest
+
+    from .chat_prompt import chat_prompt
+
+    return chat_prompt(ChatCompletionRequest(model="bench", messages=[{"role": "user", "content": text}]))
+
+
+class EngineBench:
+    """Sends workload requests straight to an `AsyncEngine` and times their token streams."""
+
+    def __init__(self, engine, *, ignore_eos: bool = False, temperature: float | None = None):
+        self.engine = engine
+        self.ignore_eos = ignore_eos
+        self.temperature = 1.0 if temperature is None else temperature  # the server's default too
+        self.ids = itertools.count()
+
+    async def send(self, req: BenchRequest) -> RequestResult:
+        from inference.request import GenerationRequest, SamplingParams
+        from inference.tokenizer import ASSISTANT_STOP_TOKENS
+
+        result = RequestResult(req.prompt_len, req.output_len, output_counted_by="engine")
+        sampling = SamplingParams(temperature=self.temperature, max_tokens=req.output_len,
+                                  stop_token_ids=[] if self.ignore_eos else list(ASSISTANT_STOP_TOKENS))
+        request = GenerationRequest(f"bench-{next(self.ids)}", server_prompt(req.prompt), sampling)
+        result.start = time.perf_counter()
+        try:
+            async for delta in self.engine.generate(request):
+                now = time.perf_counter()
+                result.input_tokens = delta.num_prompt_tokens
+                if delta.token_ids:
+                    if result.ttft is None:
+                        result.ttft = now - result.start
+                    result.delta_times.append(now)
+                    result.output_tokens += len(delta.token_ids)
+                if delta.finish_reason is not None:
+                    result.finish_reason = delta.finish_reason
+                    if delta.finish_reason not in ("stop", "length"):
+                        result.error = delta.error or f"finished with {delta.finish_reason}"
+        except ValueError as e:  # the engine refused the request (too long, ...)
+            result.error = str(e)
+        result.e2e = time.perf_counter() - result.start
+        result.ok = result.error is None and result.finish_reason is not None
+        return result
+
+
+async def _warm_up(send, requests: list[BenchRequest]) -> None:
+    for req in requests:
+        result = await send(req)
+        if not result.ok:
+            raise RuntimeError(f"the warm-up request failed: {result.error}")
+
+
+async def _serve_and_bench(engine, args: argparse.Namespace, requests, warmup) -> dict[str, Any]:
+    """Serve `engine` on 127.0.0.1 (a free port) in this event loop and run bench serve on it.
+    The app's shutdown also shuts the engine down, so this runs last."""
+    import uvicorn
+
+    from .app import create_app
+    from .bench_serve import ServeTarget, benchmark
+    from .state import ServerConfig
+
+    with tempfile.TemporaryDirectory(prefix="oss-agent-bench-") as scratch:
+        config = ServerConfig(model_name=engine.model_name, store_path=Path(scratch) / "responses.sqlite3")
+        app = create_app(config, lambda: engine)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+        serving = asyncio.create_task(server.serve())
+        try:
+            while not server.started:
+                if serving.done():
+                    serving.result()
+                    raise RuntimeError("the HTTP server did not start")
+                await asyncio.sleep(0.01)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            base_url = f"http://127.0.0.1:{port}"
+            while not app.state.server.ready:
+                if app.state.server.extra.get("load_error"):
+                    raise RuntimeError(f"the HTTP server failed to start: {app.state.server.extra['load_error']}")
+                await asyncio.sleep(0.01)
+            target = ServeTarget(base_url=base_url, model=engine.model_name, ignore_eos=args.ignore_eos,
+                                 temperature=args.temperature)
+            return await benchmark(
+                target, requests, warmup=warmup, request_rate=args.request_rate, burstiness=args.burstiness,
+                max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.no_progress,
+                server_metrics=True,
+            )
+        finally:
+            server.should_exit = True
+            await serving
+
+
+async def benchmark(engine, args: argparse.Namespace) -> dict[str, Any]:
+    """The engine run, then (with --compare-http) the HTTP run; returns {"engine": summary,
+    "http": summary, "http_over_engine": ratios} (the last two with --compare-http only)."""
+    bench = EngineBench(engine, ignore_eos=args.ignore_eos, temperature=args.temperature)
+    await _warm_up(bench.send, workload_from_args(args, num=args.warmup, seed_offset=1) if args.warmup else [])
+    stats_before = engine.stats()
+    results, start, duration = await drive(
+        workload_from_args(args), bench.send, request_rate=args.request_rate, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.no_progress, desc="bench engine",
+    )
+    stats = engine.stats()
+    report: dict[str, Any] = {"engine": summarize(
+        results, duration, start, backend="engine", model=engine.model_name, request_rate=args.request_rate,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+        prefix_hit_tokens=stats.prefix_hit_tokens - stats_before.prefix_hit_tokens,
+        preemptions=stats.preemptions - stats_before.preemptions,
+    )}
+    if args.compare_http:
+        # Other prompts of the same shape, so the HTTP run gets no prefix-cache hits from the engine run's.
+        http = await _serve_and_bench(
+            engine, args, workload_from_args(args, seed_offset=2),
+            workload_from_args(args, num=args.warmup, seed_offset=3) if args.warmup else [],
+        )
+        report["http"] = http
+        report["http_over_engine"] = {
+            name: value(http) / value(report["engine"]) if value(report["engine"]) else math.nan
+            for name, value in COMPARED
+        }
+    return report
+
+
+def format_comparison(report: dict[str, Any]) -> str:
+    engine, http, ratios = report["engine"], report["http"], report["http_over_engine"]
+    lines = ["HTTP (chat, streaming) vs the engine alone, same workload shape", "",
+             "| measure | engine | HTTP | HTTP / engine |", "| --- | ---: | ---: | ---: |"]
+    for name, value in COMPARED:
+        lines.append(f"| {name} | {value(engine):,.2f} | {value(http):,.2f} | {ratios[name]:.3f} |")
+    overhead = 1 - ratios["output token throughput (tok/s)"]
+    lines.append(f"\nstreaming overhead (1 - HTTP / engine output throughput): {overhead:.1%}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_load_arguments(args)
+    from inference.engine import AsyncEngine
+
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from inference.tiny_checkpoint import default_tiny_checkpoint
+
+        model_dir = default_tiny_checkpoint()
+        print(f"no --model: benchmarking a tiny random-weight checkpoint ({model_dir})", file=sys.stderr)
+    engine = AsyncEngine.from_pretrained(str(model_dir), device=args.device, **engine_options(args))
+
+    async def measure() -> dict[str, Any]:
+        try:
+            return await benchmark(engine, args)
+        finally:
+            await engine.shutdown()  # a no-op when --compare-http's server already shut it down
+
+    try:
+        report = asyncio.run(measure())
+    except RuntimeError as e:
+        print(f"bench engine: {e}", file=sys.stderr)
+        return 1
+    print(format_summary(report["engine"], f"engine benchmark: {engine.model_name}, in-process"))
+    if "http" in report:
+        print()
+        print(format_summary(report["http"], f"the same engine over HTTP: {report['http']['base_url']}"))
+        print()
+        print(format_comparison(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(json_safe(report), f, indent=2)
+    return 0 if report["engine"]["completed"] else 1

@@ -1,0 +1,166 @@
+"""Benchmark results: what each request measured, and the summary table both benchmarks print.
+
+Definitions (per request; times on one `time.perf_counter` clock, reported in milliseconds):
+  TTFT   time from sending the request to the first streamed output (text, reasoning or tool
+         arguments; for the engine benchmark, the first token)
+  TPOT   (e2e - TTFT) / (output tokens - 1): the mean time per token after the first
+  ITL    the gaps between consecutive streamed deltas (one value per gap, pooled over requests)
+  e2e    time from sending the request to the end of its stream
+Throughputs divide token totals by the benchmark's duration (first request sent to last one
+finished). Peak output throughput is the most output tokens finished within one second of the
+run, each request's tokens spread evenly over its streamed deltas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end-to-end latency"))
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it."""
+
+    prompt_len: int  # o200k tokens of the prompt text we sent
+    output_len: int  # tokens asked for
+    ok: bool = False
+    error: str | None = None
+    start: float = 0.0  # perf_counter when it was sent
+    ttft: float | None = None  # seconds
+    e2e: float | None = None  # seconds
+    delta_times: list[float] = field(default_factory=list)  # perf_counter of each delta with output
+    input_tokens: int | None = None  # prompt tokens as the server counted them (template included)
+    output_tokens: int = 0
+    output_counted_by: str = "usage"  # "usage" (server-reported), "o200k" (our count), "engine"
+    finish_reason: str | None = None
+    response_id: str | None = None
+    text: str = ""  # the streamed output text (content, reasoning and tool arguments)
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.delta_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), interpolating linearly between order statistics."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def distribution_ms(seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1e3 for s in seconds]
+    return {
+        "mean": sum(ms) / len(ms) if ms else math.nan,
+        "median": percentile(ms, 50),
+        "p90": percentile(ms, 90),
+        "p99": percentile(ms, 99),
+    }
+
+
+def peak_output_throughput(results: list[RequestResult], start: float) -> float:
+    """Most output tokens finished within one whole second since `start` (tokens/s)."""
+    buckets: Counter[int] = Counter()
+    for r in results:
+        if not r.ok or not r.output_tokens:
+            continue
+        times = r.delta_times or [r.start + (r.e2e or 0.0)]
+        share = r.output_tokens / len(times)
+        for t in times:
+            buckets[int(t - start)] += share
+    return max(buckets.values(), default=0.0)
+
+
+def summarize(results: list[RequestResult], duration: float, start: float, **header: Any) -> dict[str, Any]:
+    """The numbers both benchmarks print and write with --json; `header` describes the run."""
+    good = [r for r in results if r.ok]
+    errors = Counter(r.error or "unknown error" for r in results if not r.ok)
+    reported = [r for r in good if r.input_tokens is not None]
+    if good and len(reported) == len(good):
+        input_tokens, input_counted_by = sum(r.input_tokens for r in good), "usage"
+    else:
+        input_tokens, input_counted_by = sum(r.prompt_len for r in good), "o200k (prompt text only)"
+    output_tokens = sum(r.output_tokens for r in good)
+    counted_by = sorted({r.output_counted_by for r in good})
+    summary: dict[str, Any] = {
+        **header,
+        "num_prompts": len(results),
+        "completed": len(good),
+        "failed": len(results) - len(good),
+        "errors": dict(errors.most_common(5)),
+        "duration_s": duration,
+        "total_prompt_text_tokens": sum(r.prompt_len for r in good),
+        "total_input_tokens": input_tokens,
+        "input_tokens_counted_by": input_counted_by,
+        "total_output_tokens": output_tokens,
+        "output_tokens_counted_by": "+".join(counted_by) or "none",
+        "request_throughput": len(good) / duration if duration > 0 else math.nan,
+        "input_throughput": input_tokens / duration if duration > 0 else math.nan,
+        "output_throughput": output_tokens / duration if duration > 0 else math.nan,
+        "total_token_throughput": (input_tokens + output_tokens) / duration if duration > 0 else math.nan,
+        "peak_output_throughput": peak_output_throughput(good, start),
+        "ttft_ms": distribution_ms([r.ttft for r in good if r.ttft is not None]),
+        "tpot_ms": distribution_ms([r.tpot for r in good if r.tpot is not None]),
+        "itl_ms": distribution_ms([gap for r in good for gap in r.itls]),
+        "e2e_ms": distribution_ms([r.e2e for r in good if r.e2e is not None]),
+    }
+    return summary
+
+
+def json_safe(value: Any) -> Any:
+    """The summary as strict JSON: NaN (no data) becomes null, an infinite rate "inf"."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _number(value: Any, digits: int = 2) -> str:
+    if isinstance(value, float):
+        return "n/a" if math.isnan(value) else f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def format_summary(summary: dict[str, Any], title: str) -> str:
+    """The summary as two markdown tables (totals and rates, then latency distributions)."""
+    rows = [
+        ("successful requests", summary["completed"]),
+        ("failed requests", summary["failed"]),
+        ("benchmark duration (s)", summary["duration_s"]),
+        (f"input tokens ({summary['input_tokens_counted_by']})", summary["total_input_tokens"]),
+        (f"output tokens ({summary['output_tokens_counted_by']})", summary["total_output_tokens"]),
+        ("request throughput (req/s)", summary["request_throughput"]),
+        ("input token throughput (tok/s)", summary["input_throughput"]),
+        ("output token throughput (tok/s)", summary["output_throughput"]),
+        ("peak output throughput (tok/s)", summary["peak_output_throughput"]),
+        ("total token throughput (tok/s)", summary["total_token_throughput"]),
+    ]
+    lines = [title, "", "| measure | value |", "| --- | ---: |"]
+    lines += [f"| {name} | {_number(value)} |" for name, value in rows]
+    lines += ["", "| latency (ms) | mean | median | p90 | p99 |", "| --- | ---: | ---: | ---: | ---: |"]
+    for key, name in LATENCIES:
+        d = summary[f"{key}_ms"]
+        lines.append(f"| {name} | " + " | ".join(_number(d[s]) for s in ("mean", "median", "p90", "p99")) + " |")
+    for message, count in summary["errors"].items():
+        lines.append(f"\nfailed x{count}: {message}")
+    return "\n".join(lines)

@@ -1,0 +1,403 @@
+"""The web playground at `/`, driven in real headless Chromium (Playwright) against a live server.
+
+The scripted engine decides what the model says, so each test knows what the page must show:
+streamed text, the reasoning panel, tool steps, citations, a stopped generation, the API key
+prompt. One smoke test runs the page on the real engine over the tiny random checkpoint.
+Screenshots land in test-artifacts/playground/. The browser tests skip where Chromium is absent
+(`bash .ci/browser.sh` installs it; `.ci/run` does so in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL, LiveServer, make_app
+from tests.fake_engine import ScriptedEngine
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "playground"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TIMEOUT_MS = 15_000
+
+SEARCH = ("<|channel|>analysis<|message|>I should look this up.<|end|><|start|>assistant<|channel|>analysis "
+          "to=browser.search <|constrain|>json<|message|>{\"query\": \"gpt-oss license\"}<|call|>")
+CITED_TEXT = ("gpt-oss is released under the Apache-2.0 license, which allows commercial use, modification "
+              "and redistribution 【0†L1-L2】.")
+CITED = ("<|channel|>analysis<|message|>The release notes answer it.<|end|><|start|>assistant<|channel|>final"
+         f"<|message|>{CITED_TEXT}<|return|>")
+CITED_SHOWN = CITED_TEXT.replace("【0†L1-L2】", "gpt-oss release notes")
+PYTHON = "<|channel|>analysis to=python code<|message|>print(6 * 7)<|call|>"
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+MCP_TOOL = {"type": "mcp", "server_label": "weather", "require_approval": "never"}
+MCP_CALL = "<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|>"
+WEATHER_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+
+
+def final(text: str, reasoning: str | None = None) -> str:
+    head = f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant" if reasoning else ""
+    return f"{head}<|channel|>final<|message|>{text}<|return|>"
+
+
+def wait_for(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def prompt_text(call) -> str:
+    from inference.tokenizer import harmony_encoding
+
+    return harmony_encoding().decode(call.request.prompt_token_ids)
+
+
+# --- the browser ------------------------------------------------------------------------------
+
+
+def chromium_executable() -> str | None:
+    candidates = [os.environ.get("OSS_AGENT_CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser"),
+                  shutil.which("google-chrome")]
+    return next((c for c in candidates if c and os.path.exists(c)), None)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = chromium_executable()
+    if executable is None:
+        pytest.skip("headless Chromium is not installed (run `bash .ci/browser.sh`, or point OSS_AGENT_CHROMIUM "
+                    "at a Chromium binary): the playground's browser tests are skipped")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[dev]'): the playground's browser tests are skipped")
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class Page:
+    """A fresh browser context (its own localStorage) on the page, recording what the page sent
+    to /v1/responses and any script error it hit."""
+
+    def __init__(self, browser, name: str):
+        self.name = name
+        self.context = browser.new_context(viewport={"width": 1100, "height": 1000})
+        self.context.set_default_timeout(TIMEOUT_MS)
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.sent: list[dict] = []
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("request", self._record)
+
+    def _record(self, request) -> None:
+        if request.method == "POST" and request.url.endswith("/v1/responses"):
+            self.sent.append(json.loads(request.post_data))
+
+    def open(self, server) -> "Page":
+        self.page.goto(f"{server.url}/")
+        self.page.wait_for_selector("body[data-ready=true]")
+        return self
+
+    def send(self, text: str) -> None:
+        self.page.fill("#input", text)
+        self.page.press("#input", "Enter")
+
+    def turn(self, n: int):
+        return self.page.locator(".turn.assistant").nth(n)
+
+    def finished(self, n: int, *expected: str) -> None:
+        """Wait until assistant turn n stops streaming; it must end in an `expected` state
+        (default: completed)."""
+        self.page.wait_for_function(
+            "n => { const t = document.querySelectorAll('.turn.assistant')[n];"
+            " return t && t.dataset.state !== 'streaming'; }", arg=n)
+        state = self.turn(n).get_attribute("data-state")
+        assert state in (expected or ("completed",)), f"turn {n} ended {state}: {self.turn(n).inner_text()}"
+
+    def screenshot(self, label: str) -> None:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        self.page.screenshot(path=str(ARTIFACTS / f"{self.name}-{label}.png"))
+
+
+@pytest.fixture
+def page(browser, request):
+    view = Page(browser, request.node.name.removeprefix("test_"))
+    yield view
+    errors = view.errors
+    view.context.close()
+    # A 401 is logged by Chromium as a failed resource load; that is the key prompt's cue, not a bug.
+    assert [e for e in errors if "401" not in e] == [], "the page hit script errors"
+
+
+# --- serving the page (no browser needed) -------------------------------------------------
+
+
+def test_page_and_assets_are_served_without_a_key_and_locked_down(tmp_path):
+    app = make_app(ScriptedEngine, tmp_path / "r.db", api_key="s3cret")
+    with LiveServer(app, api_key="s3cret") as server:
+        page = httpx.get(f"{server.url}/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        csp = page.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "default-src 'none'" in csp and "unsafe-inline" not in csp
+        # No inline script or handler: everything the page runs comes from its own files.
+        assert not re.search(r"<script(?![^>]*\bsrc=)", page.text) and not re.search(r"\son\w+=", page.text)
+        # Every asset the page and its modules refer to is served, without the key, as the right type.
+        assets = set(re.findall(r'(?:src|href)="(static/[^"]+)"', page.text))
+        seen = set()
+        while assets - seen:
+            path = sorted(assets - seen)[0]
+            seen.add(path)
+            r = httpx.get(f"{server.url}/{path}")
+            assert r.status_code == 200, path
+            kind = {"js": "javascript", "css": "text/css"}[path.rsplit(".", 1)[1]]
+            assert kind in r.headers["content-type"], (path, r.headers["content-type"])
+            assets |= {f"static/{name}" for name in re.findall(r'from "\./([\w.]+)"', r.text)}
+        assert {"static/playground.js", "static/markdown.js", "static/turn.js", "static/api.js",
+                "static/playground.css"} <= seen
+        # The API behind it still wants the key; the static mount serves nothing outside its folder.
+        assert httpx.get(f"{server.url}/v1/models").status_code == 401
+        # (%2e%2e reaches the server as "/static/../x": public by prefix, so it must not escape.)
+        for escape in ("/static/%2e%2e/app.py", "/static/%2e%2e/v1/models", "/static/%2e%2e/%2e%2e/pyproject.toml"):
+            assert httpx.get(f"{server.url}{escape}").status_code == 404, escape
+        assert httpx.get(f"{server.url}/static/nothing.js").json()["error"]["code"] == "not_found"
+
+
+# --- in the browser -------------------------------------------------------------------------
+
+
+def test_streams_reasoning_search_step_citations_and_continues(fake_server, page, fake_tools):
+    engine = fake_server.engine
+    engine.token_delay = 0.025  # slow enough that the page shows the answer before it is complete
+    engine.say(SEARCH, CITED)
+    page.open(fake_server)
+    assert page.page.inner_text("#model-name") == MODEL
+    page.page.select_option("#effort", "high")
+    page.page.check("#tool-web")
+    page.send("What license does gpt-oss use?")
+
+    # The reasoning panel appears while the model reasons; opening it shows the reasoning.
+    reasoning = page.turn(0).locator("details.reasoning").first
+    reasoning.locator("summary").click()
+    assert reasoning.get_attribute("open") is not None
+    page.page.wait_for_function("() => document.querySelector('.reasoning-text')?.textContent === 'I should look this up.'")
+
+    # The answer streams in: there is a moment with part of the text on the page, still streaming.
+    partial = page.page.wait_for_function(
+        "() => { const t = document.querySelector('.turn.assistant'); const a = t.querySelector('.answer');"
+        " return t.dataset.state === 'streaming' && a && a.textContent.length > 10 && a.textContent; }").json_value()
+    page.screenshot("streaming")
+    page.finished(0)
+    answer = page.turn(0).locator(".answer")
+    assert answer.inner_text() == CITED_SHOWN
+    assert CITED_SHOWN.startswith(partial) and len(partial) < len(CITED_SHOWN)
+
+    # The search is a step with its query and results; the citation is a link to its source.
+    step = page.turn(0).locator(".step[data-type=web_search_call]")
+    assert step.locator(".step-title").inner_text() == "Searched “gpt-oss license”"
+    step.locator("summary").click()
+    assert step.locator(".sources a").evaluate_all("links => links.map(a => a.href)") == [
+        "https://example.org/oss", "https://example.org/harmony"]
+    citation = answer.locator("a.citation")
+    assert citation.inner_text() == "gpt-oss release notes"
+    assert citation.get_attribute("href") == "https://example.org/oss"
+    assert citation.get_attribute("target") == "_blank" and "noopener" in citation.get_attribute("rel")
+    assert page.turn(0).locator("details.reasoning").count() == 2  # before the search, and after it
+    assert re.match(r"completed · \d+ in · \d+ out \(\d+ reasoning\) tokens", page.turn(0).locator(".meta").inner_text())
+    assert fake_tools["browser"].calls == [("browser.search", '{"query": "gpt-oss license"}')]
+    first = page.sent[0]
+    assert first["reasoning"] == {"effort": "high"} and first["tools"] == [{"type": "web_search_preview"}]
+    assert first["stream"] is True and "previous_response_id" not in first
+    assert "Reasoning: high" in prompt_text(engine.calls[0])
+
+    # The next message continues the conversation with previous_response_id.
+    engine.say(final("You are welcome."))
+    page.send("Thanks!")
+    page.finished(1)
+    assert page.sent[1]["previous_response_id"] == page.turn(0).get_attribute("data-response-id")
+    assert "What license does gpt-oss use?" in prompt_text(engine.calls[-1])
+    assert page.turn(1).locator(".answer").inner_text() == "You are welcome."
+    page.screenshot("conversation")
+
+    # New chat starts over: no previous response.
+    page.page.click("#new-chat")
+    assert page.page.locator(".turn").count() == 0 and page.page.is_visible("#empty")
+    engine.say(final("Hello again."))
+    page.send("Hi")
+    page.finished(0)
+    assert "previous_response_id" not in page.sent[2]
+
+
+def test_python_mcp_and_function_steps_and_sending_a_function_output(fake_server, page, fake_tools):
+    engine = fake_server.engine
+    engine.say(PYTHON, MCP_CALL, WEATHER_CALL)
+    page.open(fake_server)
+    page.page.check("#tool-python")
+    page.page.click("#settings-button")
+    page.page.fill("#settings-tools", "not json")
+    page.page.click("#settings-save")
+    assert "JSON array" in page.page.inner_text("#settings-error")
+    page.page.fill("#settings-tools", json.dumps([WEATHER_TOOL, MCP_TOOL]))
+    page.page.click("#settings-save")
+    assert not page.page.locator("#settings-dialog").evaluate("d => d.open")
+    page.send("Compute 6*7, then get the weather in Oslo and Paris.")
+    page.finished(0)
+
+    python = page.turn(0).locator(".step[data-type=code_interpreter_call]")
+    python.locator("summary").click()
+    assert python.locator(".step-title").inner_text() == "Ran Python"
+    assert python.locator(".step-pre.code").inner_text() == "print(6 * 7)"
+    assert python.locator(".step-pre.output").inner_text().strip() == "42"
+    assert fake_tools["python"].calls == ["print(6 * 7)"]
+
+    # A tool the server runs (MCP): its arguments and result.
+    listing = page.turn(0).locator(".step[data-type=mcp_list_tools] .step-title")
+    assert listing.inner_text() == "Listed 1 tool on weather"
+    mcp = page.turn(0).locator(".step[data-type=mcp_call]")
+    mcp.locator("summary").click()
+    assert mcp.locator(".step-title").inner_text() == "weather.get_forecast(…)"
+    assert json.loads(mcp.locator(".step-pre.code").inner_text()) == {"city": "Oslo"}
+    assert mcp.locator(".step-pre.output").inner_text() == "Sunny in Oslo, 21°C."
+
+    # The response ends in a function call: the step shows its arguments and asks for its output.
+    function = page.turn(0).locator(".step[data-type=function_call]")
+    assert function.get_attribute("data-state") == "waiting"
+    assert function.locator(".step-title").inner_text() == "get_weather(…)"
+    assert json.loads(function.locator(".step-pre.code").inner_text()) == {"city": "Paris"}
+    page.screenshot("function-call")
+    engine.say(final("It is 21 °C in Paris."))
+    function.locator("textarea.function-output").fill("21 °C and sunny")
+    page.turn(0).locator(".function-bar button").click()
+    page.finished(1)
+    assert function.locator(".step-pre.output").inner_text() == "21 °C and sunny"
+    first_id = page.turn(0).get_attribute("data-response-id")
+    call_id = fake_server.client().responses.retrieve(first_id).output[-1].call_id
+    sent = page.sent[-1]
+    assert sent["input"] == [{"type": "function_call_output", "call_id": call_id, "output": "21 °C and sunny"}]
+    assert sent["previous_response_id"] == first_id
+    assert prompt_text(engine.calls[-1]).endswith(
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21 °C and sunny<|end|>"
+        "<|start|>assistant")
+    assert page.turn(1).locator(".answer").inner_text() == "It is 21 °C in Paris."
+
+
+def test_stop_ends_the_generation_and_the_chat_goes_on(fake_server, page):
+    engine = fake_server.engine
+    engine.say(final("Ready."))
+    page.open(fake_server)
+    page.send("Are you there?")
+    page.finished(0)
+
+    engine.token_delay = 0.02
+    engine.say(final(" word" * 400))
+    page.send("Write a long essay.")
+    page.page.wait_for_function("() => document.querySelectorAll('.answer')[1]?.textContent.length > 20")
+    assert page.page.is_visible("#stop") and not page.page.is_visible("#send")
+    page.page.click("#stop")
+    page.finished(1, "stopped")
+    assert page.page.is_visible("#send") and not page.page.is_visible("#stop")
+    # The server noticed the client going away and stopped generating.
+    wait_for(lambda: engine.running == 0)
+    assert engine.calls[-1].finish_reason == "abort" and len(engine.calls[-1].generated) < 400
+    shown = page.turn(1).locator(".answer").inner_text()
+    assert 0 < shown.count("word") < 400
+    assert "stopped" in page.turn(1).locator(".meta").inner_text()
+    page.screenshot("stopped")
+
+    # The next message continues from the last finished answer (a cancelled one cannot be).
+    engine.token_delay = 0.0
+    engine.say(final("Still here."))
+    page.send("Shorter, please.")
+    page.finished(2)
+    assert page.sent[2]["previous_response_id"] == page.turn(0).get_attribute("data-response-id")
+    assert page.turn(2).locator(".answer").inner_text() == "Still here."
+
+
+MARKDOWN = (
+    "# Title\n\nSome **bold**, *italic* and `inline <b>code</b>` text.\n\n"
+    "<script>window.__pwned = 1</script>\n<img src=x onerror=\"window.__pwned = 2\">\n\n"
+    "[bad link](javascript:window.__pwned=3) and [good link](https://example.org/page) and https://example.org/bare\n\n"
+    "- one\n- two\n  1. nested\n\n"
+    "| a | b |\n|---|:-:|\n| <i>x</i> | 2 |\n\n"
+    "```html\n<iframe src=\"javascript:window.__pwned=4\"></iframe>\n```\n\n> quoted"
+)
+
+
+def test_markdown_is_rendered_and_model_html_stays_text(fake_server, page):
+    fake_server.engine.say(final(MARKDOWN, reasoning="<img src=y onerror=\"window.__pwned = 5\"> thinking"))
+    page.open(fake_server)
+    page.send("Show me some markdown.")
+    page.finished(0)
+    answer = page.turn(0).locator(".answer")
+    assert answer.locator("h1").inner_text() == "Title"
+    assert answer.locator("strong").inner_text() == "bold" and answer.locator("em").inner_text() == "italic"
+    assert answer.locator("p code").first.inner_text() == "inline <b>code</b>"
+    assert answer.locator("ul > li").count() == 2 and answer.locator("ul ol > li").inner_text() == "nested"
+    assert answer.locator("table td").all_inner_texts() == ["<i>x</i>", "2"]
+    assert answer.locator("pre code").inner_text() == "<iframe src=\"javascript:window.__pwned=4\"></iframe>"
+    assert answer.locator("blockquote").inner_text() == "quoted"
+    # Model-written HTML is shown as text, never turned into elements; unsafe links lose their target.
+    text = answer.inner_text()
+    assert "<script>window.__pwned = 1</script>" in text and '<img src=x onerror="window.__pwned = 2">' in text
+    for tag in ("script", "img", "iframe", "b", "i"):
+        assert answer.locator(tag).count() == 0, tag
+    assert answer.locator("a").evaluate_all("links => links.map(a => a.href)") == [
+        "https://example.org/page", "https://example.org/bare"]
+    assert "bad link" in text
+    reasoning = page.turn(0).locator(".reasoning-text")
+    assert reasoning.evaluate("r => r.textContent") == "<img src=y onerror=\"window.__pwned = 5\"> thinking"
+    assert reasoning.locator("img").count() == 0
+    assert page.page.evaluate("window.__pwned") is None
+    page.screenshot("markdown")
+
+
+def test_api_key_is_asked_for_once_and_kept(tmp_path, page):
+    engine = ScriptedEngine()
+    app = make_app(lambda: engine, tmp_path / "r.db", api_key="s3cret")
+    with LiveServer(app, api_key="s3cret") as server:
+        page.open(server)  # the page itself needs no key; its first API call gets a 401
+        dialog = page.page.locator("#key-dialog")
+        page.page.wait_for_function("() => document.getElementById('key-dialog').open")
+        assert "API key" in page.page.inner_text("#key-message")
+        page.page.fill("#key-input", "wrong")
+        page.page.click("#key-save")
+        page.page.wait_for_function("() => document.getElementById('key-message').textContent.includes('refused')")
+        assert dialog.evaluate("d => d.open")
+        page.screenshot("key-prompt")
+        page.page.fill("#key-input", "s3cret")
+        page.page.click("#key-save")
+        page.page.wait_for_function(f"() => document.getElementById('model-name').textContent === {MODEL!r}")
+        engine.say(final("Authenticated."))
+        page.send("Hello")
+        page.finished(0)
+        assert page.turn(0).locator(".answer").inner_text() == "Authenticated."
+        # A reload remembers the key: no prompt, the API answers.
+        page.page.reload()
+        page.page.wait_for_function(f"() => document.getElementById('model-name').textContent === {MODEL!r}")
+        assert not dialog.evaluate("d => d.open")
+        assert page.page.evaluate("localStorage.getItem('oss-agent.api-key')") == "s3cret"
+
+
+def test_smoke_on_the_tiny_real_engine(tiny_engine_server, page):
+    page.open(tiny_engine_server)
+    page.page.click("#settings-button")
+    page.page.fill("#settings-max-tokens", "12")
+    page.page.click("#settings-save")
+    page.send("Hello, tiny model.")
+    page.finished(0, "completed", "incomplete")  # random weights: it rarely stops on its own
+    assert page.sent[0]["max_output_tokens"] == 12
+    meta = page.turn(0).locator(".meta").inner_text()
+    out_tokens = int(re.search(r"(\d+) out", meta).group(1))
+    assert 0 < out_tokens <= 12 and page.turn(0).locator(".error-box").count() == 0
+    page.screenshot("tiny-engine")

@@ -1,0 +1,57 @@
+"""`oss-agent serve` engine flags (--gpu-memory-utilization, --num-pages, --max-num-seqs) reach
+the engine's `EngineConfig`. uvicorn.run is captured; the captured app is then served for real,
+so its startup builds the engine from the flags on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent_server.cli import build_parser
+from tests.conftest import LiveServer
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    import uvicorn
+
+    apps = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.update(app=app))
+    return apps
+
+
+def serve(argv):
+    from agent_server.serve_command import run
+
+    assert run(build_parser().parse_args(["serve", *argv])) == 0
+
+
+def test_engine_flags_reach_the_engine_config(captured, tiny_checkpoint, tmp_path):
+    serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"),
+           "--gpu-memory-utilization", "0.55", "--num-pages", "96", "--max-num-seqs", "8",
+           "--engine-option", "num_pages=500", "--engine-option", "enforce_eager=True"])
+    with LiveServer(captured["app"]) as server:
+        engine = server.engine.engine  # AsyncEngine -> LLMEngine
+        config = engine.config
+        assert (config.gpu_memory_utilization, config.num_pages, config.max_num_seqs) == (0.55, 96, 8)
+        assert config.enforce_eager is True  # --engine-option still works beside the flags
+        assert engine.cache.full.num_pages == 96 and engine.stats().pages_total == 96
+        assert engine.scheduler.max_num_seqs == 8
+
+
+def test_engine_flags_default_to_the_engine_defaults(captured, tiny_checkpoint, tmp_path):
+    from inference.engine import EngineConfig
+
+    serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
+    with LiveServer(captured["app"]) as server:
+        config = server.engine.engine.config
+        assert (config.gpu_memory_utilization, config.num_pages, config.max_num_seqs) == (
+            EngineConfig.gpu_memory_utilization, None, EngineConfig.max_num_seqs)
+
+
+@pytest.mark.parametrize("flag,value", [("--gpu-memory-utilization", "0"), ("--gpu-memory-utilization", "1.5"),
+                                        ("--num-pages", "0"), ("--max-num-seqs", "-1"),
+                                        ("--gpu-memory-utilization", "lots")])
+def test_bad_engine_flags_are_refused_by_name(flag, value, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", flag, value])
+    assert info.value.code == 2 and flag in capsys.readouterr().err
