@@ -79,7 +79,8 @@ def test_developer_role_joins_the_instructions(live_server):
         return
     assert completion.choices[0].message.content == "Short."
     text = prompt_text(live_server.engine)
-    assert developer_message(text) == "<|start|>developer<|message|># Instructions\n\nYou are terse.\n\nAnswer in haiku."
+    assert developer_message(text) == \
+        "<|start|>developer<|message|># Instructions\n\nYou are terse.\n\nAnswer in haiku."
     assert text.endswith("<|start|>user<|message|>Say hello.<|end|><|start|>assistant")
 
 

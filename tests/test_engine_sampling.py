@@ -198,7 +198,9 @@ def test_temperature_sharpens_the_distribution(model):
     cold, hot = run(model, ids, dict(temperature=0.05, seed=3), dict(temperature=1.0, seed=3))
     cold_ranks = ranks(logits_along(model, ids, cold), cold)
     hot_ranks = ranks(logits_along(model, ids, hot), hot)
-    assert sum(cold_ranks) < NUM_TOKENS * 2 and min(hot_ranks) > 10  # near-greedy vs near-uniform
+    middle = NUM_TOKENS // 2  # medians: near-greedy when cold, near-uniform over 201k tokens when hot
+    assert sorted(cold_ranks)[middle] == 0 and max(cold_ranks) < 50
+    assert sorted(hot_ranks)[middle] > 1000
 
 
 def test_seed_gives_the_same_tokens_in_one_batch(model):

@@ -171,7 +171,11 @@ def respond(server: LiveServer, mode: str, **request):
     """Run one request with the official client (create or stream), check what came over the
     wire strictly, and return (final response, the SDK's events or None)."""
     transport = RecordingTransport()
-    client = server.client(http_client=httpx.Client(transport=transport, timeout=120))
+    with httpx.Client(transport=transport, timeout=120) as http:
+        return _respond(server.client(http_client=http), transport, mode, request)
+
+
+def _respond(client, transport: RecordingTransport, mode: str, request: dict[str, Any]):
     if mode == "create":
         response = client.responses.create(model=MODEL, **request)
         raw = strict_response(json.loads(bytes(transport.bodies[-1])))
@@ -257,9 +261,9 @@ def test_web_search_then_cited_answer(tool_server, fake_tools, mode):
         assert annotation["url"] == citation.url and added.annotation_index == 0
     # The answer continued the searching turn's cached sequence: only the tool message was prefilled.
     first, second = engine.calls
-    suffix = continuation_tokens([tool_message("browser.search", "# Search results for 'gpt-oss license'\n"
-                                                                   "【0†gpt-oss release notes†https://example.org/oss】\n"
-                                                                   "【1†The Harmony format†https://example.org/harmony】")])
+    results = ("# Search results for 'gpt-oss license'\n【0†gpt-oss release notes†https://example.org/oss】\n"
+               "【1†The Harmony format†https://example.org/harmony】")
+    suffix = continuation_tokens([tool_message("browser.search", results)])
     assert second.request.prompt_token_ids == first.request.prompt_token_ids + first.generated + suffix
     assert second.num_cached_tokens == len(first.request.prompt_token_ids) + len(first.generated) - 1
     assert response.usage.input_tokens_details.cached_tokens == first.num_cached_tokens + second.num_cached_tokens
@@ -398,12 +402,13 @@ def output_texts(response) -> list[tuple[str, str]]:
 
 
 def test_top_p_truncates_what_the_real_engine_samples(tiny_engine_server):
-    """The tiny model's distribution is nearly flat (p_max ~ 3e-4): at temperature 1 a nucleus of
-    1e-4 is its single best token, so the output is the greedy one; without top_p it is not."""
+    """A nucleus of 1e-6 is below any token's probability over a 201k vocabulary, so it holds the
+    single best token and sampling at temperature 1 gives the greedy output. Without top_p, the
+    tiny model's nearly flat distribution (p_max ~ 3e-4) makes that practically impossible."""
     client = tiny_engine_server.client()
     common = dict(model=MODEL, input="Hi!", max_output_tokens=8)
     greedy = client.responses.create(temperature=0, **common)
-    nucleus = client.responses.create(temperature=1.0, top_p=1e-4, **common)
+    nucleus = client.responses.create(temperature=1.0, top_p=1e-6, **common)
     sampled = client.responses.create(temperature=1.0, top_p=1.0, **common)
     assert output_texts(nucleus) == output_texts(greedy) and nucleus.usage.output_tokens == 8
     assert output_texts(sampled) != output_texts(greedy)
@@ -523,9 +528,9 @@ def test_keep_alive_pings_while_the_model_is_slow(tmp_path):
     app = make_app(lambda: engine, tmp_path / "r.db", sse_ping_seconds=0.1)
     with LiveServer(app) as server:
         transport = RecordingTransport()
-        client = server.client(http_client=httpx.Client(transport=transport, timeout=60))
-        with client.responses.stream(model=MODEL, input="x") as stream:
-            events = list(stream)
+        with httpx.Client(transport=transport, timeout=60) as http:
+            with server.client(http_client=http).responses.stream(model=MODEL, input="x") as stream:
+                events = list(stream)
     raw_events, comments = parse_sse(bytes(transport.bodies[-1]))
     assert len(comments) >= 3 and all(c.startswith(": ping") for c in comments)
     # The pings are invisible to the client: it parsed every event and the answer.

@@ -15,11 +15,17 @@ from tests.fake_engine import ScriptedEngine
 
 
 def metric(text: str, name: str, **labels) -> float:
-    """The value of one Prometheus sample (0 when absent)."""
+    """The value of one Prometheus sample: 0 when the metric family is declared but this labelled
+    sample has not been touched yet; a family missing altogether fails the test."""
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # exposition sorts labels
     pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else r"") + r" (\S+)"
     match = re.search(r"^" + pattern + r"$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    if match:
+        return float(match.group(1))
+    family = re.sub(r"_(count|sum|bucket|created)$", "", name)
+    declared = {m.group(1) for m in re.finditer(r"^# TYPE (\S+) ", text, re.M)}
+    assert family in declared or family.removesuffix("_total") in declared, f"metric {name} is not exported"
+    return 0.0
 
 
 def test_health_ready_and_models(live_server):
