@@ -18,8 +18,9 @@ With --speculative the script instead times batch-1 decode through the engine (s
 graphs for decode and verification steps, sampler) on a repetitive prompt, with and without the
 drafter, and prints tok/s and the mean acceptance length (tokens per verification step). Random
 weights do not copy their prompt, so a logit bias confines the output to the prompt's words
-(--spec-words, 0 to turn it off) to give the n-gram drafter repetition to find; a third row
-replays the plain run's own output as drafts, the acceptance a perfect drafter would reach.
+(--spec-words, 0 to turn it off), graded (20, 18, 16, ...) so that the output mostly repeats the
+favoured words and greedy choices are not near ties; that gives the n-gram drafter repetition to
+find. A third row replays the plain run's own output as drafts: what a perfect drafter gets.
 """
 
 from __future__ import annotations
@@ -90,6 +91,19 @@ def bytes_per_token(c: ModelConfig, context: int) -> dict[str, float]:
         "lm_head": c.vocab_size * h * 2 + h * 2,
         "kv": kv_bytes,
     }
+
+
+ACTIVATION_RESERVE = 4e9  # bytes held back for a prefill step's activations and CUDA graphs
+
+
+def kv_capacity(c: ModelConfig, weights_bytes: int) -> dict[str, int]:
+    """KV bytes per cached token (full-attention layers; sliding layers hold at most a window per
+    sequence) and the tokens that fit in an 80 GB H100 at 0.9 utilisation beside the weights."""
+    full_layers = sum(not c.is_sliding(i) for i in range(c.num_hidden_layers))
+    per_token = full_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
+    free = 80e9 * 0.9 - weights_bytes - ACTIVATION_RESERVE
+    return {"weights_GB": round(weights_bytes / 1e9, 2), "kv_bytes_per_token": per_token,
+            "kv_tokens_h100_80gb": int(free // per_token)}
 
 
 class StaticBatch:
@@ -228,7 +242,7 @@ def bench_speculative(model, args) -> dict:
     rng = random.Random(0)
     words = [rng.randrange(200_000) for _ in range(args.spec_words or 64)]
     prompt = [rng.choice(words) for _ in range(64)] * 8  # a 64-token block, 8 times
-    bias = {w: 20.0 for w in words} if args.spec_words else {}
+    bias = {w: 20.0 - 2.0 * i for i, w in enumerate(words)} if args.spec_words else {}
     max_len = len(prompt) + args.spec_tokens + 64
     draft_model = args.draft_model
     if args.speculative == "eagle3" and draft_model is None:
@@ -302,7 +316,7 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--draft-model", help="EAGLE-3 draft checkpoint (default for eagle3: a random one)")
     ap.add_argument("--spec-tokens", type=int, default=256, help="tokens to generate per speculative run")
-    ap.add_argument("--spec-words", type=int, default=64,
+    ap.add_argument("--spec-words", type=int, default=8,
                     help="distinct words of the repetitive prompt; the output is confined to them (0: no bias)")
     args = ap.parse_args()
 
@@ -340,6 +354,8 @@ def main() -> None:
         config, device="cuda", attention_backend=args.attention, moe_backend=args.moe,
         max_positions=max(max_context, args.prefill) + 16,
     )
+    torch.cuda.synchronize()
+    weights_bytes = torch.cuda.memory_allocated()
     num_pages = max(batches) * pages_per_seq
     shape = (num_pages, args.page_size, config.num_key_value_heads, config.head_dim)
     progress(f"allocating KV cache: {num_pages} pages x {config.num_hidden_layers} layers")
@@ -361,6 +377,7 @@ def main() -> None:
         "attention_backend": type(model.attention_backend).__name__, "moe_backend": type(model.moe_backend).__name__,
         "copy_bandwidth_TBps": bandwidth / 1e12, "bytes_per_token_GB": sum(parts.values()) / 1e9,
         "roofline_batch1_tok_s": roofline, "context": args.context, "decode": {},
+        **kv_capacity(config, weights_bytes),
     }
     for b in batches:
         progress(f"decode batch {b}")
@@ -373,6 +390,10 @@ def main() -> None:
           f"attention={results['attention_backend']} moe={results['moe_backend']}")
     print(f"bytes per batch-1 token at {args.context} context: {sum(parts.values()) / 1e9:.2f} GB "
           f"({', '.join(f'{k} {v / 1e9:.2f}' for k, v in parts.items())}); roofline {roofline:.0f} tok/s\n")
+    print(f"memory: weights {weights_bytes / 1e9:.1f} GB on the GPU (measured); at "
+          f"{results['kv_bytes_per_token']:,} KV bytes a token, an 80 GB H100 at 0.9 utilisation holds "
+          f"{results['kv_tokens_h100_80gb']:,} tokens of cache beside them (computed, {ACTIVATION_RESERVE / 1e9:.0f} GB "
+          f"kept for activations)\n")
     print("| measure | tok/s | note |\n| --- | ---: | --- |")
     for b, rate in results["decode"].items():
         note = f"{rate / roofline:.1%} of roofline" if b == 1 else ""

@@ -141,17 +141,36 @@ class CheckpointReader:
             tensor = handle.get_tensor(name)
         except Exception as e:
             raise CheckpointError(f"cannot read tensor '{name}' from {path} (truncated or corrupt file?): {e}") from None
-        spec = self.specs.get(name)
-        if spec is not None:
-            if tuple(tensor.shape) != spec.shape:
-                raise CheckpointError(
-                    f"tensor '{name}' in {path} has shape {tuple(tensor.shape)}, expected {spec.shape}"
-                )
-            ok = tensor.dtype in FLOAT_DTYPES if spec.float else tensor.dtype == torch.uint8
-            if not ok:
-                want = "a float dtype" if spec.float else "uint8"
-                raise CheckpointError(f"tensor '{name}' in {path} has dtype {tensor.dtype}, expected {want}")
+        self._check_shape(name, path, tuple(tensor.shape))
+        self._check_dtype(name, path, tensor.dtype)
         return tensor
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` along `dim`, reading only those bytes of the file
+        (a tensor-parallel rank's shard); checked like `get`, against the whole tensor's shape."""
+        path = self.location[name]
+        handle = self._open(path)
+        try:
+            part = handle.get_slice(name)
+            self._check_shape(name, path, tuple(part.get_shape()))
+            tensor = part[(slice(None),) * dim + (slice(start, stop),)]
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor '{name}' from {path} (truncated or corrupt file?): {e}") from None
+        self._check_dtype(name, path, tensor.dtype)
+        return tensor.contiguous()
+
+    def _check_shape(self, name: str, path: Path, shape: tuple[int, ...]) -> None:
+        spec = self.specs.get(name)
+        if spec is not None and shape != spec.shape:
+            raise CheckpointError(f"tensor '{name}' in {path} has shape {shape}, expected {spec.shape}")
+
+    def _check_dtype(self, name: str, path: Path, dtype: torch.dtype) -> None:
+        spec = self.specs.get(name)
+        if spec is not None and not (dtype in FLOAT_DTYPES if spec.float else dtype == torch.uint8):
+            want = "a float dtype" if spec.float else "uint8"
+            raise CheckpointError(f"tensor '{name}' in {path} has dtype {dtype}, expected {want}")
 
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in set(self.location.values()))

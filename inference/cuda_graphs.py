@@ -39,6 +39,7 @@ class _Captured:
     positions: torch.Tensor  # [B*Q] int64
     slots: dict[str, torch.Tensor]  # [B*Q] int64 per cache kind
     context_lens: torch.Tensor  # [B] int32
+    cu_seqlens_q: torch.Tensor  # [B+1] int32, fixed: Q per sequence (the graph reads it: keep it alive)
     block_tables: dict[str, torch.Tensor]  # [B, P] int32 per cache kind
     logits: torch.Tensor  # [B*Q, V] float32, written by the graph
     aux: torch.Tensor | None = None  # [B*Q, A] aux layer outputs, written by the graph
@@ -97,6 +98,7 @@ class DecodeGraphRunner:
             positions=torch.zeros(t, dtype=torch.long, device=dev),
             slots={k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in ("full", "sliding")},
             context_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
             block_tables={k: torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev) for k in ("full", "sliding")},
             logits=torch.empty(0),
         )
@@ -115,7 +117,7 @@ class DecodeGraphRunner:
 
     def _metadata(self, buf: _Captured, b: int, q: int) -> AttentionMetadata:
         return AttentionMetadata(
-            cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=buf.input_ids.device) * q,
+            cu_seqlens_q=buf.cu_seqlens_q,
             context_lens=buf.context_lens,
             block_tables=buf.block_tables,
             slot_mapping=buf.slots,

@@ -373,9 +373,9 @@ class Eagle3Drafter:
         #    gives the first guess from each sequence's last kept position.
         starts = [ctx.start[i] for i in entries]
         counts = [ctx.num_kept[i] for i in entries]
-        rows = torch.tensor([r for i in entries for r in range(ctx.first_row[i], ctx.first_row[i] + ctx.num_kept[i])],
-                            device=dev)
-        next_tokens = [t for i in entries for t in ctx.seqs[i].token_ids[ctx.start[i] + 1 : ctx.start[i] + 1 + ctx.num_kept[i]]]
+        rows = torch.tensor([ctx.first_row[i] + j for i, n in zip(entries, counts) for j in range(n)], device=dev)
+        # Position p pairs the target's features at p with the token after it.
+        next_tokens = [t for i, s, n in zip(entries, starts, counts) for t in ctx.seqs[i].token_ids[s + 1 : s + 1 + n]]
         meta = build_metadata(self.page_size, [ctx.seqs[i].pages.full for i in entries], None, starts, counts, dev)
         features = self.draft.fc(ctx.aux_hidden[rows])
         outputs = self.draft(torch.tensor(next_tokens, device=dev), features, meta, self.kv_cache, backend)

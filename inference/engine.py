@@ -55,6 +55,9 @@ class EngineConfig:
     Speculative decoding (`inference/speculative.py`): `speculative` "ngram" or "eagle3" proposes
     up to `num_draft_tokens` tokens per step for the target to verify; eagle3 reads its draft
     head from `draft_model` (a checkpoint directory).
+
+    `tensor_parallel_size` N > 1 splits the model over N GPUs, one process each
+    (`inference/tensor_parallel.py`); this process stays rank 0 and runs the scheduler.
     """
 
     page_size: int = 16
@@ -69,6 +72,7 @@ class EngineConfig:
     speculative: str | None = None
     num_draft_tokens: int = 4
     draft_model: str | None = None
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -91,6 +95,11 @@ class EngineConfig:
                 raise ValueError("num_draft_tokens must be >= 1")
             if self.speculative == "eagle3" and not self.draft_model:
                 raise ValueError("speculative eagle3 needs draft_model (an EAGLE-3 checkpoint directory)")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be an integer >= 1")
+        if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
+            raise ValueError("speculative eagle3 does not run with tensor_parallel_size > 1 (ngram does)")
 
 
 class LLMEngine:
@@ -118,8 +127,10 @@ class LLMEngine:
         memory = None
         if config.num_pages is None:
             memory = self._profile_kv_memory() if device.type == "cuda" else config.kv_cache_memory
+            if model.tp is not None:  # every rank gets the same pages: the tightest rank decides
+                memory = model.tp.min_across_ranks(memory)
         plan = plan_cache(
-            c, config.page_size, dtype, memory_bytes=memory, num_pages=config.num_pages,
+            model.local_config, config.page_size, dtype, memory_bytes=memory, num_pages=config.num_pages,
             num_sliding_pages=config.num_sliding_pages, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             extra_full_page_bytes=self.drafter.kv_bytes_per_page(config.page_size) if self.drafter else 0,
@@ -136,7 +147,7 @@ class LLMEngine:
                         plan.num_full_pages * config.page_size, plan.num_full_pages * config.page_size,
                         self.max_model_len)
             self.max_model_len = plan.num_full_pages * config.page_size
-        self.kv_caches = allocate_kv_tensors(c, plan, config.page_size, dtype, device)
+        self.kv_caches = allocate_kv_tensors(model.local_config, plan, config.page_size, dtype, device)
         if self.drafter is not None:
             self.drafter.allocate_kv(plan.num_full_pages, config.page_size)
         self.cache = KVCacheManager(
@@ -177,6 +188,12 @@ class LLMEngine:
             if dtype not in _DTYPES and dtype != "auto":
                 raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto")
             dtype = _DTYPES.get(dtype)
+        if config.tensor_parallel_size > 1:
+            from .tensor_parallel import ModelSource, start_engine
+
+            return start_engine(ModelSource(model_dir=str(model_dir)), config, device=device, dtype=dtype,
+                                attention_backend=attention_backend, moe_backend=moe_backend,
+                                model_name=model_name or Path(model_dir).name)
         model = GptOssModel.from_pretrained(
             model_dir, device=device, dtype=dtype, attention_backend=attention_backend,
             moe_backend=moe_backend, max_positions=config.max_model_len,
@@ -262,6 +279,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (no step may be running). Idempotent."""
+        workers, self.runner.workers = self.runner.workers, None
+        if workers is not None:
+            workers.close(self.runner)
+
     def fail_all(self, error: str) -> list[TokenDelta]:
         """End every running and waiting request with finish_reason "error" (after a bug)."""
         deltas = []
@@ -302,7 +325,12 @@ class LLMEngine:
             if delta is not None:
                 deltas.append(delta)
         if self.drafter is not None:
-            self._propose(batch, out, starts, kept)
+            try:
+                self._propose(batch, out, starts, kept)
+            except Exception:  # a failing drafter costs speed, never output: go on without drafts
+                log.exception("drafter failed; this step's sequences continue without drafts")
+                for seq in batch.seqs:
+                    seq.draft_ids.clear()
         return deltas
 
     def _apply(self, seq: Sequence, n: int, num_draft: int, tokens: list[int], logprobs, accepted: int):
@@ -360,6 +388,7 @@ class LLMEngine:
         ctx = DraftContext(list(batch.seqs), starts, kept, out.first_row, limits, out.aux_hidden)
         for seq, proposal, limit in zip(batch.seqs, self.drafter.propose(ctx), limits):
             seq.draft_ids[:] = proposal[:limit]
+
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         if token in seq.sampling.stop_token_ids:
             return "stop", token
@@ -493,6 +522,7 @@ class AsyncEngine:
         self._stopping = True
         self._submit(("stop",))
         await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.engine.close)
 
     # -- the engine thread ---------------------------------------------------------------------
 

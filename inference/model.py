@@ -47,10 +47,13 @@ def select_add_rms_norm(device: torch.device):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, tp=None):
+        """config: this rank's layer shapes (its heads under tensor parallelism); tp: the group
+        whose ranks' partial outputs are summed, None on one device."""
         super().__init__()
         c = config
         self.layer = layer
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.window = c.sliding_window if c.is_sliding(layer) else None
         self.cache_kind = "sliding" if c.is_sliding(layer) else "full"
@@ -75,29 +78,32 @@ class Attention(nn.Module):
         out = backend.attention(
             q, k_cache, v_cache, meta, meta.block_tables[self.cache_kind], self.sinks, self.sm_scale, self.window
         )
-        return self.o_proj(out.reshape(t, q_dim))
+        out = self.o_proj(out.reshape(t, q_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp=None):
         super().__init__()
+        self.tp = tp
         self.top_k = config.num_experts_per_tok
         self.limit = config.swiglu_limit
         self.weights: MoEWeights | None = None  # raw weights as loaded
         self.prepared = None  # the backend's layout of them
 
     def forward(self, x: torch.Tensor, backend) -> torch.Tensor:
-        return backend.forward(x, self.prepared, self.top_k, self.limit)
+        out = backend.forward(x, self.prepared, self.top_k, self.limit)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, tp=None):
         super().__init__()
         self.eps = config.rms_norm_eps
         self.attn_norm = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
         self.mlp_norm = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
-        self.attn = Attention(config, layer)
-        self.mlp = MoE(config)
+        self.attn = Attention(config, layer, tp)
+        self.mlp = MoE(config, tp)
 
     def forward(self, x, h, meta, kv_cache, cos_sin, backends, next_norm, add_rms_norm):
         """x: [T, H] residual stream; h: rmsnorm(x) with this block's attn_norm, computed by the
@@ -108,18 +114,31 @@ class Block(nn.Module):
 
 
 class GptOssModel(nn.Module):
-    """The whole model. Build with `from_pretrained`; call `forward` then `compute_logits`."""
+    """The whole model. Build with `from_pretrained`; call `forward` then `compute_logits`.
 
-    def __init__(self, config: ModelConfig, attention_backend, moe_backend, max_positions: int | None = None):
+    With `tp` (a `tensor_parallel.TensorParallelGroup`) it is this rank's shard: `local_config`
+    gives the shapes it holds (heads, KV heads, expert columns); `config` stays the whole model's.
+    """
+
+    def __init__(self, config: ModelConfig, attention_backend, moe_backend, max_positions: int | None = None,
+                 tp=None):
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.local_config = config
+        vocab_rows = config.vocab_size
+        if tp is not None:
+            from .tensor_parallel import local_config
+
+            self.local_config = local_config(config, tp.layout)
+            vocab_rows = tp.layout.vocab_per_rank
         self.attention_backend = attention_backend
         self.moe_backend = moe_backend
         self.add_rms_norm = select_add_rms_norm(torch.device("cpu"))  # from_* pick the device's
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(self.local_config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.max_positions = max_positions or config.max_position_embeddings
         self.register_buffer(
             "cos_sin", cos_sin_table(config.rope, config.head_dim, self.max_positions), persistent=False
@@ -153,7 +172,8 @@ class GptOssModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] (already normed) -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return (logits if self.tp is None else self.tp.gather_vocab(logits)).float()
 
     @property
     def device(self) -> torch.device:
@@ -174,11 +194,14 @@ class GptOssModel(nn.Module):
         moe_backend: str | None = None,
         max_positions: int | None = None,
         progress: bool = True,
+        tensor_parallel=None,
     ) -> "GptOssModel":
         """Load a HF-layout gpt-oss checkpoint directory.
 
         device defaults to CUDA when available; dtype to bfloat16 on GPU and float32 on CPU
         (CPU bf16 matmuls are slow and the reference tests compare in float32).
+        tensor_parallel: a `TensorParallelGroup`; the model is then its rank's shard, and only
+        that shard's bytes are read from the files.
         """
         from .attention_backend import select_attention_backend
         from .moe_backend import select_moe_backend
@@ -187,14 +210,19 @@ class GptOssModel(nn.Module):
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         config = ModelConfig.from_file(model_dir)
         reader = CheckpointReader(model_dir, config)
+        get = reader.get
+        if tensor_parallel is not None:
+            get = tensor_parallel.tensor_source(config, reader.get_slice, reader.get)
         with torch.device("meta"):
-            model = cls(config, None, None, max_positions=max_positions)
+            model = cls(config, None, None, max_positions=max_positions, tp=tensor_parallel)
         model.attention_backend = select_attention_backend(device, attention_backend)
         model.moe_backend = select_moe_backend(device, moe_backend)
         model.add_rms_norm = select_add_rms_norm(device)
         model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
         bar = progress and reader.total_bytes() >= (256 << 20)
-        load_weights(model, reader.get, device, dtype, progress=bar)
+        load_weights(model, get, device, dtype, progress=bar)
+        if tensor_parallel is not None:
+            tensor_parallel.bytes_read = get.bytes_read
         return model.eval()
 
     @classmethod
@@ -208,10 +236,13 @@ class GptOssModel(nn.Module):
         moe_backend: str | None = None,
         max_positions: int | None = None,
         seed: int = 0,
+        tensor_parallel=None,
     ) -> "GptOssModel":
         """A model of `config`'s real shapes with random weights made directly on the device.
 
         For benchmarks: full-size gpt-oss with MXFP4 experts and no checkpoint to download.
+        With `tensor_parallel`, each rank makes every whole tensor (the same for one seed) and
+        keeps its shard, so the ranks together hold the model a single device would.
         """
         from .attention_backend import select_attention_backend
         from .moe_backend import select_moe_backend
@@ -219,12 +250,17 @@ class GptOssModel(nn.Module):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         with torch.device("meta"):
-            model = cls(config, None, None, max_positions=max_positions)
+            model = cls(config, None, None, max_positions=max_positions, tp=tensor_parallel)
         model.attention_backend = select_attention_backend(device, attention_backend)
         model.moe_backend = select_moe_backend(device, moe_backend)
         model.add_rms_norm = select_add_rms_norm(device)
         model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
-        load_weights(model, random_tensor_source(config, device, seed), device, dtype, progress=False)
+        get = random_tensor_source(config, device, seed)
+        if tensor_parallel is not None:
+            from .tensor_parallel import slice_of
+
+            get = tensor_parallel.tensor_source(config, slice_of(get), get)
+        load_weights(model, get, device, dtype, progress=False)
         return model.eval()
 
 
@@ -233,12 +269,16 @@ def random_tensor_source(config: ModelConfig, device, seed: int = 0):
 
     Float tensors ~ N(0, 1/fan_in) (norm weights 1, sinks N(0,1)); MXFP4 blocks are uniform random
     bytes with scales around 2^-6, which keeps activations finite through many layers.
+    Each tensor has its own seed (from `seed` and its name), so it does not depend on which
+    tensors were asked for before it (tensor-parallel ranks skip some).
     """
+    import zlib
+
     specs = expected_tensors(config)
-    g = torch.Generator(device=device).manual_seed(seed)
 
     def get(name: str) -> torch.Tensor:
         spec = specs[name]
+        g = torch.Generator(device=device).manual_seed(seed * 0x1_0000_0000 + zlib.crc32(name.encode()))
         if not spec.float:
             if name.endswith("_scales"):
                 return torch.randint(118, 122, spec.shape, generator=g, device=device, dtype=torch.uint8)

@@ -6,6 +6,10 @@ prefill chunk that stops short of the prompt's end samples nothing), and, with s
 decoding, for each draft token a sequence verifies (`inference/rejection_sampler.py` decides
 which drafts stay). On CUDA, decode-only steps and verification steps with the same number of
 drafts per sequence replay captured CUDA graphs (`inference/cuda_graphs.py`) unless `enforce_eager`.
+
+A step is first described in plain Python values (`StepPlan`), then run (`execute`). Under
+tensor parallelism rank 0 sends that plan to the other ranks (`workers`), which run the same
+`execute` on their shards; only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -25,12 +29,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class StepPlan:
+    """One step as plain values (cheap to send to tensor-parallel workers). T new tokens in all;
+    sequence b runs q_lens[b] of them from position starts[b]."""
+
+    input_ids: list[int]  # [T]
+    full_tables: list[list[int]]  # each sequence's full-pool pages
+    sliding_tables: list[list[int]] | None  # sliding-pool pages; None: the model has no sliding layers
+    starts: list[int]
+    q_lens: list[int]
+    sample_rows: list[int]  # rows that need logits (each sampling entry's last 1 + drafts)
+    graph_tokens: int | None = None  # replay the captured graph of this many tokens per sequence; None: eager
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_index: list[int]  # which batch entries sample a token this step
-    sample_rows: torch.Tensor  # [S] int64: rows that need logits (each sampling entry's last 1 + drafts)
-    first_row: list[int]  # each batch entry's first row in the flat batch
+    sample_rows: torch.Tensor  # [S] int64
 
 
 @dataclass
@@ -112,6 +128,7 @@ class ModelRunner:
         self.device = model.device
         self.sampler = RejectionSampler()
         self.aux_layers = tuple(aux_layers)
+        self.workers = None  # tensor parallel, on rank 0: `tensor_parallel.WorkerProcesses`, sent every step
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = self._capture_graphs(max_model_len, max_num_seqs, num_draft_tokens)
@@ -127,10 +144,13 @@ class ModelRunner:
             runner.capture()
             return runner
         except Exception:  # a backend that cannot be captured still serves, eagerly
+            if self.model.tp is not None:  # ...but not alone: the other ranks' collectives would wait
+                raise
             log.exception("CUDA graph capture failed; decode runs eagerly")
             return None
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int]]:
+        """(the step's plan, which batch entries sample a token, each entry's first row)."""
         seqs, q_lens = batch.seqs, batch.num_new
         drafts = batch.num_draft or [0] * len(seqs)
         starts = [seq.num_computed for seq in seqs]
@@ -145,36 +165,52 @@ class ModelRunner:
             if s + n - d == seq.num_tokens:  # reaches the end: sample (and verify the drafts)
                 sample_index.append(b)
                 sample_rows.extend(range(len(ids) - d - 1, len(ids)))
-        meta = build_metadata(
-            self.page_size, [seq.pages.full for seq in seqs],
-            [seq.pages.sliding for seq in seqs] if self.has_sliding else None, starts, q_lens, self.device,
-        )
+        # Graphs cover steps where every sequence runs the same number of tokens: plain decode
+        # (1 each) or verification of the same number of drafts each.
+        q_len = q_lens[0]
+        uniform = all(n == q_len for n in q_lens) and (q_len == 1 or all(d == q_len - 1 for d in drafts))
+        graph = self.graphs is not None and uniform and self.graphs.can_run(len(batch), q_len)
+        plan = StepPlan(ids, [seq.pages.full for seq in seqs],
+                        [seq.pages.sliding for seq in seqs] if self.has_sliding else None, starts, list(q_lens),
+                        sample_rows, q_len if graph else None)
+        return plan, sample_index, first_row
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
         dev = self.device
-        rows = torch.tensor(sample_rows, dtype=torch.long).to(dev)
-        return StepInputs(torch.tensor(ids, dtype=torch.long).to(dev), meta, sample_index, rows, first_row)
+        meta = build_metadata(self.page_size, plan.full_tables, plan.sliding_tables, plan.starts, plan.q_lens, dev)
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long).to(dev)
+        return StepInputs(torch.tensor(plan.input_ids, dtype=torch.long).to(dev), meta, rows)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the model on this device (every tensor-parallel rank runs each plan).
+        Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None)."""
+        inputs = self.prepare(plan)
+        if plan.graph_tokens is not None:
+            logits, aux = self.graphs.run(inputs.input_ids, inputs.meta, plan.graph_tokens)
+            return logits[inputs.sample_rows], aux
+        out = self.model(inputs.input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
+        hidden, aux = out if self.aux_layers else (out, None)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows]) if plan.sample_rows else None
+        return logits, aux
+
+    def forward_step(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`execute` on every rank: hand the plan to the tensor-parallel workers first, if any."""
+        if self.workers is not None:
+            self.workers.send_step(plan)
+        return self.execute(plan)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        inputs = self.prepare(batch)
+        plan, sample_index, first_row = self.plan(batch)
+        logits, aux = self.forward_step(plan)
         drafts = batch.num_draft or [0] * len(batch)
-        aux = None
-        # Graphs cover steps where every sequence runs the same number of tokens: plain decode
-        # (1 each) or verification of the same number of drafts each.
-        q_len = batch.num_new[0]
-        uniform = all(n == q_len for n in batch.num_new) and (q_len == 1 or all(d == q_len - 1 for d in drafts))
-        if self.graphs is not None and uniform and self.graphs.can_run(len(batch), q_len):
-            logits, aux = self.graphs.run(inputs.input_ids, inputs.meta, q_len)
-            logits = logits[inputs.sample_rows]
-        else:
-            out = self.model(inputs.input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
-            hidden, aux = out if self.aux_layers else (out, None)
-            logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_index else None
         tokens: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[TokenLogprob] | None] = [None] * len(batch)
         accepted = [0] * len(batch)
-        if inputs.sample_index:
-            self._sample(batch, drafts, inputs.sample_index, logits, tokens, logprobs, accepted)
-        return StepOutput(tokens, logprobs, accepted, inputs.first_row, aux)
+        if sample_index:
+            self._sample(batch, drafts, sample_index, logits, tokens, logprobs, accepted)
+        return StepOutput(tokens, logprobs, accepted, first_row, aux)
 
     def _sample(self, batch, drafts, sample_index, logits, tokens, logprobs, accepted) -> None:
         """Fill tokens/logprobs/accepted for the sampling entries; `logits` holds their rows in

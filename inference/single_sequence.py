@@ -17,7 +17,7 @@ class SingleSequenceCache:
     """KV pages for one sequence of up to `max_len` tokens; page i is physical page i."""
 
     def __init__(self, model: GptOssModel, max_len: int, page_size: int = 16):
-        c = model.config
+        c = model.local_config  # under tensor parallelism: this rank's KV heads
         self.model = model
         self.page_size = page_size
         self.num_pages = -(-max_len // page_size)

@@ -294,3 +294,18 @@ def test_serve_flags_reach_the_engine(checkpoint, tmp_path):
     # Its K/V pages are counted in the full pool's page size.
     assert eng.cache_usage().bytes_per_full_page > LLMEngine.from_pretrained(
         checkpoint, device="cpu", num_pages=64).cache_usage().bytes_per_full_page
+
+
+def test_a_failing_drafter_costs_speed_not_output(model):
+    ids = prompt(9, 7)
+
+    class Broken(Oracle):
+        def propose(self, ctx):
+            raise RuntimeError("drafter fell over")
+
+    eng = engine(model, speculative="ngram", num_draft_tokens=3)
+    eng.drafter = Broken({})
+    out = run(eng, [greedy("a", ids, max_tokens=8)])["a"]
+    assert tokens(out) == generate(model, ids, 8) and out[-1].finish_reason == "length"
+    assert eng.stats().spec_steps == 0
+    assert_all_pages_free(eng)

@@ -83,7 +83,8 @@ def test_bad_checkpoints_are_refused_with_the_field_named(model, draft_dir, tmp_
 
     big = ModelConfig(num_hidden_layers=36, hidden_size=64, intermediate_size=64, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
-    assert Eagle3Config.from_dict({k: v for k, v in raw.items() if k != "eagle_config"}, big).aux_layer_ids == (1, 17, 32)
+    no_ids = {k: v for k, v in raw.items() if k != "eagle_config"}
+    assert Eagle3Config.from_dict(no_ids, big).aux_layer_ids == (1, 17, 32)
     weights = load_file(str(draft_dir / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(raw))
     save_file({k: v for k, v in weights.items() if k != "fc.weight"}, str(tmp_path / "model.safetensors"))
@@ -118,7 +119,8 @@ def reference_guesses(model, draft, text: list[int], k: int) -> list[int]:
     """The draft head's k guesses after `text`, computed from scratch (see the module docstring)."""
     n = len(text)
     cache = SingleSequenceCache(model, n)
-    _, aux = model(torch.tensor(text[:-1]), cache.metadata(n - 1), cache.kv_caches, aux_layers=draft.config.aux_layer_ids)
+    _, aux = model(torch.tensor(text[:-1]), cache.metadata(n - 1), cache.kv_caches,
+                   aux_layers=draft.config.aux_layer_ids)
     c = draft.config
     pages = -(-(n + k) // 4)
     kv = tuple(torch.zeros(pages, 4, c.num_key_value_heads, c.head_dim) for _ in range(2))
