@@ -32,6 +32,7 @@ from inference.request import EngineClient, GenerationRequest, SamplingParams
 from inference.tokenizer import CALL, RETURN
 
 from .citations import CitationStreamer
+from .errors import internal_error
 from .harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, continuation_tokens, tool_message
 from .metrics import Metrics
 from .response_events import (
@@ -113,7 +114,7 @@ class AgentLoop:
         except Exception as e:  # a bug or an engine failure: the response fails, the server lives on
             log.exception("response %s failed", self.task.response_id)
             self._close_open_item("incomplete")
-            self.outcome.status, self.outcome.error = "failed", f"{type(e).__name__}: {e}"
+            self.outcome.status, self.outcome.error = "failed", internal_error().message
         finally:
             if self.request_id is not None and self.task.tools.any_builtin:
                 self.engine.release(self.request_id)
@@ -141,8 +142,9 @@ class AgentLoop:
                 self._close_open_item("incomplete")
                 if finish == "length":
                     self.outcome.status, self.outcome.incomplete_reason = "incomplete", "max_output_tokens"
-                elif finish == "error":
-                    self.outcome.status, self.outcome.error = "failed", error or "generation failed"
+                elif finish == "error":  # the engine's reason goes to the log, not to the client
+                    log.error("response %s: generation failed: %s", task.response_id, error)
+                    self.outcome.status, self.outcome.error = "failed", internal_error().message
                 else:
                     self.outcome.status = "cancelled"
                 return

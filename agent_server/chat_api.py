@@ -25,7 +25,7 @@ from inference.tokenizer import CALL, RETURN
 from schemas.chat import ChatCompletionRequest
 
 from .chat_prompt import chat_prompt
-from .errors import APIError
+from .errors import APIError, internal_error
 from .harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, recipient_kind
 from .request_parsing import read_request
 from .sse import data_only, sse_response
@@ -125,8 +125,8 @@ class ChoiceStream:
                 if delta.finish_reason is not None:
                     finish, stop_token = delta.finish_reason, delta.stop_token_id
                     if delta.finish_reason == "error":
-                        raise APIError(f"Generation failed: {delta.error or 'engine error'}", status=500,
-                                       code="server_error")
+                        log.error("chat completion %s: generation failed: %s", self.request.request_id, delta.error)
+                        raise internal_error()
                 if self.stops.stopped:
                     engine.abort(self.request.request_id)
                     finish = "stop_string"
