@@ -5,12 +5,18 @@ page each cursor was; `resolve_citations(text) -> (text, annotations)` rewrites 
 says where the cited spans are. Deltas arrive a few characters at a time, so a mark is held
 back until it closes (or clearly is not one), then resolved and released with its
 annotations, their offsets shifted to the answer's running length.
+
+Two rules of the browser's resolver need more than one mark's context, so they live here: a
+citation of the same URL as the link just before it (only whitespace between) is dropped, and
+an unfinished mark when the answer ends is removed rather than shown raw.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from tools.browser.citations import UNFINISHED_AT_END
 
 OPEN, CLOSE = "【", "】"
 MAX_MARK_CHARS = 64  # a longer "mark" is just text that happens to contain 【
@@ -52,6 +58,7 @@ class CitationStreamer:
     def __init__(self, resolve: Callable[[str], tuple[str, list[Any]]] | None):
         self.resolve = resolve
         self.pending = ""  # an open mark waiting for its 】
+        self.last_url: str | None = None  # the last link's URL, while only whitespace followed it
 
     def feed(self, text: str) -> list[CitedChunk]:
         if self.resolve is None:
@@ -65,8 +72,15 @@ class CitationStreamer:
                     if plain:
                         chunks.append(CitedChunk(plain))
                         plain = ""
-                    chunks.append(self._resolved(self.pending))
+                    chunk = self._resolved(self.pending)
                     self.pending = ""
+                    if len(chunk.citations) == 1 and chunk.citations[0].url == self.last_url:
+                        continue  # the same source cited again right away
+                    if chunk.citations:
+                        self.last_url = chunk.citations[-1].url
+                    elif chunk.text.strip():
+                        self.last_url = None
+                    chunks.append(chunk)
                 elif len(self.pending) > MAX_MARK_CHARS:
                     plain += self.pending
                     self.pending = ""
@@ -74,12 +88,16 @@ class CitationStreamer:
                 self.pending = char
             else:
                 plain += char
+                if not char.isspace():
+                    self.last_url = None
         if plain:
             chunks.append(CitedChunk(plain))
         return chunks
 
     def flush(self) -> list[CitedChunk]:
         rest, self.pending = self.pending, ""
+        if self.resolve is not None and UNFINISHED_AT_END.fullmatch(rest):
+            return []  # the answer ended inside a citation mark
         return [CitedChunk(rest)] if rest else []
 
     def _resolved(self, mark: str) -> CitedChunk:

@@ -138,6 +138,26 @@ def test_citations_are_resolved_across_deltas():
     assert [(text[a:b], url) for a, b, url in spans] == [("[src]", "https://a.example")]
 
 
+def test_citations_merge_repeats_and_drop_an_unfinished_mark_at_the_end():
+    def resolve(mark):
+        url = "https://a.example" if mark.startswith("【3") else "https://b.example"
+        return "[src]", [{"url": url, "title": "A", "start_index": 0, "end_index": 5}]
+
+    def run(pieces):
+        streamer = CitationStreamer(resolve)
+        chunks = [c for piece in pieces for c in streamer.feed(piece)] + streamer.flush()
+        return "".join(c.text for c in chunks), [c.citations[0].url for c in chunks if c.citations]
+
+    # Same URL twice in a row (only whitespace between): one link. Text or another URL between: kept.
+    assert run(["A 【3†L1】 【3", "†L4】. B 【3†L2】"]) == ("A [src] . B [src]", ["https://a.example"] * 2)
+    assert run(["A 【3†L1】【4†L2】【3†L3】"]) == ("A [src][src][src]", ["https://a.example", "https://b.example",
+                                                                    "https://a.example"])
+    # The answer ends inside a mark: removed; a 【 that is no citation stays.
+    assert run(["Done 【3†L1"]) == ("Done ", [])
+    assert run(["Done 【"]) == ("Done ", [])
+    assert run(["Done 【not a cite"]) == ("Done 【not a cite", [])
+
+
 def test_validation_errors_name_the_parameter():
     from pydantic import ValidationError
 
