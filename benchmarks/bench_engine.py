@@ -37,41 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference.attention import AttentionMetadata  # noqa: E402
 from inference.speculative import DraftContext  # noqa: E402
-from inference.config import ModelConfig  # noqa: E402
+from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
+from inference.config import GPT_OSS_SHAPES, ModelConfig  # noqa: E402
 from inference.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from inference.model import GptOssModel  # noqa: E402
 from inference.tiny_checkpoint import hf_config_dict  # noqa: E402
 
-SHAPES = {
-    "20b": dict(num_hidden_layers=24, num_local_experts=32),
-    "120b": dict(num_hidden_layers=36, num_local_experts=128),
-}
-COMMON = dict(
-    num_experts_per_tok=4, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
-    num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128, max_position_embeddings=131072,
-)
 
 
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
-    n = int(gib * (1 << 30))
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / iters
-    del src, dst
-    return 2 * n / seconds
 
 
 def bytes_per_token(c: ModelConfig, context: int) -> dict[str, float]:
@@ -299,7 +274,7 @@ def bench_speculative(model, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=list(SHAPES), default="20b")
+    ap.add_argument("--model", choices=list(GPT_OSS_SHAPES), default="20b")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
@@ -324,7 +299,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     progress(f"device {gpu}; measuring copy bandwidth")
     bandwidth = copy_bandwidth()
-    raw = hf_config_dict({**COMMON, **SHAPES[args.model]})
+    raw = hf_config_dict(GPT_OSS_SHAPES[args.model])
     config = ModelConfig.from_dict(raw)
     batches = [int(b) for b in args.batches.split(",")]
     max_context = args.context + args.steps + 8

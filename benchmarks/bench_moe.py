@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from inference.moe import ExpertWeights, MoEWeights, route  # noqa: E402
 from inference.moe_backend import TritonMoEBackend  # noqa: E402
 
@@ -54,24 +55,6 @@ GROUPED_SWEEP_BATCHES = {"20b": (64, 2048), "120b": (2048,)}  # where grouped va
 
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
-    n = int(gib * (1 << 30))
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / iters
-    del src, dst
-    return 2 * n / seconds
 
 
 def random_layer(num_experts: int, seed: int = 0) -> MoEWeights:

@@ -30,20 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.config import ModelConfig  # noqa: E402
+from inference.config import GPT_OSS_SHAPES, ModelConfig  # noqa: E402
 from inference.engine import EngineConfig, LLMEngine  # noqa: E402
 from inference.request import GenerationRequest, SamplingParams  # noqa: E402
 from inference.tensor_parallel import ModelSource, start_engine  # noqa: E402
 from inference.tiny_checkpoint import hf_config_dict  # noqa: E402
 
-SHAPES = {
-    "20b": dict(num_hidden_layers=24, num_local_experts=32),
-    "120b": dict(num_hidden_layers=36, num_local_experts=128),
-}
-COMMON = dict(
-    num_experts_per_tok=4, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
-    num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128, max_position_embeddings=131072,
-)
 
 
 def progress(msg: str) -> None:
@@ -102,7 +94,7 @@ def compare(reference, candidate) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="20b")
+    parser.add_argument("--model", choices=sorted(GPT_OSS_SHAPES), default="20b")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes, comma-separated (first: the reference)")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--prompt", type=int, default=128, help="tokens each sequence holds before decode")
@@ -117,7 +109,7 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     if torch.cuda.device_count() < max(sizes):
         sys.exit(f"--tp {max(sizes)} needs {max(sizes)} GPUs; {torch.cuda.device_count()} visible")
-    config = ModelConfig.from_dict(hf_config_dict({**COMMON, **SHAPES[args.model]}))
+    config = ModelConfig.from_dict(hf_config_dict(GPT_OSS_SHAPES[args.model]))
     max_len = args.prompt + args.warmup + args.steps + args.check_tokens + 64
     pages = -(-max_len // 16) * max(max(batches), args.check) + 64
     check_prompts = prompts(args.check, args.prompt, seed=12345)

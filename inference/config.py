@@ -27,6 +27,18 @@ class RopeConfig:
     truncate: bool = False
 
 
+# The released models' shapes (SPEC §1) as config.json fields, for benchmarks and tests that
+# build random-weight models of the real size (`ModelConfig.from_dict(hf_config_dict(...))`).
+_GPT_OSS_COMMON = dict(
+    num_experts_per_tok=4, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128, max_position_embeddings=131072,
+)
+GPT_OSS_SHAPES: dict[str, dict[str, Any]] = {
+    "20b": dict(_GPT_OSS_COMMON, num_hidden_layers=24, num_local_experts=32),
+    "120b": dict(_GPT_OSS_COMMON, num_hidden_layers=36, num_local_experts=128),
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     num_hidden_layers: int = 24

@@ -28,10 +28,6 @@ CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
-FULL_20B = dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, hidden_size=2880,
-                intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                vocab_size=201088, sliding_window=128, max_position_embeddings=131072)
-
 
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
@@ -129,13 +125,13 @@ def test_tiny_model_bf16_gpu_agrees_with_reference(tmp_path):
 def test_full_size_random_20b_gpu_matches_reference():
     """gpt-oss-20b shapes, random weights (same seed: the same values), the bf16 Triton path with
     CUDA graphs through the engine against the float32 reference backends."""
-    from inference.config import ModelConfig
+    from inference.config import GPT_OSS_SHAPES, ModelConfig
     from inference.engine import EngineConfig, LLMEngine
     from inference.model import GptOssModel
     from inference.single_sequence import SingleSequenceCache
     from inference.tiny_checkpoint import hf_config_dict
 
-    config = ModelConfig.from_dict(hf_config_dict(FULL_20B))
+    config = ModelConfig.from_dict(hf_config_dict(GPT_OSS_SHAPES["20b"]))
     batch = prompts(3, 200, seed=1)
     fast = GptOssModel.from_random(config, device="cuda", max_positions=1024)
     reference = GptOssModel.from_random(config, device="cuda", dtype=torch.float32, max_positions=1024,

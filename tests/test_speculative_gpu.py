@@ -39,14 +39,11 @@ BIAS = {w: 30.0 for w in WORDS}
 
 
 def build_20b(**options):
-    from inference.config import ModelConfig
+    from inference.config import GPT_OSS_SHAPES, ModelConfig
     from inference.model import GptOssModel
     from inference.tiny_checkpoint import hf_config_dict
 
-    config = ModelConfig.from_dict(hf_config_dict(dict(
-        num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, hidden_size=2880,
-        intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
-        sliding_window=128, max_position_embeddings=131072)))
+    config = ModelConfig.from_dict(hf_config_dict(GPT_OSS_SHAPES["20b"]))
     return GptOssModel.from_random(config, device="cuda", max_positions=2048, **options)
 
 

@@ -22,10 +22,6 @@ import torch
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
-FULL_20B = dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, hidden_size=2880,
-                intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                vocab_size=201088, sliding_window=128, max_position_embeddings=131072)
-
 
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
@@ -96,12 +92,12 @@ def test_tiny_model_float32_two_gpus_equal_one(tmp_path):
 
 
 def test_full_size_random_20b_two_gpus_match_one():
-    from inference.config import ModelConfig
+    from inference.config import GPT_OSS_SHAPES, ModelConfig
     from inference.engine import EngineConfig
     from inference.tensor_parallel import ModelSource, start_engine
     from inference.tiny_checkpoint import hf_config_dict
 
-    config = ModelConfig.from_dict(hf_config_dict(FULL_20B))
+    config = ModelConfig.from_dict(hf_config_dict(GPT_OSS_SHAPES["20b"]))
     source = ModelSource(random_config=config, seed=0)
     batch = prompts(4, 200, seed=1)
     options = dict(num_pages=512, max_model_len=1024, max_num_seqs=8)
