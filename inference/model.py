@@ -237,10 +237,12 @@ class GptOssModel(nn.Module):
         max_positions: int | None = None,
         seed: int = 0,
         tensor_parallel=None,
+        decisive_routing: bool = False,
     ) -> "GptOssModel":
         """A model of `config`'s real shapes with random weights made directly on the device.
 
         For benchmarks: full-size gpt-oss with MXFP4 experts and no checkpoint to download.
+        `decisive_routing`: see `random_tensor_source` (for comparing two implementations).
         With `tensor_parallel`, each rank makes every whole tensor (the same for one seed) and
         keeps its shard, so the ranks together hold the model a single device would.
         """
@@ -255,7 +257,7 @@ class GptOssModel(nn.Module):
         model.moe_backend = select_moe_backend(device, moe_backend)
         model.add_rms_norm = select_add_rms_norm(device)
         model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
-        get = random_tensor_source(config, device, seed)
+        get = random_tensor_source(config, device, seed, decisive_routing)
         if tensor_parallel is not None:
             from .tensor_parallel import slice_of
 
@@ -264,13 +266,19 @@ class GptOssModel(nn.Module):
         return model.eval()
 
 
-def random_tensor_source(config: ModelConfig, device, seed: int = 0):
+def random_tensor_source(config: ModelConfig, device, seed: int = 0, decisive_routing: bool = False):
     """A `get(name)` over random tensors with the checkpoint's shapes, made on `device`.
 
     Float tensors ~ N(0, 1/fan_in) (norm weights 1, sinks N(0,1)); MXFP4 blocks are uniform random
     bytes with scales around 2^-6, which keeps activations finite through many layers.
     Each tensor has its own seed (from `seed` and its name), so it does not depend on which
     tensors were asked for before it (tensor-parallel ranks skip some).
+
+    Random routers leave several experts' scores within rounding of each other, so two correct
+    implementations that round differently (bf16 vs float32, another reduction order, TP) send
+    tokens to different experts and their outputs part for good. `decisive_routing` sets each
+    router's bias to exactly 16 on `experts_per_tok` experts, so the top-k set is stable and such
+    comparisons measure the kernels, not the coin flips.
     """
     import zlib
 
@@ -288,7 +296,11 @@ def random_tensor_source(config: ModelConfig, device, seed: int = 0):
         std = 1.0 if name.endswith("sinks") or "embed_tokens" in name else spec.shape[-1] ** -0.5
         if name.endswith("bias"):
             std = 0.02
-        return torch.randn(spec.shape, generator=g, device=device, dtype=torch.bfloat16) * std
+        tensor = torch.randn(spec.shape, generator=g, device=device, dtype=torch.bfloat16) * std
+        if decisive_routing and name.endswith("mlp.router.bias"):
+            chosen = torch.randperm(tensor.numel(), generator=g, device=device)[: config.num_experts_per_tok]
+            tensor[chosen] = 16.0
+        return tensor
 
     return get
 

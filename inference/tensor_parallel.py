@@ -322,6 +322,7 @@ class ModelSource:
     model_dir: str | None = None
     random_config: ModelConfig | None = None
     seed: int = 0
+    decisive_routing: bool = False  # see `random_tensor_source`
 
     def config(self) -> ModelConfig:
         return self.random_config if self.model_dir is None else ModelConfig.from_file(self.model_dir)
@@ -331,7 +332,8 @@ class ModelSource:
 
         if self.model_dir is not None:
             return GptOssModel.from_pretrained(self.model_dir, tensor_parallel=tp, **options)
-        return GptOssModel.from_random(self.random_config, seed=self.seed, tensor_parallel=tp, **options)
+        return GptOssModel.from_random(self.random_config, seed=self.seed, tensor_parallel=tp,
+                                       decisive_routing=self.decisive_routing, **options)
 
 
 @dataclass(frozen=True)

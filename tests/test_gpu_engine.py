@@ -19,65 +19,15 @@ scheduling) against the pure-torch reference path. Skips without CUDA.
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
 
+from tests.gpu_comparison import choice_gaps, compare_greedy, decisive_routing, greedy, model_scorer, prompts
+
 CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-
-
-def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(200_000) for _ in range(length + 7 * i)] for i in range(count)]
-
-
-def decisive_routing(model, seed: int = 0) -> None:
-    """Set each layer's router bias to 16 on `experts_per_tok` random experts (the rest keep
-    theirs): the top-k set no longer hangs on rounding. Assigned, not added, so every backend's
-    copy of the bias (float32 or bf16) holds exactly the same numbers."""
-    g = torch.Generator().manual_seed(seed)
-    k = model.config.num_experts_per_tok
-    with torch.no_grad():
-        for block in model.layers:
-            bias = block.mlp.prepared.router_bias
-            bias[torch.randperm(bias.numel(), generator=g)[:k].to(bias.device)] = 16.0
-
-
-def greedy(engine, prompt_list, max_tokens):
-    """Run all prompts concurrently; per prompt (tokens, their logprobs, top-2 margins)."""
-    from inference.request import GenerationRequest, SamplingParams
-
-    for i, p in enumerate(prompt_list):
-        engine.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                        logprobs=2)))
-    out = {str(i): ([], [], []) for i in range(len(prompt_list))}
-    while engine.has_unfinished():
-        for d in engine.step():
-            tokens, logprobs, margins = out[d.request_id]
-            tokens.extend(d.token_ids)
-            for lp in d.logprobs or []:
-                logprobs.append(lp.logprob)
-                margins.append(lp.top[0][1] - lp.top[1][1])
-    return [out[str(i)] for i in range(len(prompt_list))]
-
-
-def teacher_forced_gaps(reference_model, prompt_list, generated):
-    """For each generated token: (reference best logit - its logit, |our logprob - reference's|)."""
-    from inference.single_sequence import SingleSequenceCache
-
-    choice_gaps, logprob_gaps = [], []
-    for prompt, (tokens, logprobs, _) in zip(prompt_list, generated):
-        seq = prompt + tokens
-        cache = SingleSequenceCache(reference_model, len(seq))
-        logits = cache.forward(seq[:-1])[len(prompt) - 1:].float().cpu()  # rows predicting `tokens`
-        chosen = torch.tensor(tokens)
-        rows = torch.arange(len(tokens))
-        choice_gaps.append(logits.max(-1).values - logits[rows, chosen])
-        logprob_gaps.append((torch.log_softmax(logits, -1)[rows, chosen] - torch.tensor(logprobs)).abs())
-    return torch.cat(choice_gaps), torch.cat(logprob_gaps)
 
 
 def test_tiny_model_float32_gpu_greedy_equals_reference(tmp_path):
@@ -90,15 +40,7 @@ def test_tiny_model_float32_gpu_greedy_equals_reference(tmp_path):
     gpu = LLMEngine.from_pretrained(path, device="cuda", dtype=torch.float32, num_pages=512, page_size=16,
                                     max_num_batched_tokens=8)
     assert gpu.model.attention_backend.name == "triton" and gpu.runner.graphs is not None
-    ours = greedy(gpu, batch, 40)
-    compared = total = 0
-    for (tokens, _, _), (ref_tokens, _, ref_margins) in zip(ours, reference):
-        total += len(ref_tokens)
-        for step, (a, b, m) in enumerate(zip(tokens, ref_tokens, ref_margins)):
-            if m < 0.01:
-                break
-            assert a == b, f"step {step}: GPU chose {a}, reference {b} (reference margin {m:.3f})"
-            compared += 1
+    compared, total = compare_greedy(reference, greedy(gpu, batch, 40), near_tie=0.01)
     print(f"float32: {compared} of {total} greedy tokens compared, all equal")
     assert compared >= total // 2, f"only {compared} of {total} tokens were clear enough to compare"
 
@@ -116,7 +58,7 @@ def test_tiny_model_bf16_gpu_agrees_with_reference(tmp_path):
     ours = greedy(gpu, batch, 40)
     reference = GptOssModel.from_pretrained(path, device="cpu")
     decisive_routing(reference)
-    choice, logprob = teacher_forced_gaps(reference, batch, ours)
+    choice, logprob = choice_gaps(model_scorer(reference), batch, ours)
     print(f"bf16 tiny: choice gap max {choice.max():.4f} mean {choice.mean():.4f}; "
           f"logprob error max {logprob.max():.4f} mean {logprob.mean():.4f}")
     assert choice.max() < 0.5 and logprob.max() < 0.5 and logprob.mean() < 0.05
@@ -128,26 +70,23 @@ def test_full_size_random_20b_gpu_matches_reference():
     from inference.config import GPT_OSS_SHAPES, ModelConfig
     from inference.engine import EngineConfig, LLMEngine
     from inference.model import GptOssModel
-    from inference.single_sequence import SingleSequenceCache
     from inference.tiny_checkpoint import hf_config_dict
 
     config = ModelConfig.from_dict(hf_config_dict(GPT_OSS_SHAPES["20b"]))
     batch = prompts(3, 200, seed=1)
-    fast = GptOssModel.from_random(config, device="cuda", max_positions=1024)
+    fast = GptOssModel.from_random(config, device="cuda", max_positions=1024, decisive_routing=True)
     reference = GptOssModel.from_random(config, device="cuda", dtype=torch.float32, max_positions=1024,
-                                        attention_backend="reference", moe_backend="reference")
-    decisive_routing(fast)
-    decisive_routing(reference)
+                                        attention_backend="reference", moe_backend="reference",
+                                        decisive_routing=True)
 
     # Whole prefill logits, one 200-token prompt: grouped MoE, extend attention, fused norms.
-    ours_logits = SingleSequenceCache(fast, 256).forward(batch[0]).float()
-    ref_logits = SingleSequenceCache(reference, 256).forward(batch[0]).float()
+    ours_logits = model_scorer(fast)(batch[0]).float()
+    ref_logits = model_scorer(reference)(batch[0]).float()
     rel = ((ours_logits - ref_logits).norm() / ref_logits.norm()).item()
 
     engine = LLMEngine(fast, EngineConfig(num_pages=256, max_model_len=1024, max_num_seqs=8))
     assert engine.runner.graphs is not None
-    generated = greedy(engine, batch, 24)
-    choice, logprob = teacher_forced_gaps(reference, batch, generated)
+    choice, logprob = choice_gaps(model_scorer(reference), batch, greedy(engine, batch, 24))
     print(f"20b bf16: prefill logits relative error {rel:.4f}; decode choice gap max {choice.max():.4f} "
           f"mean {choice.mean():.4f}; logprob error max {logprob.max():.4f} mean {logprob.mean():.4f}")
     assert rel < 0.1

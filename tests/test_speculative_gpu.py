@@ -16,8 +16,8 @@ Greedy with speculation must equal greedy without it. Two settings, one 20b mode
   (measured on an H200: the same 200-token prefix's last logits differed by up to 4, logits of
   std 1, between a prefill and a decode step, also with the pure-torch backends in bf16, and not
   at all in float32). That would make every comparison a coin toss, so here each layer's router
-  gets a clear preference (a bias on four experts), which leaves the kernels' rounding as the
-  only difference.
+  gets a clear preference (`from_random(decisive_routing=True)`: a bias on four experts), which
+  leaves the kernels' rounding as the only difference.
 
 The output is confined to a few words by a logit bias so that n-grams recur (random weights do
 not copy their prompt): both drafters then propose drafts that are partly kept, partly rejected.
@@ -113,21 +113,10 @@ class TestFloat32ReferenceBackends:
         assert spec == f32_plain
 
 
-def decisive_routing(model, seed: int = 0) -> None:
-    """Bias each layer's router towards four random experts (see the module docstring)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for block in model.layers:
-            bias = block.mlp.prepared.router_bias
-            chosen = torch.randperm(bias.numel(), generator=g)[:4].to(bias.device)
-            bias[chosen] += 16.0
-
-
 @pytest.fixture(scope="class")
 def bf16_model():
-    model = build_20b()
+    model = build_20b(decisive_routing=True)
     assert model.attention_backend.name == "triton"
-    decisive_routing(model)
     yield model
     del model
     torch.cuda.empty_cache()
