@@ -212,14 +212,18 @@ class LLMEngine:
         scratch = SingleSequenceCache(self.model, tokens, self.config.page_size)
         ids = torch.zeros(tokens, dtype=torch.long, device=self.model.device)
         hidden = self.model(ids, scratch.metadata(tokens), scratch.kv_caches)
-        self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs):])
+        # One logits row per sequence, or per verified position with speculation (drafts + 1).
+        rows = self.config.max_num_seqs * (self.num_draft_tokens + 1)
+        self.model.compute_logits(hidden[-min(tokens, rows):])
         torch.cuda.synchronize()
         peak, now = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
         del scratch, hidden
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        # Sampling works on [max_num_seqs, vocab] float32 tensors (a few copies: sort, probs, noise).
-        sampler = 6 * self.config.max_num_seqs * c.vocab_size * 4
+        # Sampling works on [rows, vocab] float32 tensors: a few copies (sort, probs, noise) to
+        # sample, about ten to verify drafts (draft and target probabilities, residuals, noise).
+        copies = 10 if self.num_draft_tokens else 6
+        sampler = copies * rows * c.vocab_size * 4
         available = int(total * self.config.gpu_memory_utilization) - (total - free) - (peak - now) - sampler
         if available <= 0:
             raise ValueError(

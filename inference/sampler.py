@@ -101,6 +101,8 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
+            # A distribution again: the exponential race would not mind, rejection sampling does.
+            probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
     @staticmethod

@@ -16,6 +16,11 @@ Drafters (one module each):
     traffic that quotes tool output and earlier text.
   * "eagle3" (`inference/eagle3.py`): an EAGLE-3 draft head reading three of the target's
     layer outputs; needs a draft checkpoint (`draft_model`).
+
+Seeds: with speculation a seeded sequence still follows the same distribution, but its exact
+tokens can depend on the rest of the batch: the scheduler trims drafts to the step's token
+budget and free pages, which changes how many random draws a step takes. Without speculation
+the same seed gives the same tokens whatever else runs (`inference/sampler.py`).
 """
 
 from __future__ import annotations

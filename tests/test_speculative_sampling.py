@@ -274,3 +274,20 @@ def test_engine_sampling_with_ngram_drafts_matches_the_model(small_vocab_model):
         for d in again.step():
             out.extend(d.token_ids)
     assert out == texts["5"]
+
+
+def test_min_p_verification_keeps_the_target_distribution():
+    """min_p zeroes tokens; what is left must be renormalised before drafts are accepted with
+    probability p(draft), or accepted drafts come out too rarely. Target [0.4, 0.35, 0.25] with
+    min_p 0.7 keeps [0.533, 0.467, 0]; always drafting token 1 must give it 0.467 of the time."""
+    from inference.rejection_sampler import RejectionSampler
+
+    probs = torch.tensor([0.4, 0.35, 0.25])
+    n = 20_000
+    torch.manual_seed(0)
+    logits = probs.log().repeat(2 * n, 1)  # per sequence: the draft's row and the bonus row
+    out = RejectionSampler().verify(logits, [[1]] * n, [SamplingParams(temperature=1.0, min_p=0.7)] * n,
+                                    [[]] * n, [None] * n)
+    first = torch.tensor([t[0] for t in out.token_ids])
+    assert abs(float((first == 1).float().mean()) - 0.35 / 0.75) < 0.02
+    assert not bool((first == 2).any())
