@@ -25,7 +25,7 @@ from tests.fake_engine import ScriptedEngine
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "playground"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-TIMEOUT_MS = 15_000
+TIMEOUT_MS = 45_000  # waits, not assertions: a loaded 2-core CI machine renders slowly
 
 SEARCH = ("<|channel|>analysis<|message|>I should look this up.<|end|><|start|>assistant<|channel|>analysis "
           "to=browser.search <|constrain|>json<|message|>{\"query\": \"gpt-oss license\"}<|call|>")
@@ -48,7 +48,7 @@ def final(text: str, reasoning: str | None = None) -> str:
     return f"{head}<|channel|>final<|message|>{text}<|return|>"
 
 
-def wait_for(predicate, timeout: float = 15.0) -> None:
+def wait_for(predicate, timeout: float = 45.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
