@@ -13,6 +13,8 @@ import random
 
 import torch
 
+from tests.engine_runs import drain, tokens_of
+
 
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     """`count` random prompts of `length`, `length + 7`, ... tokens."""
@@ -27,15 +29,13 @@ def greedy(engine, prompt_list, max_tokens):
     for i, p in enumerate(prompt_list):
         engine.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                         logprobs=2)))
-    out = {str(i): ([], [], []) for i in range(len(prompt_list))}
-    while engine.has_unfinished():
-        for d in engine.step():
-            tokens, logprobs, margins = out[d.request_id]
-            tokens.extend(d.token_ids)
-            for lp in d.logprobs or []:
-                logprobs.append(lp.logprob)
-                margins.append(lp.top[0][1] - lp.top[1][1])
-    return [out[str(i)] for i in range(len(prompt_list))]
+    out = drain(engine)
+    result = []
+    for i in range(len(prompt_list)):
+        logprobs = [lp for d in out[str(i)] for lp in d.logprobs or []]
+        result.append((tokens_of(out[str(i)]), [lp.logprob for lp in logprobs],
+                       [lp.top[0][1] - lp.top[1][1] for lp in logprobs]))
+    return result
 
 
 def compare_greedy(reference, ours, near_tie: float) -> tuple[int, int]:

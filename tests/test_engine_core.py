@@ -18,6 +18,7 @@ from inference.model import GptOssModel
 from inference.request import GenerationRequest, SamplingParams
 from inference.single_sequence import generate
 from inference.tiny_checkpoint import write_tiny_checkpoint
+from tests.engine_runs import drain, tokens_of
 
 GREEDY = dict(temperature=0.0)
 
@@ -37,21 +38,6 @@ def engine(model, **options) -> LLMEngine:
     options.setdefault("page_size", 4)
     options.setdefault("num_pages", 256)
     return LLMEngine(model, EngineConfig(**options))
-
-
-def drain(eng: LLMEngine, on_step=None) -> dict[str, list]:
-    """Step until idle; returns each request's deltas."""
-    deltas: dict[str, list] = {}
-    while eng.has_unfinished():
-        for d in eng.step():
-            deltas.setdefault(d.request_id, []).append(d)
-        if on_step:
-            on_step(eng)
-    return deltas
-
-
-def tokens_of(deltas) -> list[int]:
-    return [t for d in deltas for t in d.token_ids]
 
 
 def request(rid: str, ids: list[int], **sampling) -> GenerationRequest:

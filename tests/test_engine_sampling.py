@@ -28,6 +28,7 @@ from inference.model import GptOssModel
 from inference.request import GenerationRequest, SamplingParams
 from inference.single_sequence import SingleSequenceCache
 from inference.tiny_checkpoint import write_tiny_checkpoint
+from tests.engine_runs import drain, tokens_of
 
 NUM_TOKENS = 12
 
@@ -48,11 +49,8 @@ def run(model, ids: list[int], *settings: dict) -> list[list[int]]:
     eng = LLMEngine(model, EngineConfig(num_pages=64))
     for i, s in enumerate(settings):
         eng.add_request(GenerationRequest(str(i), list(ids), SamplingParams(**{"max_tokens": NUM_TOKENS, **s})))
-    out: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for delta in eng.step():
-            out.setdefault(delta.request_id, []).extend(delta.token_ids)
-    return [out[str(i)] for i in range(len(settings))]
+    out = drain(eng)
+    return [tokens_of(out[str(i)]) for i in range(len(settings))]
 
 
 @torch.inference_mode()

@@ -22,6 +22,7 @@ from inference.engine import AsyncEngine, EngineConfig, LLMEngine
 from inference.model import GptOssModel
 from inference.request import GenerationRequest, SamplingParams
 from tests.conftest import MODEL, LiveServer, make_app
+from tests.engine_runs import drain
 
 
 class InjectedFault(RuntimeError):
@@ -30,14 +31,6 @@ class InjectedFault(RuntimeError):
 
 def greedy(rid: str, prompt: list[int], max_tokens: int) -> GenerationRequest:
     return GenerationRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-
-
-def run_to_end(engine: LLMEngine) -> dict[str, list]:
-    deltas: dict[str, list] = {}
-    while engine.has_unfinished():
-        for d in engine.step():
-            deltas.setdefault(d.request_id, []).append(d)
-    return deltas
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def test_a_faulty_step_fails_only_its_sequences(tiny_model, monkeypatch):
     reference = LLMEngine(tiny_model, EngineConfig(page_size=4, num_pages=128, max_num_seqs=2, enforce_eager=True))
     for rid in ("a", "c"):
         reference.add_request(greedy(rid, prompts[rid], 4))
-    expected = {rid: [t for d in ds for t in d.token_ids] for rid, ds in run_to_end(reference).items()}
+    expected = {rid: [t for d in ds for t in d.token_ids] for rid, ds in drain(reference).items()}
 
     engine = LLMEngine(tiny_model, EngineConfig(page_size=4, num_pages=128, max_num_seqs=2, enforce_eager=True))
     for rid, p in prompts.items():
@@ -73,13 +66,13 @@ def test_a_faulty_step_fails_only_its_sequences(tiny_model, monkeypatch):
     assert engine.scheduler.find("a") is None and engine.scheduler.find("b") is None
 
     # c was not in that step: it generates exactly what it does when nothing fails.
-    rest = run_to_end(engine)
+    rest = drain(engine)
     assert set(rest) == {"c"}
     assert [t for d in rest["c"] for t in d.token_ids] == expected["c"]
     assert rest["c"][-1].finish_reason == "length"
     # And the engine keeps serving: a new request gets the same tokens a's prompt always gets.
     engine.add_request(greedy("a2", prompts["a"], 4))
-    again = run_to_end(engine)
+    again = drain(engine)
     assert [t for d in again["a2"] for t in d.token_ids] == expected["a"]
     stats = engine.stats()
     assert stats.running == stats.waiting == 0 and stats.pages_used == 0  # the failed ones leaked no pages

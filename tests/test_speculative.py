@@ -19,6 +19,7 @@ from inference.request import GenerationRequest, SamplingParams
 from inference.single_sequence import generate
 from inference.speculative import DraftContext
 from inference.tiny_checkpoint import write_tiny_checkpoint
+from tests.engine_runs import drain, tokens_of
 
 WORDS = [11, 22, 33]  # with BIAS the model writes only these, so n-grams recur
 BIAS = {w: 30.0 for w in WORDS}
@@ -48,17 +49,7 @@ def engine(model, **options) -> LLMEngine:
 def run(eng: LLMEngine, requests: list[GenerationRequest], on_step=None) -> dict[str, list]:
     for r in requests:
         eng.add_request(r)
-    deltas: dict[str, list] = {}
-    while eng.has_unfinished():
-        for d in eng.step():
-            deltas.setdefault(d.request_id, []).append(d)
-        if on_step:
-            on_step(eng)
-    return deltas
-
-
-def tokens(deltas) -> list[int]:
-    return [t for d in deltas for t in d.token_ids]
+    return drain(eng, on_step)
 
 
 def greedy(rid, ids, **sampling) -> GenerationRequest:
@@ -132,7 +123,7 @@ def test_ngram_greedy_equals_plain_greedy(model):
     eng = engine(model, max_num_batched_tokens=16, speculative="ngram", num_draft_tokens=4)
     spec = run(eng, reqs, on_step=assert_pages_match_tokens)
     for r in reqs:
-        assert tokens(spec[r.request_id]) == tokens(plain[r.request_id]), r.request_id
+        assert tokens_of(spec[r.request_id]) == tokens_of(plain[r.request_id]), r.request_id
         assert spec[r.request_id][-1].finish_reason == "length"
     stats = eng.stats()
     assert stats.spec_steps > 0 and stats.spec_accepted_tokens > 0
@@ -152,7 +143,7 @@ def test_eagle3_greedy_equals_plain_greedy(model, tmp_path):
     eng = engine(model, speculative="eagle3", draft_model=str(draft), num_draft_tokens=3)
     spec = run(eng, reqs, on_step=assert_pages_match_tokens)
     for r in reqs:
-        assert tokens(spec[r.request_id]) == tokens(plain[r.request_id]), r.request_id
+        assert tokens_of(spec[r.request_id]) == tokens_of(plain[r.request_id]), r.request_id
     stats = eng.stats()
     assert stats.spec_steps > 0 and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert_all_pages_free(eng)
@@ -166,7 +157,7 @@ def test_all_drafts_kept_gives_k_plus_one_tokens_per_step(model):
     expected = generate(model, ids, 21)
     eng = with_oracle(model, {"a": expected}, k=4)
     out = run(eng, [greedy("a", ids, max_tokens=21)])["a"]
-    assert tokens(out) == expected
+    assert tokens_of(out) == expected
     # Prefill samples 1 token, then each step keeps 4 drafts and adds one: 1 + 4 * 5 = 21.
     assert [len(d.token_ids) for d in out] == [1, 5, 5, 5, 5]
     stats = eng.stats()
@@ -189,7 +180,7 @@ def test_wrong_drafts_are_rolled_back(model, writes_ahead):
     expected = generate(model, ids, 30)
     eng = with_oracle(model, {"a": expected}, k=4, wrong=(2,), writes_ahead=writes_ahead)
     out = run(eng, [greedy("a", ids, max_tokens=30)], on_step=assert_pages_match_tokens)["a"]
-    assert tokens(out) == expected
+    assert tokens_of(out) == expected
     assert all(len(d.token_ids) == 3 for d in out[1:-1])  # 2 kept + the correction
     stats = eng.stats()
     assert stats.spec_accepted_tokens == sum(len(d.token_ids) - 1 for d in out[1:])
@@ -206,7 +197,7 @@ def test_rolled_back_pages_never_reach_the_prefix_cache(model):
     follow = ids + expected[:7]
     out = run(eng, [greedy("b", follow, max_tokens=19)])["b"]
     assert out[0].num_cached_tokens == 16  # four full pages of a's tokens
-    assert tokens(out) == expected[7:]
+    assert tokens_of(out) == expected[7:]
     assert_all_pages_free(eng)
 
 
@@ -217,7 +208,7 @@ def test_stop_token_inside_kept_drafts_ends_the_request_there(model):
     assert stop not in expected[:6]
     eng = with_oracle(model, {"a": expected}, k=4)
     out = run(eng, [greedy("a", ids, max_tokens=20, stop_token_ids=[stop])])["a"]
-    assert tokens(out) == expected[:7]  # up to and including the stop token, nothing after it
+    assert tokens_of(out) == expected[:7]  # up to and including the stop token, nothing after it
     assert out[-1].finish_reason == "stop" and out[-1].stop_token_id == stop
     assert_all_pages_free(eng)
 
@@ -227,14 +218,14 @@ def test_drafts_never_run_past_max_tokens_or_the_context(model):
     expected = generate(model, ids, 9)
     eng = with_oracle(model, {"a": expected}, k=4, max_model_len=40)
     out = run(eng, [greedy("a", ids, max_tokens=9)])["a"]
-    assert tokens(out) == expected and out[-1].finish_reason == "length"
+    assert tokens_of(out) == expected and out[-1].finish_reason == "length"
     assert eng.drafter.proposed <= 9 - 1  # never more drafts than tokens still wanted, minus the bonus
     # Near the end of the context: the last step may not draft past max_model_len.
     long_ids = prompt(6, 30)
     expected = generate(model, long_ids, 10)
     eng = with_oracle(model, {"b": expected}, k=4, max_model_len=40)
     out = run(eng, [greedy("b", long_ids, max_tokens=10)])["b"]
-    assert tokens(out) == expected and out[-1].finish_reason == "length"
+    assert tokens_of(out) == expected and out[-1].finish_reason == "length"
 
 
 def test_speculation_under_memory_pressure_and_a_small_sliding_pool(model):
@@ -245,7 +236,7 @@ def test_speculation_under_memory_pressure_and_a_small_sliding_pool(model):
     eng = engine(model, num_pages=24, num_sliding_pages=14, speculative="ngram", num_draft_tokens=3)
     spec = run(eng, reqs)
     for r in reqs:
-        assert tokens(spec[r.request_id]) == tokens(plain[r.request_id]), r.request_id
+        assert tokens_of(spec[r.request_id]) == tokens_of(plain[r.request_id]), r.request_id
     assert eng.stats().preemptions > 0 and eng.stats().spec_accepted_tokens > 0
     assert_all_pages_free(eng)
 
@@ -255,12 +246,12 @@ def test_a_parked_sequence_continues_with_speculation(model):
     eng = engine(model, speculative="ngram", num_draft_tokens=3)
     first = run(eng, [GenerationRequest("t1", ids, SamplingParams(temperature=0, max_tokens=10, logit_bias=BIAS),
                                         keep_alive=True)])
-    history = ids + tokens(first["t1"])
+    history = ids + tokens_of(first["t1"])
     follow = history + prompt(8, 5, WORDS)
     second = run(eng, [GenerationRequest("t2", follow, SamplingParams(temperature=0, max_tokens=12, logit_bias=BIAS),
                                          continue_from="t1")])
     plain = run(engine(model), [greedy("x", follow, max_tokens=12, logit_bias=BIAS)])
-    assert tokens(second["t2"]) == tokens(plain["x"])
+    assert tokens_of(second["t2"]) == tokens_of(plain["x"])
     assert second["t2"][0].num_cached_tokens == len(history) - 1  # all but the last token: its pages
 
 
@@ -306,6 +297,6 @@ def test_a_failing_drafter_costs_speed_not_output(model):
     eng = engine(model, speculative="ngram", num_draft_tokens=3)
     eng.drafter = Broken({})
     out = run(eng, [greedy("a", ids, max_tokens=8)])["a"]
-    assert tokens(out) == generate(model, ids, 8) and out[-1].finish_reason == "length"
+    assert tokens_of(out) == generate(model, ids, 8) and out[-1].finish_reason == "length"
     assert eng.stats().spec_steps == 0
     assert_all_pages_free(eng)

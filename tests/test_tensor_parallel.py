@@ -9,7 +9,6 @@ reorders sums) and greedy generation token for token.
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing
 import os
 import random
@@ -38,6 +37,7 @@ from inference.tensor_parallel import (
     valid_sizes,
 )
 from inference.tiny_checkpoint import hf_config_dict, write_tiny_checkpoint
+from tests.engine_runs import drain, tokens_of
 
 SHAPES = dict(intermediate_size=96, vocab_size=1001)
 OPTIONS = dict(device="cpu", page_size=4, num_pages=96, max_num_batched_tokens=16, max_model_len=256)
@@ -210,14 +210,9 @@ def test_logits_equal_single_device_for_prefill_and_decode(engines):
     assert results[0][0].std() > 0.1  # not trivially equal
 
 
-def drain(engine: LLMEngine) -> dict[str, tuple[list[int], list]]:
-    out: dict[str, tuple[list[int], list]] = {}
-    while engine.has_unfinished():
-        for d in engine.step():
-            tokens, logprobs = out.setdefault(d.request_id, ([], []))
-            tokens.extend(d.token_ids)
-            logprobs.extend(d.logprobs or [])
-    return out
+def tokens_and_logprobs(engine: LLMEngine) -> dict[str, tuple[list[int], list]]:
+    """Run to the end; per request, its tokens and their logprobs."""
+    return {rid: (tokens_of(ds), [lp for d in ds for lp in d.logprobs or []]) for rid, ds in drain(engine).items()}
 
 
 def test_greedy_generation_equals_single_device(engines):
@@ -229,7 +224,7 @@ def test_greedy_generation_equals_single_device(engines):
                                                  SamplingParams(temperature=0, max_tokens=12, logprobs=3)))
         engine.add_request(GenerationRequest("sampled", prompt(20, 11),
                                              SamplingParams(temperature=1.0, seed=7, max_tokens=12)))
-        outputs.append(drain(engine))
+        outputs.append(tokens_and_logprobs(engine))
     want, got = outputs
     assert set(got) == set(want) and all(len(tokens) == 12 for tokens, _ in got.values())
     for rid in want:
