@@ -7,9 +7,14 @@ reading every K/V entry once, and a large bf16 matmul's rate for prefill (causal
 exactly: 4 * D per visible (query, key, head)).
 
 Decode is timed as the engine runs it, inside a CUDA graph (one replay = many calls), rotating
-over several block tables so small shapes do not just measure L2. Usage:
+over several block tables so small shapes do not just measure L2.
 
-    python3 benchmarks/bench_attention.py [--sweep] [--json out.json]
+`--flashinfer fa2,fa3` times flashinfer's paged sink-attention kernels (`inference/attention_flashinfer.py`)
+on the same shapes beside the Triton ones: device time from graph replays of already planned
+calls, plus flashinfer's per-step host planning (`plan us`), which the engine pays once per step
+and attention kind, outside any graph. Usage:
+
+    python3 benchmarks/bench_attention.py [--sweep] [--flashinfer fa2,fa3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -132,6 +137,81 @@ def bench_decode(pool: KVPool, batch: int, context: int, window, cfg: at.DecodeC
                 block_n=at.decode_block_n(batch, HKV, sms, cfg))
 
 
+def flashinfer_attention(kernel: str, workspace=None):
+    from inference.attention_flashinfer import FlashInferAttention
+
+    return FlashInferAttention(DEV, kernel, workspace=workspace)
+
+
+def bench_flashinfer_decode(pool: KVPool, batch: int, context: int, window, kernel: str, workspace,
+                            calls: int = 20) -> dict:
+    """Like `bench_decode`, through flashinfer: one planned instance per rotation, the runs replayed
+    from a CUDA graph; `plan_seconds` is the host time of one step's plan."""
+    gen = torch.Generator().manual_seed(batch * 100003 + context)
+    keys = min(context, window) if window else context
+    kv_bytes = batch * keys * HKV * D * BYTES * 2
+    rotations = max(1, min(8, math.ceil(400e6 / kv_bytes)))
+    steps, plan_times = [], []
+    sinks = torch.randn(HQ, device=DEV)
+    for _ in range(rotations):
+        q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+        meta = metadata([1] * batch, [context] * batch, pool.table(batch, context, gen))
+        fi = flashinfer_attention(kernel, workspace)
+        fi.attention(q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window)  # compile, plan
+        torch.cuda.synchronize()
+        for _ in range(5):  # host cost of planning a step (a new step each time)
+            meta_again = metadata([1] * batch, [context] * batch, meta.block_tables["full"])
+            t0 = time.perf_counter()
+            fi.plan(meta_again, meta.block_tables["full"], window, torch.bfloat16, HQ, HKV, D, PAGE)
+            plan_times.append(time.perf_counter() - t0)
+        fi.plan(meta, meta.block_tables["full"], window, torch.bfloat16, HQ, HKV, D, PAGE)
+        steps.append((fi, q, meta))
+
+    def run(i):
+        fi, q, meta = steps[i % rotations]
+        return fi.attention(q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window)
+
+    seconds = time_graph_calls(run, rotations, calls)
+    torch.cuda.synchronize()
+    return dict(seconds=seconds, plan_seconds=statistics.median(plan_times), bytes=kv_bytes + 2 * batch * HQ * D * BYTES)
+
+
+def bench_flashinfer_prefill(pool: KVPool, tokens: int, window, kernel: str, workspace) -> dict:
+    gen = torch.Generator().manual_seed(tokens)
+    meta = metadata([tokens], [tokens], pool.table(1, tokens, gen))
+    q = torch.randn(tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
+    sinks = torch.randn(HQ, device=DEV)
+    fi = flashinfer_attention(kernel, workspace)
+
+    def run():
+        return fi.attention(q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window)
+
+    def plan_and_run():  # a new step: plan, then run (what the engine pays eagerly)
+        fresh = metadata([tokens], [tokens], meta.block_tables["full"])
+        return fi.attention(q, pool.k, pool.v, fresh, fresh.block_tables["full"], sinks, D**-0.5, window)
+
+    run()
+    w = window or tokens
+    visible = sum(min(i + 1, w) for i in range(tokens))
+    return dict(seconds=time_graph(run), eager_seconds=time_events(plan_and_run), host_seconds=host_seconds(plan_and_run),
+                flops=4 * D * HQ * visible)
+
+
+def time_graph_calls(run, rotations: int, calls: int) -> float:
+    """Seconds per run(i) for i in range(calls), replayed from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(rotations):
+            run(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            run(i)
+    return time_events(graph.replay, reps=10) / calls
+
+
 def time_graph(fn, calls: int = 10) -> float:
     """Seconds per fn() replayed from a CUDA graph: device time without host launch overhead."""
     stream = torch.cuda.Stream()
@@ -194,7 +274,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="also try other launch configurations")
     ap.add_argument("--json", type=Path, help="write all results here")
+    ap.add_argument("--flashinfer", default="", help="comma-separated flashinfer kernels to time too (fa2,fa3)")
     args = ap.parse_args()
+    fi_kernels = [k for k in args.flashinfer.split(",") if k]
+    workspace = None
+    if fi_kernels:
+        from inference.attention_flashinfer import WORKSPACE_BYTES
+
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
 
     props = torch.cuda.get_device_properties(DEV)
     bw, flops = copy_bandwidth(), matmul_flops()
@@ -218,6 +305,15 @@ def main() -> None:
                 results["decode"].append(r)
                 print(f"{'sliding' if window else 'full':>8} {batch:>5} {context:>7} {r['splits']:>6} {r['block_n']:>7} "
                       f"{r['seconds'] * 1e6:>9.1f} {tbs / 1e12:>6.2f} {tbs / bw:>7.0%}", flush=True)
+                for kernel in fi_kernels:
+                    f = bench_flashinfer_decode(pool, batch, context, window, kernel, workspace)
+                    ftbs = f["bytes"] / f["seconds"]
+                    f.update(kernel=kernel, window=window, batch=batch, context=context, of_copy=ftbs / bw,
+                             vs_triton=r["seconds"] / f["seconds"])
+                    results.setdefault("flashinfer_decode", []).append(f)
+                    print(f"{'':>8} {'':>5} {'':>7} {'fi-' + kernel:>14} {f['seconds'] * 1e6:>9.1f} {ftbs / 1e12:>6.2f} "
+                          f"{ftbs / bw:>7.0%}  plan {f['plan_seconds'] * 1e6:.0f} us  triton/fi {f['vs_triton']:.2f}",
+                          flush=True)
 
     print("\nprefill attention, one sequence, one layer (device time from graph replay; eager call; host issue time)")
     print(f"{'layer':>8} {'tokens':>7} {'us':>9} {'TFLOP/s':>8} {'of matmul':>9} {'eager us':>9} {'host us':>8}")
@@ -230,6 +326,15 @@ def main() -> None:
             print(f"{'sliding' if window else 'full':>8} {tokens:>7} {r['seconds'] * 1e6:>9.1f} "
                   f"{rate / 1e12:>8.1f} {rate / flops:>9.0%} {r['eager_seconds'] * 1e6:>9.1f} "
                   f"{r['host_seconds'] * 1e6:>8.1f}", flush=True)
+            for kernel in fi_kernels:
+                f = bench_flashinfer_prefill(pool, tokens, window, kernel, workspace)
+                frate = f["flops"] / f["seconds"]
+                f.update(kernel=kernel, window=window, tokens=tokens, tflops=frate / 1e12, of_matmul=frate / flops,
+                         vs_triton=r["seconds"] / f["seconds"])
+                results.setdefault("flashinfer_prefill", []).append(f)
+                print(f"{'fi-' + kernel:>8} {tokens:>7} {f['seconds'] * 1e6:>9.1f} {frate / 1e12:>8.1f} "
+                      f"{frate / flops:>9.0%} {f['eager_seconds'] * 1e6:>9.1f} {f['host_seconds'] * 1e6:>8.1f}"
+                      f"  (eager/host include the plan)  triton/fi {f['vs_triton']:.2f}", flush=True)
 
     print("\nrope + KV write (device time from graph replay; host issue time)")
     for tokens in (64, 2048, 8192):

@@ -7,8 +7,9 @@ Every backend has the same two methods:
         (contract: `inference.kernels.rope_cache.rope_and_write_kv_reference`)
 
 "reference" is pure torch and always available (the CPU path). "triton" needs CUDA and Triton.
-flashinfer was not wired in (see BENCHMARKS.md, "Attention kernels"), so asking for it is an
-error rather than a silent substitute.
+"flashinfer" (`inference/attention_flashinfer.py`, needs the optional flashinfer-python) runs
+flashinfer's kernels for the steps where they measured faster and the Triton kernels for the rest
+(see `FlashInferAttentionBackend`); on CUDA it is the default wherever flashinfer is installed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from .attention import sink_attention_reference
 from .kernels.rope_cache import rope_and_write_kv_reference
 
-BACKENDS = ("reference", "triton")
+BACKENDS = ("reference", "triton", "flashinfer")
 
 
 class ReferenceAttentionBackend:
@@ -55,18 +56,73 @@ class TritonAttentionBackend:
         return self._rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
 
+class FlashInferAttentionBackend(TritonAttentionBackend):
+    """flashinfer's paged sink attention where it is faster, the Triton kernels elsewhere.
+
+    The split was measured on an H200 (BENCHMARKS.md, "Which backend runs where"):
+      * full-attention layers of a step with at least `FLASHINFER_MIN_TOKENS` new tokens: flashinfer
+        (FA3 on Hopper): its kernel is 1.09x (2k tokens) to 1.23x (8k) faster than Triton's, but
+        planning a step costs ~1 ms of host time, so whole-model prefill gains only from 8k tokens
+        (+2% at 8k, +4% at 16k; equal at 2k and 4k);
+      * decode steps: Triton. They replay CUDA graphs, which flashinfer's per-step host planning
+        (0.5 to 4 ms) cannot join; FA2's decode is at most 1.2x faster at long contexts and FA3's
+        (a prefill kernel) 10x slower;
+      * sliding-window layers: Triton, 1.5-2x faster than either flashinfer kernel;
+      * anything captured into a CUDA graph, and float32 queries (flashinfer has no float32
+        kernels): Triton.
+    RoPE + KV write is Triton's in every case.
+    """
+
+    name = "flashinfer"
+    FLASHINFER_MIN_TOKENS = 8192
+
+    def __init__(self, device: torch.device, kernel: str | None = None) -> None:
+        from .attention_flashinfer import FlashInferAttention
+
+        super().__init__()
+        self.flashinfer = FlashInferAttention(device, kernel)
+
+    def runs_flashinfer(self, q: torch.Tensor, meta, window: int | None) -> bool:
+        return (window is None and q.shape[0] >= self.FLASHINFER_MIN_TOKENS
+                and q.dtype in (torch.bfloat16, torch.float16) and not torch.cuda.is_current_stream_capturing())
+
+    def attention(self, q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window):
+        if self.runs_flashinfer(q, meta, window):
+            return self.flashinfer.attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window)
+        return super().attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window)
+
+    def warmup(self, num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype) -> None:
+        """Compile (first start on a machine) or load the kernels this split uses: full layers'."""
+        if dtype in (torch.bfloat16, torch.float16) and None in windows:
+            self.flashinfer.warmup(num_qo_heads, num_kv_heads, head_dim, page_size, (None,), dtype)
+
+
+def flashinfer_usable(device: torch.device) -> bool:
+    """flashinfer is installed and has kernels for this GPU (its JIT targets SM 8.0 and newer)."""
+    from .attention_flashinfer import flashinfer_available
+
+    return (triton_available(device) and flashinfer_available(device)
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
 def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def select_attention_backend(device, prefer: str | None = None):
     """The attention backend for `device`: `prefer` if given (error if it cannot run there),
-    otherwise the fastest available one (Triton on CUDA, the reference elsewhere)."""
+    otherwise the fastest available one (flashinfer + Triton, else Triton, on CUDA; the
+    reference elsewhere)."""
     device = torch.device(device)
     if prefer is not None and prefer not in BACKENDS:
         raise ValueError(f"unknown attention backend {prefer!r}; choose from {', '.join(BACKENDS)}")
     if prefer == "reference":
         return ReferenceAttentionBackend()
+    if prefer in (None, "flashinfer") and flashinfer_usable(device):
+        return FlashInferAttentionBackend(device)
+    if prefer == "flashinfer":
+        raise RuntimeError(f"the flashinfer attention backend needs a CUDA GPU (SM 8.0+) with triton and "
+                           f"flashinfer-python installed (pip install 'oss-agent[gpu]'), not {device}")
     if triton_available(device):
         return TritonAttentionBackend()
     if prefer == "triton":

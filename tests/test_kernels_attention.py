@@ -96,10 +96,14 @@ def make_batch(
     window: int | None,
     dtype=DTYPE,
     device=DEVICE,
+    whole_pages: bool = False,
 ):
     """A random paged step. Returns (q, k_cache, v_cache, meta, block_table, sinks, sm_scale).
 
     Pages are scattered over a shuffled pool; every cache entry a query may not see is NaN.
+    `whole_pages`: the slots below the window in a sequence's oldest kept page hold values too
+    (as in a real cache, where the sequence wrote them): for kernels that load whole pages and
+    mask scores, which multiplies a NaN value by a zero weight.
     """
     hq, hkv, d = heads
     gen = torch.Generator().manual_seed(seed)
@@ -120,7 +124,7 @@ def make_batch(
             if (i + 1) * page_size <= lo:
                 continue  # freed: wholly below every query's window
             block_table[b, i] = page
-        pos = torch.arange(lo, ctx)
+        pos = torch.arange(lo - lo % page_size if whole_pages else lo, ctx)
         page, off = torch.tensor(owned, dtype=torch.long)[pos // page_size], pos % page_size
         k_cache[page, off] = torch.randn(len(pos), hkv, d, generator=gen).to(dtype)
         v_cache[page, off] = torch.randn(len(pos), hkv, d, generator=gen).to(dtype)
@@ -275,7 +279,10 @@ def test_backend_selection():
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
             select_attention_backend("cpu", "triton")
     else:
-        assert select_attention_backend("cuda").name == "triton"
+        from inference.attention_backend import flashinfer_usable
+
+        assert select_attention_backend("cuda").name == ("flashinfer" if flashinfer_usable(DEVICE) else "triton")
+        assert select_attention_backend("cuda", "triton").name == "triton"
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -444,3 +451,137 @@ def test_poisoned_cache_catches_reads_outside_the_window():
     out = attention_triton.paged_sink_attention(q, k_cache, v_cache, meta, table, sinks, scale, None,
                                                 **small_cfgs(attention_triton))
     assert not torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------- flashinfer
+# The page layout handed to flashinfer is checked on CPU against the reference by replaying
+# flashinfer's documented semantics (CSR pages, last-page length, causal mask and window_left on
+# positions relative to the listed keys); the kernels themselves run on a GPU with flashinfer.
+
+from inference.attention_flashinfer import paged_layout  # noqa: E402
+
+
+def attention_over_listed_pages(q, k_cache, v_cache, layout, pages, sinks, scale, window_left):
+    """flashinfer's paged attention semantics, in float64: sequence b's keys are the slots of its
+    listed pages (the last one cut to last_page_len); query i of n new ones sits at key position
+    kv_len - n + i and sees key j when j <= it and (window_left < 0 or it - j <= window_left)."""
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    page_size = k_cache.shape[1]
+    for b in range(len(layout.last_page_len)):
+        p0, p1 = int(layout.kv_indptr[b]), int(layout.kv_indptr[b + 1])
+        q0, q1 = int(layout.qo_indptr[b]), int(layout.qo_indptr[b + 1])
+        if q0 == q1:
+            continue
+        seq_pages = pages[p0:p1].long()
+        keys = k_cache[seq_pages].reshape(-1, hkv, k_cache.shape[-1])
+        values = v_cache[seq_pages].reshape(-1, hkv, v_cache.shape[-1])
+        kv_len = (p1 - p0 - 1) * page_size + int(layout.last_page_len[b])
+        keys, values = keys[:kv_len].double(), values[:kv_len].double()
+        for i in range(q1 - q0):
+            pos = kv_len - (q1 - q0) + i
+            first = 0 if window_left < 0 else max(0, pos - window_left)
+            for h in range(hq):
+                kv = h // (hq // hkv)
+                s = keys[first : pos + 1, kv] @ q[q0 + i, h].double() * scale
+                p = torch.softmax(torch.cat([s, sinks[h : h + 1].double()]), 0)[:-1]
+                out[q0 + i, h] = p @ values[first : pos + 1, kv]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_flashinfer_page_layout_reproduces_the_reference(window):
+    """Full layers list every page; sliding layers drop whole pages below the window (freed, -1)
+    and shift positions, which leaves the masks unchanged; window_left is window - 1."""
+    q_lens, contexts, page_size = [1, 1, 5, 19, 2, 1], [1, 40, 23, 19, 9, 17], 4
+    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(
+        31, q_lens, contexts, (4, 2, 8), page_size, window, dtype=torch.float32, device="cpu", whole_pages=True)
+    layout = paged_layout(q_lens, contexts, page_size, window, table.shape[1])
+    pages = table.reshape(-1)[layout.table_index]
+    assert bool((pages >= 0).all()), "a freed page was listed"
+    assert layout.qo_indptr.tolist() == meta.cu_seqlens_q.tolist()
+    assert bool(((layout.last_page_len >= 1) & (layout.last_page_len <= page_size)).all())
+    if window is not None:  # the long sequence keeps only the pages its window reaches
+        assert int(layout.kv_indptr[2] - layout.kv_indptr[1]) == 2  # keys 32..39 of 40
+    out = attention_over_listed_pages(q, k_cache, v_cache, layout, pages, sinks, scale,
+                                      -1 if window is None else window - 1)
+    ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
+    torch.testing.assert_close(out.float(), ref, atol=1e-5, rtol=1e-5)
+    # The mapping is not vacuous: window_left = window (one key too many) gives another answer.
+    if window is not None:
+        wider = attention_over_listed_pages(q, k_cache, v_cache, layout, pages, sinks, scale, window)
+        assert (wider.float() - ref).abs().max() > 1e-3
+
+
+def test_flashinfer_backend_needs_a_gpu():
+    with pytest.raises(RuntimeError, match="flashinfer"):
+        select_attention_backend("cpu", "flashinfer")
+
+
+def _flashinfer_kernels() -> list[str]:
+    if not CUDA:
+        return []
+    from inference.attention_flashinfer import flashinfer_available
+
+    if not flashinfer_available(DEVICE):
+        return []
+    return ["fa2", "fa3"] if torch.cuda.get_device_capability()[0] == 9 else ["fa2"]
+
+
+needs_flashinfer = pytest.mark.skipif(not _flashinfer_kernels(), reason="needs a CUDA GPU with flashinfer-python")
+
+
+@pytest.fixture(scope="module")
+def flashinfer_kernels():
+    from inference.attention_flashinfer import FlashInferAttention
+
+    return {name: FlashInferAttention(DEVICE, name) for name in _flashinfer_kernels()}
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_gpu_flashinfer_matches_reference(flashinfer_kernels, kernel, window, page_size):
+    if kernel not in flashinfer_kernels:
+        pytest.skip(f"{kernel} does not run on this GPU")
+    run = flashinfer_kernels[kernel].attention
+    # Prefill, extend over a cached prefix, decode rows; inside and across the window.
+    cases = [
+        ([2000, 1, 333, 50], [2000, 900, 1500, 50]),
+        ([1] * 9, [1, 17, 127, 128, 129, 130, 1000, 2049, 4097]),
+        ([300, 7, 129], [300, 135, 129]),
+    ]
+    gen = torch.Generator().manual_seed(page_size)
+    q_lens = torch.randint(1, 60, (40,), generator=gen).tolist()
+    cases.append((q_lens, [n + int(torch.randint(0, 700, (1,), generator=gen)) for n in q_lens]))
+    for seed, (q_lens, contexts) in enumerate(cases):
+        q, k_cache, v_cache, meta, table, sinks, scale = make_batch(
+            seed, q_lens, contexts, GPT_OSS, page_size, window, whole_pages=True)
+        ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
+        out = run(q, k_cache, v_cache, meta, table, sinks, scale, window)
+        err = relative_error(out, ref)
+        assert err < TOL, f"{kernel} window={window} case {seed}: relative error {err:.2e}"
+
+
+@needs_flashinfer
+def test_gpu_flashinfer_backend_routes_by_step():
+    """Full layers of big prefill steps run flashinfer; decode, small steps, sliding layers and
+    graph captures run Triton; every route agrees with the reference."""
+    backend = select_attention_backend(DEVICE)
+    assert backend.name == "flashinfer"
+    backend.FLASHINFER_MIN_TOKENS = big = 700  # the rule, at a size the float32 reference handles quickly
+    cases = [([big, 3], [big, 40], None, True), ([big, 3], [big, 40], 128, False),
+             ([1, 1, 1], [5, 300, 129], None, False), ([9, 1], [20, 300], None, False)]
+    for q_lens, contexts, window, expect in cases:
+        q, k_cache, v_cache, meta, table, sinks, scale = make_batch(3, q_lens, contexts, GPT_OSS, 16, window,
+                                                                    whole_pages=True)
+        assert backend.runs_flashinfer(q, meta, window) is expect
+        ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
+        assert relative_error(backend.attention(q, k_cache, v_cache, meta, table, sinks, scale, window), ref) < TOL
+    q, *_ , meta = make_batch(3, [big], [big], GPT_OSS, 16, None)[:4]
+    assert backend.runs_flashinfer(q, meta, None)
+    assert not backend.runs_flashinfer(q.float(), meta, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert not backend.runs_flashinfer(q, meta, None)
