@@ -1,8 +1,9 @@
 """One gpt-oss MoE layer on one GPU: time, bandwidth against the measured copy bandwidth, TFLOP/s.
 
 Builds one layer's router and MXFP4 experts with random weights of the real shapes directly on
-the GPU (20b: 32 experts, 120b: 128; H = I = 2880, top-4), then times the Triton backend's
-forward (router, expert kernels, combine) replayed from a CUDA graph at each batch size.
+the GPU (20b: 32 experts, 120b: 128; H = I = 2880, top-4), then times each chosen backend's
+forward (router, expert kernels, combine) replayed from a CUDA graph at each batch size: the same
+weights and inputs for every backend, and with several backends a "winner" row per batch.
 
     bytes    = every expert the batch routes to (MXFP4 blocks + scales + fp32 biases)
                + the router + activations in and out
@@ -11,6 +12,7 @@ forward (router, expert kernels, combine) replayed from a CUDA graph at each bat
     python benchmarks/bench_moe.py
     python benchmarks/bench_moe.py --models 20b --batches 1,2048 --profile   # per-kernel times
     python benchmarks/bench_moe.py --sweep                                   # try launch configs
+    python benchmarks/bench_moe.py --backends triton,flashinfer --check      # both, vs the reference
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
-from inference.moe import ExpertWeights, MoEWeights, route  # noqa: E402
-from inference.moe_backend import TritonMoEBackend  # noqa: E402
+from inference.moe import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
+from inference.moe_backend import TritonMoEBackend, select_moe_backend  # noqa: E402
 
 HIDDEN = INTERMEDIATE = 2880
 TOP_K = 4
@@ -120,17 +122,34 @@ def profile_kernels(fn, iters: int = 20) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+def prepare_copy(backend, weights: MoEWeights):
+    """prepare() releases the packed tensors it is given: hand it a shallow copy, so every
+    backend (and the reference check) starts from the same checkpoint tensors."""
+    return backend.prepare(dataclasses.replace(weights, experts=dataclasses.replace(weights.experts)))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="20b,120b")
     ap.add_argument("--batches", default="1,8,64,256,2048")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--backends", default="triton",
+                    help="comma-separated MoE backends timed on the same weights and inputs: triton, flashinfer")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time the variants in DECODE_SWEEP and GROUPED_SWEEP")
+                    help="also time the Triton variants in DECODE_SWEEP and GROUPED_SWEEP")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times for the first model's batches")
+    ap.add_argument("--check", action="store_true",
+                    help="print each backend's relative error against the float32 reference per batch")
+    ap.add_argument("--autotune", action="store_true",
+                    help="let flashinfer profile its GEMM tactics for these batches before timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA GPU")
+    names = args.backends.split(",")
 
     bandwidth = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
@@ -140,41 +159,68 @@ def main() -> None:
     for model_index, model in enumerate(args.models.split(",")):
         progress(f"building a random {model} MoE layer")
         weights = random_layer(EXPERTS[model])
-        backend = TritonMoEBackend()
-        prepared = backend.prepare(weights)
+        backends = {name: TritonMoEBackend() if name == "triton" else select_moe_backend("cuda", name)
+                    for name in names}
+        prepared = {}
+        for name, backend in backends.items():
+            progress(f"preparing the {name} backend's weights")
+            prepared[name] = prepare_copy(backend, weights)
+            if args.autotune and name == "flashinfer":
+                progress(f"autotuning flashinfer for batches {batches}")
+                backend.autotune(prepared[name], TOP_K, SWIGLU_LIMIT, batches)
         float_router = dataclasses.replace(
             weights, router_weight=weights.router_weight.float(), router_bias=weights.router_bias.float())
         per_expert = expert_bytes(HIDDEN, INTERMEDIATE)
-        router_bytes = prepared.router_weight.numel() * 2 + prepared.router_bias.numel() * 4
+        router_bytes = weights.router_weight.numel() * 2 + weights.router_bias.numel() * 4
         for t in batches:
             x = (torch.randn(t, HIDDEN, device="cuda") * 0.5).bfloat16()
             touched = torch.unique(route(x.float(), float_router, TOP_K)[0]).numel()
             moved = touched * per_expert + router_bytes + 2 * x.numel() * 2
             flops = 2 * t * TOP_K * 3 * HIDDEN * INTERMEDIATE
-            default = backend.config
-            decode = t <= default.decode_max_tokens
-            variants = [dict()]
-            if args.sweep and t <= DECODE_SWEEP_MAX_BATCH:
-                variants = [dict(decode_max_tokens=t, **v) for v in DECODE_SWEEP] + [dict(decode_max_tokens=0)]
-            elif args.sweep and t in GROUPED_SWEEP_BATCHES.get(model, ()):
-                variants = [dict(decode_max_tokens=0, **v) for v in GROUPED_SWEEP]
-            for variant in variants:
-                config = dataclasses.replace(default, **variant)
-                path = "gemv" if t <= config.decode_max_tokens else "grouped"
-                bench = TritonMoEBackend(config)
-                try:
-                    seconds = time_graph(lambda: bench.forward(x, prepared, TOP_K, SWIGLU_LIMIT), args.iters)
-                except Exception as exc:  # a variant that does not compile must not end the sweep
-                    print(f"| {model} | {t} | {path} | {variant or 'default'} | failed: {type(exc).__name__}: "
-                          f"{str(exc)[:120]} |")
-                    continue
-                print(f"| {model} | {t} | {path} | {variant or 'default'} | {seconds * 1e6:.1f} | {touched} | "
-                      f"{moved / seconds / 1e9:.0f} | {100 * moved / seconds / bandwidth:.0f}% | "
-                      f"{flops / seconds / 1e12:.1f} |", flush=True)
+            best = {}  # backend -> seconds of its fastest configuration
+            for name, backend in backends.items():
+                if name == "triton":
+                    default = backend.config
+                    variants = [dict()]
+                    if args.sweep and t <= DECODE_SWEEP_MAX_BATCH:
+                        variants = [dict(decode_max_tokens=t, **v) for v in DECODE_SWEEP] + [dict(decode_max_tokens=0)]
+                    elif args.sweep and t in GROUPED_SWEEP_BATCHES.get(model, ()):
+                        variants = [dict(decode_max_tokens=0, **v) for v in GROUPED_SWEEP]
+                    runs = []
+                    for variant in variants:
+                        config = dataclasses.replace(default, **variant)
+                        path = "gemv" if t <= config.decode_max_tokens else "grouped"
+                        runs.append((path, variant, TritonMoEBackend(config)))
+                else:
+                    runs = [("cutlass", dict(), backend)]
+                for path, variant, bench in runs:
+                    label = f"{name} {path}" if len(names) > 1 else path
+                    try:
+                        seconds = time_graph(lambda: bench.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT), args.iters)
+                    except Exception as exc:  # a variant that does not compile must not end the sweep
+                        print(f"| {model} | {t} | {label} | {variant or 'default'} | failed: {type(exc).__name__}: "
+                              f"{str(exc)[:120]} |")
+                        continue
+                    best[name] = min(seconds, best.get(name, seconds))
+                    print(f"| {model} | {t} | {label} | {variant or 'default'} | {seconds * 1e6:.1f} | {touched} | "
+                          f"{moved / seconds / 1e9:.0f} | {100 * moved / seconds / bandwidth:.0f}% | "
+                          f"{flops / seconds / 1e12:.1f} |", flush=True)
+            if len(best) > 1:
+                ranked = sorted(best, key=best.get)
+                print(f"| {model} | {t} | winner | {ranked[0]} ({best[ranked[1]] / best[ranked[0]]:.2f}x vs "
+                      f"{ranked[1]}) | {best[ranked[0]] * 1e6:.1f} | | | | |", flush=True)
+            if args.check:
+                ref = moe_reference(x.float(), float_router, TOP_K, SWIGLU_LIMIT)
+                for name, backend in backends.items():
+                    out = backend.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT)
+                    print(f"    check {name} T={t}: |out - ref| / |ref| = {relative_error(out, ref):.2e} "
+                          f"(finite: {bool(torch.isfinite(out).all())})", flush=True)
             if args.profile and model_index == 0:
-                for name, us in profile_kernels(lambda: backend.forward(x, prepared, TOP_K, SWIGLU_LIMIT))[:8]:
-                    print(f"    {'gemv' if decode else 'grouped'} T={t}: {us:8.1f} us  {name}")
-        weights = float_router = prepared = None  # free this model's layer before the next
+                for name, backend in backends.items():
+                    fn = lambda: backend.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT)  # noqa: E731
+                    for kernel, us in profile_kernels(fn)[:8]:
+                        print(f"    {name} T={t}: {us:8.1f} us  {kernel}")
+        weights = float_router = prepared = backends = None  # free this model's layer before the next
         torch.cuda.empty_cache()
 
 

@@ -11,8 +11,10 @@ Every backend has the same two methods:
 "reference" is pure torch over the packed weights, dequantising only the experts a batch uses;
 always available, the CPU path. "triton" (`inference/kernels/moe_triton.py`) keeps experts in
 MXFP4 on the GPU and never synchronises with the host, so decode steps can be captured in CUDA
-graphs. flashinfer's fused MoE was not wired in (see BENCHMARKS.md, "MoE kernels"), so asking
-for it is an error rather than a silent substitute.
+graphs. "flashinfer" (`inference/moe_flashinfer.py`) runs flashinfer's SM90 mixed-input CUTLASS
+fused MoE on the same MXFP4 weights; it is optional (flashinfer need not be installed), chosen
+only when asked for, and asking for it where it cannot run (no flashinfer, not an SM90 GPU) is an
+error rather than a silent substitute.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from .moe import MoEWeights, moe_reference
 
-BACKENDS = ("reference", "triton")
+BACKENDS = ("reference", "triton", "flashinfer")
 
 
 class ReferenceMoEBackend:
@@ -73,12 +75,19 @@ def triton_available(device: torch.device) -> bool:
 
 def select_moe_backend(device, prefer: str | None = None):
     """The MoE backend for `device`: `prefer` if given (error if it cannot run there),
-    otherwise the fastest available one (Triton on CUDA, the reference elsewhere)."""
+    otherwise Triton on CUDA and the reference elsewhere (flashinfer only when asked for)."""
     device = torch.device(device)
     if prefer is not None and prefer not in BACKENDS:
         raise ValueError(f"unknown MoE backend {prefer!r}; choose from {', '.join(BACKENDS)}")
     if prefer == "reference":
         return ReferenceMoEBackend()
+    if prefer == "flashinfer":
+        from .moe_flashinfer import FlashInferMoEBackend, flashinfer_available, flashinfer_supports
+
+        if not flashinfer_supports(device):
+            why = "flashinfer is not installed" if not flashinfer_available() else f"{device} is not an SM90 GPU"
+            raise RuntimeError(f"the flashinfer MoE backend needs flashinfer and an SM90 (Hopper) GPU: {why}")
+        return FlashInferMoEBackend()
     if triton_available(device):
         return TritonMoEBackend()
     if prefer == "triton":
