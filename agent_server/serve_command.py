@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=positive_int, metavar="N",
                         help="split the model over N GPUs (cuda:0..N-1 from --device on), one process each; "
                              "N must divide the attention and KV head counts (default: 1)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch each decode step before the previous one's tokens are read, so host work "
+                             "overlaps the GPU (default: on with CUDA, off on CPU; never with a drafter or -tp)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                         help="extra keyword for AsyncEngine.from_pretrained (value as a Python literal)")
     parser.add_argument("--tool-timeout", type=float, default=300.0, help="seconds a built-in tool call may take")
@@ -72,7 +75,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["max_model_len"] = args.max_model_len
     # The dedicated flags map onto EngineConfig fields of the same name (and win over --engine-option).
     for name in ("gpu_memory_utilization", "num_pages", "max_num_seqs", "speculative", "num_draft_tokens",
-                 "draft_model", "tensor_parallel_size"):
+                 "draft_model", "tensor_parallel_size", "async_scheduling"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if options.get("speculative") == "eagle3" and not options.get("draft_model"):

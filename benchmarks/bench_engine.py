@@ -13,6 +13,7 @@ by the measured copy bandwidth.
     python benchmarks/bench_engine.py --model 20b --profile        # per-kernel breakdown of a step
     python benchmarks/bench_engine.py --model 20b --hf             # also transformers, same shapes
     python benchmarks/bench_engine.py --model 20b --speculative ngram   # batch-1 decode with / without drafts
+    python benchmarks/bench_engine.py --model 20b --async-scheduling --batches 1,8,64   # engine decode, overlap off / on
 
 With --speculative the script instead times batch-1 decode through the engine (scheduler, CUDA
 graphs for decode and verification steps, sampler) on a repetitive prompt, with and without the
@@ -21,6 +22,12 @@ weights do not copy their prompt, so a logit bias confines the output to the pro
 (--spec-words, 0 to turn it off), graded (20, 18, 16, ...) so that the output mostly repeats the
 favoured words and greedy choices are not near ties; that gives the n-gram drafter repetition to
 find. A third row replays the plain run's own output as drafts: what a perfect drafter gets.
+
+With --async-scheduling the script instead times decode through the whole engine at each batch
+size (every sequence at `--context` tokens, greedy), with async scheduling off and on
+(`inference/async_scheduling.py`), beside the CUDA-graph replay alone. Host µs per step is the
+engine thread's time per step outside waiting for sampled ids (the device's share): with the
+overlap on, it is hidden as long as it stays below the graph's own step time.
 """
 
 from __future__ import annotations
@@ -126,26 +133,31 @@ def bench_decode(model, kv_caches, runner, batch, context, steps, pages_per_seq,
 
 
 def bench_prefill(model, kv_caches, tokens: int, page_size: int, repeats: int = 5) -> float:
+    """Prompt tokens/s of one `tokens`-token prefill step (a new step's metadata each time, as the
+    engine builds it, so per-step planning of any attention backend is counted)."""
     dev = model.device
     table = torch.arange(-(-tokens // page_size), dtype=torch.int32, device=dev)[None]
     pos = torch.arange(tokens, device=dev)
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
-        context_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
-        block_tables={"full": table, "sliding": table},
-        slot_mapping={"full": pos, "sliding": pos},
-        positions=pos,
-        max_q_len=tokens,
-        q_lens=[tokens],
-        context_lens_list=[tokens],
-    )
+
+    def step_metadata() -> AttentionMetadata:
+        return AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
+            block_tables={"full": table, "sliding": table},
+            slot_mapping={"full": pos, "sliding": pos},
+            positions=pos,
+            max_q_len=tokens,
+            q_lens=[tokens],
+            context_lens_list=[tokens],
+        )
+
     ids = torch.randint(0, model.config.vocab_size, (tokens,), device=dev)
     for _ in range(2):
-        model.compute_logits(model(ids, meta, kv_caches)[-1:])
+        model.compute_logits(model(ids, step_metadata(), kv_caches)[-1:])
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(repeats):
-        model.compute_logits(model(ids, meta, kv_caches)[-1:]).argmax(-1).tolist()
+        model.compute_logits(model(ids, step_metadata(), kv_caches)[-1:]).argmax(-1).tolist()
     torch.cuda.synchronize()
     return tokens * repeats / (time.perf_counter() - t0)
 
@@ -272,13 +284,79 @@ def bench_speculative(model, args) -> dict:
     }
 
 
+def bench_async_scheduling(model, args) -> dict:
+    """Decode through the engine at each batch size: graph replay alone, engine with async
+    scheduling off, and on. Returns {batch: {graph_tok_s, sync_tok_s, async_tok_s, sync_host_us,
+    async_host_us}}."""
+    import random
+
+    from inference import transfers
+    from inference.engine import EngineConfig, LLMEngine
+    from inference.request import GenerationRequest, SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
+    max_len = args.context + 2 * args.steps + 32
+    pages_per_seq = -(-max_len // args.page_size)
+    engine = LLMEngine(model, EngineConfig(num_pages=max(batches) * pages_per_seq + 8, max_model_len=max_len,
+                                           max_num_seqs=max(batches), page_size=args.page_size,
+                                           async_scheduling=True))
+    overlap, graphs = engine.overlap, engine.runner.graphs
+
+    waited = [0.0]  # seconds the engine thread spent waiting for sampled ids to reach the host
+    real_get = transfers.HostCopy.get
+
+    def timed_get(self):
+        t0 = time.perf_counter()
+        try:
+            return real_get(self)
+        finally:
+            waited[0] += time.perf_counter() - t0
+
+    transfers.HostCopy.get = timed_get
+    rng = random.Random(0)
+    results = {}
+    try:
+        for b in batches:
+            row = results[b] = {}
+            progress(f"batch {b}: graph replay alone")
+            row["graph_tok_s"] = bench_decode(model, engine.kv_caches, graphs, b, args.context, args.steps,
+                                              pages_per_seq, args.page_size)
+            for mode in ("sync", "async"):
+                progress(f"batch {b}: engine, async scheduling {'on' if mode == 'async' else 'off'}")
+                engine.overlap = overlap if mode == "async" else None
+                ids = [f"{mode}-{b}-{i}" for i in range(b)]
+                for rid in ids:
+                    prompt = [rng.randrange(model.config.vocab_size) for _ in range(args.context)]
+                    engine.add_request(GenerationRequest(rid, prompt, SamplingParams(temperature=0.0,
+                                                                                     max_tokens=args.steps + 24)))
+                produced = 0
+                while produced < 4 * b:  # prefill, then a few decode steps (the overlap under way)
+                    produced += sum(len(d.token_ids) for d in engine.step())
+                torch.cuda.synchronize()
+                waited[0], tokens, t0 = 0.0, 0, time.perf_counter()
+                for _ in range(args.steps):
+                    tokens += sum(len(d.token_ids) for d in engine.step())
+                seconds = time.perf_counter() - t0
+                row[f"{mode}_tok_s"] = tokens / seconds
+                row[f"{mode}_host_us"] = (seconds - waited[0]) / args.steps * 1e6
+                for rid in ids:
+                    engine.abort(rid)
+                while engine.has_unfinished():  # collect a step still in flight
+                    engine.step()
+                torch.cuda.synchronize()
+    finally:
+        transfers.HostCopy.get = real_get
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=list(GPT_OSS_SHAPES), default="20b")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--prefill", type=lambda v: [int(x) for x in v.split(",") if x], default=[2048],
+                    help="prompt lengths to time prefill at (comma-separated; empty: none)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--attention", default=None, help="attention backend (default: best available)")
     ap.add_argument("--moe", default=None, help="MoE backend (default: best available)")
@@ -293,6 +371,8 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=256, help="tokens to generate per speculative run")
     ap.add_argument("--spec-words", type=int, default=8,
                     help="distinct words of the repetitive prompt; the output is confined to them (0: no bias)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="time decode through the engine at --batches with async scheduling off and on instead")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -303,7 +383,23 @@ def main() -> None:
     config = ModelConfig.from_dict(raw)
     batches = [int(b) for b in args.batches.split(",")]
     max_context = args.context + args.steps + 8
-    pages_per_seq = -(-max(max_context, args.prefill) // args.page_size)
+    pages_per_seq = -(-max([max_context, *args.prefill]) // args.page_size)
+    if args.async_scheduling:
+        progress(f"building gpt-oss-{args.model} with random weights on the GPU")
+        model = GptOssModel.from_random(config, device="cuda", attention_backend=args.attention,
+                                        moe_backend=args.moe, max_positions=args.context + 2 * args.steps + 64)
+        rows = bench_async_scheduling(model, args)
+        print(f"\ngpt-oss-{args.model} random weights on {gpu}; decode through the engine, greedy, every sequence "
+              f"at ~{args.context} tokens of context; {args.steps} timed steps")
+        print("\n| batch | graph replay alone tok/s | engine sync tok/s | engine async tok/s | async / sync "
+              "| host µs/step sync | host µs/step async |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for b, r in rows.items():
+            print(f"| {b} | {r['graph_tok_s']:,.0f} | {r['sync_tok_s']:,.0f} | {r['async_tok_s']:,.0f} | "
+                  f"{r['async_tok_s'] / r['sync_tok_s']:.2f}x | {r['sync_host_us']:,.0f} | {r['async_host_us']:,.0f} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": gpu, "model": args.model, "context": args.context,
+                                                   "date": time.strftime("%Y-%m-%d"), "decode": rows}, indent=2))
+        return
     if args.speculative:
         progress(f"building gpt-oss-{args.model} with random weights on the GPU")
         model = GptOssModel.from_random(config, device="cuda", attention_backend=args.attention,
@@ -327,7 +423,7 @@ def main() -> None:
     progress(f"building gpt-oss-{args.model} with random weights on the GPU")
     model = GptOssModel.from_random(
         config, device="cuda", attention_backend=args.attention, moe_backend=args.moe,
-        max_positions=max(max_context, args.prefill) + 16,
+        max_positions=max([max_context, *args.prefill]) + 16,
     )
     torch.cuda.synchronize()
     weights_bytes = torch.cuda.memory_allocated()
@@ -357,9 +453,10 @@ def main() -> None:
     for b in batches:
         progress(f"decode batch {b}")
         results["decode"][b] = bench_decode(model, kv_caches, runner, b, args.context, args.steps, pages_per_seq, args.page_size)
-    if args.prefill:
-        progress(f"prefill {args.prefill} tokens")
-        results["prefill_tok_s"] = bench_prefill(model, kv_caches, args.prefill, args.page_size)
+    results["prefill_tok_s"] = {}
+    for tokens in args.prefill:
+        progress(f"prefill {tokens} tokens")
+        results["prefill_tok_s"][tokens] = bench_prefill(model, kv_caches, tokens, args.page_size)
 
     print(f"\ngpt-oss-{args.model} random weights on {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"attention={results['attention_backend']} moe={results['moe_backend']}")
@@ -373,8 +470,8 @@ def main() -> None:
     for b, rate in results["decode"].items():
         note = f"{rate / roofline:.1%} of roofline" if b == 1 else ""
         print(f"| decode batch {b}, context {args.context} | {rate:,.0f} | {note} |")
-    if args.prefill:
-        print(f"| prefill, {args.prefill}-token prompt | {results['prefill_tok_s']:,.0f} | |")
+    for tokens, rate in results["prefill_tok_s"].items():
+        print(f"| prefill, {tokens}-token prompt | {rate:,.0f} | |")
     if args.profile:
         print("\nper-kernel breakdown of one eager batch-1 decode step:\n")
         print(profile_step(model, kv_caches, 1, args.context, pages_per_seq, args.page_size))

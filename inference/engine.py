@@ -9,8 +9,10 @@
 
 Each step: the scheduler picks sequences and token counts, the model runner runs them and
 samples, and the engine appends tokens, checks stop conditions, and turns results into
-`TokenDelta`s. `AsyncEngine` runs that loop on its own thread and streams each request's
-deltas to asyncio consumers (the `EngineClient` protocol of `inference/request.py`).
+`TokenDelta`s. With async scheduling (`inference/async_scheduling.py`) a steady decode batch's
+next step is launched before this step's tokens are read, so that host work overlaps the device.
+`AsyncEngine` runs that loop on its own thread and streams each request's deltas to asyncio
+consumers (the `EngineClient` protocol of `inference/request.py`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import torch
 
 from .kv_cache import CacheUsage, KVCacheManager, allocate_kv_tensors, describe_plan, plan_cache
 from .model import GptOssModel
-from .model_runner import ModelRunner
+from .model_runner import LaunchedStep, ModelRunner
 from .request import EngineStats, GenerationRequest, SamplingParams, TokenDelta
-from .scheduler import Scheduler, Sequence
+from .scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,9 @@ class EngineConfig:
 
     `tensor_parallel_size` N > 1 splits the model over N GPUs, one process each
     (`inference/tensor_parallel.py`); this process stays rank 0 and runs the scheduler.
+
+    `async_scheduling` launches a decode step before the previous one's tokens are read
+    (`inference/async_scheduling.py`); None: on CUDA only. Never with a drafter or tensor parallelism.
     """
 
     page_size: int = 16
@@ -73,6 +78,7 @@ class EngineConfig:
     num_draft_tokens: int = 4
     draft_model: str | None = None
     tensor_parallel_size: int = 1
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -98,6 +104,8 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be an integer >= 1")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError("async_scheduling must be true, false or unset")
         if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
             raise ValueError("speculative eagle3 does not run with tensor_parallel_size > 1 (ngram does)")
 
@@ -123,6 +131,12 @@ class LLMEngine:
 
             self.drafter = make_drafter(config.speculative, config.draft_model, model)
         self.num_draft_tokens = config.num_draft_tokens if self.drafter is not None else 0
+
+        warmup = getattr(model.attention_backend, "warmup", None)
+        if warmup is not None:  # JIT kernels compile now (and count in the memory profile), not mid-request
+            lc = model.local_config
+            warmup(lc.num_attention_heads, lc.num_key_value_heads, lc.head_dim, config.page_size,
+                   (None, c.sliding_window) if has_sliding else (None,), dtype)
 
         memory = None
         if config.num_pages is None:
@@ -164,6 +178,13 @@ class LLMEngine:
         self.tokens_decoded = 0
         self.steps = 0
         self.spec = SpeculationCounters()
+        overlap = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+        self.overlap = None  # async scheduling, where it is on
+        if overlap and self.drafter is None and model.tp is None:
+            from .async_scheduling import StepOverlap
+
+            self.overlap = StepOverlap(self.scheduler, self.cache, self.max_model_len)
+        self._inflight: LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
 
     @classmethod
     def from_pretrained(
@@ -281,7 +302,12 @@ class LLMEngine:
         return self.scheduler.release_parked(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched step's tokens are still to be read (by the next `step()`)."""
+        return self._inflight is not None
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (no step may be running). Idempotent."""
@@ -291,6 +317,7 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[TokenDelta]:
         """End every running and waiting request with finish_reason "error" (after a bug)."""
+        self._inflight = None
         deltas = []
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             try:
@@ -303,31 +330,59 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        self.steps += 1
+        """Run one step; its deltas. With async scheduling that step may have been launched by the
+        previous call, and the next one may already be running on the device when this returns."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+        else:
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                return []
+            self.steps += 1
+            if self.overlap is None or not self.overlap.is_steady_decode(batch):
+                return self._run_synchronously(batch)
+            try:
+                launched = self.runner.launch(batch)
+            except Exception as e:
+                return self._fail_step(batch, e)
+        self._inflight = self._launch_next(launched)  # queued behind `launched` on the device
         try:
-            out = self.runner.run(batch)
-        except Exception as e:  # fail this step's requests only; the engine keeps serving
-            log.exception("engine step failed")
-            deltas = []
-            for seq in batch.seqs:
+            out = self.runner.collect(launched)
+        except Exception as e:
+            return self._fail_step(launched.batch, e)
+        return self._apply_step(launched.batch, out)[0]
+
+    def _launch_next(self, launched: LaunchedStep) -> LaunchedStep | None:
+        """Launch the decode step after `launched`, its inputs `launched`'s sampled ids, if the
+        overlap allows it now; else the next `step()` schedules synchronously."""
+        batch = self.overlap.next_batch(launched.batch)
+        if batch is None:
+            return None
+        try:
+            step = self.runner.launch(batch, after=launched)
+        except Exception:  # it runs again, synchronously, next step (its pages stay reserved)
+            log.exception("could not launch the next step ahead; it runs synchronously")
+            return None
+        self.steps += 1
+        return step
+
+    def _fail_step(self, batch: ScheduledBatch, e: Exception) -> list[TokenDelta]:
+        """Fail a step's requests only (those still running); the engine keeps serving."""
+        log.exception("engine step failed")
+        deltas = []
+        for seq in batch.seqs:
+            if seq.status == SequenceStatus.RUNNING:
                 self.scheduler.remove(seq)
                 deltas.append(self._delta(seq, [], None, "error", error=f"{type(e).__name__}: {e}"))
-            return deltas
+        return deltas
 
-        deltas = []
-        drafts = batch.num_draft or [0] * len(batch)
+    def _run_synchronously(self, batch: ScheduledBatch) -> list[TokenDelta]:
+        try:
+            out = self.runner.run(batch)
+        except Exception as e:
+            return self._fail_step(batch, e)
         starts = [seq.num_computed for seq in batch.seqs]
-        kept = []
-        for seq, n, d, tokens, logprobs, accepted in zip(
-            batch.seqs, batch.num_new, drafts, out.token_ids, out.logprobs, out.num_accepted
-        ):
-            delta, num_kept = self._apply(seq, n, d, tokens, logprobs, accepted)
-            kept.append(num_kept)
-            if delta is not None:
-                deltas.append(delta)
+        deltas, kept = self._apply_step(batch, out)
         if self.drafter is not None:
             try:
                 self._propose(batch, out, starts, kept)
@@ -336,6 +391,24 @@ class LLMEngine:
                 for seq in batch.seqs:
                     seq.draft_ids.clear()
         return deltas
+
+    def _apply_step(self, batch: ScheduledBatch, out) -> tuple[list[TokenDelta], list[int]]:
+        """Apply each entry's tokens; (the deltas, rows each entry keeps in the cache). Entries of
+        sequences no longer running (aborted, or stopped while this step was queued behind the
+        one that ended them) are dropped."""
+        deltas, kept = [], []
+        drafts = batch.num_draft or [0] * len(batch)
+        for seq, n, d, tokens, logprobs, accepted in zip(
+            batch.seqs, batch.num_new, drafts, out.token_ids, out.logprobs, out.num_accepted
+        ):
+            if seq.status != SequenceStatus.RUNNING:
+                kept.append(0)
+                continue
+            delta, num_kept = self._apply(seq, n, d, tokens, logprobs, accepted)
+            kept.append(num_kept)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas, kept
 
     def _apply(self, seq: Sequence, n: int, num_draft: int, tokens: list[int], logprobs, accepted: int):
         """Append one entry's new tokens (kept drafts, then the target's own), stop at a stop
@@ -367,13 +440,13 @@ class LLMEngine:
             return None, seq.num_computed - start
         self.tokens_decoded += len(emitted)
         if finish is not None:
+            self.cache.truncate(seq.pages, seq.num_computed)  # a page reserved ahead (async scheduling)
             self.scheduler.finish(seq)
         lps = logprobs[: len(emitted)] if logprobs else None
         return self._delta(seq, emitted, lps, finish, stop_token), seq.num_computed - start
 
     def _propose(self, batch, out, starts: list[int], kept: list[int]) -> None:
         """Ask the drafter for each still-decoding sequence's next drafts."""
-        from .scheduler import SequenceStatus
         from .speculative import DraftContext
 
         limits = []
@@ -553,10 +626,10 @@ class AsyncEngine:
                 if stop:
                     self._abort_all()
                 elif self.engine.has_unfinished():
-                    steps = self.engine.steps
+                    steps, collecting = self.engine.steps, self.engine.in_flight
                     for delta in self.engine.step():
                         self._deliver(delta)
-                    if self.engine.steps == steps:
+                    if self.engine.steps == steps and not collecting:
                         self._wakeup.wait(0.01)  # nothing could be scheduled (should not happen): don't spin
             except Exception as e:  # a bug must not kill the thread: fail what is in flight, keep serving
                 log.exception("engine loop failed")

@@ -7,9 +7,15 @@ decoding, for each draft token a sequence verifies (`inference/rejection_sampler
 which drafts stay). On CUDA, decode-only steps and verification steps with the same number of
 drafts per sequence replay captured CUDA graphs (`inference/cuda_graphs.py`) unless `enforce_eager`.
 
-A step is first described in plain Python values (`StepPlan`), then run (`execute`). Under
+A step is first described in plain Python values (`StepPlan`), then run (`execute`): its integer
+inputs go to the device packed in one buffer with one copy (`inference/step_inputs.py`). Under
 tensor parallelism rank 0 sends that plan to the other ranks (`workers`), which run the same
 `execute` on their shards; only rank 0 samples.
+
+`run` = `launch` (queue the model and the sampling on the device) then `collect` (read the
+tokens back). Between the two the engine may launch the next decode step, whose input tokens are
+this step's sampled ids taken on the device (`launch(..., after=)`; async scheduling,
+`inference/async_scheduling.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ import torch
 from .attention import AttentionMetadata
 from .model import GptOssModel
 from .request import TokenLogprob
-from .rejection_sampler import RejectionSampler
-from .scheduler import ScheduledBatch
+from .rejection_sampler import RejectionSampler, VerifyOutput
+from .sampler import SampledTokens
+from .scheduler import ScheduledBatch, Sequence
+from .step_inputs import StepInputPacker, StepInputs
+from .transfers import to_device
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +49,8 @@ class StepPlan:
     q_lens: list[int]
     sample_rows: list[int]  # rows that need logits (each sampling entry's last 1 + drafts)
     graph_tokens: int | None = None  # replay the captured graph of this many tokens per sequence; None: eager
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] int64
+    # input_ids are rows of the previous step's sampled ids (still on the device), not token ids
+    inputs_from_previous: bool = False
 
 
 @dataclass
@@ -59,6 +63,24 @@ class StepOutput:
     num_accepted: list[int]
     first_row: list[int]  # each entry's first row in the flat batch (indexes aux_hidden)
     aux_hidden: torch.Tensor | None = None  # [T, A] target layer outputs the drafter asked for
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose model and sampling work is queued on the device; `ModelRunner.collect` reads
+    its tokens back."""
+
+    batch: ScheduledBatch
+    first_row: list[int]
+    aux_hidden: torch.Tensor | None
+    plain: list[int]  # batch entries sampled without drafts, in the order of `sampled`'s rows
+    sampled: SampledTokens | None
+    verified: list[int]  # batch entries whose drafts were verified (already on the host)
+    verify_out: VerifyOutput | None
+
+    def token_rows(self) -> dict[Sequence, int]:
+        """Each plainly sampled sequence's row in `sampled.tokens` (which holds its next token)."""
+        return {self.batch.seqs[b]: j for j, b in enumerate(self.plain)}
 
 
 def build_metadata(
@@ -128,6 +150,7 @@ class ModelRunner:
         self.device = model.device
         self.sampler = RejectionSampler()
         self.aux_layers = tuple(aux_layers)
+        self.packer = StepInputPacker(page_size, self.device)
         self.workers = None  # tensor parallel, on rank 0: `tensor_parallel.WorkerProcesses`, sent every step
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
@@ -175,67 +198,97 @@ class ModelRunner:
                         sample_rows, q_len if graph else None)
         return plan, sample_index, first_row
 
+    def plan_after(self, batch: ScheduledBatch, after: LaunchedStep) -> tuple[StepPlan, list[int], list[int]]:
+        """`plan` for a decode step launched before `after`'s tokens are known: every sequence
+        of `batch` decodes one token at num_computed + 1 (its pages reserved), and its input is
+        the token `after` sampled for it, gathered on the device."""
+        seqs = batch.seqs
+        n = len(seqs)
+        rows = after.token_rows()
+        graph = self.graphs is not None and self.graphs.can_run(n, 1)
+        plan = StepPlan([rows[seq] for seq in seqs], [seq.pages.full for seq in seqs],
+                        [seq.pages.sliding for seq in seqs] if self.has_sliding else None,
+                        [seq.num_computed + 1 for seq in seqs], [1] * n, list(range(n)), 1 if graph else None,
+                        inputs_from_previous=True)
+        return plan, list(range(n)), list(range(n))
+
     def prepare(self, plan: StepPlan) -> StepInputs:
-        dev = self.device
-        meta = build_metadata(self.page_size, plan.full_tables, plan.sliding_tables, plan.starts, plan.q_lens, dev)
-        rows = torch.tensor(plan.sample_rows, dtype=torch.long).to(dev)
-        return StepInputs(torch.tensor(plan.input_ids, dtype=torch.long).to(dev), meta, rows)
+        return self.packer.pack(plan.input_ids, plan.full_tables, plan.sliding_tables, plan.starts, plan.q_lens,
+                                plan.sample_rows)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the model on this device (every tensor-parallel rank runs each plan).
+        previous_tokens: the previous step's sampled ids [N] when plan.inputs_from_previous.
         Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None)."""
         inputs = self.prepare(plan)
+        input_ids = previous_tokens[inputs.input_ids] if plan.inputs_from_previous else inputs.input_ids
         if plan.graph_tokens is not None:
-            logits, aux = self.graphs.run(inputs.input_ids, inputs.meta, plan.graph_tokens)
+            logits, aux = self.graphs.run(input_ids, inputs.meta, plan.graph_tokens)
             return logits[inputs.sample_rows], aux
-        out = self.model(inputs.input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
+        out = self.model(input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
         hidden, aux = out if self.aux_layers else (out, None)
         logits = self.model.compute_logits(hidden[inputs.sample_rows]) if plan.sample_rows else None
         return logits, aux
 
-    def forward_step(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward_step(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`execute` on every rank: hand the plan to the tensor-parallel workers first, if any."""
         if self.workers is not None:
+            if plan.inputs_from_previous:  # the workers hold no sampled ids
+                raise RuntimeError("a step taking the previous step's ids cannot run tensor-parallel")
             self.workers.send_step(plan)
-        return self.execute(plan)
+        return self.execute(plan, previous_tokens)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        plan, sample_index, first_row = self.plan(batch)
-        logits, aux = self.forward_step(plan)
-        drafts = batch.num_draft or [0] * len(batch)
-        tokens: list[list[int]] = [[] for _ in batch.seqs]
-        logprobs: list[list[TokenLogprob] | None] = [None] * len(batch)
-        accepted = [0] * len(batch)
-        if sample_index:
-            self._sample(batch, drafts, sample_index, logits, tokens, logprobs, accepted)
-        return StepOutput(tokens, logprobs, accepted, first_row, aux)
+        return self.collect(self.launch(batch))
 
-    def _sample(self, batch, drafts, sample_index, logits, tokens, logprobs, accepted) -> None:
-        """Fill tokens/logprobs/accepted for the sampling entries; `logits` holds their rows in
-        order (1 + drafts rows each)."""
-        rows, plain, verified = 0, [], []
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's model and sampling work on the device. Plain sampling does not wait
+        for the device; verifying drafts does. `after`: a launched step whose sampled ids are this
+        step's inputs (see `plan_after`)."""
+        plan, sample_index, first_row = self.plan(batch) if after is None else self.plan_after(batch, after)
+        logits, aux = self.forward_step(plan, after.sampled.tokens if after is not None else None)
+        drafts = batch.num_draft or [0] * len(batch)
+        rows, plain, verified = 0, [], []  # logits holds each sampling entry's 1 + drafts rows, in order
         for b in sample_index:
             (verified if drafts[b] else plain).append((b, rows))
             rows += drafts[b] + 1
+        sampled = verify_out = None
         if plain:
             seqs = [batch.seqs[b] for b, _ in plain]
-            rows_logits = logits if not verified else logits[torch.tensor([r for _, r in plain], device=logits.device)]
-            out = self.sampler(rows_logits, [s.sampling for s in seqs], [self._history(s) for s in seqs],
-                               [s.generator for s in seqs])
-            for (b, _), token, logprob in zip(plain, out.token_ids, out.logprobs):
-                tokens[b], logprobs[b] = [token], [logprob] if logprob is not None else None
+            rows_logits = logits if not verified else logits[to_device([r for _, r in plain], torch.long, logits.device)]
+            sampled = self.sampler.sample(rows_logits, [s.sampling for s in seqs], [self._history(s) for s in seqs],
+                                          [s.generator for s in seqs])
         if verified:
             seqs = [batch.seqs[b] for b, _ in verified]
             row_index = [r + i for b, r in verified for i in range(drafts[b] + 1)]
             draft_ids = [s.draft_ids[: drafts[b]] for (b, _), s in zip(verified, seqs)]
-            out = self.sampler.verify(
-                logits[torch.tensor(row_index, device=logits.device)], draft_ids,
+            verify_out = self.sampler.verify(
+                logits[to_device(row_index, torch.long, logits.device)], draft_ids,
                 [s.sampling for s in seqs], [self._history(s) for s in seqs], [s.generator for s in seqs],
             )
-            for (b, _), toks, lps, n in zip(verified, out.token_ids, out.logprobs, out.num_accepted):
-                tokens[b], logprobs[b], accepted[b] = toks, lps, n
+        return LaunchedStep(batch, first_row, aux, [b for b, _ in plain], sampled, [b for b, _ in verified],
+                            verify_out)
+
+    def collect(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's tokens (only its own work, not steps launched after it)."""
+        n = len(step.batch)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob] | None] = [None] * n
+        accepted = [0] * n
+        if step.sampled is not None:
+            out = step.sampled.result()
+            for b, token, logprob in zip(step.plain, out.token_ids, out.logprobs):
+                tokens[b], logprobs[b] = [token], [logprob] if logprob is not None else None
+        if step.verify_out is not None:
+            out = step.verify_out
+            for b, toks, lps, k in zip(step.verified, out.token_ids, out.logprobs, out.num_accepted):
+                tokens[b], logprobs[b], accepted[b] = toks, lps, k
+        return StepOutput(tokens, logprobs, accepted, step.first_row, step.aux_hidden)
 
     @staticmethod
     def _history(seq) -> list[int]:

@@ -10,6 +10,10 @@ Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which d
 exactly. A seeded row draws its E from its own `torch.Generator`, so the same seed gives the
 same tokens whatever else is in the batch. Logprobs are those of the model's raw distribution
 (log_softmax of the logits before any of the above), as OpenAI reports them.
+
+`Sampler.sample` only queues that work on the device and starts copying the ids (and logprobs)
+to the host: nothing in it waits for the stream, so with async scheduling the next step can be
+queued before this one's ids are read (`SampledTokens.result`). Calling the sampler does both.
 """
 
 from __future__ import annotations
@@ -19,12 +23,31 @@ from dataclasses import dataclass
 import torch
 
 from .request import SamplingParams, TokenLogprob
+from .transfers import HostCopy, to_device
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+class SampledTokens:
+    """One batch's sampled ids, still on the device, with their copy to the host under way."""
+
+    def __init__(self, tokens: torch.Tensor, params: list[SamplingParams], logprob_parts: list[torch.Tensor] | None):
+        self.tokens = tokens  # [N] int64 on the logits' device (the next step's inputs, with async scheduling)
+        self.params = params
+        self._has_logprobs = logprob_parts is not None
+        self._copy = HostCopy([tokens, *(logprob_parts or [])])
+
+    def result(self) -> SamplerOutput:
+        """Wait for the ids (this batch's copies only, not work queued after them)."""
+        host = self._copy.get()
+        token_list = host[0].tolist()
+        if not self._has_logprobs:
+            return SamplerOutput(token_list, [None] * len(self.params))
+        return SamplerOutput(token_list, Sampler._logprob_lists(token_list, self.params, *host[1:]))
 
 
 class Sampler:
@@ -37,14 +60,25 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> SamplerOutput:
         """logits: [N, V] float32, one row per sequence; output_ids: tokens each has generated."""
+        return self.sample(logits, params, output_ids, generators).result()
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> SampledTokens:
+        """As calling the sampler, but the ids stay on the device until `result()` is asked for."""
         device = logits.device
         processed = self._apply_bias_and_penalties(logits, params, output_ids)
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         tokens = processed.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=device)
-            scaled = processed[rows] / temperature[rows, None]
+            rows = to_device(sampled_rows, torch.long, device)
+            temperature = to_device([params[i].temperature for i in sampled_rows], torch.float32, device)
+            scaled = processed[rows] / temperature[:, None]
             probs = self._truncated_probs(scaled, [params[i] for i in sampled_rows])
             noise = torch.empty_like(probs)
             seeded = [(j, generators[i]) for j, i in enumerate(sampled_rows) if generators[i] is not None]
@@ -53,8 +87,7 @@ class Sampler:
             for j, generator in seeded:
                 noise[j].exponential_(generator=generator)
             tokens[rows] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(logits, tokens, params))
+        return SampledTokens(tokens, params, self._logprob_tensors(logits, tokens, params))
 
     @staticmethod
     def _apply_bias_and_penalties(logits, params, output_ids) -> torch.Tensor:
@@ -68,8 +101,8 @@ class Sampler:
         if bias:
             rows, cols, values = zip(*bias)
             logits.index_put_(
-                (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                torch.tensor(values, dtype=logits.dtype, device=device),
+                (to_device(rows, torch.long, device), to_device(cols, torch.long, device)),
+                to_device(values, logits.dtype, device),
                 accumulate=True,
             )
         if penalised:
@@ -77,13 +110,13 @@ class Sampler:
             # column `vocab` that is dropped) into [rows, vocab + 1].
             width = max(1, max(len(output_ids[i]) for i in penalised))
             padded = [output_ids[i] + [vocab] * (width - len(output_ids[i])) for i in penalised]
-            ids = torch.tensor(padded, dtype=torch.long, device=device)
+            ids = to_device(padded, torch.long, device)
             counts = torch.zeros(len(penalised), vocab + 1, dtype=logits.dtype, device=device)
             counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
             counts = counts[:, :vocab]
-            freq = torch.tensor([params[i].frequency_penalty for i in penalised], device=device)[:, None]
-            pres = torch.tensor([params[i].presence_penalty for i in penalised], device=device)[:, None]
-            rows = torch.tensor(penalised, device=device)
+            freq = to_device([params[i].frequency_penalty for i in penalised], torch.float32, device)[:, None]
+            pres = to_device([params[i].presence_penalty for i in penalised], torch.float32, device)[:, None]
+            rows = to_device(penalised, torch.long, device)
             logits[rows] -= freq * counts + pres * (counts > 0).to(logits.dtype)
         return logits
 
@@ -93,34 +126,50 @@ class Sampler:
         device = scaled.device
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             vocab = scaled.shape[-1]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
+            top_p = to_device([p.top_p for p in params], torch.float32, device)
             scaled = _top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            min_p = to_device([p.min_p for p in params], torch.float32, device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
             # A distribution again: the exponential race would not mind, rejection sampling does.
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
+    @classmethod
+    def _logprobs(cls, logits, tokens, params) -> list[TokenLogprob | None]:
+        """Each row's TokenLogprob of `tokens` [N] (None where the row wants none)."""
+        parts = cls._logprob_tensors(logits, tokens, params)
+        if parts is None:
+            return [None] * len(params)
+        host = HostCopy([tokens, *parts]).get()
+        return cls._logprob_lists(host[0].tolist(), params, *host[1:])
+
     @staticmethod
-    def _logprobs(logits, tokens, params) -> list[TokenLogprob | None]:
+    def _logprob_tensors(logits, tokens, params) -> list[torch.Tensor] | None:
+        """For the M rows that want logprobs: [chosen [M], top values [M, k], top ids [M, k]] on
+        the device (k: the most any row wants); None when no row wants them."""
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(params)
         if not wanted:
-            return out
-        rows = torch.tensor(wanted, device=logits.device)
+            return None
+        rows = to_device(wanted, torch.long, logits.device)
         logprobs = torch.log_softmax(logits[rows], dim=-1)
-        chosen = logprobs.gather(1, tokens[rows, None]).squeeze(1).tolist()
+        chosen = logprobs.gather(1, tokens[rows, None]).squeeze(1)
         k = max(params[i].logprobs for i in wanted)
         top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        token_list = tokens[rows].tolist()
+        return [chosen, top_values, top_ids]
+
+    @staticmethod
+    def _logprob_lists(token_list, params, chosen, top_values, top_ids) -> list[TokenLogprob | None]:
+        """`_logprob_tensors`' host copies as TokenLogprobs; token_list: every row's token."""
+        out: list[TokenLogprob | None] = [None] * len(params)
+        chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         for j, i in enumerate(wanted):
             kk = params[i].logprobs
-            out[i] = TokenLogprob(token_list[j], chosen[j], list(zip(top_ids[j][:kk], top_values[j][:kk])))
+            out[i] = TokenLogprob(token_list[i], chosen[j], list(zip(top_ids[j][:kk], top_values[j][:kk])))
         return out
 
 
