@@ -297,7 +297,9 @@ def bench_async_scheduling(model, args) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     max_len = args.context + 2 * args.steps + 32
     pages_per_seq = -(-max_len // args.page_size)
-    engine = LLMEngine(model, EngineConfig(num_pages=max(batches) * pages_per_seq + 8, max_model_len=max_len,
+    # StaticBatch (the graph-replay row) lays every sequence's pages out in both pools alike.
+    pages = max(batches) * pages_per_seq + 8
+    engine = LLMEngine(model, EngineConfig(num_pages=pages, num_sliding_pages=pages, max_model_len=max_len,
                                            max_num_seqs=max(batches), page_size=args.page_size,
                                            async_scheduling=True))
     overlap, graphs = engine.overlap, engine.runner.graphs

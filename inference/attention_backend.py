@@ -15,13 +15,17 @@ flashinfer's kernels for the steps where they measured faster and the Triton ker
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
 from .attention import sink_attention_reference
 from .kernels.rope_cache import rope_and_write_kv_reference
 
+log = logging.getLogger(__name__)
+
 BACKENDS = ("reference", "triton", "flashinfer")
+HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's FA3 kernels are built for (gpt-oss: 64)
 
 
 class ReferenceAttentionBackend:
@@ -68,8 +72,8 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         (0.5 to 4 ms) cannot join; FA2's decode is at most 1.2x faster at long contexts and FA3's
         (a prefill kernel) 10x slower;
       * sliding-window layers: Triton, 1.5-2x faster than either flashinfer kernel;
-      * anything captured into a CUDA graph, and float32 queries (flashinfer has no float32
-        kernels): Triton.
+      * anything captured into a CUDA graph, float32 queries (flashinfer has no float32
+        kernels) and head sizes outside `HEAD_DIMS` (its FA3 kernels do not build for them): Triton.
     RoPE + KV write is Triton's in every case.
     """
 
@@ -81,10 +85,12 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
 
         super().__init__()
         self.flashinfer = FlashInferAttention(device, kernel)
+        self.enabled = True  # False once its kernels failed to build: Triton serves everything
 
     def runs_flashinfer(self, q: torch.Tensor, meta, window: int | None) -> bool:
-        return (window is None and q.shape[0] >= self.FLASHINFER_MIN_TOKENS
-                and q.dtype in (torch.bfloat16, torch.float16) and not torch.cuda.is_current_stream_capturing())
+        return (self.enabled and window is None and q.shape[0] >= self.FLASHINFER_MIN_TOKENS
+                and q.shape[-1] in HEAD_DIMS and q.dtype in (torch.bfloat16, torch.float16)
+                and not torch.cuda.is_current_stream_capturing())
 
     def attention(self, q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window):
         if self.runs_flashinfer(q, meta, window):
@@ -92,9 +98,16 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         return super().attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window)
 
     def warmup(self, num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype) -> None:
-        """Compile (first start on a machine) or load the kernels this split uses: full layers'."""
-        if dtype in (torch.bfloat16, torch.float16) and None in windows:
+        """Compile (first start on a machine) or load the kernels this split uses: full layers'.
+        A build that fails leaves Triton serving every step, with a warning."""
+        if dtype not in (torch.bfloat16, torch.float16) or None not in windows or head_dim not in HEAD_DIMS:
+            return
+        try:
             self.flashinfer.warmup(num_qo_heads, num_kv_heads, head_dim, page_size, (None,), dtype)
+        except Exception:
+            log.warning("flashinfer's attention kernels could not be built; the Triton kernels serve every step",
+                        exc_info=True)
+            self.enabled = False
 
 
 def flashinfer_usable(device: torch.device) -> bool:

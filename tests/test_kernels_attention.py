@@ -513,6 +513,32 @@ def test_flashinfer_page_layout_reproduces_the_reference(window):
         assert (wider.float() - ref).abs().max() > 1e-3
 
 
+def test_flashinfer_backend_falls_back_to_triton_where_it_cannot_build():
+    """Head sizes flashinfer has no kernels for never reach it, and a failed build leaves the
+    backend serving every step on Triton instead of failing the engine."""
+    from inference.attention_backend import FlashInferAttentionBackend
+
+    class FailingBuild:
+        calls = 0
+
+        def warmup(self, *args):
+            FailingBuild.calls += 1
+            raise RuntimeError("nvcc failed")
+
+    backend = FlashInferAttentionBackend.__new__(FlashInferAttentionBackend)
+    backend.flashinfer, backend.enabled = FailingBuild(), True
+    big = backend.FLASHINFER_MIN_TOKENS
+    meta = AttentionMetadata(cu_seqlens_q=None, context_lens=None, block_tables={}, slot_mapping={}, positions=None,
+                             max_q_len=big, q_lens=[big], context_lens_list=[big])
+    assert backend.runs_flashinfer(torch.empty(big, 8, 64, dtype=torch.bfloat16), meta, None)
+    assert not backend.runs_flashinfer(torch.empty(big, 8, 16, dtype=torch.bfloat16), meta, None)
+    backend.warmup(8, 2, 16, 16, (None, 128), torch.bfloat16)  # head size 16: nothing to build
+    assert FailingBuild.calls == 0 and backend.enabled
+    backend.warmup(8, 2, 64, 16, (None, 128), torch.bfloat16)
+    assert FailingBuild.calls == 1 and not backend.enabled
+    assert not backend.runs_flashinfer(torch.empty(big, 8, 64, dtype=torch.bfloat16), meta, None)
+
+
 def test_flashinfer_backend_needs_a_gpu():
     with pytest.raises(RuntimeError, match="flashinfer"):
         select_attention_backend("cpu", "flashinfer")
