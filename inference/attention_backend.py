@@ -90,7 +90,7 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
     def runs_flashinfer(self, q: torch.Tensor, meta, window: int | None) -> bool:
         return (self.enabled and window is None and q.shape[0] >= self.FLASHINFER_MIN_TOKENS
                 and q.shape[-1] in HEAD_DIMS and q.dtype in (torch.bfloat16, torch.float16)
-                and not torch.cuda.is_current_stream_capturing())
+                and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def attention(self, q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window):
         if self.runs_flashinfer(q, meta, window):
