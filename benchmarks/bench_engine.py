@@ -331,9 +331,10 @@ def bench_async_scheduling(model, args) -> dict:
                     prompt = [rng.randrange(model.config.vocab_size) for _ in range(args.context)]
                     engine.add_request(GenerationRequest(rid, prompt, SamplingParams(temperature=0.0,
                                                                                      max_tokens=args.steps + 24)))
-                produced = 0
-                while produced < 4 * b:  # prefill, then a few decode steps (the overlap under way)
-                    produced += sum(len(d.token_ids) for d in engine.step())
+                produced = dict.fromkeys(ids, 0)
+                while min(produced.values()) < 4:  # every prefill done, a few decode steps (overlap under way)
+                    for d in engine.step():
+                        produced[d.request_id] += len(d.token_ids)
                 torch.cuda.synchronize()
                 waited[0], tokens, t0 = 0.0, 0, time.perf_counter()
                 for _ in range(args.steps):

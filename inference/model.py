@@ -21,6 +21,7 @@ from torch import nn
 from .attention import AttentionMetadata
 from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig
+from .decode_linear import use_decode_gemv
 from .kernels.rmsnorm_triton import add_rms_norm_reference, rms_norm_reference
 from .moe import ExpertWeights, MoEWeights
 from .rope import cos_sin_table
@@ -59,7 +60,8 @@ class Attention(nn.Module):
         self.cache_kind = "sliding" if c.is_sliding(layer) else "full"
         self.sm_scale = c.sm_scale
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        # q, k and v in one matmul: rows [q | k | v].
+        # q, k and v in one matmul: rows [q | k | v]. On CUDA the loaders turn qkv and o_proj into
+        # `decode_linear.DecodeLinear`s (same math; decode-sized batches run a Triton GEMV).
         self.qkv = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=True)
         self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=True)
         self.sinks = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32), requires_grad=False)
@@ -221,6 +223,7 @@ class GptOssModel(nn.Module):
         model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
         bar = progress and reader.total_bytes() >= (256 << 20)
         load_weights(model, get, device, dtype, progress=bar)
+        use_decode_gemv(model)
         if tensor_parallel is not None:
             tensor_parallel.bytes_read = get.bytes_read
         return model.eval()
@@ -263,6 +266,7 @@ class GptOssModel(nn.Module):
 
             get = tensor_parallel.tensor_source(config, slice_of(get), get)
         load_weights(model, get, device, dtype, progress=False)
+        use_decode_gemv(model)
         return model.eval()
 
 

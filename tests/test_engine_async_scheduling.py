@@ -318,7 +318,9 @@ def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path):
         return [(r.tokens()[str(i)], [], [lp.top[0][1] - lp.top[1][1] for d in r.deltas[str(i)] for lp in d.logprobs or []])
                 for i in range(len(batch))]
 
-    compared, total = compare_greedy(greedy_view(sync), greedy_view(overlapped), near_tie=1e-3)
+    # Surplus rows change the batch shapes the GPU kernels see, so float32 rounding differs a
+    # little (as between the GPU and the CPU reference: tests/test_gpu_engine.py, same tolerance).
+    compared, total = compare_greedy(greedy_view(sync), greedy_view(overlapped), near_tie=0.01)
     assert compared >= total * 3 // 4
 
 
@@ -341,11 +343,12 @@ def test_gpu_steady_decode_never_waits_for_the_stream_but_to_read_ids(tmp_path, 
     real_get = transfers.HostCopy.get
 
     def get_allowing_its_own_wait(self):
+        mode = torch.cuda.get_sync_debug_mode()  # restore what was set: the mode must not leak
         torch.cuda.set_sync_debug_mode(0)
         try:
             return real_get(self)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
 
     monkeypatch.setattr(transfers.HostCopy, "get", get_allowing_its_own_wait)
     torch.cuda.set_sync_debug_mode("error")
