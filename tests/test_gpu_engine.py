@@ -39,7 +39,7 @@ def test_tiny_model_float32_gpu_greedy_equals_reference(tmp_path):
     reference = greedy(LLMEngine.from_pretrained(path, device="cpu", num_pages=512, page_size=16), batch, 40)
     gpu = LLMEngine.from_pretrained(path, device="cuda", dtype=torch.float32, num_pages=512, page_size=16,
                                     max_num_batched_tokens=8)
-    assert gpu.model.attention_backend.name == "triton" and gpu.runner.graphs is not None
+    assert gpu.model.attention_backend.name in ("triton", "flashinfer") and gpu.runner.graphs is not None
     compared, total = compare_greedy(reference, greedy(gpu, batch, 40), near_tie=0.01)
     print(f"float32: {compared} of {total} greedy tokens compared, all equal")
     assert compared >= total // 2, f"only {compared} of {total} tokens were clear enough to compare"

@@ -116,7 +116,7 @@ class TestFloat32ReferenceBackends:
 @pytest.fixture(scope="class")
 def bf16_model():
     model = build_20b(decisive_routing=True)
-    assert model.attention_backend.name == "triton"
+    assert model.attention_backend.name in ("triton", "flashinfer")  # the Triton kernels at decode either way
     yield model
     del model
     torch.cuda.empty_cache()
