@@ -50,7 +50,7 @@ def test_tiny_model_float32_two_gpus_equal_one(tmp_path):
     one = LLMEngine.from_pretrained(path, **options)
     two = LLMEngine.from_pretrained(path, tensor_parallel_size=2, **options)
     try:
-        assert two.runner.graphs is not None and two.model.attention_backend.name == "triton"
+        assert two.runner.graphs is not None and two.model.attention_backend.name in ("triton", "flashinfer")
         assert two.kv_caches[0][0].shape[2] == 1 and one.kv_caches[0][0].shape[2] == 2  # KV heads per rank
         compared, total = compare_greedy(greedy(one, batch, 40), greedy(two, batch, 40), near_tie=0.01)
         print(f"float32 tiny, 2 GPUs: {compared} of {total} greedy tokens compared, all equal")
