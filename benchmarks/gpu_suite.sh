@@ -10,9 +10,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS; "$@" > "$out/$name.log" 2>&1; local rc=$?;
          echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -n ${TAIL:-25} "$out/$name.log"; }
 step gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_kernels_rmsnorm.py \
-  tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_gpu_engine.py tests/test_speculative_gpu.py \
+  tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_linear.py tests/test_gpu_engine.py \
+  tests/test_speculative_gpu.py tests/test_engine_async_scheduling.py \
   ${GPU_TESTS_EXTRA:-}
 [ "${1:-}" = quick ] && exit 0
 TAIL=40 step bench_20b python3 benchmarks/bench_engine.py --model 20b --profile --hf --json "$out/bench_20b.json"
+step bench_20b_async python3 benchmarks/bench_engine.py --model 20b --async-scheduling --batches 1,8,64,128
 step bench_120b python3 benchmarks/bench_engine.py --model 120b --batches 1,64 --json "$out/bench_120b.json"
 step bench_20b_ngram python3 benchmarks/bench_engine.py --model 20b --speculative ngram --json "$out/bench_20b_ngram.json"
