@@ -17,10 +17,15 @@ What a follow-up step can get wrong is only known when step N's tokens arrive; i
     and left out of step N+1.
 Everything else falls back to the plain synchronous step, decided here (`next_batch` None):
 batches with prefill chunks or drafts, penalties (the sampler needs the token history on the
-host), a request waiting with room to be admitted, pages that do not fit. The next step runs the
-same sequences the scheduler would pick: all running ones when the token budget holds them, or
-the same leading ones when it does not.
+host), a request waiting with room to be admitted, more running sequences than the token budget
+holds, pages that do not fit. The next step runs the same sequences the scheduler would pick.
 The engine does not build this at all with a drafter or under tensor parallelism.
+
+One cost stays hidden in a launch: when a row truncates by top-k/top-p and the sampler's cheap
+check cannot prove its candidates hold the kept set, it reads one flag from the device
+(`inference/sampler.py`, `_top_k_top_p`), which waits for the step just launched. The output is
+unchanged, but a batch with such rows overlaps less; greedy and plain temperature sampling never
+take that path.
 """
 
 from __future__ import annotations

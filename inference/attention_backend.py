@@ -132,7 +132,13 @@ def select_attention_backend(device, prefer: str | None = None):
     if prefer == "reference":
         return ReferenceAttentionBackend()
     if prefer in (None, "flashinfer") and flashinfer_usable(device):
-        return FlashInferAttentionBackend(device)
+        try:
+            return FlashInferAttentionBackend(device)
+        except Exception:  # installed but not importable here (another torch, a broken build...)
+            if prefer == "flashinfer":
+                raise
+            log.warning("flashinfer is installed but could not be loaded; the Triton kernels serve attention",
+                        exc_info=True)
     if prefer == "flashinfer":
         raise RuntimeError(f"the flashinfer attention backend needs a CUDA GPU (SM 8.0+) with triton and "
                            f"flashinfer-python installed (pip install 'oss-agent[gpu]'), not {device}")

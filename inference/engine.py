@@ -180,6 +180,8 @@ class LLMEngine:
         self.spec = SpeculationCounters()
         overlap = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         self.overlap = None  # async scheduling, where it is on
+        if config.async_scheduling and (self.drafter is not None or model.tp is not None):
+            log.info("async scheduling is off: it does not run with speculative decoding or tensor parallelism")
         if overlap and self.drafter is None and model.tp is None:
             from .async_scheduling import StepOverlap
 

@@ -60,8 +60,8 @@ class Attention(nn.Module):
         self.cache_kind = "sliding" if c.is_sliding(layer) else "full"
         self.sm_scale = c.sm_scale
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        # q, k and v in one matmul: rows [q | k | v]. On CUDA the loaders turn qkv and o_proj into
-        # `decode_linear.DecodeLinear`s (same math; decode-sized batches run a Triton GEMV).
+        # q, k and v in one matmul: rows [q | k | v]. On CUDA the loaders turn o_proj into a
+        # `decode_linear.DecodeLinear` (same math; decode-sized batches run a Triton GEMV).
         self.qkv = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=True)
         self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=True)
         self.sinks = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32), requires_grad=False)

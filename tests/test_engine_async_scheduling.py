@@ -210,6 +210,7 @@ def test_stop_while_the_next_step_is_queued_parks_the_same_pages(model):
                                                    continue_from="x")]}) for r in runs]
     assert again[1].tokens()["x2"] == again[0].tokens()["x2"] and len(again[0].tokens()["x2"]) == 6
     assert runs[1].calls_in_flight > 0 and again[1].calls_in_flight > 0
+    assert "x" in runs[1].ended_with_next_queued  # x's surplus row ran, and its reserved page was trimmed
     for r in runs:
         assert_back_to_baseline(r.engine)
 
