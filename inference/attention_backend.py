@@ -67,7 +67,7 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
       * full-attention layers of a step with at least `FLASHINFER_MIN_TOKENS` new tokens: flashinfer
         (FA3 on Hopper): its kernel is 1.09x (2k tokens) to 1.23x (8k) faster than Triton's, but
         planning a step costs ~1 ms of host time, so whole-model prefill gains only from 8k tokens
-        (+2% at 8k, +4% at 16k; equal at 2k and 4k);
+        (+2% at 8k, +4% at 16k in single runs, within run-to-run noise; equal at 2k and 4k);
       * decode steps: Triton. They replay CUDA graphs, which flashinfer's per-step host planning
         (0.5 to 4 ms) cannot join; FA2's decode is at most 1.2x faster at long contexts and FA3's
         (a prefill kernel) 10x slower;
