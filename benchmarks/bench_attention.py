@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cuda_timing import time_events, time_graph, time_graph_calls  # noqa: E402  (benchmarks/, the script's folder)
 from inference.attention import AttentionMetadata  # noqa: E402
 from inference.kernels import attention_triton as at  # noqa: E402
 from inference.kernels.rope_cache import rope_and_write_kv_triton  # noqa: E402
@@ -39,22 +40,6 @@ from inference.kernels.rope_cache import rope_and_write_kv_triton  # noqa: E402
 HQ, HKV, D, PAGE, WINDOW = 64, 8, 64, 16, 128
 DEV = torch.device("cuda")
 BYTES = 2  # bf16
-
-
-def time_events(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of fn() over `reps` runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def copy_bandwidth() -> float:
@@ -120,19 +105,9 @@ def bench_decode(pool: KVPool, batch: int, context: int, window, cfg: at.DecodeC
         return at.paged_sink_attention(q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window,
                                        decode_cfg=cfg)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(rotations):
-            run(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            run(i)
-    seconds = time_events(graph.replay, reps=10) / calls
+    seconds = time_graph_calls(run, rotations, calls)
     q_out_bytes = 2 * batch * HQ * D * BYTES
-    sms = at._multiprocessors(DEV)
+    sms = at.multiprocessors(DEV)
     return dict(seconds=seconds, bytes=kv_bytes + q_out_bytes, splits=at.decode_num_splits(batch, HKV, keys, sms, cfg),
                 block_n=at.decode_block_n(batch, HKV, sms, cfg))
 
@@ -195,35 +170,6 @@ def bench_flashinfer_prefill(pool: KVPool, tokens: int, window, kernel: str, wor
     visible = sum(min(i + 1, w) for i in range(tokens))
     return dict(seconds=time_graph(run), eager_seconds=time_events(plan_and_run), host_seconds=host_seconds(plan_and_run),
                 flops=4 * D * HQ * visible)
-
-
-def time_graph_calls(run, rotations: int, calls: int) -> float:
-    """Seconds per run(i) for i in range(calls), replayed from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(rotations):
-            run(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            run(i)
-    return time_events(graph.replay, reps=10) / calls
-
-
-def time_graph(fn, calls: int = 10) -> float:
-    """Seconds per fn() replayed from a CUDA graph: device time without host launch overhead."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_events(graph.replay, reps=10) / calls
 
 
 def host_seconds(fn, calls: int = 50) -> float:

@@ -22,7 +22,6 @@ import dataclasses
 import itertools
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,9 +32,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
+from cuda_timing import time_graph_calls  # noqa: E402
 from inference.decode_linear import GEMV_MAX_TOKENS  # noqa: E402
+from inference.kernels.multiprocessors import multiprocessors  # noqa: E402
 from inference.kernels.linear_triton import (  # noqa: E402
-    LinearConfig, linear_config, linear_reference, linear_triton, multiprocessors,
+    LinearConfig, linear_config, linear_reference, linear_triton,
 )
 
 DEV = torch.device("cuda")
@@ -53,39 +54,6 @@ MAX_COPIES = 1024
 
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def time_events(fn, reps: int = 10, warmup: int = 2) -> float:
-    """Median seconds of fn() over `reps` runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def time_graph_calls(run, rotations: int, calls: int) -> float:
-    """Seconds per run(i), i = 0..calls-1, replayed from one CUDA graph (warmed up outside it)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(rotations):
-            run(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            run(i)
-    seconds = time_events(graph.replay) / calls
-    del graph
-    return seconds
 
 
 class Problem:

@@ -12,76 +12,32 @@ NaN too. Reading anything outside the window therefore turns the output into NaN
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # Must be set before the kernel modules are decorated by triton.jit.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
+    CUDA, DEVICE, DTYPE, fresh_process_only, gpu_only, kernel_module, needs_triton,
+    run_in_fresh_interpreter,
+)
 from inference.attention import AttentionMetadata, sink_attention_reference  # noqa: E402
 from inference.attention_backend import ReferenceAttentionBackend, select_attention_backend  # noqa: E402
 from inference.kernels.rope_cache import rope_and_write_kv_reference  # noqa: E402
 
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
-
-def _interpreter_ready() -> bool:
-    """Triton's own library functions (tl.max, tl.sum, ...) are decorated when triton is first
-    imported; if that happened before TRITON_INTERPRET was set (another test module got there
-    first), kernels cannot be interpreted in this process."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(triton.language.standard.max, InterpretedFunction)
-
-
-# Where the kernels can run in this process: a GPU, or a correctly set-up interpreter.
-IN_PROCESS = HAVE_TRITON and (CUDA or _interpreter_ready())
-needs_triton = pytest.mark.skipif(
-    not IN_PROCESS,
-    reason="triton is not installed" if not HAVE_TRITON
-    else "triton was imported before TRITON_INTERPRET=1; test_triton_in_fresh_interpreter runs these",
-)
-gpu_only = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA GPU and triton")
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if CUDA else 1e-4
 
 
 def _kernel_modules():
-    """The Triton modules, reloaded if they were first imported outside interpreter mode."""
-    attention_triton = importlib.import_module("inference.kernels.attention_triton")
-    rope_cache = importlib.import_module("inference.kernels.rope_cache")
-    if not CUDA:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(attention_triton._decode_kernel, InterpretedFunction):
-            attention_triton = importlib.reload(attention_triton)
-        if not isinstance(rope_cache._rope_write_kv_kernel, InterpretedFunction):
-            rope_cache = importlib.reload(rope_cache)
-    return attention_triton, rope_cache
+    """The Triton modules, interpreted on CPU."""
+    return (kernel_module("inference.kernels.attention_triton", "_decode_kernel"),
+            kernel_module("inference.kernels.rope_cache", "_rope_write_kv_kernel"))
 
 
-@pytest.mark.skipif(not HAVE_TRITON or CUDA or IN_PROCESS, reason="the Triton tests run in this process")
+@fresh_process_only
 def test_triton_in_fresh_interpreter():
     """Run this file's Triton tests in a new interpreter-mode process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "triton_ and not fresh"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-500:]
+    run_in_fresh_interpreter(__file__)
 
 
 # ----------------------------------------------------------------------------- test batches

@@ -13,60 +13,24 @@ the error check turns any NaN into a failure.
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # Must be set before the kernel module is decorated by triton.jit.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
+    CUDA, DEVICE, DTYPE, HAVE_TRITON, fresh_process_only, gpu_only, kernel_module, needs_triton,
+    run_in_fresh_interpreter,
+)
 from inference import decode_linear  # noqa: E402
 from inference.decode_linear import DECODE_GEMV_LAYERS, DecodeLinear, gemv_supported, use_decode_gemv  # noqa: E402
 from inference.kernels.linear_triton import LinearConfig, linear_config, linear_reference  # noqa: E402
-
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
-
-def _interpreter_ready() -> bool:
-    """Triton's own library functions are decorated when triton is first imported; if that
-    happened before TRITON_INTERPRET was set, kernels cannot be interpreted in this process."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(triton.language.standard.max, InterpretedFunction)
-
-
-IN_PROCESS = HAVE_TRITON and (CUDA or _interpreter_ready())
-needs_triton = pytest.mark.skipif(
-    not IN_PROCESS,
-    reason="triton is not installed" if not HAVE_TRITON
-    else "triton was imported before TRITON_INTERPRET=1; test_triton_in_fresh_interpreter runs these",
-)
-gpu_only = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA GPU and triton")
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if CUDA else 1e-5
 
 
 def _kernels():
-    """The Triton module, reloaded if it was first imported outside interpreter mode."""
-    linear_triton = importlib.import_module("inference.kernels.linear_triton")
-    if not CUDA:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(linear_triton._linear_kernel, InterpretedFunction):
-            linear_triton = importlib.reload(linear_triton)
-    return linear_triton
+    """The Triton module, interpreted on CPU."""
+    return kernel_module("inference.kernels.linear_triton", "_linear_kernel")
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -89,15 +53,10 @@ def kernels():
     return _kernels()
 
 
-@pytest.mark.skipif(not HAVE_TRITON or CUDA or IN_PROCESS, reason="the Triton tests run in this process")
+@fresh_process_only
 def test_triton_in_fresh_interpreter():
     """Run this file's Triton tests in a new interpreter-mode process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-           "-k", "triton_ and not fresh"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-500:]
+    run_in_fresh_interpreter(__file__)
 
 
 # ----------------------------------------------------------------------------- reference and heuristic

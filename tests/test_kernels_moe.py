@@ -12,71 +12,30 @@ as in float32.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # Must be set before the kernel modules are decorated by triton.jit.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
+    CUDA, DEVICE, DTYPE, HAVE_TRITON, fresh_process_only, gpu_only, kernel_module, needs_triton,
+    run_in_fresh_interpreter,
+)
 from inference.moe import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
 from inference.moe_backend import ReferenceMoEBackend, select_moe_backend  # noqa: E402
 from inference.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
-
-def _interpreter_ready() -> bool:
-    """Triton's own library functions are decorated when triton is first imported; if that
-    happened before TRITON_INTERPRET was set, kernels cannot be interpreted in this process."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(triton.language.standard.max, InterpretedFunction)
-
-
-IN_PROCESS = HAVE_TRITON and (CUDA or _interpreter_ready())
-needs_triton = pytest.mark.skipif(
-    not IN_PROCESS,
-    reason="triton is not installed" if not HAVE_TRITON
-    else "triton was imported before TRITON_INTERPRET=1; test_triton_in_fresh_interpreter runs these",
-)
-gpu_only = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA GPU and triton")
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 LIMIT = 7.0
 
 
 def _kernels():
-    """The Triton module, reloaded if it was first imported outside interpreter mode."""
-    moe_triton = importlib.import_module("inference.kernels.moe_triton")
-    if not CUDA:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(moe_triton._route_kernel, InterpretedFunction):
-            moe_triton = importlib.reload(moe_triton)
-    return moe_triton
+    """The Triton module, interpreted on CPU."""
+    return kernel_module("inference.kernels.moe_triton", "_route_kernel")
 
 
-@pytest.mark.skipif(not HAVE_TRITON or CUDA or IN_PROCESS, reason="the Triton tests run in this process")
+@fresh_process_only
 def test_triton_in_fresh_interpreter():
     """Run this file's Triton tests in a new interpreter-mode process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-           "-k", "triton_ and not fresh"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-500:]
+    run_in_fresh_interpreter(__file__)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -241,6 +200,8 @@ def test_triton_router_matches_torch(shape):
     gates = torch.empty(19, top_k, dtype=torch.float32, device=DEVICE)
     counts = torch.zeros(e_count, dtype=torch.int32, device=DEVICE)
     out32 = torch.full((19, hidden), 5.0, device=DEVICE)
+    import triton
+
     operand = triton.language.bfloat16 if CUDA else triton.language.float32
     mt._route_kernel[(2,)](
         x, prepared.router_weight, prepared.router_bias, ids, gates, counts, out32, 19, hidden, e_count, x.stride(0),

@@ -22,7 +22,6 @@ once and keeps fully masked blocks from producing NaN.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..attention import AttentionMetadata
+from .multiprocessors import multiprocessors
 
 LOG2E = 1.4426950408889634
 
@@ -259,17 +259,6 @@ DECODE = DecodeConfig()
 PREFILL = PrefillConfig()
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter runs: any small number exercises the split path
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def decode_num_splits(batch: int, num_kv_heads: int, max_keys: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
     """Splits per (sequence, KV head): enough programs to fill the GPU, each with >= min_chunk keys."""
     if cfg.num_splits is not None:
@@ -335,7 +324,7 @@ def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out
     max_keys = max(meta.context_lens_list)
     if window is not None:
         max_keys = min(max_keys, window)
-    sm_count = _multiprocessors(q.device)
+    sm_count = multiprocessors(q.device)
     splits = decode_num_splits(batch, hkv, max_keys, sm_count, cfg)
     block_n = decode_block_n(batch, hkv, sm_count, cfg)
     split = splits > 1

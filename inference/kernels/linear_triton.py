@@ -24,10 +24,11 @@ match.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from .multiprocessors import multiprocessors
 
 try:
     import triton
@@ -61,17 +62,6 @@ class LinearConfig:
 # says otherwise.
 PROGRAMS_PER_SM = 4  # enough resident programs per multiprocessor to keep its loads in flight
 MIN_K_PER_SPLIT = 1024  # a split shorter than this costs more in the second pass than it hides
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter runs: any small number exercises the split path
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _pow2_floor(n: int) -> int:

@@ -1,0 +1,48 @@
+"""Timing GPU work for the benchmarks: CUDA events, and CUDA-graph replays that leave out the
+host's launch overhead (as the engine's decode steps run)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def time_events(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() over `reps` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def time_graph_calls(run, rotations: int, calls: int) -> float:
+    """Seconds per run(i), i = 0..calls-1, replayed from one CUDA graph. run(i) for i < rotations
+    is warmed up outside the graph first (compiles, allocations); callers rotate over inputs
+    with `i % rotations`, so large shapes are not just timing L2."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(rotations):
+            run(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            run(i)
+    seconds = time_events(graph.replay, reps=10) / calls
+    del graph
+    return seconds
+
+
+def time_graph(fn, calls: int = 10) -> float:
+    """Seconds per fn() replayed from a CUDA graph: device time without host launch overhead."""
+    return time_graph_calls(lambda i: fn(), 1, calls)
