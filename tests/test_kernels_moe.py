@@ -23,6 +23,7 @@ from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERP
 from inference.moe import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
 from inference.moe_backend import ReferenceMoEBackend, select_moe_backend  # noqa: E402
 from inference.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+from tests.moe_layers import random_mxfp4_layer  # noqa: E402
 
 LIMIT = 7.0
 
@@ -63,23 +64,8 @@ def make_weights(
 
 
 def random_packed_weights(num_experts: int, hidden: int, inter: int, seed: int = 0) -> MoEWeights:
-    """Real-size weights made directly on the device: random MXFP4 bytes, scales 2^-10..2^-6."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-
-    def u8(*shape, low=0, high=256):
-        return torch.randint(low, high, shape, generator=g, device=DEVICE, dtype=torch.uint8)
-
-    def normal(*shape, std):
-        return torch.randn(shape, generator=g, device=DEVICE) * std
-
-    e, h, i = num_experts, hidden, inter
-    experts = ExpertWeights(
-        gate_up_bias=normal(e, 2 * i, std=0.05), down_bias=normal(e, h, std=0.05),
-        gate_up_blocks=u8(e, 2 * i, h // 32, 16), gate_up_scales=u8(e, 2 * i, h // 32, low=117, high=122),
-        down_blocks=u8(e, h, i // 32, 16), down_scales=u8(e, h, i // 32, low=117, high=122),
-    )
-    return MoEWeights(router_weight=normal(num_experts, hidden, std=hidden**-0.5).to(DTYPE),
-                      router_bias=normal(num_experts, std=0.1).to(DTYPE), experts=experts)
+    """Real-size weights made directly on the device (router in the tests' dtype)."""
+    return random_mxfp4_layer(num_experts, hidden, inter, seed, DEVICE, router_dtype=DTYPE, bias_std=0.05)
 
 
 def float_copy(w: MoEWeights) -> MoEWeights:

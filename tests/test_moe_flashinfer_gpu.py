@@ -21,10 +21,11 @@ import sys
 import pytest
 import torch
 
-from inference.moe import ExpertWeights, MoEWeights, moe_reference, route, swiglu
+from inference.moe import MoEWeights, moe_reference, route, swiglu
 from inference.moe_backend import select_moe_backend
 from inference.moe_flashinfer import flashinfer_available, flashinfer_supports
 from inference.mxfp4 import dequantize_mxfp4
+from tests.moe_layers import random_mxfp4_layer
 
 CUDA = torch.cuda.is_available()
 HAVE_FLASHINFER = flashinfer_available()
@@ -44,24 +45,6 @@ GPT_OSS = (32, 2880, 2880)
 # ----------------------------------------------------------------------------- helpers
 
 
-def random_layer(num_experts: int, hidden: int, inter: int, seed: int = 0, device="cuda") -> MoEWeights:
-    """Random MXFP4 bytes with scales 2^-10..2^-6 (like a checkpoint's), bf16 router."""
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def u8(*shape, low=0, high=256):
-        return torch.randint(low, high, shape, generator=g, device=device, dtype=torch.uint8)
-
-    def normal(*shape, std):
-        return torch.randn(shape, generator=g, device=device) * std
-
-    e, h, i = num_experts, hidden, inter
-    experts = ExpertWeights(
-        gate_up_bias=normal(e, 2 * i, std=0.1), down_bias=normal(e, h, std=0.1),
-        gate_up_blocks=u8(e, 2 * i, h // 32, 16), gate_up_scales=u8(e, 2 * i, h // 32, low=117, high=122),
-        down_blocks=u8(e, h, i // 32, 16), down_scales=u8(e, h, i // 32, low=117, high=122),
-    )
-    return MoEWeights(router_weight=normal(e, h, std=h**-0.5).bfloat16(), router_bias=normal(e, std=0.1).bfloat16(),
-                      experts=experts)
 
 
 def float_router(w: MoEWeights) -> MoEWeights:
@@ -155,7 +138,7 @@ def decisive_tokens(x, w: MoEWeights, top_k: int) -> torch.Tensor:
 def test_experts_match_reference(shape):
     """Given the reference's routing, flashinfer's experts are the reference's, at batches where
     most experts get no tokens (1, 7) and where most get several (64, 300)."""
-    w = random_layer(*shape, seed=1)
+    w = random_mxfp4_layer(*shape, seed=1)
     backend, prepared = backend_and_prepared(w)
     for t in (1, 7, 64, 300):
         x = torch.randn(t, shape[1], device="cuda").bfloat16()
@@ -168,7 +151,7 @@ def test_experts_match_reference(shape):
 def test_forward_matches_reference(shape):
     """The whole block (bf16 router, tinygemm for small batches) against `moe_reference` in
     float32, on the tokens whose routing is decided beyond bf16 rounding."""
-    w = random_layer(*shape, seed=2)
+    w = random_mxfp4_layer(*shape, seed=2)
     backend, prepared = backend_and_prepared(w)
     for t in (1, 7, 64, 300):
         x = torch.randn(t, shape[1], device="cuda").bfloat16()
@@ -188,7 +171,7 @@ def test_forward_matches_reference(shape):
 @pytest.mark.parametrize("shape", [SMALL, GPT_OSS], ids=["small", "gpt-oss"])
 def test_every_token_picks_the_same_experts(shape):
     """Four experts get every token, the rest none."""
-    w = random_layer(*shape, seed=3)
+    w = random_mxfp4_layer(*shape, seed=3)
     bias = torch.zeros(shape[0], device="cuda")
     bias[[1, 5, 9, 12]] = torch.tensor([50.0, 40.0, 30.0, 20.0], device="cuda")
     w.router_bias = bias.bfloat16()
@@ -206,7 +189,7 @@ def test_every_token_picks_the_same_experts(shape):
 @pytest.mark.parametrize("t", [1, 8, 64])
 def test_cuda_graph_capture(t):
     """forward has no host synchronisation: it captures in a graph and replays on new inputs."""
-    w = random_layer(*SMALL, seed=4)
+    w = random_mxfp4_layer(*SMALL, seed=4)
     backend, prepared = backend_and_prepared(w)
     x = torch.randn(t, SMALL[1], device="cuda").bfloat16()
     backend.forward(x, prepared, TOP_K, LIMIT)  # JIT, workspace and limit tensor outside the capture
@@ -226,7 +209,7 @@ def test_cuda_graph_capture(t):
 
 @gpu
 def test_prepare_releases_packed_weights_and_checks_input():
-    w = random_layer(*SMALL, seed=5)
+    w = random_mxfp4_layer(*SMALL, seed=5)
     backend = select_moe_backend("cuda", "flashinfer")
     copy = shallow_copy(w)
     prepared = backend.prepare(copy)
@@ -285,7 +268,7 @@ def test_layout_holds_checkpoint_values(shape):
     from inference.moe_flashinfer import prepare_flashinfer_weights
 
     e, h, i = shape
-    w = random_layer(e, h, i, seed=6, device="cpu")
+    w = random_mxfp4_layer(e, h, i, seed=6, device="cpu")
     p = prepare_flashinfer_weights(w, interleave_weights=False)
     hp, ip = -(-h // 128) * 128, -(-i // 128) * 128
     assert p.w1.shape == (e, 2 * ip, hp // 2) and p.w2.shape == (e, hp, ip // 2)
