@@ -120,9 +120,11 @@ class Page:
     def finished(self, n: int, *expected: str) -> None:
         """Wait until assistant turn n stops streaming; it must end in an `expected` state
         (default: completed)."""
+        # The turn's state settles with its last event; the page takes the next message only
+        # once the request has closed too (body not busy), so wait for both.
         self.page.wait_for_function(
             "n => { const t = document.querySelectorAll('.turn.assistant')[n];"
-            " return t && t.dataset.state !== 'streaming'; }", arg=n)
+            " return t && t.dataset.state !== 'streaming' && document.body.dataset.busy !== 'true'; }", arg=n)
         state = self.turn(n).get_attribute("data-state")
         assert state in (expected or ("completed",)), f"turn {n} ended {state}: {self.turn(n).inner_text()}"
 
