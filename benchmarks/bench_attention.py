@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import time_events, time_graph, time_graph_calls  # noqa: E402  (benchmarks/, the script's folder)
+from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
+from cuda_timing import time_events, time_graph, time_graph_calls  # noqa: E402
 from inference.attention import AttentionMetadata  # noqa: E402
 from inference.kernels import attention_triton as at  # noqa: E402
 from inference.kernels.rope_cache import rope_and_write_kv_triton  # noqa: E402
@@ -40,13 +41,6 @@ from inference.kernels.rope_cache import rope_and_write_kv_triton  # noqa: E402
 HQ, HKV, D, PAGE, WINDOW = 64, 8, 64, 16, 128
 DEV = torch.device("cuda")
 BYTES = 2  # bf16
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.randn(2**30 // 2, device=DEV, dtype=torch.bfloat16).view(torch.uint8)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / time_events(lambda: dst.copy_(src))
 
 
 def matmul_flops() -> float:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -176,9 +175,6 @@ class FlashInferAttention:
         sinks = torch.zeros(num_qo_heads, device=self.device)
         log.info("flashinfer: preparing %s kernels for windows %s (the first start on a machine compiles them, "
                  "which takes minutes)", self.kernel, list(windows))
-        # One module per window; their compilers run at once (each is a separate ninja build).
-        with ThreadPoolExecutor(len(windows)) as pool:
-            list(pool.map(lambda w: self._wrapper(w, dtype, head_dim), windows))
         for window in windows:
             self.attention(q, k_cache, v_cache, meta, table, sinks, 1.0, window)
         torch.cuda.synchronize(self.device)
