@@ -39,10 +39,13 @@ EXPERTS = {"20b": 32, "120b": 128}
 # Launch variants tried by --sweep (fields of MoEKernelConfig; the rest keep their defaults).
 DECODE_SWEEP = [
     dict(),
-    dict(gemv_down_block_n=32),
-    dict(gemv_block_n=32, gemv_down_block_n=32),
+    dict(gemv_block_u=2),
+    dict(gemv_block_u=8),
+    dict(gemv_block_n=4, gemv_down_block_n=4),
+    dict(gemv_block_n=16, gemv_down_block_n=16, gemv_warps=2),
+    dict(gemv_stages=2),
     dict(gemv_stages=4),
-    dict(gemv_block_u=4),
+    dict(gemv_block_n=32, gemv_down_block_n=32, gemv_block_u=8, gemv_warps=4),  # the H100 defaults of 2026-11-22
 ]
 DECODE_SWEEP_MAX_BATCH = 16  # up to here both paths are timed
 GROUPED_SWEEP = [

@@ -100,6 +100,10 @@ def prepared_copy(backend, w: MoEWeights):
 
 
 TOL = 2e-2 if CUDA else 1e-5
+# The decode GEMVs multiply in fp16 (activations rounded to 11 significant bits; x is bf16 on a
+# GPU, so only the SwiGLU output rounds there): float32 inputs under the interpreter differ from
+# the reference by up to ~2^-12 relative. A layout or scale mistake is off by order 1.
+DECODE_TOL = TOL if CUDA else 1e-3
 
 
 # ----------------------------------------------------------------------------- reference path
@@ -168,6 +172,119 @@ def test_planar_layout_round_trip():
         assert (values.reshape(2, 5, -1)[..., groups * 32 :] == 0).all()
 
 
+def _run_ptx(text: str, operands: list[int]) -> list[float]:
+    """Execute the few PTX instructions `WORD_PAIR_DOT_PTX` uses, with numpy's IEEE semantics
+    (fp16 fma: exact in float64, then one rounding). operands: $2.. as uint32; returns $0, $1."""
+    import numpy as np
+
+    regs = {f"${i + 2}": np.uint32(v) for i, v in enumerate(operands)}
+
+    def val(tok):
+        return np.uint32(int(tok, 16)) if tok.startswith("0x") else regs[tok]
+
+    def halves(v):
+        return np.array([v], dtype=np.uint32).view(np.float16).astype(np.float64)
+
+    def pack(pair):
+        return np.asarray(pair, dtype=np.float16).view(np.uint32)[0]
+
+    for line in text.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith("//"):
+            continue
+        op, args = line.split(None, 1)
+        a = [t.strip() for t in args.split(",")]
+        if op == "mov.b32":  # mov.b32 {lo, hi}, x
+            lo, hi = a[0].strip("{ "), a[1].strip("} ")
+            regs[lo], regs[hi] = halves(val(a[2]))
+        elif op == "shl.b32":
+            regs[a[0]] = np.uint32((int(val(a[1])) << int(a[2])) & 0xFFFFFFFF)
+        elif op == "shr.b32":
+            regs[a[0]] = np.uint32(int(val(a[1])) >> int(a[2]))
+        elif op == "and.b32":
+            regs[a[0]] = np.uint32(int(val(a[1])) & int(val(a[2])))
+        elif op == "or.b32":
+            regs[a[0]] = np.uint32(int(val(a[1])) | int(val(a[2])))
+        elif op == "mul.lo.u32":
+            regs[a[0]] = np.uint32((int(val(a[1])) * int(val(a[2]))) & 0xFFFFFFFF)
+        elif op == "mul.rn.f16x2":
+            regs[a[0]] = pack(halves(val(a[1])) * halves(val(a[2])))
+        elif op == "fma.rn.f16x2":
+            regs[a[0]] = pack(halves(val(a[1])) * halves(val(a[2])) + halves(val(a[3])))
+        elif op == "cvt.f32.f16":
+            regs[a[0]] = np.float32(regs[a[1]])
+        elif op == "add.f32":
+            regs[a[0]] = np.float32(regs[a[1]] + regs[a[2]])
+        else:
+            raise AssertionError(f"unknown instruction {op}")
+    return [float(regs["$0"]), float(regs["$1"])]
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_word_pair_dot_assembly_decodes_the_planar_layout():
+    """The decode GEMVs' inline assembly, executed instruction by instruction on CPU: for two
+    words of a tile it returns the sums over their low values (one scale block) and their high
+    values (the next) against fp16 activations in the `_permuted` order, in units of
+    e2m1 * 2^-14."""
+    import numpy as np
+
+    from inference.kernels.moe_triton import WORD_PAIR_DOT_PTX, pack_planar
+
+    lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    g = torch.Generator().manual_seed(12)
+    blocks = torch.randint(0, 256, (1, 1, 2, 16), generator=g, dtype=torch.uint8)
+    w, _ = pack_planar(blocks, torch.full((1, 1, 2), 127, dtype=torch.uint8))
+    words = w.view(torch.int32).view(-1).numpy().view(np.uint32)  # the tile's 8 words
+    values = dequantize_mxfp4(blocks, torch.full((1, 1, 2), 127, dtype=torch.uint8), torch.float64).view(-1)
+    assert set(lut.tolist()) >= set(values.abs().tolist())
+    x = (torch.randn(64, generator=g, dtype=torch.float64) * 1000).to(torch.float16)
+    perm = torch.tensor([0, 2, 1, 3]).repeat(16) + torch.arange(64) // 4 * 4
+    x_perm = torch.empty_like(x)
+    x_perm[perm] = x
+    x32 = x_perm.view(torch.int32).numpy().view(np.uint32)
+    xs = x.double()
+    for i in range(4):  # word pair i: words 2i, 2i+1; low values 8i..8i+7, high values 32+8i..
+        b = 4 * i  # x32 index of the pair's first low value (natural index 8i)
+        ops = [words[2 * i], words[2 * i + 1], x32[b], x32[b + 1], x32[b + 16], x32[b + 17],
+               x32[b + 2], x32[b + 3], x32[b + 18], x32[b + 19]]
+        got_lo, got_hi = _run_ptx(WORD_PAIR_DOT_PTX, [int(o) for o in ops])
+        want_lo = (values[8 * i: 8 * i + 8] * xs[8 * i: 8 * i + 8]).sum().item() * 2**-14
+        want_hi = (values[32 + 8 * i: 40 + 8 * i] * xs[32 + 8 * i: 40 + 8 * i]).sum().item() * 2**-14
+        scale = (values.abs() * xs.abs()).max().item() * 2**-14 * 8
+        assert abs(got_lo - want_lo) <= 2e-3 * scale, (i, got_lo, want_lo)
+        assert abs(got_hi - want_hi) <= 2e-3 * scale, (i, got_hi, want_hi)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_gemv_activation_scale_bounds_the_swiglu():
+    """The power of two the decode GEMVs store the SwiGLU output under keeps every clamped
+    SwiGLU value inside fp16 and uses at least half the headroom; unbounded limits get None."""
+    from inference.kernels.moe_triton import FP16_ACTIVATION_MAX, gemv_activation_scale
+    from inference.moe import swiglu
+
+    for limit in (7.0, 1.0, 0.25, 100.0):
+        scale = gemv_activation_scale(limit)
+        grid = torch.linspace(-3 * limit - 10, 3 * limit + 10, 2001, dtype=torch.float64)
+        h = torch.stack(torch.meshgrid(grid, grid, indexing="ij"), dim=-1).reshape(-1, 2)  # (gate, up)
+        biggest = swiglu(h, limit).abs().max().item()
+        assert scale * biggest <= FP16_ACTIVATION_MAX < 65504, limit
+        assert scale * max(limit, 0.3) * (limit + 1) > FP16_ACTIVATION_MAX / 2, limit
+    assert gemv_activation_scale(float("inf")) is None and gemv_activation_scale(0.0) is None
+
+
+@needs_triton
+def test_triton_unbounded_limit_takes_the_grouped_path():
+    """Without a finite SwiGLU limit the fp16 GEMVs have no bound, so a batch of one runs the
+    grouped path and still matches the reference."""
+    mt = _kernels()
+    w = make_weights(4, 64, 64, seed=14)
+    x = torch.randn(1, 64, device=DEVICE).to(DTYPE)
+    out = triton_backend().forward(x, prepared_copy(triton_backend(), w), 2, float("inf"))
+    want = moe_reference(x.float(), float_copy(w), 2, float("inf"))
+    assert_close(out, want, TOL)
+    assert mt.gemv_activation_scale(float("inf")) is None
+
+
 # ----------------------------------------------------------------------------- Triton kernels
 
 # (experts, hidden, intermediate, top_k): 96 = 3 scale blocks, so K pads to a whole 64-tile.
@@ -209,7 +326,7 @@ def _run_both_paths(w, x, top_k, tol=TOL, **config):
         backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=decode_max, **config))
         out = backend.forward(x, prepared_copy(backend, w), top_k, LIMIT)
         assert out.dtype == x.dtype
-        assert_close(out, ref, tol)
+        assert_close(out, ref, max(tol, DECODE_TOL) if name == "decode" else tol)
         outs[name] = out
     return outs
 
@@ -279,7 +396,7 @@ def test_triton_prepare_releases_packed_weights():
     ref = reference(x, w, 2)
     prepared = backend.prepare(w)
     assert w.experts.gate_up_blocks is None and w.experts.down_blocks is None
-    assert_close(backend.forward(x, prepared, 2, LIMIT), ref, TOL)
+    assert_close(backend.forward(x, prepared, 2, LIMIT), ref, DECODE_TOL)  # T=2: the decode path
 
 
 # ----------------------------------------------------------------------------- GPU only: real shapes

@@ -5,9 +5,10 @@ dequantised in registers. `prepare_moe_weights` converts the checkpoint's packed
 load time into the layout below; `fused_moe` runs one MoE block. Two paths:
 
   decode, T <= decode_max_tokens (bandwidth-bound GEMVs on CUDA cores, 4 launches):
-    router logits, spread over many programs (and zeroing the fp32 output rows)      [T, E]
+    router logits, spread over many programs; also zeroes the fp32 output rows and
+        writes x as scaled fp16 for the GEMVs                                        [T, E]
     gate_up GEMV per (token, slot): top-k + softmax of the token's logits in its
-        prologue, the clamped SwiGLU in its epilogue                                 act [T*k, I]
+        prologue, the clamped SwiGLU in its epilogue                                 act [T*k, I] fp16
     down GEMV per (token, slot): epilogue scales by the routing weight and
         atomically adds into the token's fp32 output row                             [T, H]
     cast to bf16
@@ -25,7 +26,8 @@ Weight layout (per expert, a matrix W [N, K] used as y = x W^T, K padded to a mu
        64t+j in its low half and value 64t+32+j in its high half ("planar"). So a tile's low
        halves are one whole 32-value scale block and its high halves the next, and the two
        dequantise without shuffling values across registers. Bits of a byte: low value's sign
-       0 and magnitude 1-3, high value's sign 4 and magnitude 5-7 (see `_e2m1_tiny`).
+       0 and magnitude 1-3, high value's sign 4 and magnitude 5-7 (see `_e2m1_tiny`; the decode
+       GEMVs read the same bytes as 32-bit words, see `WORD_PAIR_DOT_PTX`).
     s  uint8 [E, N, S]: the block scales, each row padded to S = a multiple of 16 bytes so a
        GEMV step's scales are one aligned 16-byte load (which the pipeliner can copy ahead).
 gate_up rows are de-interleaved at load time: rows [0, I) are the gates, [I, 2I) the ups, so the
@@ -34,6 +36,7 @@ SwiGLU epilogue pairs row n with row I+n.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -144,8 +147,9 @@ def prepare_moe_weights(weights: MoEWeights) -> TritonMoEWeights:
 _E2M1_FP32_MASK = tl.constexpr(0x81C00000 - (1 << 32))  # sign bit 31, magnitude bits 22-24
 _SHIFT_17_27 = tl.constexpr((1 << 17) + (1 << 27))  # x * this == (x << 17) | (x << 27) for a byte
 _SHIFT_21_31 = tl.constexpr((1 << 21) + (1 << 31) - (1 << 32))  # == (x << 21) | (x << 31), as int32
-_TWO_POW_100 = tl.constexpr(1.2676506002282294e30)
+_TWO_POW_112 = tl.constexpr(5.192296858534828e33)
 _TWO_POW_126 = tl.constexpr(8.507059173023462e37)
+FP16_ACTIVATION_MAX = 32768.0  # |x| the GEMVs scale their fp16 activations to (fp16 max 65504)
 
 
 @triton.jit
@@ -178,11 +182,128 @@ def _dequant(byte, scale, HIGH: tl.constexpr, LARGE_SCALES: tl.constexpr):
     return tiny * ((scale + 126) << 23).to(tl.float32, bitcast=True)
 
 
+_WORD_DECODE_PTX = """
+and.b32 m, {w}, 0x000F000F;
+mul.lo.u32 m, m, 0x8100;
+and.b32 h0, m, 0x8E008E00;
+and.b32 m, {w}, 0x0F000F00;
+mul.lo.u32 m, m, 0x81;
+and.b32 h1, m, 0x8E008E00;
+and.b32 m, {w}, 0x00F000F0;
+mul.lo.u32 m, m, 0x810;
+and.b32 h2, m, 0x8E008E00;
+and.b32 m, {w}, 0xF000F000;
+shr.b32 t, m, 4;
+shl.b32 m, m, 3;
+or.b32 t, t, m;
+and.b32 h3, t, 0x8E008E00;
+"""  # one word $w -> h0..h3 (see below)
+
+# The decode GEMVs' inner step, for two 32-bit words of one 64-value tile (16 weights):
+#   decode  each word's 8 values as 4 fp16x2 pairs of e2m1 * 2^-14 (fp16 subnormals for 0.5),
+#           moving each code's sign to bit 15 and magnitude to bits 9-11 of its half:
+#           h0 = ((w & 0x000F000F) * 0x8100) & M   low values of bytes 0, 2 (shifts 8 and 15)
+#           h1 = ((w & 0x0F000F00) * 0x81) & M     low values of bytes 1, 3 (shifts 0 and 7)
+#           h2 = ((w & 0x00F000F0) * 0x810) & M    high values of bytes 0, 2 (shifts 4 and 11)
+#           h3 = ((m >> 4) | (m << 3)) & M with m = w & 0xF000F000, high values of bytes 1, 3
+#           where M = 0x8E008E00; each multiply's two shifted copies never overlap, so it ORs;
+#   multiply with the matching fp16x2 activation pairs (packed HFMA2, two weights an
+#           instruction), low and high values apart since they are different scale blocks;
+#   widen   each accumulator's two halves to fp32 and add them.
+# Products are exact in fp16 (2 + 8 significant bits) and each fp16 sum has 4 terms, so this
+# is as accurate as the bf16 output, at about 2.5 instructions per weight against 4.7 for
+# float32 FMAs on values decoded one at a time.
+WORD_PAIR_DOT_PTX = """
+{{
+.reg .b32 t, m, h0, h1, h2, h3, a, b;
+.reg .f16 lo, hi;
+.reg .f32 fl, fh;
+{w0}mul.rn.f16x2 a, h0, $4;
+fma.rn.f16x2 a, h1, $5, a;
+mul.rn.f16x2 b, h2, $6;
+fma.rn.f16x2 b, h3, $7, b;
+{w1}fma.rn.f16x2 a, h0, $8, a;
+fma.rn.f16x2 a, h1, $9, a;
+fma.rn.f16x2 b, h2, $10, b;
+fma.rn.f16x2 b, h3, $11, b;
+mov.b32 {{lo, hi}}, a;
+cvt.f32.f16 fl, lo;
+cvt.f32.f16 fh, hi;
+add.f32 $0, fl, fh;
+mov.b32 {{lo, hi}}, b;
+cvt.f32.f16 fl, lo;
+cvt.f32.f16 fh, hi;
+add.f32 $1, fl, fh;
+}}
+""".format(w0=_WORD_DECODE_PTX.format(w="$2"), w1=_WORD_DECODE_PTX.format(w="$3"))
+_WORD_PAIR_DOT = tl.constexpr(WORD_PAIR_DOT_PTX)
+
+
+@triton.jit
+def _permuted(k):
+    """Where natural index k sits in a GEMV activation row: in each group of 4, the middle two
+    swap, so that 32-bit word 2g holds (k=4g, 4g+2) and word 2g+1 (4g+1, 4g+3), the pairs the
+    decode makes from bytes (0, 2) and (1, 3)."""
+    return (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
+
+
+@triton.jit
+def _four_words(ptrs, tile_ok):
+    """ptrs [U, 4, 4] over 4 consecutive int32 words each -> the 4 words as 4 [U, 4] tensors,
+    from one 16-byte load per (u, i), split in registers."""
+    x4 = tl.load(ptrs, mask=tile_ok[:, None, None], other=0)
+    even, odd = tl.split(tl.reshape(x4, (x4.shape[0], x4.shape[1], 2, 2)))  # words (0, 2), (1, 3)
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _tile_dot(w, x_row, base, tile_ok, ASM: tl.constexpr):
+    """The two block sums of a row's 64-value tiles against the activations.
+
+    w: [BN, U, 8] int32, each row's words of U tiles; x_row: fp16 pointer to the token's
+    permuted, scaled activation row; base: [U, 4] int32, the natural K index of the first
+    value of word pair i (64 * tile + 8i); tile_ok: [U], which tiles exist (the rest must be
+    masked out of w as zeros). Returns the sums over each word pair's low and high values
+    (the tile's two scale blocks), each [BN, U, 4] float32 in units of e2m1 * 2^-14 * x_row;
+    the caller sums over pairs once, after its loop. ASM: the packed fp16 inline assembly;
+    otherwise the same sums in float32 Triton ops (the interpreter runs no assembly).
+    """
+    w0, w1 = tl.split(tl.reshape(w, (w.shape[0], w.shape[1], 4, 2)))  # words 2i and 2i+1
+    if ASM:
+        # Word pair i's activation pairs: int32 words base/2 + 0..3 for its low values and
+        # base/2 + 16..19 for its high ones.
+        x32 = x_row.to(tl.pointer_type(tl.int32)) + (base // 2)[:, :, None] + tl.arange(0, 4)[None, None, :]
+        lo0, lo1, lo2, lo3 = _four_words(x32, tile_ok)
+        hi0, hi1, hi2, hi3 = _four_words(x32 + 16, tile_ok)
+        xs = (lo0, lo1, hi0, hi1, lo2, lo3, hi2, hi3)  # word 2i's low pairs, high pairs, then 2i+1's
+        args = [w0, w1] + [tl.broadcast_to(a[None, :, :], w0.shape) for a in xs]
+        sa, sb = tl.inline_asm_elementwise(
+            _WORD_PAIR_DOT, "=f,=f,r,r,r,r,r,r,r,r,r,r", args,
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+        )
+    else:
+        sa = tl.zeros(w0.shape, dtype=tl.float32)
+        sb = tl.zeros(w0.shape, dtype=tl.float32)
+        for v in tl.static_range(8):  # byte v % 4 of word 2i + v // 4: values base + v, + 32
+            if v < 4:
+                word = w0
+            else:
+                word = w1
+            byte = (word >> (8 * (v % 4))) & 0xFF
+            x_lo = tl.load(x_row + _permuted(base + v), mask=tile_ok[:, None], other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + _permuted(base + 32 + v), mask=tile_ok[:, None], other=0.0).to(tl.float32)
+            sa += _e2m1_tiny(byte, False) * _TWO_POW_112 * x_lo[None, :, :]
+            sb += _e2m1_tiny(byte, True) * _TWO_POW_112 * x_hi[None, :, :]
+    return sa, sb
+
+
 @triton.jit
 def _block_factor(scale):
-    """2^(scale - 101): undoes e2m1 * 2^-126 times activations * 2^100 (the GEMV's products).
-    Exact for scale bytes up to 228 (weights up to 6 * 2^101); real checkpoints sit near 120."""
-    return ((scale + 26) << 23).to(tl.float32, bitcast=True)
+    """2^(scale - 113): with 2^14 undoes the e2m1 * 2^-14 of `_tile_dot`'s sums. Exact for
+    scale bytes up to 240 (weights up to 6 * 2^113); real checkpoints sit near 120."""
+    return ((scale + 14) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -270,123 +391,124 @@ def _route_kernel(
 
 @triton.jit
 def _router_logits_kernel(
-    x_ptr, wr_ptr, br_ptr, logits_ptr, out_ptr, x_scaled_ptr, H, E, stride_x,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    x_ptr, wr_ptr, br_ptr, logits_ptr, out_ptr, xh_ptr, inv_scale_ptr, H, E, stride_x, k_pad,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
 ):
     """logits[t, e] = x[t] . Wr[e] + br[e] for BLOCK_E experts of one token (float32): many small
     programs, so a decode step's router read is spread over the GPU, not one multiprocessor.
-    Also zeroes ZERO_BLOCK columns of the token's fp32 output row, and the first program of a
-    token writes x_scaled[t] = x[t] * 2^100 in float32 for the GEMVs."""
+
+    Each program also handles SLICE columns of the token for the GEMVs: zeroes them in the fp32
+    output row, and writes them to xh[t] ([T, k_pad] fp16, `_permuted` order, zero past H) as
+    x * c, where c = 2^k puts max |x[t]| in [2^14, 2^15); the first program writes 1/c to
+    inv_scale[t]. Every program reads the whole row anyway, so each knows max |x[t]|."""
     eb = tl.program_id(0)
     t = tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < E
     acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=3):
         k = k0 + tl.arange(0, BLOCK_K)
         xk = tl.load(x_ptr + t * stride_x + k, mask=k < H, other=0.0).to(tl.float32)
-        tl.store(x_scaled_ptr + t * H + k, xk * _TWO_POW_100, mask=(k < H) & (k * 0 + eb == 0))
+        amax = tl.maximum(amax, tl.abs(xk))
         wk = tl.load(wr_ptr + e[:, None] * H + k[None, :], mask=e_ok[:, None] & (k < H)[None, :], other=0.0)
         acc += wk.to(tl.float32) * xk[None, :]
     logits = tl.sum(acc, axis=1) + tl.load(br_ptr + e, mask=e_ok, other=0.0)
     tl.store(logits_ptr + t * E + e, logits, mask=e_ok)
-    h = eb * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
-    tl.store(out_ptr + t * H + h, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=h < H)
+    # max |x| < 2^(f - 126) for its exponent field f, so c = 2^(141 - f) (clamped to normal floats).
+    field = (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    k_exp = tl.minimum(tl.maximum(141 - field, -126), 126)
+    c = ((k_exp + 127) << 23).to(tl.float32, bitcast=True)
+    if eb == 0:
+        tl.store(inv_scale_ptr + t, ((127 - k_exp) << 23).to(tl.float32, bitcast=True))
+    h = eb * SLICE + tl.arange(0, SLICE)
+    xs = tl.load(x_ptr + t * stride_x + h, mask=h < H, other=0.0).to(tl.float32) * c
+    tl.store(xh_ptr + t * k_pad + _permuted(h), xs.to(tl.float16), mask=h < k_pad)
+    tl.store(out_ptr + t * H + h, tl.zeros([SLICE], dtype=tl.float32), mask=h < H)
 
 
 # ----------------------------------------------------------------------------- decode (GEMV)
-# float32 FMAs on CUDA cores; the step is bandwidth-bound, so what matters is bytes in flight
-# (software-pipelined loads, many programs) and few instructions per weight: the e2m1 bits are
-# used as tiny floats, activations come pre-scaled by 2^100 in float32 (x by the router kernel,
-# act by the gate_up GEMV) so the products stay normal, and the block scale is applied once per
-# 32 products.
+# What limits these at small T is loads in flight, not bandwidth or instruction issue: a
+# batch-1 layer is a few microseconds of work per SM. Hence many small one-warp programs
+# (`MoEKernelConfig`), software-pipelined loads, and few instructions per weight: `_tile_dot`
+# multiplies packed fp16 pairs, with the activations scaled into fp16's range (x by the router
+# kernel, act by the gate_up GEMV), and each 32-value block's sum gets its scale once.
+
+
+@triton.jit
+def _gemv_step(acc, w_rows, s_rows, n_ok, x_row, t0, num_tiles,
+               BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, ASM: tl.constexpr):
+    """acc [BN, U, 4] += one loop step of a GEMV over BLOCK_U tiles from tile t0: rows' words at
+    w_rows ([BN, 1, 8] int32 pointers), their scale bytes at s_rows ([BN, 2U] pointers)."""
+    u = tl.arange(0, BLOCK_U)
+    tile_ok = t0 + u < num_tiles
+    c = tl.arange(0, 2 * BLOCK_U)
+    w = tl.load(w_rows + ((t0 + u) * 8)[None, :, None], mask=n_ok[:, None, None] & tile_ok[None, :, None], other=0)
+    sc = tl.load(s_rows + 2 * t0, mask=n_ok[:, None] & (t0 + c // 2 < num_tiles)[None, :], other=0)
+    s_a, s_b = tl.split(tl.reshape(sc.to(tl.int32), [BLOCK_N, BLOCK_U, 2]))
+    base = (t0 + u)[:, None] * 64 + 8 * tl.arange(0, 4)[None, :]
+    sa, sb = _tile_dot(w, x_row, base, tile_ok, ASM)
+    return acc + sa * _block_factor(s_a)[:, :, None] + sb * _block_factor(s_b)[:, :, None]
 
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    x_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
-    H, I, E, num_tiles, s_row, limit, alpha,
+    xh_ptr, inv_scale_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    I, E, num_tiles, s_row, k_pad, i_pad, limit, alpha, act_scale,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr,
 ):
-    """act[p, n] = 2^100 * swiglu(x[t] W1g[e]^T + b, x[t] W1u[e]^T + b) for pair p = (token t,
-    slot), e the slot's expert, n in this program's BLOCK_N columns; BLOCK_U 64-value K tiles per
-    step. x_ptr holds x * 2^100 in float32 (row stride H)."""
+    """act[p, n] = act_scale * swiglu(x[t] W1g[e]^T + b, x[t] W1u[e]^T + b) in fp16, `_permuted`
+    (zero for I <= n < i_pad), for pair p = (token t, slot), e the slot's expert, n in this
+    program's BLOCK_N columns; BLOCK_U 64-value K tiles per step. w_ptr: the weights as int32
+    words; xh_ptr: x as the router kernel scales it ([T, k_pad] fp16)."""
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     token = pair // TOP_K
     e, _ = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
     e = e.to(tl.int64)
-    u = tl.arange(0, BLOCK_U)
-    j = tl.arange(0, 32)
-    c = tl.arange(0, 2 * BLOCK_U)
     n_ok = n < I
-    row_bytes = num_tiles * 32
-    g_rows = w_ptr + e * (2 * I) * row_bytes + n.to(tl.int64)[:, None, None] * row_bytes + j[None, None, :]
-    u_rows = g_rows + I * row_bytes
-    sg_rows = s_ptr + e * (2 * I) * s_row + n[:, None] * s_row + c[None, :]
+    row_words = num_tiles * 8
+    g_rows = w_ptr + e * (2 * I) * row_words + n.to(tl.int64)[:, None, None] * row_words + tl.arange(0, 8)[None, None, :]
+    u_rows = g_rows + I * row_words
+    sg_rows = s_ptr + e * (2 * I) * s_row + n[:, None] * s_row + tl.arange(0, 2 * BLOCK_U)[None, :]
     su_rows = sg_rows + I * s_row
-    x_row = x_ptr + token.to(tl.int64) * H + j[None, :]
-    acc_g = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
+    x_row = xh_ptr + token.to(tl.int64) * k_pad
+    acc_g = tl.zeros([BLOCK_N, BLOCK_U, 4], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_U, 4], dtype=tl.float32)
     for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
-        tile = t0 + u
-        m3 = n_ok[:, None, None] & (tile < num_tiles)[None, :, None]
-        wg = tl.load(g_rows + (tile * 32)[None, :, None], mask=m3, other=0).to(tl.int32)
-        wu = tl.load(u_rows + (tile * 32)[None, :, None], mask=m3, other=0).to(tl.int32)
-        ms = n_ok[:, None] & (t0 + c // 2 < num_tiles)[None, :]
-        sg = tl.reshape(tl.load(sg_rows + 2 * t0, mask=ms, other=0).to(tl.int32), [BLOCK_N, BLOCK_U, 2])
-        su = tl.reshape(tl.load(su_rows + 2 * t0, mask=ms, other=0).to(tl.int32), [BLOCK_N, BLOCK_U, 2])
-        sg_lo, sg_hi = tl.split(sg)
-        su_lo, su_hi = tl.split(su)
-        k_lo = (tile * 64)[:, None]
-        x_lo = tl.load(x_row + k_lo, mask=k_lo + j[None, :] < H, other=0.0)[None, :, :]
-        x_hi = tl.load(x_row + k_lo + 32, mask=k_lo + 32 + j[None, :] < H, other=0.0)[None, :, :]
-        acc_g += tl.sum(_e2m1_tiny(wg, False) * x_lo, axis=2) * _block_factor(sg_lo)
-        acc_g += tl.sum(_e2m1_tiny(wg, True) * x_hi, axis=2) * _block_factor(sg_hi)
-        acc_u += tl.sum(_e2m1_tiny(wu, False) * x_lo, axis=2) * _block_factor(su_lo)
-        acc_u += tl.sum(_e2m1_tiny(wu, True) * x_hi, axis=2) * _block_factor(su_hi)
-    gate = tl.sum(acc_g, axis=1) + tl.load(b_ptr + e * 2 * I + n, mask=n_ok, other=0.0)
-    up = tl.sum(acc_u, axis=1) + tl.load(b_ptr + e * 2 * I + I + n, mask=n_ok, other=0.0)
-    tl.store(act_ptr + pair * I + n, _swiglu(gate, up, limit, alpha) * _TWO_POW_100, mask=n_ok)
+        acc_g = _gemv_step(acc_g, g_rows, sg_rows, n_ok, x_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
+        acc_u = _gemv_step(acc_u, u_rows, su_rows, n_ok, x_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
+    inv_scale = tl.load(inv_scale_ptr + token)
+    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1) * inv_scale + tl.load(b_ptr + e * 2 * I + n, mask=n_ok, other=0.0)
+    up = tl.sum(tl.sum(acc_u, axis=2), axis=1) * inv_scale + tl.load(b_ptr + e * 2 * I + I + n, mask=n_ok, other=0.0)
+    act = tl.where(n_ok, _swiglu(gate, up, limit, alpha) * act_scale, 0.0)
+    tl.store(act_ptr + pair * i_pad + _permuted(n), act.to(tl.float16), mask=n < i_pad)
 
 
 @triton.jit
 def _gemv_down_kernel(
     act_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    H, I, E, num_tiles, s_row,
+    H, E, num_tiles, s_row, i_pad, inv_act_scale,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr,
 ):
     """out[t, n] += gate * (act[p] W2[e]^T + b2[e]) for pair p = (token t, slot), fp32 atomics.
-    act_ptr holds act * 2^100 (as the gate_up GEMV writes it)."""
+    act_ptr: the gate_up GEMV's fp16 output ([T*k, i_pad], scaled by 1 / inv_act_scale)."""
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     token = pair // TOP_K
     e, gate = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
     e = e.to(tl.int64)
-    u = tl.arange(0, BLOCK_U)
-    j = tl.arange(0, 32)
-    c = tl.arange(0, 2 * BLOCK_U)
     n_ok = n < H
-    row_bytes = num_tiles * 32
-    rows = w_ptr + e * H * row_bytes + n.to(tl.int64)[:, None, None] * row_bytes + j[None, None, :]
-    s_rows = s_ptr + e * H * s_row + n[:, None] * s_row + c[None, :]
-    a_row = act_ptr + pair * I + j[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
+    row_words = num_tiles * 8
+    rows = w_ptr + e * H * row_words + n.to(tl.int64)[:, None, None] * row_words + tl.arange(0, 8)[None, None, :]
+    s_rows = s_ptr + e * H * s_row + n[:, None] * s_row + tl.arange(0, 2 * BLOCK_U)[None, :]
+    a_row = act_ptr + pair.to(tl.int64) * i_pad
+    acc = tl.zeros([BLOCK_N, BLOCK_U, 4], dtype=tl.float32)
     for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
-        tile = t0 + u
-        w = tl.load(rows + (tile * 32)[None, :, None], mask=n_ok[:, None, None] & (tile < num_tiles)[None, :, None],
-                    other=0).to(tl.int32)
-        ms = n_ok[:, None] & (t0 + c // 2 < num_tiles)[None, :]
-        sc = tl.load(s_rows + 2 * t0, mask=ms, other=0).to(tl.int32)
-        sc_lo, sc_hi = tl.split(tl.reshape(sc, [BLOCK_N, BLOCK_U, 2]))
-        k_lo = (tile * 64)[:, None]
-        a_lo = tl.load(a_row + k_lo, mask=k_lo + j[None, :] < I, other=0.0)
-        a_hi = tl.load(a_row + k_lo + 32, mask=k_lo + 32 + j[None, :] < I, other=0.0)
-        acc += tl.sum(_e2m1_tiny(w, False) * a_lo[None, :, :], axis=2) * _block_factor(sc_lo)
-        acc += tl.sum(_e2m1_tiny(w, True) * a_hi[None, :, :], axis=2) * _block_factor(sc_hi)
-    y = tl.sum(acc, axis=1) + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)
+        acc = _gemv_step(acc, rows, s_rows, n_ok, a_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)
     tl.atomic_add(out_ptr + token * H + n, gate * y, mask=n_ok, sem="relaxed")
 
 
@@ -540,14 +662,16 @@ def _grouped_down_kernel(
 
 @dataclass(frozen=True)
 class MoEKernelConfig:
-    """Launch choices; the defaults are the fastest of `benchmarks/bench_moe.py --sweep` on an
-    H100 (BENCHMARKS.md, "MoE kernels")."""
+    """Launch choices; the defaults are the fastest of `benchmarks/bench_moe.py --sweep` (the
+    GEMVs' on an H200, the grouped path's on an H100; BENCHMARKS.md, "MoE kernels")."""
 
-    decode_max_tokens: int = 8  # T at or below this takes the GEMV path
-    gemv_block_n: int = 32  # gate_up GEMV: output columns per program
-    gemv_down_block_n: int = 32  # down GEMV: output columns per program
-    gemv_block_u: int = 8  # 64-value K tiles per loop step (1, 2, 4 or 8)
-    gemv_warps: int = 4
+    decode_max_tokens: int = 16  # T at or below this takes the GEMV path
+    # GEMVs: small one-warp programs. They are latency-bound (few warps in flight), and many
+    # small programs without cross-warp barriers keep more loads in flight than big ones.
+    gemv_block_n: int = 8  # gate_up GEMV: output columns per program
+    gemv_down_block_n: int = 8  # down GEMV: output columns per program
+    gemv_block_u: int = 4  # 64-value K tiles per loop step (a power of 2)
+    gemv_warps: int = 1
     gemv_stages: int = 3
     block_m: int | None = None  # grouped path tokens per block; None: by tokens per expert
     block_n: int = 64  # grouped gate_up: weight rows (of gates, and as many of ups) per program
@@ -562,6 +686,17 @@ DEFAULT_CONFIG = MoEKernelConfig()
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def gemv_activation_scale(swiglu_limit: float) -> float | None:
+    """The power of two the decode GEMVs scale the SwiGLU output by before storing it in fp16:
+    |act| <= max(limit, 0.3) * (limit + 1) (the gate is clamped above at limit, gate * sigmoid
+    never goes below -0.17, up is clamped to +-limit), mapped under FP16_ACTIVATION_MAX. None
+    when the limit bounds nothing (not finite or not positive): such models take the grouped path."""
+    if not math.isfinite(swiglu_limit) or swiglu_limit <= 0:
+        return None
+    bound = max(swiglu_limit, 0.3) * (swiglu_limit + 1)
+    return 2.0 ** math.floor(math.log2(FP16_ACTIVATION_MAX / bound))
 
 
 def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
@@ -589,25 +724,29 @@ def fused_moe(
     block_e = triton.next_power_of_2(max(num_experts, 16))
     out32 = torch.empty(t_count, hidden, dtype=torch.float32, device=dev)  # zeroed by the router
 
-    if t_count <= cfg.decode_max_tokens:
+    act_scale = gemv_activation_scale(swiglu_limit)
+    if t_count <= cfg.decode_max_tokens and act_scale is not None:
         logits = torch.empty(t_count, num_experts, dtype=torch.float32, device=dev)
-        x_scaled = torch.empty(t_count, hidden, dtype=torch.float32, device=dev)
+        k_pad, i_pad = tiles1 * 64, tiles2 * 64
+        x_half = torch.empty(t_count, k_pad, dtype=torch.float16, device=dev)  # x * 2^k, permuted
+        inv_scale = torch.empty(t_count, dtype=torch.float32, device=dev)
         experts_per_program = 2
         programs = triton.cdiv(num_experts, experts_per_program)
         _router_logits_kernel[(programs, t_count)](
-            x, w.router_weight, w.router_bias, logits, out32, x_scaled, hidden, num_experts, x.stride(0),
-            BLOCK_E=experts_per_program, BLOCK_K=1024, ZERO_BLOCK=triton.next_power_of_2(triton.cdiv(hidden, programs)),
+            x, w.router_weight, w.router_bias, logits, out32, x_half, inv_scale, hidden, num_experts, x.stride(0),
+            k_pad, BLOCK_E=experts_per_program, BLOCK_K=1024, SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)),
         )
-        act = torch.empty(pairs, inter, dtype=torch.float32, device=dev)  # * 2^100
-        gemv = dict(TOP_K=top_k, BLOCK_E=block_e, BLOCK_U=cfg.gemv_block_u, STAGES=cfg.gemv_stages,
+        act = torch.empty(pairs, i_pad, dtype=torch.float16, device=dev)  # * act_scale, permuted
+        asm = not interpreting()
+        gemv = dict(TOP_K=top_k, BLOCK_E=block_e, BLOCK_U=cfg.gemv_block_u, STAGES=cfg.gemv_stages, ASM=asm,
                     num_warps=cfg.gemv_warps)
-        _gemv_gate_up_kernel[(pairs, triton.cdiv(inter, cfg.gemv_block_n))](
-            x_scaled, logits, w.w1, w.s1, w.b1, act, hidden, inter, num_experts, tiles1, w.s1.shape[2],
-            swiglu_limit, SWIGLU_ALPHA, BLOCK_N=cfg.gemv_block_n, **gemv,
+        _gemv_gate_up_kernel[(pairs, triton.cdiv(i_pad, cfg.gemv_block_n))](
+            x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, inter, num_experts, tiles1,
+            w.s1.shape[2], k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, BLOCK_N=cfg.gemv_block_n, **gemv,
         )
         _gemv_down_kernel[(pairs, triton.cdiv(hidden, cfg.gemv_down_block_n))](
-            act, logits, w.w2, w.s2, w.b2, out32, hidden, inter, num_experts, tiles2, w.s2.shape[2],
-            BLOCK_N=cfg.gemv_down_block_n, **gemv,
+            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, w.s2.shape[2],
+            i_pad, 1.0 / act_scale, BLOCK_N=cfg.gemv_down_block_n, **gemv,
         )
         return out32.to(x.dtype)
 
