@@ -94,8 +94,12 @@ class MoE(nn.Module):
         self.prepared = None  # the backend's layout of them
 
     def forward(self, x: torch.Tensor, backend) -> torch.Tensor:
-        out = backend.forward(x, self.prepared, self.top_k, self.limit)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        """x: [T, H] normed hidden states -> [T, H]: float32 on one GPU (the residual add takes
+        it as it is, see `inference.moe_backend`), x's dtype under tensor parallelism (half the
+        bytes to all-reduce)."""
+        if self.tp is not None:
+            return self.tp.all_reduce(backend.forward(x, self.prepared, self.top_k, self.limit))
+        return backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=torch.float32)
 
 
 class Block(nn.Module):

@@ -74,9 +74,10 @@ def swiglu(h: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:
 
 
 def moe_reference(
-    x: torch.Tensor, weights: MoEWeights, top_k: int, swiglu_limit: float, alpha: float = 1.702
+    x: torch.Tensor, weights: MoEWeights, top_k: int, swiglu_limit: float, alpha: float = 1.702,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The whole MoE block in float32 math. x: [T, H] -> [T, H] in x's dtype."""
+    """The whole MoE block in float32 math. x: [T, H] -> [T, H] in out_dtype (default x's)."""
     expert_ids, routing = route(x, weights, top_k)
     xf = x.float()
     out = torch.zeros_like(xf)
@@ -87,4 +88,4 @@ def moe_reference(
         h = xf[token_idx] @ w1 + ex.gate_up_bias[e].float()
         y = swiglu(h, swiglu_limit, alpha) @ w2 + ex.down_bias[e].float()
         out.index_add_(0, token_idx, y * routing[token_idx, slot, None])
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)

@@ -5,8 +5,10 @@ Every backend has the same two methods:
         once per layer at load time: converts the weights into the backend's layout. It may
         release the original expert tensors (the Triton backend does, so a model does not hold
         two copies); use only `prepared` afterwards.
-    forward(x [T, H], prepared, top_k, swiglu_limit) -> [T, H] in x's dtype
-        the MoE block (contract: `inference.moe.moe_reference`).
+    forward(x [T, H], prepared, top_k, swiglu_limit, out_dtype=None) -> [T, H] in out_dtype
+        the MoE block (contract: `inference.moe.moe_reference`); out_dtype defaults to x's. The
+        model asks for float32: the Triton kernels sum in float32 anyway, so their output goes
+        into the residual add without a cast kernel (one launch a layer at batch 1).
 
 "reference" is pure torch over the packed weights, dequantising only the experts a batch uses;
 always available, the CPU path. "triton" (`inference/kernels/moe_triton.py`) keeps experts in
@@ -38,8 +40,9 @@ class ReferenceMoEBackend:
         return weights
 
     @staticmethod
-    def forward(x: torch.Tensor, prepared: MoEWeights, top_k: int, swiglu_limit: float) -> torch.Tensor:
-        return moe_reference(x, prepared, top_k, swiglu_limit)
+    def forward(x: torch.Tensor, prepared: MoEWeights, top_k: int, swiglu_limit: float,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
 
 
 class TritonMoEBackend:
@@ -63,10 +66,11 @@ class TritonMoEBackend:
         experts.gate_up_blocks = experts.gate_up_scales = experts.down_blocks = experts.down_scales = None
         return prepared
 
-    def forward(self, x: torch.Tensor, prepared, top_k: int, swiglu_limit: float) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prepared, top_k: int, swiglu_limit: float,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if isinstance(prepared, MoEWeights):
-            return moe_reference(x, prepared, top_k, swiglu_limit)
-        return self._kernels.fused_moe(x, prepared, top_k, swiglu_limit, self.config)
+            return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
+        return self._kernels.fused_moe(x, prepared, top_k, swiglu_limit, self.config, out_dtype=out_dtype)
 
 
 def triton_available(device: torch.device) -> bool:

@@ -241,17 +241,19 @@ class FlashInferMoEBackend:
         top_values, top_ids = torch.topk(logits, top_k, dim=-1)
         return top_ids.to(torch.int32), torch.softmax(top_values.float(), dim=-1)
 
-    def forward(self, x: torch.Tensor, prepared, top_k: int, swiglu_limit: float) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prepared, top_k: int, swiglu_limit: float,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if isinstance(prepared, MoEWeights):
-            return moe_reference(x, prepared, top_k, swiglu_limit)
+            return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != prepared.hidden_size:
             raise ValueError(f"flashinfer's MoE takes x [T, {prepared.hidden_size}] bf16, got "
                              f"{tuple(x.shape)} {x.dtype}")
         if x.shape[0] == 0:
-            return x.new_empty(0, prepared.hidden_size)
+            return x.new_empty(0, prepared.hidden_size, dtype=out_dtype or x.dtype)
         x = x.contiguous()
         ids, gates = self.route(x, prepared, top_k)
-        return self.experts(x, prepared, ids, gates, swiglu_limit)
+        out = self.experts(x, prepared, ids, gates, swiglu_limit)  # bf16 from the kernel
+        return out if out_dtype in (None, out.dtype) else out.to(out_dtype)
 
     def experts(self, x: torch.Tensor, prepared: FlashInferMoEWeights, ids: torch.Tensor, gates: torch.Tensor,
                 swiglu_limit: float, swiglu_beta: float | None = None) -> torch.Tensor:

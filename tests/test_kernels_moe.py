@@ -273,6 +273,23 @@ def test_gemv_activation_scale_bounds_the_swiglu():
 
 
 @needs_triton
+def test_triton_output_dtype():
+    """Both paths hand back their float32 sums when asked (the model's residual add takes them
+    as they are), and cast to any other dtype asked for."""
+    w = make_weights(4, 64, 64, seed=15)
+    x = torch.randn(3, 64, device=DEVICE).to(DTYPE)
+    ref = reference(x, w, 2)
+    for decode_max in (3, 0):
+        backend = triton_backend(_kernels().MoEKernelConfig(decode_max_tokens=decode_max))
+        prepared = prepared_copy(backend, w)
+        for dtype in (torch.float32, torch.bfloat16):
+            out = backend.forward(x, prepared, 2, LIMIT, out_dtype=dtype)
+            assert out.dtype == dtype
+            assert_close(out, ref, max(TOL, DECODE_TOL, 1e-2 if dtype == torch.bfloat16 else 0))
+        assert backend.forward(x[:0], prepared, 2, LIMIT, out_dtype=torch.float32).dtype == torch.float32
+
+
+@needs_triton
 def test_triton_unbounded_limit_takes_the_grouped_path():
     """Without a finite SwiGLU limit the fp16 GEMVs have no bound, so a batch of one runs the
     grouped path and still matches the reference."""

@@ -45,6 +45,12 @@ CHECK = textwrap.dedent("""
             _, out = add_rms_norm_triton(wide[:, :h], d, w, 1e-5)
             _, ref_out = add_rms_norm_reference(wide[:, :h], d, w, 1e-5)
             assert ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item() < tol
+            # A float32 delta (the MoE's own sums) is added in float32 and rounded once.
+            d32 = torch.randn(t, h, generator=g).to(device)
+            res, out = add_rms_norm_triton(x, d32, w, 1e-5)
+            ref_res, ref_out = add_rms_norm_reference(x, d32, w, 1e-5)
+            assert res.dtype == x.dtype and torch.equal(res, ref_res), (t, h)
+            assert ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item() < tol
         print("ok")
 """)
 
@@ -57,6 +63,14 @@ def test_reference_is_the_rmsnorm_of_the_sum():
     assert torch.equal(res, s)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(rms_norm_reference(s, w, 1e-5), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_rounds_a_float32_delta_once():
+    x = torch.randn(4, 16).bfloat16()
+    d = torch.randn(4, 16) * 1e-3  # small against x: rounding d to bf16 first would show
+    res, _ = add_rms_norm_reference(x, d, torch.ones(16), 1e-5)
+    assert res.dtype == torch.bfloat16
+    assert torch.equal(res, (x.float() + d).bfloat16())
 
 
 @pytest.mark.skipif(not HAVE_TRITON or CUDA, reason="needs triton (on CPU: the interpreter)")

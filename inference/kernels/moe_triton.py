@@ -707,15 +707,18 @@ def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
 
 
 def fused_moe(
-    x: torch.Tensor, w: TritonMoEWeights, top_k: int, swiglu_limit: float, config: MoEKernelConfig = DEFAULT_CONFIG
+    x: torch.Tensor, w: TritonMoEWeights, top_k: int, swiglu_limit: float, config: MoEKernelConfig = DEFAULT_CONFIG,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The MoE block. x: [T, H] bf16 (float32 under the interpreter) -> [T, H] in x's dtype."""
+    """The MoE block. x: [T, H] bf16 (float32 under the interpreter) -> [T, H] in out_dtype
+    (default x's); float32 returns the kernels' own sums, with no cast kernel."""
     t_count, hidden = x.shape
     num_experts, inter = w.num_experts, w.intermediate_size
     if hidden != w.hidden_size:
         raise ValueError(f"x has hidden size {hidden}, the weights {w.hidden_size}")
+    out_dtype = out_dtype or x.dtype
     if t_count == 0:
-        return torch.empty_like(x)
+        return torch.empty_like(x, dtype=out_dtype)
     x = x.contiguous()
     dev = x.device
     cfg = config
@@ -748,7 +751,7 @@ def fused_moe(
             act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, w.s2.shape[2],
             i_pad, 1.0 / act_scale, BLOCK_N=cfg.gemv_down_block_n, **gemv,
         )
-        return out32.to(x.dtype)
+        return out32 if out_dtype == torch.float32 else out32.to(out_dtype)
 
     operand = tl.float32 if interpreting() else tl.bfloat16  # the interpreter has no bf16 math
     ids = torch.empty(t_count, top_k, dtype=torch.int32, device=dev)
@@ -781,4 +784,4 @@ def fused_moe(
         act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, w.s2.shape[2],
         BLOCK_N=down_n, num_warps=cfg.down_warps or cfg.warps, **common,
     )
-    return out32.to(x.dtype)
+    return out32 if out_dtype == torch.float32 else out32.to(out_dtype)

@@ -5,7 +5,8 @@ Unfused that is ~8 small kernels (add, upcast, square, mean, rsqrt, two multipli
 norm; at batch 1 each costs a few microseconds of launch and tail latency even inside a CUDA
 graph, 48 norms a token. One program per row does it all here.
 
-    residual = (x + delta) rounded to x's dtype       (what the unfused model stores)
+    residual = (x + delta) rounded to x's dtype       (what the unfused model stores; delta may
+                                                       be float32, e.g. the MoE's own sums)
     normed   = weight * residual * rsqrt(mean(residual^2) + eps), math in float32, cast to x's dtype
 
 `add_rms_norm_reference` is the pure-torch definition; `add_rms_norm_triton` must match it.
@@ -32,8 +33,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def add_rms_norm_reference(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, delta: [T, H] -> (residual = x + delta, rms_norm(residual)), both [T, H] in x's dtype."""
-    residual = x + delta
+    """x, delta: [T, H] -> (residual = x + delta, rms_norm(residual)), both [T, H] in x's dtype
+    (a float32 delta is added in float32 and the sum rounded once)."""
+    residual = (x + delta).to(x.dtype)
     return residual, rms_norm_reference(residual, weight, eps)
 
 
