@@ -94,12 +94,14 @@ class MoE(nn.Module):
         self.prepared = None  # the backend's layout of them
 
     def forward(self, x: torch.Tensor, backend) -> torch.Tensor:
-        """x: [T, H] normed hidden states -> [T, H]: float32 on one GPU (the residual add takes
-        it as it is, see `inference.moe_backend`), x's dtype under tensor parallelism (half the
-        bytes to all-reduce)."""
+        """x: [T, H] normed hidden states -> [T, H]: float32 on one device where the backend
+        computes in float32 (the residual add takes it as it is, see `inference.moe_backend`),
+        otherwise x's dtype; under tensor parallelism always x's dtype (half the bytes to
+        all-reduce)."""
         if self.tp is not None:
             return self.tp.all_reduce(backend.forward(x, self.prepared, self.top_k, self.limit))
-        return backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=torch.float32)
+        out_dtype = torch.float32 if backend.float32_output else None
+        return backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=out_dtype)
 
 
 class Block(nn.Module):

@@ -6,9 +6,10 @@ Every backend has the same two methods:
         release the original expert tensors (the Triton backend does, so a model does not hold
         two copies); use only `prepared` afterwards.
     forward(x [T, H], prepared, top_k, swiglu_limit, out_dtype=None) -> [T, H] in out_dtype
-        the MoE block (contract: `inference.moe.moe_reference`); out_dtype defaults to x's. The
-        model asks for float32: the Triton kernels sum in float32 anyway, so their output goes
-        into the residual add without a cast kernel (one launch a layer at batch 1).
+        the MoE block (contract: `inference.moe.moe_reference`); out_dtype defaults to x's.
+and one attribute, `float32_output`: whether the backend's own result is float32. The model
+then asks for float32, which the residual add takes as it is: for the Triton kernels that saves
+a cast kernel a layer (one launch at batch 1).
 
 "reference" is pure torch over the packed weights, dequantising only the experts a batch uses;
 always available, the CPU path. "triton" (`inference/kernels/moe_triton.py`) keeps experts in
@@ -34,6 +35,7 @@ class ReferenceMoEBackend:
     """Float32 math over the checkpoint's own layout: exact, slow; the tests' yardstick."""
 
     name = "reference"
+    float32_output = True
 
     @staticmethod
     def prepare(weights: MoEWeights) -> MoEWeights:
@@ -50,6 +52,7 @@ class TritonMoEBackend:
     reference math, which is correct but slow and not capturable in a CUDA graph."""
 
     name = "triton"
+    float32_output = True  # the kernels sum into float32 rows
 
     def __init__(self, config=None) -> None:
         from .kernels import moe_triton

@@ -202,6 +202,7 @@ class FlashInferMoEBackend:
     latency-tuned GEMV for a few rows); larger ones, or 0 here, use torch's GEMM."""
 
     name = "flashinfer"
+    float32_output = False  # the CUTLASS kernel writes bf16
 
     def __init__(self, tinygemm_max_tokens: int = 64) -> None:
         import flashinfer.fused_moe as fused_moe  # ImportError here: flashinfer is not installed

@@ -3,7 +3,8 @@ scheduling) against the pure-torch reference path. Skips without CUDA.
 
 * float32, tiny model: greedy tokens must equal the reference's, token for token. The GPU runs
   real float32 arithmetic here: Triton dots in IEEE fp32 (TRITON_F32_DEFAULT=ieee, set below
-  before any kernel compiles) and prefill in 8-token chunks so MoE stays on its fp32 GEMV path.
+  before any kernel compiles) and prefill in 8-token chunks so MoE stays on its GEMV path (fp16
+  products of power-of-two-scaled activations, float32 sums; the grouped path's dots are bf16).
   A sequence is compared up to its first step whose reference top-2 margin is a near tie (below
   0.01 logits; two correct implementations may pick either token there).
 * bfloat16 (tiny model, and gpt-oss-20b shapes with random weights): rounding differs between

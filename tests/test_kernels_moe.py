@@ -100,9 +100,9 @@ def prepared_copy(backend, w: MoEWeights):
 
 
 TOL = 2e-2 if CUDA else 1e-5
-# The decode GEMVs multiply in fp16 (activations rounded to 11 significant bits; x is bf16 on a
-# GPU, so only the SwiGLU output rounds there): float32 inputs under the interpreter differ from
-# the reference by up to ~2^-12 relative. A layout or scale mistake is off by order 1.
+# The decode GEMVs store activations in fp16 (11 significant bits; x is bf16 on a GPU, so there
+# the SwiGLU output rounds, and the fp16 partial sums): float32 inputs under the interpreter
+# differ from the reference by up to ~2^-12 relative. A layout or scale mistake is off by order 1.
 DECODE_TOL = TOL if CUDA else 1e-3
 
 
@@ -258,18 +258,20 @@ def test_word_pair_dot_assembly_decodes_the_planar_layout():
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_gemv_activation_scale_bounds_the_swiglu():
     """The power of two the decode GEMVs store the SwiGLU output under keeps every clamped
-    SwiGLU value inside fp16 and uses at least half the headroom; unbounded limits get None."""
+    SwiGLU value inside fp16 and uses at least half the headroom; limits that bound nothing,
+    or too much for fp16's range, get None."""
     from inference.kernels.moe_triton import FP16_ACTIVATION_MAX, gemv_activation_scale
     from inference.moe import swiglu
 
-    for limit in (7.0, 1.0, 0.25, 100.0):
+    for limit in (7.0, 1.0, 0.25, 50.0):
         scale = gemv_activation_scale(limit)
         grid = torch.linspace(-3 * limit - 10, 3 * limit + 10, 2001, dtype=torch.float64)
         h = torch.stack(torch.meshgrid(grid, grid, indexing="ij"), dim=-1).reshape(-1, 2)  # (gate, up)
         biggest = swiglu(h, limit).abs().max().item()
         assert scale * biggest <= FP16_ACTIVATION_MAX < 65504, limit
         assert scale * max(limit, 0.3) * (limit + 1) > FP16_ACTIVATION_MAX / 2, limit
-    assert gemv_activation_scale(float("inf")) is None and gemv_activation_scale(0.0) is None
+    for limit in (float("inf"), float("nan"), 0.0, -1.0, 100.0):
+        assert gemv_activation_scale(limit) is None, limit
 
 
 @needs_triton
@@ -289,17 +291,28 @@ def test_triton_output_dtype():
         assert backend.forward(x[:0], prepared, 2, LIMIT, out_dtype=torch.float32).dtype == torch.float32
 
 
+class _NotLaunched:
+    def __getitem__(self, grid):
+        raise AssertionError("the decode GEMV ran")
+
+
 @needs_triton
-def test_triton_unbounded_limit_takes_the_grouped_path():
-    """Without a finite SwiGLU limit the fp16 GEMVs have no bound, so a batch of one runs the
-    grouped path and still matches the reference."""
+def test_triton_decode_guards_take_the_grouped_path(monkeypatch):
+    """What the fp16 GEMVs cannot hold takes the grouped path, and still matches the reference:
+    a SwiGLU limit with no bound, and scale bytes whose block sums could overflow float32."""
     mt = _kernels()
     w = make_weights(4, 64, 64, seed=14)
     x = torch.randn(1, 64, device=DEVICE).to(DTYPE)
-    out = triton_backend().forward(x, prepared_copy(triton_backend(), w), 2, float("inf"))
-    want = moe_reference(x.float(), float_copy(w), 2, float("inf"))
-    assert_close(out, want, TOL)
-    assert mt.gemv_activation_scale(float("inf")) is None
+    backend = triton_backend()
+    prepared = prepared_copy(backend, w)
+    monkeypatch.setattr(mt, "_gemv_gate_up_kernel", _NotLaunched())
+    out = backend.forward(x, prepared, 2, float("inf"))
+    assert_close(out, moe_reference(x.float(), float_copy(w), 2, float("inf")), TOL)
+    prepared.max_scale = mt.GEMV_MAX_SCALE + 1  # as if some block had such a scale
+    assert_close(backend.forward(x, prepared, 2, LIMIT), reference(x, w, 2), TOL)
+    with pytest.raises(AssertionError, match="decode GEMV ran"):
+        prepared.max_scale = mt.GEMV_MAX_SCALE
+        backend.forward(x, prepared, 2, LIMIT)
 
 
 # ----------------------------------------------------------------------------- Triton kernels

@@ -4,14 +4,14 @@ The math is `inference.moe.moe_reference`; expert weights stay 4-bit on the GPU 
 dequantised in registers. `prepare_moe_weights` converts the checkpoint's packed layout once at
 load time into the layout below; `fused_moe` runs one MoE block. Two paths:
 
-  decode, T <= decode_max_tokens (bandwidth-bound GEMVs on CUDA cores, 4 launches):
+  decode, T <= decode_max_tokens (GEMVs on CUDA cores, 3 launches; latency-bound at batch 1):
     router logits, spread over many programs; also zeroes the fp32 output rows and
         writes x as scaled fp16 for the GEMVs                                        [T, E]
     gate_up GEMV per (token, slot): top-k + softmax of the token's logits in its
-        prologue, the clamped SwiGLU in its epilogue                                 act [T*k, I] fp16
+        prologue, the clamped SwiGLU in its epilogue                         act [T*k, I_pad] fp16
     down GEMV per (token, slot): epilogue scales by the routing weight and
         atomically adds into the token's fp32 output row                             [T, H]
-    cast to bf16
+    (a cast to the output dtype, unless the caller takes the float32 sums)
   larger batches (grouped GEMMs on tensor cores, 5 launches plus a memset and the cast):
     route: logits, top-k, softmax, per-expert counts, zeroing the output rows        ids, gates
     align: (token, slot) pairs grouped by expert into BLOCK_M-row blocks
@@ -29,7 +29,7 @@ Weight layout (per expert, a matrix W [N, K] used as y = x W^T, K padded to a mu
        0 and magnitude 1-3, high value's sign 4 and magnitude 5-7 (see `_e2m1_tiny`; the decode
        GEMVs read the same bytes as 32-bit words, see `WORD_PAIR_DOT_PTX`).
     s  uint8 [E, N, S]: the block scales, each row padded to S = a multiple of 16 bytes so a
-       GEMV step's scales are one aligned 16-byte load (which the pipeliner can copy ahead).
+       GEMV step's scales are one aligned load (which the pipeliner can copy ahead).
 gate_up rows are de-interleaved at load time: rows [0, I) are the gates, [I, 2I) the ups, so the
 SwiGLU epilogue pairs row n with row I+n.
 """
@@ -67,6 +67,7 @@ class TritonMoEWeights:
     s2: torch.Tensor  # [E, H, S2] uint8
     b2: torch.Tensor  # [E, H] float32
     large_scales: bool  # some scale byte > 128: dequantise in two multiplies (see _dequant)
+    max_scale: int  # the largest scale byte; the decode GEMVs take up to GEMV_MAX_SCALE
 
     @property
     def num_experts(self) -> int:
@@ -138,6 +139,7 @@ def prepare_moe_weights(weights: MoEWeights) -> TritonMoEWeights:
         s2=s2,
         b2=ex.down_bias.float().contiguous(),
         large_scales=large,
+        max_scale=int(max(ex.gate_up_scales.max(), ex.down_scales.max())),
     )
 
 
@@ -150,6 +152,8 @@ _SHIFT_21_31 = tl.constexpr((1 << 21) + (1 << 31) - (1 << 32))  # == (x << 21) |
 _TWO_POW_112 = tl.constexpr(5.192296858534828e33)
 _TWO_POW_126 = tl.constexpr(8.507059173023462e37)
 FP16_ACTIVATION_MAX = 32768.0  # |x| the GEMVs scale their fp16 activations to (fp16 max 65504)
+GEMV_MAX_LIMIT = 64.0  # larger SwiGLU limits would scale small activations into fp16 subnormals
+GEMV_MAX_SCALE = 224  # larger scale bytes could overflow the GEMVs' float32 block sums
 
 
 @triton.jit
@@ -210,9 +214,13 @@ and.b32 h3, t, 0x8E008E00;
 #   multiply with the matching fp16x2 activation pairs (packed HFMA2, two weights an
 #           instruction), low and high values apart since they are different scale blocks;
 #   widen   each accumulator's two halves to fp32 and add them.
-# Products are exact in fp16 (2 + 8 significant bits) and each fp16 sum has 4 terms, so this
-# is as accurate as the bf16 output, at about 2.5 instructions per weight against 4.7 for
-# float32 FMAs on values decoded one at a time.
+# Products with bf16 x are exact in fp16 (2 + 8 significant bits); the SwiGLU output, stored
+# with 11, rounds once more in its products. Each fp16 sum has 4 terms: 4.8e-4 relative to the
+# float32 reference on gpt-oss shapes, below a bf16 output's rounding (BENCHMARKS.md).
+# Operands: $2, $3 the two words; $4, $5 the x pairs of word $2's low values from bytes (0, 2)
+# and (1, 3), $6, $7 those of its high values; $8..$11 the same for word $3.
+# `_word_pair_dot_emulated` is the same function in Triton ops. The loop's SASS takes about 3.2
+# instructions per weight (4.7 before).
 WORD_PAIR_DOT_PTX = """
 {{
 .reg .b32 t, m, h0, h1, h2, h3, a, b;
@@ -259,6 +267,34 @@ def _four_words(ptrs, tile_ok):
 
 
 @triton.jit
+def _fp16_halves(pair):
+    """int32 holding an fp16x2 pair -> its (low, high) halves as float32."""
+    lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _word_dot_emulated(w, x02, x13, HIGH: tl.constexpr):
+    """One word's low (or HIGH) values of bytes 0-3 against the fp16x2 pairs x02 (bytes 0, 2)
+    and x13 (bytes 1, 3), in float32: the exact sum the assembly rounds to fp16 in 2 steps."""
+    x0, x2 = _fp16_halves(x02)
+    x1, x3 = _fp16_halves(x13)
+    total = _e2m1_tiny(w & 0xFF, HIGH) * x0 + _e2m1_tiny((w >> 8) & 0xFF, HIGH) * x1
+    total += _e2m1_tiny((w >> 16) & 0xFF, HIGH) * x2 + _e2m1_tiny((w >> 24) & 0xFF, HIGH) * x3
+    return total * _TWO_POW_112
+
+
+@triton.jit
+def _word_pair_dot_emulated(w0, w1, lo0, lo1, hi0, hi1, lo2, lo3, hi2, hi3):
+    """`WORD_PAIR_DOT_PTX` (same operands, same order) in float32 Triton ops, for the
+    interpreter, which runs no assembly."""
+    sa = _word_dot_emulated(w0, lo0, lo1, False) + _word_dot_emulated(w1, lo2, lo3, False)
+    sb = _word_dot_emulated(w0, hi0, hi1, True) + _word_dot_emulated(w1, hi2, hi3, True)
+    return sa, sb
+
+
+@triton.jit
 def _tile_dot(w, x_row, base, tile_ok, ASM: tl.constexpr):
     """The two block sums of a row's 64-value tiles against the activations.
 
@@ -268,34 +304,24 @@ def _tile_dot(w, x_row, base, tile_ok, ASM: tl.constexpr):
     masked out of w as zeros). Returns the sums over each word pair's low and high values
     (the tile's two scale blocks), each [BN, U, 4] float32 in units of e2m1 * 2^-14 * x_row;
     the caller sums over pairs once, after its loop. ASM: the packed fp16 inline assembly;
-    otherwise the same sums in float32 Triton ops (the interpreter runs no assembly).
+    otherwise `_word_pair_dot_emulated` on the same operands (the interpreter's path).
     """
     w0, w1 = tl.split(tl.reshape(w, (w.shape[0], w.shape[1], 4, 2)))  # words 2i and 2i+1
+    # Word pair i's activation pairs: int32 words base/2 + 0..3 for its low values and
+    # base/2 + 16..19 for its high ones (`_permuted` put them in the order the decode makes).
+    x32 = x_row.to(tl.pointer_type(tl.int32)) + (base // 2)[:, :, None] + tl.arange(0, 4)[None, None, :]
+    lo0, lo1, lo2, lo3 = _four_words(x32, tile_ok)
+    hi0, hi1, hi2, hi3 = _four_words(x32 + 16, tile_ok)
+    xs = (lo0, lo1, hi0, hi1, lo2, lo3, hi2, hi3)  # word 2i's low pairs, high pairs, then 2i+1's
+    args = [w0, w1] + [tl.broadcast_to(a[None, :, :], w0.shape) for a in xs]
     if ASM:
-        # Word pair i's activation pairs: int32 words base/2 + 0..3 for its low values and
-        # base/2 + 16..19 for its high ones.
-        x32 = x_row.to(tl.pointer_type(tl.int32)) + (base // 2)[:, :, None] + tl.arange(0, 4)[None, None, :]
-        lo0, lo1, lo2, lo3 = _four_words(x32, tile_ok)
-        hi0, hi1, hi2, hi3 = _four_words(x32 + 16, tile_ok)
-        xs = (lo0, lo1, hi0, hi1, lo2, lo3, hi2, hi3)  # word 2i's low pairs, high pairs, then 2i+1's
-        args = [w0, w1] + [tl.broadcast_to(a[None, :, :], w0.shape) for a in xs]
         sa, sb = tl.inline_asm_elementwise(
             _WORD_PAIR_DOT, "=f,=f,r,r,r,r,r,r,r,r,r,r", args,
             dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
         )
     else:
-        sa = tl.zeros(w0.shape, dtype=tl.float32)
-        sb = tl.zeros(w0.shape, dtype=tl.float32)
-        for v in tl.static_range(8):  # byte v % 4 of word 2i + v // 4: values base + v, + 32
-            if v < 4:
-                word = w0
-            else:
-                word = w1
-            byte = (word >> (8 * (v % 4))) & 0xFF
-            x_lo = tl.load(x_row + _permuted(base + v), mask=tile_ok[:, None], other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + _permuted(base + 32 + v), mask=tile_ok[:, None], other=0.0).to(tl.float32)
-            sa += _e2m1_tiny(byte, False) * _TWO_POW_112 * x_lo[None, :, :]
-            sb += _e2m1_tiny(byte, True) * _TWO_POW_112 * x_hi[None, :, :]
+        sa, sb = _word_pair_dot_emulated(args[0], args[1], args[2], args[3], args[4], args[5], args[6],
+                                         args[7], args[8], args[9])
     return sa, sb
 
 
@@ -665,7 +691,7 @@ class MoEKernelConfig:
     """Launch choices; the defaults are the fastest of `benchmarks/bench_moe.py --sweep` (the
     GEMVs' on an H200, the grouped path's on an H100; BENCHMARKS.md, "MoE kernels")."""
 
-    decode_max_tokens: int = 16  # T at or below this takes the GEMV path
+    decode_max_tokens: int = 16  # T at or below this takes the GEMV path (at 16: a tie for 20b, 1.6x for 120b)
     # GEMVs: small one-warp programs. They are latency-bound (few warps in flight), and many
     # small programs without cross-warp barriers keep more loads in flight than big ones.
     gemv_block_n: int = 8  # gate_up GEMV: output columns per program
@@ -692,8 +718,9 @@ def gemv_activation_scale(swiglu_limit: float) -> float | None:
     """The power of two the decode GEMVs scale the SwiGLU output by before storing it in fp16:
     |act| <= max(limit, 0.3) * (limit + 1) (the gate is clamped above at limit, gate * sigmoid
     never goes below -0.17, up is clamped to +-limit), mapped under FP16_ACTIVATION_MAX. None
-    when the limit bounds nothing (not finite or not positive): such models take the grouped path."""
-    if not math.isfinite(swiglu_limit) or swiglu_limit <= 0:
+    when the limit is not positive or above GEMV_MAX_LIMIT (gpt-oss uses 7): such models take
+    the grouped path."""
+    if not 0 < swiglu_limit <= GEMV_MAX_LIMIT:
         return None
     bound = max(swiglu_limit, 0.3) * (swiglu_limit + 1)
     return 2.0 ** math.floor(math.log2(FP16_ACTIVATION_MAX / bound))
@@ -728,7 +755,7 @@ def fused_moe(
     out32 = torch.empty(t_count, hidden, dtype=torch.float32, device=dev)  # zeroed by the router
 
     act_scale = gemv_activation_scale(swiglu_limit)
-    if t_count <= cfg.decode_max_tokens and act_scale is not None:
+    if t_count <= cfg.decode_max_tokens and act_scale is not None and w.max_scale <= GEMV_MAX_SCALE:
         logits = torch.empty(t_count, num_experts, dtype=torch.float32, device=dev)
         k_pad, i_pad = tiles1 * 64, tiles2 * 64
         x_half = torch.empty(t_count, k_pad, dtype=torch.float16, device=dev)  # x * 2^k, permuted
