@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from inference.moe import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
-from inference.moe_backend import TritonMoEBackend, select_moe_backend  # noqa: E402
+from inference.moe_backend import TritonMoEBackend, model_output_dtype, select_moe_backend  # noqa: E402
 
 HIDDEN = INTERMEDIATE = 2880
 TOP_K = 4
@@ -132,12 +132,6 @@ def prepare_copy(backend, weights: MoEWeights):
     return backend.prepare(dataclasses.replace(weights, experts=dataclasses.replace(weights.experts)))
 
 
-def model_dtype(backend) -> torch.dtype | None:
-    """The output dtype the model asks `backend` for (`inference.model.MoE`), so the timing holds
-    what a model step runs: float32 sums where the backend has them, with no cast."""
-    return torch.float32 if backend.float32_output else None
-
-
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -206,8 +200,8 @@ def main() -> None:
                 for path, variant, bench in runs:
                     label = f"{name} {path}" if len(names) > 1 else path
                     try:
-                        seconds = time_graph(lambda: bench.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT, out_dtype=model_dtype(bench)),
-                                             args.iters)
+                        seconds = time_graph(lambda: bench.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT,
+                                                                   out_dtype=model_output_dtype(bench)), args.iters)
                     except Exception as exc:  # a variant that does not compile must not end the sweep
                         print(f"| {model} | {t} | {label} | {variant or 'default'} | failed: {type(exc).__name__}: "
                               f"{str(exc)[:120]} |")
@@ -223,12 +217,13 @@ def main() -> None:
             if args.check:
                 ref = moe_reference(x.float(), float_router, TOP_K, SWIGLU_LIMIT)
                 for name, backend in backends.items():
-                    out = backend.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT, out_dtype=model_dtype(backend))
+                    out = backend.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT, out_dtype=model_output_dtype(backend))
                     print(f"    check {name} T={t}: |out - ref| / |ref| = {relative_error(out, ref):.2e} "
                           f"(finite: {bool(torch.isfinite(out).all())})", flush=True)
             if args.profile and model_index == 0:
                 for name, backend in backends.items():
-                    fn = lambda: backend.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT, out_dtype=model_dtype(backend))  # noqa: E731
+                    fn = lambda: backend.forward(  # noqa: E731
+                        x, prepared[name], TOP_K, SWIGLU_LIMIT, out_dtype=model_output_dtype(backend))
                     for kernel, us in profile_kernels(fn)[:8]:
                         print(f"    {name} T={t}: {us:8.1f} us  {kernel}")
         weights = float_router = prepared = backends = None  # free this model's layer before the next

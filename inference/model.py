@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .decode_linear import use_decode_gemv
 from .kernels.rmsnorm_triton import add_rms_norm_reference, rms_norm_reference
 from .moe import ExpertWeights, MoEWeights
+from .moe_backend import model_output_dtype
 from .rope import cos_sin_table
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,7 @@ class MoE(nn.Module):
         all-reduce)."""
         if self.tp is not None:
             return self.tp.all_reduce(backend.forward(x, self.prepared, self.top_k, self.limit))
-        out_dtype = torch.float32 if backend.float32_output else None
-        return backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=out_dtype)
+        return backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=model_output_dtype(backend))
 
 
 class Block(nn.Module):

@@ -8,8 +8,8 @@ Every backend has the same two methods:
     forward(x [T, H], prepared, top_k, swiglu_limit, out_dtype=None) -> [T, H] in out_dtype
         the MoE block (contract: `inference.moe.moe_reference`); out_dtype defaults to x's.
 and one attribute, `float32_output`: whether the backend's own result is float32. The model
-then asks for float32, which the residual add takes as it is: for the Triton kernels that saves
-a cast kernel a layer (one launch at batch 1).
+then asks for float32 (`model_output_dtype`), which the residual add takes as it is: for the
+Triton kernels that saves a cast kernel a layer (one launch at batch 1).
 
 "reference" is pure torch over the packed weights, dequantising only the experts a batch uses;
 always available, the CPU path. "triton" (`inference/kernels/moe_triton.py`) keeps experts in
@@ -74,6 +74,12 @@ class TritonMoEBackend:
         if isinstance(prepared, MoEWeights):
             return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
         return self._kernels.fused_moe(x, prepared, top_k, swiglu_limit, self.config, out_dtype=out_dtype)
+
+
+def model_output_dtype(backend) -> torch.dtype | None:
+    """The out_dtype a single-device model asks `backend` for: float32 where that is its own
+    result (no cast), else None (x's dtype)."""
+    return torch.float32 if backend.float32_output else None
 
 
 def triton_available(device: torch.device) -> bool:

@@ -66,8 +66,12 @@ class TritonMoEWeights:
     w2: torch.Tensor  # [E, H, K2/2] uint8
     s2: torch.Tensor  # [E, H, S2] uint8
     b2: torch.Tensor  # [E, H] float32
-    large_scales: bool  # some scale byte > 128: dequantise in two multiplies (see _dequant)
     max_scale: int  # the largest scale byte; the decode GEMVs take up to GEMV_MAX_SCALE
+
+    @property
+    def large_scales(self) -> bool:
+        """Some scale byte > 128: the grouped path dequantises in two multiplies (see _dequant)."""
+        return self.max_scale > 128
 
     @property
     def num_experts(self) -> int:
@@ -128,7 +132,6 @@ def prepare_moe_weights(weights: MoEWeights) -> TritonMoEWeights:
     deinterleave = torch.cat([torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)]).to(dev)
     w1, s1 = pack_planar(ex.gate_up_blocks, ex.gate_up_scales, deinterleave)
     w2, s2 = pack_planar(ex.down_blocks, ex.down_scales)
-    large = bool(ex.gate_up_scales.max() > 128 or ex.down_scales.max() > 128)
     return TritonMoEWeights(
         router_weight=weights.router_weight.contiguous(),
         router_bias=weights.router_bias.float().contiguous(),
@@ -138,8 +141,7 @@ def prepare_moe_weights(weights: MoEWeights) -> TritonMoEWeights:
         w2=w2,
         s2=s2,
         b2=ex.down_bias.float().contiguous(),
-        large_scales=large,
-        max_scale=int(max(ex.gate_up_scales.max(), ex.down_scales.max())),
+        max_scale=int(torch.maximum(ex.gate_up_scales.max(), ex.down_scales.max())),
     )
 
 
