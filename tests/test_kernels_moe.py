@@ -377,7 +377,7 @@ def test_triton_grouped_many_tokens_and_block_sizes():
     w = make_weights(4, 64, 64, seed=5)
     x = torch.randn(45, 64, device=DEVICE).to(DTYPE)
     ref = reference(x, w, 2)
-    for block_m, down_n in ((16, None), (32, 16), (64, 64)):
+    for block_m, down_n in ((16, None), (32, 16), (64, 64), (128, None)):
         config = mt.MoEKernelConfig(decode_max_tokens=0, block_m=block_m, block_n=32, down_block_n=down_n)
         backend = triton_backend(config)
         assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), ref, TOL)

@@ -590,7 +590,7 @@ def _grouped_gate_up_kernel(
     the MMA's register operand and the gathered activations its shared-memory one. The scale
     bytes (too small for the pipeliner's async copies) are loaded one K tile ahead by hand.
     """
-    mb = tl.program_id(0)
+    mb = tl.program_id(1)
     e = tl.load(block_expert_ptr + mb)
     if e < 0:
         return
@@ -599,7 +599,7 @@ def _grouped_gate_up_kernel(
     pair = tl.load(sorted_ptr + rows)
     valid = pair >= 0
     token = tl.where(valid, pair // TOP_K, 0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     j = tl.arange(0, 32)
     row_bytes = num_tiles * 32
@@ -649,7 +649,7 @@ def _grouped_down_kernel(
 ):
     """out[token, n] += gate * (act[row] W2[e]^T + b2[e]) for one block of one expert's rows
     (fp32 atomics: the k experts of a token meet in its output row, no extra pass)."""
-    mb = tl.program_id(0)
+    mb = tl.program_id(1)
     e = tl.load(block_expert_ptr + mb)
     if e < 0:
         return
@@ -657,7 +657,7 @@ def _grouped_down_kernel(
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
     valid = pair >= 0
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     j = tl.arange(0, 32)
     row_bytes = num_tiles * 32
@@ -690,8 +690,8 @@ def _grouped_down_kernel(
 
 @dataclass(frozen=True)
 class MoEKernelConfig:
-    """Launch choices; the defaults are the fastest of `benchmarks/bench_moe.py --sweep` (the
-    GEMVs' on an H200, the grouped path's on an H100; BENCHMARKS.md, "MoE kernels")."""
+    """Launch choices; the defaults are the fastest of `benchmarks/bench_moe.py --sweep` on an
+    H200 (BENCHMARKS.md, "MoE kernels")."""
 
     decode_max_tokens: int = 16  # T at or below this takes the GEMV path (at 16: a tie for 20b, 1.6x for 120b)
     # GEMVs: small one-warp programs. They are latency-bound (few warps in flight), and many
@@ -701,12 +701,12 @@ class MoEKernelConfig:
     gemv_block_u: int = 4  # 64-value K tiles per loop step (a power of 2)
     gemv_warps: int = 1
     gemv_stages: int = 3
-    block_m: int | None = None  # grouped path tokens per block; None: by tokens per expert
+    block_m: int | None = None  # grouped path tokens per block; None: by tokens per expert (`_block_m`)
     block_n: int = 64  # grouped gate_up: weight rows (of gates, and as many of ups) per program
     warps: int = 4
-    down_block_n: int | None = 128  # grouped down: weight rows per program; None: block_n
+    down_block_n: int | None = None  # grouped down: weight rows per program; None: 64 for 128-token blocks, else 128
     down_warps: int | None = None  # None: warps
-    stages: int = 4
+    stages: int = 3
 
 
 DEFAULT_CONFIG = MoEKernelConfig()
@@ -732,7 +732,10 @@ def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
     if config.block_m is not None:
         return config.block_m
     per_expert = pairs / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 160 else 128
+    # Past ~48 pairs an expert, one 128-token block beats 64-token ones even half empty: a
+    # dequantised weight tile then feeds twice the MMA columns, and counts scattered around 64
+    # no longer spill into a second block.
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 128
 
 
 def fused_moe(
@@ -804,12 +807,14 @@ def fused_moe(
     act_dtype = torch.float32 if interpreting() else torch.bfloat16  # exact checks under the interpreter
     act = torch.empty(max_blocks * block_m, inter, dtype=act_dtype, device=dev)
     common = dict(TOP_K=top_k, BLOCK_M=block_m, LARGE_SCALES=w.large_scales, OPERAND=operand, num_stages=cfg.stages)
-    _grouped_gate_up_kernel[(max_blocks, triton.cdiv(inter, cfg.block_n))](
+    # Grids run the column blocks of one token block side by side (axis 0 is launched first):
+    # they share its activation rows while those are in cache (4-5% faster at 2048 tokens, H200).
+    _grouped_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
         x, sorted_pairs, block_expert, w.w1, w.s1, w.b1, act, hidden, inter, tiles1, w.s1.shape[2], x.stride(0),
         swiglu_limit, SWIGLU_ALPHA, BLOCK_N=cfg.block_n, num_warps=cfg.warps, **common,
     )
-    down_n = cfg.down_block_n or cfg.block_n
-    _grouped_down_kernel[(max_blocks, triton.cdiv(hidden, down_n))](
+    down_n = cfg.down_block_n or (64 if block_m == 128 else 128)
+    _grouped_down_kernel[(triton.cdiv(hidden, down_n), max_blocks)](
         act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, w.s2.shape[2],
         BLOCK_N=down_n, num_warps=cfg.down_warps or cfg.warps, **common,
     )
