@@ -51,13 +51,14 @@ DECODE_SWEEP = [
 DECODE_SWEEP_MAX_BATCH = 16  # up to here both paths are timed
 GROUPED_SWEEP = [
     dict(),
-    dict(down_block_n=64),
-    dict(down_block_n=128),
-    dict(stages=4),
+    dict(block_m=16),
+    dict(block_m=32),
     dict(block_m=64),
-    dict(down_block_n=256, down_warps=8),
+    dict(block_m=128),
+    dict(down_block_n=64),
+    dict(stages=4),
 ]
-GROUPED_SWEEP_BATCHES = {"20b": (64, 512, 2048), "120b": (512, 2048)}  # where grouped variants are compared
+GROUPED_SWEEP_BATCHES = {"20b": (64, 128, 256, 512, 2048), "120b": (64, 128, 512, 1024, 2048)}  # where grouped variants are compared
 
 
 def progress(msg: str) -> None:

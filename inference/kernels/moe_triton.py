@@ -704,7 +704,7 @@ class MoEKernelConfig:
     block_m: int | None = None  # grouped path tokens per block; None: by tokens per expert (`_block_m`)
     block_n: int = 64  # grouped gate_up: weight rows (of gates, and as many of ups) per program
     warps: int = 4
-    down_block_n: int | None = None  # grouped down: weight rows per program; None: 64 for 128-token blocks, else 128
+    down_block_n: int | None = None  # grouped down: weight rows per program; None: 64 for blocks of 64+ tokens, else 128
     down_warps: int | None = None  # None: warps
     stages: int = 3
 
@@ -731,11 +731,12 @@ def gemv_activation_scale(swiglu_limit: float) -> float | None:
 def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
     if config.block_m is not None:
         return config.block_m
+    # Room for 1.5x the mean pairs an expert: routing scatters the counts around the mean, and a
+    # count past the block size dequantises the expert's weights twice, which costs more than
+    # the MMA columns a half-empty block wastes (at 16 pairs an expert 32-token blocks beat 16
+    # by 20-27%, at 64, 128 beat 64; BENCHMARKS.md).
     per_expert = pairs / num_experts
-    # Past ~48 pairs an expert, one 128-token block beats 64-token ones even half empty: a
-    # dequantised weight tile then feeds twice the MMA columns, and counts scattered around 64
-    # no longer spill into a second block.
-    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 128
+    return min(128, max(16, triton.next_power_of_2(math.ceil(1.5 * per_expert))))
 
 
 def fused_moe(
@@ -813,7 +814,7 @@ def fused_moe(
         x, sorted_pairs, block_expert, w.w1, w.s1, w.b1, act, hidden, inter, tiles1, w.s1.shape[2], x.stride(0),
         swiglu_limit, SWIGLU_ALPHA, BLOCK_N=cfg.block_n, num_warps=cfg.warps, **common,
     )
-    down_n = cfg.down_block_n or (64 if block_m == 128 else 128)
+    down_n = cfg.down_block_n or (64 if block_m >= 64 else 128)
     _grouped_down_kernel[(triton.cdiv(hidden, down_n), max_blocks)](
         act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, w.s2.shape[2],
         BLOCK_N=down_n, num_warps=cfg.down_warps or cfg.warps, **common,
