@@ -734,7 +734,7 @@ def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
     # Room for 1.5x the mean pairs an expert: routing scatters the counts around the mean, and a
     # count past the block size dequantises the expert's weights twice, which costs more than
     # the MMA columns a half-empty block wastes (at 16 pairs an expert 32-token blocks beat 16
-    # by 20-27%, at 64, 128 beat 64; BENCHMARKS.md).
+    # by 20-24%, at 64, 128 beat 64; BENCHMARKS.md).
     per_expert = pairs / num_experts
     return min(128, max(16, triton.next_power_of_2(math.ceil(1.5 * per_expert))))
 
