@@ -384,6 +384,21 @@ def test_triton_grouped_many_tokens_and_block_sizes():
 
 
 @needs_triton
+def test_grouped_block_size_leaves_room_for_the_spread():
+    """Blocks hold 1.5x the mean pairs an expert (16..128 tokens), so a typical expert's pairs
+    fit one block; a configured size wins."""
+    mt = _kernels()
+    pick = lambda pairs, experts: mt._block_m(pairs, experts, mt.DEFAULT_CONFIG)  # noqa: E731
+    assert pick(4 * 64, 32) == 16  # 8 an expert (20b, batch 64)
+    assert pick(4 * 128, 32) == 32  # 16 an expert (batch 128)
+    assert pick(4 * 512, 32) == 128  # 64 an expert
+    assert pick(4 * 64, 128) == 16 and pick(4 * 8192, 32) == 128  # the bounds
+    for pairs, experts in ((256, 32), (700, 32), (2048, 128), (5000, 128)):
+        assert pick(pairs, experts) >= min(128, 1.5 * pairs / experts)
+    assert mt._block_m(4 * 128, 32, mt.MoEKernelConfig(block_m=64)) == 64
+
+
+@needs_triton
 def test_triton_skewed_routing():
     """Every token picks the same experts: those get all tokens, the rest none."""
     w = make_weights(8, 64, 64, seed=6)
