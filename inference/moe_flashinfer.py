@@ -254,7 +254,7 @@ class FlashInferMoEBackend:
         x = x.contiguous()
         ids, gates = self.route(x, prepared, top_k)
         out = self.experts(x, prepared, ids, gates, swiglu_limit)  # bf16 from the kernel
-        return out if out_dtype in (None, out.dtype) else out.to(out_dtype)
+        return out.to(out_dtype or out.dtype)  # no copy when the dtype already matches
 
     def experts(self, x: torch.Tensor, prepared: FlashInferMoEWeights, ids: torch.Tensor, gates: torch.Tensor,
                 swiglu_limit: float, swiglu_beta: float | None = None) -> torch.Tensor:

@@ -784,7 +784,7 @@ def fused_moe(
             act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, w.s2.shape[2],
             i_pad, 1.0 / act_scale, BLOCK_N=cfg.gemv_down_block_n, **gemv,
         )
-        return out32 if out_dtype == torch.float32 else out32.to(out_dtype)
+        return out32.to(out_dtype)  # no copy when float32 was asked for
 
     operand = tl.float32 if interpreting() else tl.bfloat16  # the interpreter has no bf16 math
     ids = torch.empty(t_count, top_k, dtype=torch.int32, device=dev)
@@ -819,4 +819,4 @@ def fused_moe(
         act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, w.s2.shape[2],
         BLOCK_N=down_n, num_warps=cfg.down_warps or cfg.warps, **common,
     )
-    return out32 if out_dtype == torch.float32 else out32.to(out_dtype)
+    return out32.to(out_dtype)
