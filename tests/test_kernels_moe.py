@@ -384,7 +384,7 @@ def test_triton_grouped_many_tokens_and_block_sizes():
 
 
 @needs_triton
-def test_grouped_block_size_leaves_room_for_the_spread():
+def test_triton_grouped_block_size_leaves_room_for_the_spread():
     """Blocks hold 1.5x the mean pairs an expert (16..128 tokens), so a typical expert's pairs
     fit one block; a configured size wins."""
     mt = _kernels()
