@@ -10,7 +10,7 @@ by the measured copy bandwidth.
 
     python benchmarks/bench_engine.py --model 20b
     python benchmarks/bench_engine.py --model 120b --batches 1,64
-    python benchmarks/bench_engine.py --model 20b --profile        # per-kernel breakdown of a step
+    python benchmarks/bench_engine.py --model 20b --profile 1,64   # per-kernel breakdown of a step
     python benchmarks/bench_engine.py --model 20b --hf             # also transformers, same shapes
     python benchmarks/bench_engine.py --model 20b --speculative ngram   # batch-1 decode with / without drafts
     python benchmarks/bench_engine.py --model 20b --async-scheduling --batches 1,8,64   # engine decode, overlap off / on
@@ -367,7 +367,8 @@ def main() -> None:
     ap.add_argument("--attention", default=None, help="attention backend (default: best available)")
     ap.add_argument("--moe", default=None, help="MoE backend (default: best available)")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
-    ap.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of a batch-1 step")
+    ap.add_argument("--profile", nargs="?", const="1", default="",
+                    help="print a per-kernel breakdown of one step at these batches (default 1)")
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same shapes")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--speculative", choices=["ngram", "eagle3"],
@@ -433,7 +434,8 @@ def main() -> None:
     )
     torch.cuda.synchronize()
     weights_bytes = torch.cuda.memory_allocated()
-    num_pages = max(batches) * pages_per_seq
+    profile_batches = [int(b) for b in args.profile.split(",") if b]
+    num_pages = max(batches + profile_batches) * pages_per_seq
     shape = (num_pages, args.page_size, config.num_key_value_heads, config.head_dim)
     progress(f"allocating KV cache: {num_pages} pages x {config.num_hidden_layers} layers")
     kv_caches = []
@@ -478,9 +480,9 @@ def main() -> None:
         print(f"| decode batch {b}, context {args.context} | {rate:,.0f} | {note} |")
     for tokens, rate in results["prefill_tok_s"].items():
         print(f"| prefill, {tokens}-token prompt | {rate:,.0f} | |")
-    if args.profile:
-        print("\nper-kernel breakdown of one eager batch-1 decode step:\n")
-        print(profile_step(model, kv_caches, 1, args.context, pages_per_seq, args.page_size))
+    for batch in profile_batches:
+        print(f"\nper-kernel breakdown of one eager batch-{batch} decode step:\n")
+        print(profile_step(model, kv_caches, batch, args.context, pages_per_seq, args.page_size))
     if args.hf:
         del model, kv_caches, runner
         torch.cuda.empty_cache()

@@ -55,8 +55,13 @@ GROUPED_SWEEP = [
     dict(block_m=32),
     dict(block_m=64),
     dict(block_m=128),
-    dict(down_block_n=64),
-    dict(stages=4),
+    dict(down_block_n=128),
+    dict(down_block_n=32),
+    dict(block_n=32),
+    dict(block_n=128),
+    dict(warps=8),
+    dict(stages=1),
+    dict(stages=3),
 ]
 GROUPED_SWEEP_BATCHES = {"20b": (64, 128, 256, 512, 2048), "120b": (64, 128, 512, 1024, 2048)}  # where grouped variants are compared
 

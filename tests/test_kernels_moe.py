@@ -172,9 +172,10 @@ def test_planar_layout_round_trip():
         assert (values.reshape(2, 5, -1)[..., groups * 32 :] == 0).all()
 
 
-def _run_ptx(text: str, operands: list[int]) -> list[float]:
-    """Execute the few PTX instructions `WORD_PAIR_DOT_PTX` uses, with numpy's IEEE semantics
-    (fp16 fma: exact in float64, then one rounding). operands: $2.. as uint32; returns $0, $1."""
+def _run_ptx(text: str, operands: list[int]) -> dict:
+    """Execute the few PTX instructions the MoE kernels' inline assembly uses, with IEEE
+    semantics (fp16 and bf16 math: exact in float64, then one rounding, subnormals kept).
+    operands: $2.. as unsigned integers; returns the registers ($0, $1 are the results)."""
     import numpy as np
 
     regs = {f"${i + 2}": np.uint32(v) for i, v in enumerate(operands)}
@@ -205,6 +206,17 @@ def _run_ptx(text: str, operands: list[int]) -> list[float]:
             regs[a[0]] = np.uint32(int(val(a[1])) & int(val(a[2])))
         elif op == "or.b32":
             regs[a[0]] = np.uint32(int(val(a[1])) | int(val(a[2])))
+        elif op == "cvt.u32.u16":
+            regs[a[0]] = np.uint32(int(val(a[1])) & 0xFFFF)
+        elif op == "prmt.b32":  # bytes of {b, a} picked by the selector's nibbles (no sign mode)
+            src = int(val(a[1])) | int(val(a[2]) if a[2] != "0" else 0) << 32
+            sel = int(val(a[3]))
+            assert all((sel >> (4 * i)) & 8 == 0 for i in range(4))
+            regs[a[0]] = np.uint32(sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4)))
+        elif op == "mul.rn.bf16x2":
+            x, y = (torch.tensor([int(val(t))], dtype=torch.int64).to(torch.int32).view(torch.bfloat16).double()
+                    for t in a[1:3])
+            regs[a[0]] = np.uint32(int((x * y).to(torch.bfloat16).view(torch.int32).item()) & 0xFFFFFFFF)
         elif op == "mul.lo.u32":
             regs[a[0]] = np.uint32((int(val(a[1])) * int(val(a[2]))) & 0xFFFFFFFF)
         elif op == "mul.rn.f16x2":
@@ -217,7 +229,7 @@ def _run_ptx(text: str, operands: list[int]) -> list[float]:
             regs[a[0]] = np.float32(regs[a[1]] + regs[a[2]])
         else:
             raise AssertionError(f"unknown instruction {op}")
-    return [float(regs["$0"]), float(regs["$1"])]
+    return regs
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -247,12 +259,39 @@ def test_word_pair_dot_assembly_decodes_the_planar_layout():
         b = 4 * i  # x32 index of the pair's first low value (natural index 8i)
         ops = [words[2 * i], words[2 * i + 1], x32[b], x32[b + 1], x32[b + 16], x32[b + 17],
                x32[b + 2], x32[b + 3], x32[b + 18], x32[b + 19]]
-        got_lo, got_hi = _run_ptx(WORD_PAIR_DOT_PTX, [int(o) for o in ops])
+        regs = _run_ptx(WORD_PAIR_DOT_PTX, [int(o) for o in ops])
+        got_lo, got_hi = float(regs["$0"]), float(regs["$1"])
         want_lo = (values[8 * i: 8 * i + 8] * xs[8 * i: 8 * i + 8]).sum().item() * 2**-14
         want_hi = (values[32 + 8 * i: 40 + 8 * i] * xs[32 + 8 * i: 40 + 8 * i]).sum().item() * 2**-14
         scale = (values.abs() * xs.abs()).max().item() * 2**-14 * 8
         assert abs(got_lo - want_lo) <= 2e-3 * scale, (i, got_lo, want_lo)
         assert abs(got_hi - want_hi) <= 2e-3 * scale, (i, got_hi, want_hi)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_grouped_dequant_assembly_decodes_the_planar_layout():
+    """The grouped GEMMs' inline assembly, executed instruction by instruction on CPU: two bytes
+    of a tile (two K-adjacent operand elements) and their blocks' bf16 multipliers give exactly
+    the checkpoint's low values (one scale block) and high values (the next), as bf16 pairs."""
+    from inference.kernels.moe_triton import GROUPED_DEQUANT_PTX, pack_planar
+
+    g = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (1, 6, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.tensor([[[1, 60], [117, 118], [119, 120], [121, 122], [126, 127], [128, 100]]], dtype=torch.uint8)
+    w, _ = pack_planar(blocks, scales)
+    values = dequantize_mxfp4(blocks, scales, torch.float64)  # [1, 6, 64]
+
+    def bf16_bits(v: float) -> int:
+        return int(torch.tensor([v], dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+    for row in range(6):
+        mult_lo, mult_hi = (bf16_bits(2.0 ** (int(scales[0, row, b]) - 1)) for b in (0, 1))
+        for j in range(0, 32, 2):
+            two_bytes = int(w[0, row, j]) | int(w[0, row, j + 1]) << 8  # elements j, j+1
+            regs = _run_ptx(GROUPED_DEQUANT_PTX, [two_bytes, mult_lo | mult_lo << 16, mult_hi | mult_hi << 16])
+            for reg, first in (("$0", j), ("$1", 32 + j)):
+                got = torch.tensor([int(regs[reg])], dtype=torch.int64).to(torch.int32).view(torch.bfloat16).double()
+                assert torch.equal(got, values[0, row, first: first + 2]), (row, j, reg)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -318,7 +357,7 @@ def test_triton_decode_guards_take_the_grouped_path(monkeypatch):
 # ----------------------------------------------------------------------------- Triton kernels
 
 # (experts, hidden, intermediate, top_k): 96 = 3 scale blocks, so K pads to a whole 64-tile.
-TINY = [(4, 64, 64, 2), (8, 96, 64, 4), (6, 64, 96, 3)]
+TINY = [(4, 64, 64, 2), (8, 96, 64, 4), (6, 64, 96, 3), (4, 160, 192, 2)]  # 1, 2 and 3 K tiles
 
 
 @needs_triton
@@ -377,7 +416,7 @@ def test_triton_grouped_many_tokens_and_block_sizes():
     w = make_weights(4, 64, 64, seed=5)
     x = torch.randn(45, 64, device=DEVICE).to(DTYPE)
     ref = reference(x, w, 2)
-    for block_m, down_n in ((16, None), (32, 16), (64, 64), (128, None)):
+    for block_m, down_n in ((16, 128), (32, 16), (64, 64), (128, 64)):
         config = mt.MoEKernelConfig(decode_max_tokens=0, block_m=block_m, block_n=32, down_block_n=down_n)
         backend = triton_backend(config)
         assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), ref, TOL)

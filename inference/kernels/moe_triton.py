@@ -29,7 +29,8 @@ Weight layout (per expert, a matrix W [N, K] used as y = x W^T, K padded to a mu
        0 and magnitude 1-3, high value's sign 4 and magnitude 5-7 (see `_e2m1_tiny`; the decode
        GEMVs read the same bytes as 32-bit words, see `WORD_PAIR_DOT_PTX`).
     s  uint8 [E, N, S]: the block scales, each row padded to S = a multiple of 16 bytes so a
-       GEMV step's scales are one aligned load (which the pipeliner can copy ahead).
+       GEMV step's scales are one aligned load, and the grouped GEMMs read a tile pair's four
+       as one 32-bit word (loads the pipeliner can copy ahead).
 gate_up rows are de-interleaved at load time: rows [0, I) are the gates, [I, 2I) the ups, so the
 SwiGLU epilogue pairs row n with row I+n.
 """
@@ -186,6 +187,60 @@ def _dequant(byte, scale, HIGH: tl.constexpr, LARGE_SCALES: tl.constexpr):
     if LARGE_SCALES:
         return tiny * _TWO_POW_126 * (scale << 23).to(tl.float32, bitcast=True)
     return tiny * ((scale + 126) << 23).to(tl.float32, bitcast=True)
+
+
+# The grouped GEMMs' dequantisation, as packed bf16 pairs. The tensor-core operand layout holds
+# K-adjacent elements in pairs, so the assembly takes two bytes (two elements) at a time:
+#   move the bytes to bits 0-7 and 16-23 (prmt), then per half-byte one mask, one multiply (two
+#           shifted copies that never overlap, as in the GEMVs) and one mask put each value's
+#           sign at bit 15 and its magnitude code at bits 6-8 of its half: e2m1 * 2^-126 as
+#           bf16 (a subnormal for 0.5);
+#   multiply each pair by its block's 2^(scale - 1) (exact: e2m1 has 2 significant bits).
+# About 2.3 instructions a weight, where the float32 path (`_dequant`, then a cast) takes 4.
+# Operands: $2 the two bytes; $3 / $4 the multipliers of the low / high values (bf16 pairs);
+# results $0 / $1 the low / high values (bf16 pairs). Scale bytes above 128 (no such
+# multiplier in bf16) take `_dequant`.
+GROUPED_DEQUANT_PTX = """
+{
+.reg .b32 w, t, m;
+cvt.u32.u16 w, $2;
+prmt.b32 t, w, 0, 0x3130;
+and.b32 m, t, 0x000F000F;
+mul.lo.u32 m, m, 0x8020;
+and.b32 m, m, 0x81C081C0;
+mul.rn.bf16x2 $0, m, $3;
+and.b32 m, t, 0x00F000F0;
+mul.lo.u32 m, m, 0x0802;
+and.b32 m, m, 0x81C081C0;
+mul.rn.bf16x2 $1, m, $4;
+}
+"""
+_GROUPED_DEQUANT = tl.constexpr(GROUPED_DEQUANT_PTX)
+
+
+@triton.jit
+def _bf16_power_of_two(scale):
+    """2^(scale - 1) as bf16, for scale bytes (int32) 0..128."""
+    return ((scale + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _dequant_tile(w, scales, PACKED: tl.constexpr, LARGE_SCALES: tl.constexpr, OPERAND: tl.constexpr):
+    """One 64-value K tile of BN weight rows: bytes w [BN, 32] uint8, scales [BN] int32 with the
+    tile's two scale bytes in bits 0-7 (low values) and 8-15 (high values) -> (low values,
+    high values), each [BN, 32] in OPERAND. PACKED: `GROUPED_DEQUANT_PTX` (bf16, scale bytes
+    up to 128); otherwise `_dequant` in float32."""
+    s_lo = (scales & 0xFF)[:, None]
+    s_hi = ((scales >> 8) & 0xFF)[:, None]
+    if PACKED:
+        f_lo = tl.broadcast_to(_bf16_power_of_two(s_lo), w.shape)
+        f_hi = tl.broadcast_to(_bf16_power_of_two(s_hi), w.shape)
+        lo, hi = tl.inline_asm_elementwise(
+            _GROUPED_DEQUANT, "=r,=r,h,r,r", [w, f_lo, f_hi], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+        )
+        return lo, hi
+    b = w.to(tl.int32)
+    return _dequant(b, s_lo, False, LARGE_SCALES).to(OPERAND), _dequant(b, s_hi, True, LARGE_SCALES).to(OPERAND)
 
 
 _WORD_DECODE_PTX = """
@@ -582,13 +637,15 @@ def _grouped_gate_up_kernel(
     x_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     H, I, num_tiles, s_row, stride_x, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LARGE_SCALES: tl.constexpr, OPERAND: tl.constexpr,
+    LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr,
 ):
     """act[rows, n] = swiglu(gate, up) for one BLOCK_M-row block of one expert's pairs.
 
     Computed transposed, [BLOCK_N weight rows, BLOCK_M tokens], so the dequantised weights are
-    the MMA's register operand and the gathered activations its shared-memory one. The scale
-    bytes (too small for the pipeliner's async copies) are loaded one K tile ahead by hand.
+    the MMA's register operand and the gathered activations its shared-memory one. The bytes
+    and scales are loaded in the operand's register layout and dequantised there (no shared-
+    memory round trip); scales as 32-bit words (a tile pair's 4 bytes), which the pipeliner can
+    copy ahead like the weights.
     """
     mb = tl.program_id(1)
     e = tl.load(block_expert_ptr + mb)
@@ -605,34 +662,28 @@ def _grouped_gate_up_kernel(
     row_bytes = num_tiles * 32
     g_rows = w_ptr + e * (2 * I) * row_bytes + n.to(tl.int64)[:, None] * row_bytes + j[None, :]
     u_rows = g_rows + I * row_bytes
-    sg = s_ptr + e * (2 * I) * s_row + n * s_row
-    su = sg + I * s_row
+    sg = (s_ptr + e * (2 * I) * s_row + n * s_row).to(tl.pointer_type(tl.int32))
+    su = sg + I * (s_row // 4)
     x_rows = x_ptr + token.to(tl.int64)[None, :] * stride_x + j[:, None]
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    sg_lo_next = tl.load(sg, mask=n_ok, other=0)
-    sg_hi_next = tl.load(sg + 1, mask=n_ok, other=0)
-    su_lo_next = tl.load(su, mask=n_ok, other=0)
-    su_hi_next = tl.load(su + 1, mask=n_ok, other=0)
-    for tile in range(num_tiles):
-        sg_lo = sg_lo_next.to(tl.int32)[:, None]
-        sg_hi = sg_hi_next.to(tl.int32)[:, None]
-        su_lo = su_lo_next.to(tl.int32)[:, None]
-        su_hi = su_hi_next.to(tl.int32)[:, None]
-        more = n_ok & (n * 0 + tile + 1 < num_tiles)  # (a tensor also under the interpreter)
-        sg_lo_next = tl.load(sg + 2 * tile + 2, mask=more, other=0)
-        sg_hi_next = tl.load(sg + 2 * tile + 3, mask=more, other=0)
-        su_lo_next = tl.load(su + 2 * tile + 2, mask=more, other=0)
-        su_hi_next = tl.load(su + 2 * tile + 3, mask=more, other=0)
-        wg = tl.load(g_rows + tile * 32, mask=n_ok[:, None], other=0).to(tl.int32)
-        wu = tl.load(u_rows + tile * 32, mask=n_ok[:, None], other=0).to(tl.int32)
-        k = tile * 64 + j
-        x_lo = tl.load(x_rows + tile * 64, mask=valid[None, :] & (k < H)[:, None], other=0.0).to(OPERAND)
-        x_hi = tl.load(x_rows + tile * 64 + 32, mask=valid[None, :] & (k + 32 < H)[:, None], other=0.0).to(OPERAND)
-        acc_g = tl.dot(_dequant(wg, sg_lo, False, LARGE_SCALES).to(OPERAND), x_lo, acc_g)
-        acc_g = tl.dot(_dequant(wg, sg_hi, True, LARGE_SCALES).to(OPERAND), x_hi, acc_g)
-        acc_u = tl.dot(_dequant(wu, su_lo, False, LARGE_SCALES).to(OPERAND), x_lo, acc_u)
-        acc_u = tl.dot(_dequant(wu, su_hi, True, LARGE_SCALES).to(OPERAND), x_hi, acc_u)
+    for step in range(0, num_tiles, 2):  # two tiles a step: the scale words' bytes at constant shifts
+        sg_w = tl.load(sg + step // 2, mask=n_ok, other=0)
+        su_w = tl.load(su + step // 2, mask=n_ok, other=0)
+        for half in tl.static_range(2):
+            tile = step + half
+            w_ok = (n_ok & (n * 0 + tile < num_tiles))[:, None]  # (a tensor also under the interpreter)
+            wg = tl.load(g_rows + tile * 32, mask=w_ok, other=0)
+            wu = tl.load(u_rows + tile * 32, mask=w_ok, other=0)
+            k = tile * 64 + j
+            x_lo = tl.load(x_rows + tile * 64, mask=valid[None, :] & (k < H)[:, None], other=0.0).to(OPERAND)
+            x_hi = tl.load(x_rows + tile * 64 + 32, mask=valid[None, :] & (k + 32 < H)[:, None], other=0.0).to(OPERAND)
+            g_lo, g_hi = _dequant_tile(wg, sg_w >> (16 * half), PACKED, LARGE_SCALES, OPERAND)
+            u_lo, u_hi = _dequant_tile(wu, su_w >> (16 * half), PACKED, LARGE_SCALES, OPERAND)
+            acc_g = tl.dot(g_lo, x_lo, acc_g)
+            acc_g = tl.dot(g_hi, x_hi, acc_g)
+            acc_u = tl.dot(u_lo, x_lo, acc_u)
+            acc_u = tl.dot(u_hi, x_hi, acc_u)
     gate = acc_g + tl.load(b_ptr + e * 2 * I + n, mask=n_ok, other=0.0)[:, None]
     up = acc_u + tl.load(b_ptr + e * 2 * I + I + n, mask=n_ok, other=0.0)[:, None]
     act = _swiglu(gate, up, limit, alpha)
@@ -645,10 +696,11 @@ def _grouped_down_kernel(
     act_ptr, sorted_ptr, block_expert_ptr, gates_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     H, I, num_tiles, s_row,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LARGE_SCALES: tl.constexpr, OPERAND: tl.constexpr,
+    LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr,
 ):
     """out[token, n] += gate * (act[row] W2[e]^T + b2[e]) for one block of one expert's rows
-    (fp32 atomics: the k experts of a token meet in its output row, no extra pass)."""
+    (fp32 atomics: the k experts of a token meet in its output row, no extra pass). Loads and
+    dequantises like `_grouped_gate_up_kernel`."""
     mb = tl.program_id(1)
     e = tl.load(block_expert_ptr + mb)
     if e < 0:
@@ -662,23 +714,20 @@ def _grouped_down_kernel(
     j = tl.arange(0, 32)
     row_bytes = num_tiles * 32
     w_rows = w_ptr + e * H * row_bytes + n.to(tl.int64)[:, None] * row_bytes + j[None, :]
-    s_base = s_ptr + e * H * s_row + n * s_row
+    s_words = (s_ptr + e * H * s_row + n * s_row).to(tl.pointer_type(tl.int32))
     a_rows = act_ptr + rows.to(tl.int64)[None, :] * I + j[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    lo_next = tl.load(s_base, mask=n_ok, other=0)
-    hi_next = tl.load(s_base + 1, mask=n_ok, other=0)
-    for tile in range(num_tiles):
-        sc_lo = lo_next.to(tl.int32)[:, None]
-        sc_hi = hi_next.to(tl.int32)[:, None]
-        more = n_ok & (n * 0 + tile + 1 < num_tiles)  # (a tensor also under the interpreter)
-        lo_next = tl.load(s_base + 2 * tile + 2, mask=more, other=0)
-        hi_next = tl.load(s_base + 2 * tile + 3, mask=more, other=0)
-        w = tl.load(w_rows + tile * 32, mask=n_ok[:, None], other=0).to(tl.int32)
-        k = tile * 64 + j
-        a_lo = tl.load(a_rows + tile * 64, mask=(k < I)[:, None], other=0.0).to(OPERAND)
-        a_hi = tl.load(a_rows + tile * 64 + 32, mask=(k + 32 < I)[:, None], other=0.0).to(OPERAND)
-        acc = tl.dot(_dequant(w, sc_lo, False, LARGE_SCALES).to(OPERAND), a_lo, acc)
-        acc = tl.dot(_dequant(w, sc_hi, True, LARGE_SCALES).to(OPERAND), a_hi, acc)
+    for step in range(0, num_tiles, 2):
+        s_w = tl.load(s_words + step // 2, mask=n_ok, other=0)
+        for half in tl.static_range(2):
+            tile = step + half
+            w = tl.load(w_rows + tile * 32, mask=(n_ok & (n * 0 + tile < num_tiles))[:, None], other=0)
+            k = tile * 64 + j
+            a_lo = tl.load(a_rows + tile * 64, mask=(k < I)[:, None], other=0.0).to(OPERAND)
+            a_hi = tl.load(a_rows + tile * 64 + 32, mask=(k + 32 < I)[:, None], other=0.0).to(OPERAND)
+            w_lo, w_hi = _dequant_tile(w, s_w >> (16 * half), PACKED, LARGE_SCALES, OPERAND)
+            acc = tl.dot(w_lo, a_lo, acc)
+            acc = tl.dot(w_hi, a_hi, acc)
     gate = tl.load(gates_ptr + pair, mask=valid, other=0.0)
     y = (acc + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)[:, None]) * gate[None, :]
     token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
@@ -704,9 +753,9 @@ class MoEKernelConfig:
     block_m: int | None = None  # grouped path tokens per block; None: by tokens per expert (`_block_m`)
     block_n: int = 64  # grouped gate_up: weight rows (of gates, and as many of ups) per program
     warps: int = 4
-    down_block_n: int | None = None  # grouped down: weight rows per program; None: 64 for blocks of 64+ tokens, else 128
+    down_block_n: int = 64  # grouped down: weight rows per program
     down_warps: int | None = None  # None: warps
-    stages: int = 3
+    stages: int = 2  # grouped path: loop steps (of two K tiles) loaded ahead
 
 
 DEFAULT_CONFIG = MoEKernelConfig()
@@ -807,16 +856,17 @@ def fused_moe(
     )
     act_dtype = torch.float32 if interpreting() else torch.bfloat16  # exact checks under the interpreter
     act = torch.empty(max_blocks * block_m, inter, dtype=act_dtype, device=dev)
-    common = dict(TOP_K=top_k, BLOCK_M=block_m, LARGE_SCALES=w.large_scales, OPERAND=operand, num_stages=cfg.stages)
+    packed = not interpreting() and not w.large_scales  # `GROUPED_DEQUANT_PTX`: bf16, scale bytes <= 128
+    common = dict(TOP_K=top_k, BLOCK_M=block_m, LARGE_SCALES=w.large_scales, PACKED=packed, OPERAND=operand,
+                  num_stages=cfg.stages)
     # Grids run the column blocks of one token block side by side (axis 0 is launched first):
     # they share its activation rows while those are in cache (4-5% faster at 2048 tokens, H200).
     _grouped_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
         x, sorted_pairs, block_expert, w.w1, w.s1, w.b1, act, hidden, inter, tiles1, w.s1.shape[2], x.stride(0),
         swiglu_limit, SWIGLU_ALPHA, BLOCK_N=cfg.block_n, num_warps=cfg.warps, **common,
     )
-    down_n = cfg.down_block_n or (64 if block_m >= 64 else 128)
-    _grouped_down_kernel[(triton.cdiv(hidden, down_n), max_blocks)](
+    _grouped_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), max_blocks)](
         act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, w.s2.shape[2],
-        BLOCK_N=down_n, num_warps=cfg.down_warps or cfg.warps, **common,
+        BLOCK_N=cfg.down_block_n, num_warps=cfg.down_warps or cfg.warps, **common,
     )
     return out32.to(out_dtype)
