@@ -30,7 +30,7 @@ LIMIT = 7.0
 
 def _kernels():
     """The Triton module, interpreted on CPU."""
-    return kernel_module("inference.kernels.moe_triton", "_route_kernel")
+    return kernel_module("inference.kernels.moe_triton", "_route_top_k_kernel")
 
 
 @fresh_process_only
@@ -375,9 +375,16 @@ def test_triton_router_matches_torch(shape):
     import triton
 
     operand = triton.language.bfloat16 if CUDA else triton.language.float32
-    mt._route_kernel[(2,)](
-        x, prepared.router_weight, prepared.router_bias, ids, gates, counts, out32, 19, hidden, e_count, x.stride(0),
-        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=16, BLOCK_E=16, BLOCK_K=32, OPERAND=operand,
+    k_per_split = 64  # two 32-value steps a split: 1 to 3 splits over these hidden sizes
+    splits = -(-hidden // k_per_split)
+    partial = torch.empty(splits, 19, e_count, device=DEVICE)
+    mt._router_partial_kernel[(2, splits)](
+        x, prepared.router_weight, partial, out32, 19, hidden, e_count, x.stride(0), k_per_split,
+        BLOCK_T=16, BLOCK_E=16, BLOCK_K=32, OPERAND=operand,
+    )
+    mt._route_top_k_kernel[(5,)](
+        partial, prepared.router_bias, ids, gates, counts, 19, e_count, splits,
+        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=16, BLOCK_S=4,
     )
     want_ids, want_gates = route(x.float(), float_copy(w), top_k)
     assert torch.equal(ids.long(), want_ids)
@@ -417,23 +424,26 @@ def test_triton_grouped_many_tokens_and_block_sizes():
     x = torch.randn(45, 64, device=DEVICE).to(DTYPE)
     ref = reference(x, w, 2)
     for block_m, down_n in ((16, 128), (32, 16), (64, 64), (128, 64)):
-        config = mt.MoEKernelConfig(decode_max_tokens=0, block_m=block_m, block_n=32, down_block_n=down_n)
+        config = mt.MoEKernelConfig(decode_max_tokens=0, block_m=block_m, block_n=32, down_block_n=down_n,
+                                    router_block_k=32 if block_m == 32 else 64)  # 32: the router in two splits
         backend = triton_backend(config)
         assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), ref, TOL)
 
 
 @needs_triton
 def test_triton_grouped_block_size_leaves_room_for_the_spread():
-    """Blocks hold 1.5x the mean pairs an expert (16..128 tokens), so a typical expert's pairs
-    fit one block; a configured size wins."""
+    """Blocks hold 1.5x the mean pairs an expert (16..64 tokens), so a typical expert's pairs
+    fit one block; 128-token blocks once the mean fills 1.5 of them; a configured size wins."""
     mt = _kernels()
     pick = lambda pairs, experts: mt._block_m(pairs, experts, mt.DEFAULT_CONFIG)  # noqa: E731
     assert pick(4 * 64, 32) == 16  # 8 an expert (20b, batch 64)
     assert pick(4 * 128, 32) == 32  # 16 an expert (batch 128)
-    assert pick(4 * 512, 32) == 128  # 64 an expert
+    assert pick(4 * 256, 32) == 64  # 32 an expert
+    assert pick(4 * 512, 32) == 64 and pick(4 * 1024, 32) == 64  # 64 and 128 an expert
+    assert pick(4 * 2048, 32) == 128  # 256 an expert (20b, a 2048-token prefill chunk)
     assert pick(4 * 64, 128) == 16 and pick(4 * 8192, 32) == 128  # the bounds
     for pairs, experts in ((256, 32), (700, 32), (2048, 128), (5000, 128)):
-        assert pick(pairs, experts) >= min(128, 1.5 * pairs / experts)
+        assert pick(pairs, experts) >= min(64, 1.5 * pairs / experts)
     assert mt._block_m(4 * 128, 32, mt.MoEKernelConfig(block_m=64)) == 64
 
 

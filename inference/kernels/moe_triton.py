@@ -12,8 +12,9 @@ load time into the layout below; `fused_moe` runs one MoE block. Two paths:
     down GEMV per (token, slot): epilogue scales by the routing weight and
         atomically adds into the token's fp32 output row                             [T, H]
     (a cast to the output dtype, unless the caller takes the float32 sums)
-  larger batches (grouped GEMMs on tensor cores, 5 launches plus a memset and the cast):
-    route: logits, top-k, softmax, per-expert counts, zeroing the output rows        ids, gates
+  larger batches (grouped GEMMs on tensor cores, 6 launches plus a memset and the cast):
+    router partial logits over splits of H; also zeroes the output rows       partial [S, T, E]
+    route top-k: logits, top-k, softmax, per-expert counts                           ids, gates
     align: (token, slot) pairs grouped by expert into BLOCK_M-row blocks
     gate_up grouped GEMM + SwiGLU epilogue, rows in expert order                     act [R, I]
     down grouped GEMM, routing-weighted atomic adds into the fp32 output rows        [T, H]
@@ -419,30 +420,51 @@ def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.con
 
 
 @triton.jit
-def _route_kernel(
-    x_ptr, wr_ptr, br_ptr, ids_ptr, gates_ptr, counts_ptr, out_ptr,
-    T, H, E, stride_x,
-    TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+def _router_partial_kernel(
+    x_ptr, wr_ptr, partial_ptr, out_ptr, T, H, E, stride_x, k_per_split,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, OPERAND: tl.constexpr,
 ):
-    """Router for BLOCK_T tokens: logits over all experts, top-k, softmax over the k.
-
-    Writes ids [T, k] int32 and gates [T, k] float32, adds per-expert pair counts to counts [E],
-    and zeroes the tokens' fp32 output rows (for the atomic combine).
-    """
-    pid = tl.program_id(0)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Router logits of BLOCK_T tokens over one split of the hidden dimension (grid axis 1):
+    partial[split, t, e] = sum over k in the split of x[t, k] * Wr[e, k], float32. Also zeroes the
+    tokens' fp32 output rows over the same range (for the atomic combine). Splitting H spreads a
+    small batch's router over many multiprocessors instead of a few long loops."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
     t_ok = t < T
     e_ok = e < E
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, H)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=3):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < H
+        k_ok = k < k_hi
         xt = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         wt = tl.load(wr_ptr + e[None, :] * H + k[:, None], mask=e_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(xt.to(OPERAND), wt.to(OPERAND), acc)
-    logits = acc + tl.load(br_ptr + e, mask=e_ok, other=0.0)[None, :]
+        zeros = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        tl.store(out_ptr + t[:, None] * H + k[None, :], zeros, mask=t_ok[:, None] & k_ok[None, :])
+    tl.store(partial_ptr + (split * T + t[:, None]) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _route_top_k_kernel(
+    partial_ptr, br_ptr, ids_ptr, gates_ptr, counts_ptr, T, E, splits,
+    TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Routing of BLOCK_T tokens from the router's partial sums (all BLOCK_S >= splits of them in
+    one load): logits, top-k (ties: lowest id), softmax over the k. Writes ids [T, k] int32 and
+    gates [T, k] float32 and adds the per-expert pair counts to counts [E]."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    sp = tl.arange(0, BLOCK_S)
+    t_ok = t < T
+    e_ok = e < E
+    ptrs = partial_ptr + (sp[:, None, None] * T + t[None, :, None]) * E + e[None, None, :]
+    mask = (sp < splits)[:, None, None] & t_ok[None, :, None] & e_ok[None, None, :]
+    logits = tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
+    logits += tl.load(br_ptr + e, mask=e_ok, other=0.0)[None, :]
     logits = tl.where(e_ok[None, :], logits, float("-inf"))
 
     slot = tl.arange(0, K_POW2)
@@ -466,10 +488,6 @@ def _route_kernel(
     tl.store(ids_ptr + out_off, top_ids, mask=mask)
     tl.store(gates_ptr + out_off, p, mask=mask)
     tl.atomic_add(counts_ptr + e, counts, mask=e_ok & (counts > 0), sem="relaxed")
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        zeros = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        tl.store(out_ptr + t[:, None] * H + k[None, :], zeros, mask=t_ok[:, None] & (k < H)[None, :])
 
 
 @triton.jit
@@ -750,6 +768,8 @@ class MoEKernelConfig:
     gemv_block_u: int = 4  # 64-value K tiles per loop step (a power of 2)
     gemv_warps: int = 1
     gemv_stages: int = 3
+    router_block_k: int = 64  # grouped path router: hidden values per loop step
+    router_programs: int = 64  # grouped path router: split H until about this many programs
     block_m: int | None = None  # grouped path tokens per block; None: by tokens per expert (`_block_m`)
     block_n: int = 64  # grouped gate_up: weight rows (of gates, and as many of ups) per program
     warps: int = 4
@@ -783,9 +803,13 @@ def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
     # Room for 1.5x the mean pairs an expert: routing scatters the counts around the mean, and a
     # count past the block size dequantises the expert's weights twice, which costs more than
     # the MMA columns a half-empty block wastes (at 16 pairs an expert 32-token blocks beat 16
-    # by 20-24%, at 64, 128 beat 64; BENCHMARKS.md).
+    # by 22%). 128-token blocks need twice the registers (half the programs resident), which
+    # pays only once the mean count fills 1.5 of them (at 64 and 128 pairs an expert, 64-token
+    # blocks beat 128 by 10% and 2%, at 256 128 wins by 6%; BENCHMARKS.md).
     per_expert = pairs / num_experts
-    return min(128, max(16, triton.next_power_of_2(math.ceil(1.5 * per_expert))))
+    if per_expert >= 192:
+        return 128
+    return min(64, max(16, triton.next_power_of_2(math.ceil(1.5 * per_expert))))
 
 
 def fused_moe(
@@ -839,11 +863,23 @@ def fused_moe(
     ids = torch.empty(t_count, top_k, dtype=torch.int32, device=dev)
     gates = torch.empty(t_count, top_k, dtype=torch.float32, device=dev)
     counters = torch.zeros(2, num_experts, dtype=torch.int32, device=dev)  # counts, cursors
-    block_t = 16
-    _route_kernel[(triton.cdiv(t_count, block_t),)](
-        x, w.router_weight, w.router_bias, ids, gates, counters[0], out32, t_count, hidden, num_experts, x.stride(0),
-        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128,
-        OPERAND=operand,
+    # Router: split H so that a small batch still spreads over many programs (at 64 tokens one
+    # program per 16 tokens walking all of H took 15 us, H200), then top-k from the partial sums.
+    block_t, router_k = 16, cfg.router_block_k
+    token_blocks = triton.cdiv(t_count, block_t)
+    chunks = triton.cdiv(hidden, router_k)
+    k_per_split = router_k * triton.cdiv(chunks, max(1, min(chunks, cfg.router_programs // token_blocks)))
+    splits = triton.cdiv(hidden, k_per_split)
+    partial = torch.empty(splits, t_count, num_experts, dtype=torch.float32, device=dev)
+    _router_partial_kernel[(token_blocks, splits)](
+        x, w.router_weight, partial, out32, t_count, hidden, num_experts, x.stride(0), k_per_split,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=router_k, OPERAND=operand,
+    )
+    top_k_block_t = 4  # small programs: the loads of all splits are one wide load each
+    _route_top_k_kernel[(triton.cdiv(t_count, top_k_block_t),)](
+        partial, w.router_bias, ids, gates, counters[0], t_count, num_experts, splits,
+        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=top_k_block_t, BLOCK_E=block_e,
+        BLOCK_S=triton.next_power_of_2(splits),
     )
     block_m = _block_m(pairs, num_experts, cfg)
     max_blocks = min(pairs, (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
