@@ -247,7 +247,7 @@ def test_backend_selection():
 
 def small_cfgs(attention_triton):
     return dict(
-        decode_cfg=attention_triton.DecodeConfig(block_n=16, min_chunk=16),
+        decode_cfg=attention_triton.DecodeConfig(block_n=16, min_chunk=16, split_keys=16),
         prefill_cfg=attention_triton.PrefillConfig(rows=16, block_n=16),
     )
 
@@ -275,6 +275,19 @@ def test_triton_decode_splits(splits):
     for window in (None, 8):
         check_attention(attention_triton.paged_sink_attention, 5 + splits, [1, 1, 1], [3, 70, 33], (4, 2, 16), 8,
                         window, **cfgs)
+
+
+@needs_triton
+def test_triton_decode_split_count():
+    """No split up to min_chunk keys (a sliding layer's window); past it, enough splits to fill
+    the GPU, none under split_keys keys."""
+    attention_triton, _ = _kernel_modules()
+    splits = attention_triton.decode_num_splits
+    assert splits(1, 8, 128, 132) == 1  # batch 1, sliding layer
+    assert splits(1, 8, 1024, 132) == 16  # batch 1, 1k keys: one 64-key block a split
+    assert splits(1, 8, 32768, 132) == 66  # 4 programs a multiprocessor
+    assert splits(64, 8, 8192, 132) == 2 and splits(128, 8, 1024, 132) == 1
+    assert splits(1, 8, 1024, 132, attention_triton.DecodeConfig(num_splits=3)) == 3
 
 
 @needs_triton

@@ -240,7 +240,8 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_splits: int | None = None
-    min_chunk: int = 256  # fewest keys worth a split of their own
+    min_chunk: int = 256  # fewest keys worth splitting (a split costs a combine launch)
+    split_keys: int = 64  # fewest keys a split gets once splitting
     waves: float = 4.0  # aim for this many programs per multiprocessor
 
 
@@ -260,12 +261,16 @@ PREFILL = PrefillConfig()
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_keys: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
-    """Splits per (sequence, KV head): enough programs to fill the GPU, each with >= min_chunk keys."""
+    """Splits per (sequence, KV head): none up to min_chunk keys, else enough programs to fill
+    the GPU, each with >= split_keys keys. Small batches are latency-bound: at batch 1 and 1k keys
+    16 one-block splits take 5.3 us against 7.7 for 4 of 256 keys (H200, BENCHMARKS.md)."""
     if cfg.num_splits is not None:
         return cfg.num_splits
+    if max_keys <= cfg.min_chunk:
+        return 1
     programs = batch * num_kv_heads
     wanted = triton.cdiv(int(cfg.waves * sm_count), programs)
-    return max(1, min(wanted, triton.cdiv(max_keys, cfg.min_chunk)))
+    return max(1, min(wanted, triton.cdiv(max_keys, cfg.split_keys)))
 
 
 def decode_block_n(batch: int, num_kv_heads: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
