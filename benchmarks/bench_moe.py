@@ -62,9 +62,9 @@ GROUPED_SWEEP = [
     dict(warps=8),
     dict(stages=1),
     dict(stages=3),
-    dict(router_block_k=128),
-    dict(router_programs=64),
-    dict(router_programs=1024),
+    dict(router_programs=256),
+    dict(maxnreg=64),
+    dict(maxnreg=128),
 ]
 GROUPED_SWEEP_BATCHES = {"20b": (64, 128, 256, 512, 1024, 2048), "120b": (64, 128, 256, 512, 1024, 2048)}  # where grouped variants are compared
 

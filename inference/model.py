@@ -103,6 +103,18 @@ class MoE(nn.Module):
             return self.tp.all_reduce(backend.forward(x, self.prepared, self.top_k, self.limit))
         return backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=model_output_dtype(backend))
 
+    def add_norm_forward(self, x, delta, norm_weight, eps, backend, add_rms_norm):
+        """(x + delta, forward(rmsnorm(x + delta) * norm_weight)): the residual add and norm in
+        the backend's own kernels where it has them (one launch fewer a layer at decode)."""
+        fused = getattr(backend, "add_norm_forward", None)
+        if fused is not None and self.tp is None:
+            result = fused(x, delta, norm_weight, eps, self.prepared, self.top_k, self.limit,
+                           out_dtype=model_output_dtype(backend))
+            if result is not None:
+                return result
+        x, h = add_rms_norm(x, delta, norm_weight, eps)
+        return x, self.forward(h, backend)
+
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp=None):
@@ -117,8 +129,9 @@ class Block(nn.Module):
         """x: [T, H] residual stream; h: rmsnorm(x) with this block's attn_norm, computed by the
         previous block's fused add + norm. Returns (x after the block, x normed by `next_norm`)."""
         attention_backend, moe_backend = backends
-        x, h = add_rms_norm(x, self.attn(h, meta, kv_cache, cos_sin, attention_backend), self.mlp_norm, self.eps)
-        return add_rms_norm(x, self.mlp(h, moe_backend), next_norm, self.eps)
+        attn_out = self.attn(h, meta, kv_cache, cos_sin, attention_backend)
+        x, moe_out = self.mlp.add_norm_forward(x, attn_out, self.mlp_norm, self.eps, moe_backend, add_rms_norm)
+        return add_rms_norm(x, moe_out, next_norm, self.eps)
 
 
 class GptOssModel(nn.Module):

@@ -7,6 +7,9 @@ Every backend has the same two methods:
         two copies); use only `prepared` afterwards.
     forward(x [T, H], prepared, top_k, swiglu_limit, out_dtype=None) -> [T, H] in out_dtype
         the MoE block (contract: `inference.moe.moe_reference`); out_dtype defaults to x's.
+A backend may also have `add_norm_forward(x, delta, norm_weight, eps, prepared, top_k,
+swiglu_limit, out_dtype)` -> (x + delta, forward(rmsnorm(x + delta))) or None, which folds the
+residual add and norm before the block into its own kernels (the Triton backend's router).
 and one attribute, `float32_output`: whether the backend's own result is float32. The model
 then asks for float32 (`model_output_dtype`), which the residual add takes as it is: for the
 Triton kernels that saves a cast kernel a layer (one launch at batch 1).
@@ -74,6 +77,15 @@ class TritonMoEBackend:
         if isinstance(prepared, MoEWeights):
             return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
         return self._kernels.fused_moe(x, prepared, top_k, swiglu_limit, self.config, out_dtype=out_dtype)
+
+    def add_norm_forward(self, x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, prepared,
+                         top_k: int, swiglu_limit: float, out_dtype: torch.dtype | None = None):
+        """(x + delta, forward(rmsnorm(x + delta) * norm_weight)), the add and norm fused into the
+        kernels' router at decode sizes; None where the kernels do not take these weights."""
+        if isinstance(prepared, MoEWeights):
+            return None
+        return self._kernels.fused_add_norm_moe(x, delta, norm_weight, eps, prepared, top_k, swiglu_limit, self.config,
+                                                out_dtype=out_dtype)
 
 
 def model_output_dtype(backend) -> torch.dtype | None:

@@ -417,6 +417,28 @@ def test_triton_paths_match_reference(shape):
 
 
 @needs_triton
+def test_triton_add_norm_moe_matches_add_rms_norm_then_moe():
+    """The residual add and RMSNorm folded into the MoE (the decode router kernel does them;
+    the grouped path runs the norm kernel first) give the same residual and output as
+    `add_rms_norm_reference` followed by the plain MoE."""
+    from inference.kernels.rmsnorm_triton import add_rms_norm_reference
+
+    w = make_weights(4, 96, 64, seed=8)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(3, 96, generator=g) * 3).to(DEVICE, DTYPE)
+    delta = torch.randn(3, 96, generator=g).to(DEVICE, DTYPE)
+    norm_weight = (torch.rand(96, generator=g) + 0.5).to(DEVICE, DTYPE)
+    want_residual, h = add_rms_norm_reference(x, delta, norm_weight, 1e-5)
+    for decode_max in (3, 0):  # the decode path, then the grouped one
+        backend = triton_backend(_kernels().MoEKernelConfig(decode_max_tokens=decode_max))
+        prepared = prepared_copy(backend, w)
+        residual, out = backend.add_norm_forward(x, delta, norm_weight, 1e-5, prepared, 2, LIMIT)
+        assert torch.equal(residual, want_residual)
+        assert_close(out, backend.forward(h, prepared, 2, LIMIT), 1e-2 if CUDA else 1e-5)
+        assert_close(out, reference(h, w, 2), max(TOL, DECODE_TOL))
+
+
+@needs_triton
 def test_triton_grouped_many_tokens_and_block_sizes():
     """More pairs than one block per expert, each block size the heuristic can pick."""
     mt = _kernels()

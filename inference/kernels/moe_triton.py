@@ -48,6 +48,7 @@ import triton.language as tl
 
 from ..moe import MoEWeights
 from ..mxfp4 import BLOCK_SIZE
+from .rmsnorm_triton import add_rms_norm_triton
 
 SWIGLU_ALPHA = 1.702
 SCALE_ROW_ALIGN = 16  # bytes
@@ -493,39 +494,73 @@ def _route_top_k_kernel(
 @triton.jit
 def _router_logits_kernel(
     x_ptr, wr_ptr, br_ptr, logits_ptr, out_ptr, xh_ptr, inv_scale_ptr, H, E, stride_x, k_pad,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
+    delta_ptr, norm_ptr, res_ptr, stride_d, eps,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr, ADD_NORM: tl.constexpr,
 ):
-    """logits[t, e] = x[t] . Wr[e] + br[e] for BLOCK_E experts of one token (float32): many small
+    """logits[t, e] = h[t] . Wr[e] + br[e] for BLOCK_E experts of one token (float32): many small
     programs, so a decode step's router read is spread over the GPU, not one multiprocessor.
+    h is x, or with ADD_NORM the residual add and RMSNorm that precede the MoE, done here
+    instead of in a launch of their own: r = x + delta (rounded to x's dtype; the first program
+    stores it to res[t]) and h = norm_weight * r * rsqrt(mean(r^2) + eps) rounded to x's dtype,
+    as `add_rms_norm_reference` computes them.
 
     Each program also handles SLICE columns of the token for the GEMVs: zeroes them in the fp32
     output row, and writes them to xh[t] ([T, k_pad] fp16, `_permuted` order, zero past H) as
-    x * c, where c = 2^k puts max |x[t]| in [2^14, 2^15); the first program writes 1/c to
-    inv_scale[t]. Every program reads the whole row anyway, so each knows max |x[t]|."""
+    h * c, where c = 2^k puts max |h[t]| in [2^14, 2^15); the first program writes 1/c to
+    inv_scale[t]. Every program reads the whole row anyway, so each knows max |h[t]|."""
     eb = tl.program_id(0)
     t = tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < E
+    rstd = 1.0
+    if ADD_NORM:  # a first pass for the row's RMS (and the residual, by the first program)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            r = _residual(x_ptr, delta_ptr, t, k, k < H, stride_x, stride_d)
+            if eb == 0:
+                tl.store(res_ptr + t * H + k, r, mask=k < H)
+            rf = r.to(tl.float32)
+            sq += rf * rf
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / H + eps)
     acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=3):
         k = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(x_ptr + t * stride_x + k, mask=k < H, other=0.0).to(tl.float32)
+        xk = _router_input(x_ptr, delta_ptr, norm_ptr, t, k, k < H, stride_x, stride_d, rstd, ADD_NORM)
         amax = tl.maximum(amax, tl.abs(xk))
         wk = tl.load(wr_ptr + e[:, None] * H + k[None, :], mask=e_ok[:, None] & (k < H)[None, :], other=0.0)
         acc += wk.to(tl.float32) * xk[None, :]
     logits = tl.sum(acc, axis=1) + tl.load(br_ptr + e, mask=e_ok, other=0.0)
     tl.store(logits_ptr + t * E + e, logits, mask=e_ok)
-    # max |x| < 2^(f - 126) for its exponent field f, so c = 2^(141 - f) (clamped to normal floats).
+    # max |h| < 2^(f - 126) for its exponent field f, so c = 2^(141 - f) (clamped to normal floats).
     field = (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
     k_exp = tl.minimum(tl.maximum(141 - field, -126), 126)
     c = ((k_exp + 127) << 23).to(tl.float32, bitcast=True)
     if eb == 0:
         tl.store(inv_scale_ptr + t, ((127 - k_exp) << 23).to(tl.float32, bitcast=True))
     h = eb * SLICE + tl.arange(0, SLICE)
-    xs = tl.load(x_ptr + t * stride_x + h, mask=h < H, other=0.0).to(tl.float32) * c
+    xs = _router_input(x_ptr, delta_ptr, norm_ptr, t, h, h < H, stride_x, stride_d, rstd, ADD_NORM) * c
     tl.store(xh_ptr + t * k_pad + _permuted(h), xs.to(tl.float16), mask=h < k_pad)
     tl.store(out_ptr + t * H + h, tl.zeros([SLICE], dtype=tl.float32), mask=h < H)
+
+
+@triton.jit
+def _residual(x_ptr, delta_ptr, t, k, ok, stride_x, stride_d):
+    """x[t, k] + delta[t, k], added in float32 and rounded to x's dtype."""
+    x = tl.load(x_ptr + t * stride_x + k, mask=ok, other=0.0)
+    d = tl.load(delta_ptr + t * stride_d + k, mask=ok, other=0.0)
+    return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _router_input(x_ptr, delta_ptr, norm_ptr, t, k, ok, stride_x, stride_d, rstd, ADD_NORM: tl.constexpr):
+    """The MoE's input h[t, k] as float32: x, or rmsnorm(x + delta) rounded to x's dtype."""
+    if ADD_NORM:
+        r = _residual(x_ptr, delta_ptr, t, k, ok, stride_x, stride_d)
+        w = tl.load(norm_ptr + k, mask=ok, other=0.0).to(tl.float32)
+        return (w * (r.to(tl.float32) * rstd)).to(r.dtype).to(tl.float32)
+    return tl.load(x_ptr + t * stride_x + k, mask=ok, other=0.0).to(tl.float32)
 
 
 # ----------------------------------------------------------------------------- decode (GEMV)
@@ -776,6 +811,7 @@ class MoEKernelConfig:
     down_block_n: int = 64  # grouped down: weight rows per program
     down_warps: int | None = None  # None: warps
     stages: int = 2  # grouped path: loop steps (of two K tiles) loaded ahead
+    maxnreg: int | None = None  # grouped GEMMs: cap on registers a thread (more programs resident)
 
 
 DEFAULT_CONFIG = MoEKernelConfig()
@@ -818,13 +854,31 @@ def fused_moe(
 ) -> torch.Tensor:
     """The MoE block. x: [T, H] bf16 (float32 under the interpreter) -> [T, H] in out_dtype
     (default x's); float32 returns the kernels' own sums, with no cast kernel."""
+    return _moe(x, None, w, top_k, swiglu_limit, config, out_dtype)[1]
+
+
+def fused_add_norm_moe(
+    x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: TritonMoEWeights, top_k: int,
+    swiglu_limit: float, config: MoEKernelConfig = DEFAULT_CONFIG, out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and RMSNorm before the MoE block, then the block: returns (r, MoE(h))
+    with r = x + delta and h = rmsnorm(r) * norm_weight, as `add_rms_norm_reference`. The
+    decode path does the add and norm in its router kernel (a launch fewer a layer); larger
+    batches run `add_rms_norm_triton` first."""
+    if delta.shape != x.shape:
+        raise ValueError(f"delta {tuple(delta.shape)} does not match x {tuple(x.shape)}")
+    return _moe(x, (delta, norm_weight, eps), w, top_k, swiglu_limit, config, out_dtype)
+
+
+def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
+    """(residual or None, MoE output); add_norm: None or (delta, norm weight, eps)."""
     t_count, hidden = x.shape
     num_experts, inter = w.num_experts, w.intermediate_size
     if hidden != w.hidden_size:
         raise ValueError(f"x has hidden size {hidden}, the weights {w.hidden_size}")
     out_dtype = out_dtype or x.dtype
     if t_count == 0:
-        return torch.empty_like(x, dtype=out_dtype)
+        return (x if add_norm else None), torch.empty_like(x, dtype=out_dtype)
     x = x.contiguous()
     dev = x.device
     cfg = config
@@ -837,13 +891,19 @@ def fused_moe(
     if t_count <= cfg.decode_max_tokens and act_scale is not None and w.max_scale <= GEMV_MAX_SCALE:
         logits = torch.empty(t_count, num_experts, dtype=torch.float32, device=dev)
         k_pad, i_pad = tiles1 * 64, tiles2 * 64
-        x_half = torch.empty(t_count, k_pad, dtype=torch.float16, device=dev)  # x * 2^k, permuted
+        x_half = torch.empty(t_count, k_pad, dtype=torch.float16, device=dev)  # h * 2^k, permuted
         inv_scale = torch.empty(t_count, dtype=torch.float32, device=dev)
         experts_per_program = 2
         programs = triton.cdiv(num_experts, experts_per_program)
+        residual, (delta, norm_weight, eps) = None, add_norm or (x, x, 0.0)
+        if add_norm:
+            delta = delta.contiguous()
+            residual = torch.empty_like(x)
         _router_logits_kernel[(programs, t_count)](
             x, w.router_weight, w.router_bias, logits, out32, x_half, inv_scale, hidden, num_experts, x.stride(0),
-            k_pad, BLOCK_E=experts_per_program, BLOCK_K=1024, SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)),
+            k_pad, delta, norm_weight, x if residual is None else residual, delta.stride(0), eps,
+            BLOCK_E=experts_per_program, BLOCK_K=1024, SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)),
+            ADD_NORM=add_norm is not None,
         )
         act = torch.empty(pairs, i_pad, dtype=torch.float16, device=dev)  # * act_scale, permuted
         asm = not interpreting()
@@ -857,8 +917,12 @@ def fused_moe(
             act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, w.s2.shape[2],
             i_pad, 1.0 / act_scale, BLOCK_N=cfg.gemv_down_block_n, **gemv,
         )
-        return out32.to(out_dtype)  # no copy when float32 was asked for
+        return residual, out32.to(out_dtype)  # no copy when float32 was asked for
 
+    residual = None
+    if add_norm:
+        delta, norm_weight, eps = add_norm
+        residual, x = add_rms_norm_triton(x, delta.contiguous(), norm_weight, eps)
     operand = tl.float32 if interpreting() else tl.bfloat16  # the interpreter has no bf16 math
     ids = torch.empty(t_count, top_k, dtype=torch.int32, device=dev)
     gates = torch.empty(t_count, top_k, dtype=torch.float32, device=dev)
@@ -894,7 +958,7 @@ def fused_moe(
     act = torch.empty(max_blocks * block_m, inter, dtype=act_dtype, device=dev)
     packed = not interpreting() and not w.large_scales  # `GROUPED_DEQUANT_PTX`: bf16, scale bytes <= 128
     common = dict(TOP_K=top_k, BLOCK_M=block_m, LARGE_SCALES=w.large_scales, PACKED=packed, OPERAND=operand,
-                  num_stages=cfg.stages)
+                  num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     # Grids run the column blocks of one token block side by side (axis 0 is launched first):
     # they share its activation rows while those are in cache (4-5% faster at 2048 tokens, H200).
     _grouped_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
@@ -905,4 +969,4 @@ def fused_moe(
         act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, w.s2.shape[2],
         BLOCK_N=cfg.down_block_n, num_warps=cfg.down_warps or cfg.warps, **common,
     )
-    return out32.to(out_dtype)
+    return residual, out32.to(out_dtype)
