@@ -495,10 +495,11 @@ def _route_top_k_kernel(
 def _router_logits_kernel(
     x_ptr, wr_ptr, br_ptr, logits_ptr, out_ptr, xh_ptr, inv_scale_ptr, H, E, stride_x, k_pad,
     delta_ptr, norm_ptr, res_ptr, stride_d, eps,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr, ADD_NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SLICE: tl.constexpr, ADD_NORM: tl.constexpr,
 ):
     """logits[t, e] = h[t] . Wr[e] + br[e] for BLOCK_E experts of one token (float32): many small
     programs, so a decode step's router read is spread over the GPU, not one multiprocessor.
+    Each loads its whole row (BLOCK_H >= H) and its router rows at once: one round of loads.
     h is x, or with ADD_NORM the residual add and RMSNorm that precede the MoE, done here
     instead of in a launch of their own: r = x + delta (rounded to x's dtype; the first program
     stores it to res[t]) and h = norm_weight * r * rsqrt(mean(r^2) + eps) rounded to x's dtype,
@@ -507,60 +508,46 @@ def _router_logits_kernel(
     Each program also handles SLICE columns of the token for the GEMVs: zeroes them in the fp32
     output row, and writes them to xh[t] ([T, k_pad] fp16, `_permuted` order, zero past H) as
     h * c, where c = 2^k puts max |h[t]| in [2^14, 2^15); the first program writes 1/c to
-    inv_scale[t]. Every program reads the whole row anyway, so each knows max |h[t]|."""
+    inv_scale[t]."""
     eb = tl.program_id(0)
     t = tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < E
-    rstd = 1.0
-    if ADD_NORM:  # a first pass for the row's RMS (and the residual, by the first program)
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            r = _residual(x_ptr, delta_ptr, t, k, k < H, stride_x, stride_d)
-            if eb == 0:
-                tl.store(res_ptr + t * H + k, r, mask=k < H)
-            rf = r.to(tl.float32)
-            sq += rf * rf
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / H + eps)
-    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=3):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xk = _router_input(x_ptr, delta_ptr, norm_ptr, t, k, k < H, stride_x, stride_d, rstd, ADD_NORM)
-        amax = tl.maximum(amax, tl.abs(xk))
-        wk = tl.load(wr_ptr + e[:, None] * H + k[None, :], mask=e_ok[:, None] & (k < H)[None, :], other=0.0)
-        acc += wk.to(tl.float32) * xk[None, :]
-    logits = tl.sum(acc, axis=1) + tl.load(br_ptr + e, mask=e_ok, other=0.0)
+    k = tl.arange(0, BLOCK_H)
+    k_ok = k < H
+    wr = tl.load(wr_ptr + e[:, None] * H + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+    x = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0)
+    if ADD_NORM:
+        d = tl.load(delta_ptr + t * stride_d + k, mask=k_ok, other=0.0)
+        norm_w = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # the residual, rounded as stored
+        if eb == 0:
+            tl.store(res_ptr + t * H + k, x, mask=k_ok)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        h = (norm_w * (xf * rstd)).to(x.dtype).to(tl.float32)
+    else:
+        h = x.to(tl.float32)
+    logits = tl.sum(wr.to(tl.float32) * h[None, :], axis=1) + tl.load(br_ptr + e, mask=e_ok, other=0.0)
     tl.store(logits_ptr + t * E + e, logits, mask=e_ok)
     # max |h| < 2^(f - 126) for its exponent field f, so c = 2^(141 - f) (clamped to normal floats).
-    field = (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    field = (tl.max(tl.abs(h), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
     k_exp = tl.minimum(tl.maximum(141 - field, -126), 126)
     c = ((k_exp + 127) << 23).to(tl.float32, bitcast=True)
     if eb == 0:
         tl.store(inv_scale_ptr + t, ((127 - k_exp) << 23).to(tl.float32, bitcast=True))
-    h = eb * SLICE + tl.arange(0, SLICE)
-    xs = _router_input(x_ptr, delta_ptr, norm_ptr, t, h, h < H, stride_x, stride_d, rstd, ADD_NORM) * c
-    tl.store(xh_ptr + t * k_pad + _permuted(h), xs.to(tl.float16), mask=h < k_pad)
-    tl.store(out_ptr + t * H + h, tl.zeros([SLICE], dtype=tl.float32), mask=h < H)
-
-
-@triton.jit
-def _residual(x_ptr, delta_ptr, t, k, ok, stride_x, stride_d):
-    """x[t, k] + delta[t, k], added in float32 and rounded to x's dtype."""
-    x = tl.load(x_ptr + t * stride_x + k, mask=ok, other=0.0)
-    d = tl.load(delta_ptr + t * stride_d + k, mask=ok, other=0.0)
-    return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def _router_input(x_ptr, delta_ptr, norm_ptr, t, k, ok, stride_x, stride_d, rstd, ADD_NORM: tl.constexpr):
-    """The MoE's input h[t, k] as float32: x, or rmsnorm(x + delta) rounded to x's dtype."""
+    # This program's slice of h, for the GEMVs (recomputed from a reload: a slice of a register
+    # tensor is not expressible, and the row is in cache).
+    cols = eb * SLICE + tl.arange(0, SLICE)
+    ok = cols < H
+    xs = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
     if ADD_NORM:
-        r = _residual(x_ptr, delta_ptr, t, k, ok, stride_x, stride_d)
-        w = tl.load(norm_ptr + k, mask=ok, other=0.0).to(tl.float32)
-        return (w * (r.to(tl.float32) * rstd)).to(r.dtype).to(tl.float32)
-    return tl.load(x_ptr + t * stride_x + k, mask=ok, other=0.0).to(tl.float32)
+        ds = tl.load(delta_ptr + t * stride_d + cols, mask=ok, other=0.0)
+        ws = tl.load(norm_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        rs = (xs.to(tl.float32) + ds.to(tl.float32)).to(xs.dtype)
+        xs = (ws * (rs.to(tl.float32) * rstd)).to(xs.dtype)
+    tl.store(xh_ptr + t * k_pad + _permuted(cols), (xs.to(tl.float32) * c).to(tl.float16), mask=cols < k_pad)
+    tl.store(out_ptr + t * H + cols, tl.zeros([SLICE], dtype=tl.float32), mask=ok)
 
 
 # ----------------------------------------------------------------------------- decode (GEMV)
@@ -902,8 +889,9 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
         _router_logits_kernel[(programs, t_count)](
             x, w.router_weight, w.router_bias, logits, out32, x_half, inv_scale, hidden, num_experts, x.stride(0),
             k_pad, delta, norm_weight, x if residual is None else residual, delta.stride(0), eps,
-            BLOCK_E=experts_per_program, BLOCK_K=1024, SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)),
-            ADD_NORM=add_norm is not None,
+            BLOCK_E=experts_per_program, BLOCK_H=triton.next_power_of_2(hidden),
+            SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)), ADD_NORM=add_norm is not None,
+            num_warps=8 if hidden > 2048 else 4,
         )
         act = torch.empty(pairs, i_pad, dtype=torch.float16, device=dev)  # * act_scale, permuted
         asm = not interpreting()
