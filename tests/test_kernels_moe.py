@@ -417,6 +417,15 @@ def test_triton_paths_match_reference(shape):
 
 
 @needs_triton
+def test_triton_down_gemv_split_over_k():
+    """The down GEMV's K tiles split over programs (the atomics sum them, one adds the bias),
+    including splits left with no tile."""
+    w = make_weights(4, 160, 192, seed=6)  # 3 K tiles for the down projection
+    x = torch.randn(2, 160, device=DEVICE).to(DTYPE)
+    _run_both_paths(w, x, 2, gemv_block_u=1, gemv_down_splits=4)  # one tile a split, the last none
+
+
+@needs_triton
 def test_triton_add_norm_moe_matches_add_rms_norm_then_moe():
     """The residual add and RMSNorm folded into the MoE (the decode router kernel does them;
     the grouped path runs the norm kernel first) give the same residual and output as

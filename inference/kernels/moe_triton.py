@@ -617,9 +617,14 @@ def _gemv_down_kernel(
     STAGES: tl.constexpr, ASM: tl.constexpr,
 ):
     """out[t, n] += gate * (act[p] W2[e]^T + b2[e]) for pair p = (token t, slot), fp32 atomics.
-    act_ptr: the gate_up GEMV's fp16 output ([T*k, i_pad], scaled by 1 / inv_act_scale)."""
+    act_ptr: the gate_up GEMV's fp16 output ([T*k, i_pad], scaled by 1 / inv_act_scale). Grid
+    axis 2 splits the K tiles (the atomics sum the splits; the first adds the bias)."""
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    per_split = tl.cdiv(tl.cdiv(num_tiles, BLOCK_U), tl.num_programs(2)) * BLOCK_U
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     token = pair // TOP_K
     e, gate = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
     e = e.to(tl.int64)
@@ -629,9 +634,10 @@ def _gemv_down_kernel(
     s_rows = s_ptr + e * H * s_row + n[:, None] * s_row + tl.arange(0, 2 * BLOCK_U)[None, :]
     a_row = act_ptr + pair.to(tl.int64) * i_pad
     acc = tl.zeros([BLOCK_N, BLOCK_U, 4], dtype=tl.float32)
-    for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
-        acc = _gemv_step(acc, rows, s_rows, n_ok, a_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)
+    for t0 in tl.range(tile_lo, tile_hi, BLOCK_U, num_stages=STAGES):
+        acc = _gemv_step(acc, rows, s_rows, n_ok, a_row, t0, tile_hi, BLOCK_N, BLOCK_U, ASM)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale
+    y += tl.load(b_ptr + e * H + n, mask=n_ok & (n * 0 + split == 0), other=0.0)  # (a tensor also under the interpreter)
     tl.atomic_add(out_ptr + token * H + n, gate * y, mask=n_ok, sem="relaxed")
 
 
@@ -787,6 +793,7 @@ class MoEKernelConfig:
     # small programs without cross-warp barriers keep more loads in flight than big ones.
     gemv_block_n: int = 8  # gate_up GEMV: output columns per program
     gemv_down_block_n: int = 8  # down GEMV: output columns per program
+    gemv_down_splits: int = 1  # down GEMV: programs a row's K tiles are split over
     gemv_block_u: int = 4  # 64-value K tiles per loop step (a power of 2)
     gemv_warps: int = 1
     gemv_stages: int = 3
@@ -798,7 +805,6 @@ class MoEKernelConfig:
     down_block_n: int = 64  # grouped down: weight rows per program
     down_warps: int | None = None  # None: warps
     stages: int = 2  # grouped path: loop steps (of two K tiles) loaded ahead
-    maxnreg: int | None = None  # grouped GEMMs: cap on registers a thread (more programs resident)
 
 
 DEFAULT_CONFIG = MoEKernelConfig()
@@ -901,7 +907,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
             x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, inter, num_experts, tiles1,
             w.s1.shape[2], k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, BLOCK_N=cfg.gemv_block_n, **gemv,
         )
-        _gemv_down_kernel[(pairs, triton.cdiv(hidden, cfg.gemv_down_block_n))](
+        _gemv_down_kernel[(pairs, triton.cdiv(hidden, cfg.gemv_down_block_n), cfg.gemv_down_splits)](
             act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, w.s2.shape[2],
             i_pad, 1.0 / act_scale, BLOCK_N=cfg.gemv_down_block_n, **gemv,
         )
@@ -946,7 +952,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     act = torch.empty(max_blocks * block_m, inter, dtype=act_dtype, device=dev)
     packed = not interpreting() and not w.large_scales  # `GROUPED_DEQUANT_PTX`: bf16, scale bytes <= 128
     common = dict(TOP_K=top_k, BLOCK_M=block_m, LARGE_SCALES=w.large_scales, PACKED=packed, OPERAND=operand,
-                  num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                  num_stages=cfg.stages)
     # Grids run the column blocks of one token block side by side (axis 0 is launched first):
     # they share its activation rows while those are in cache (4-5% faster at 2048 tokens, H200).
     _grouped_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
