@@ -46,8 +46,6 @@ DECODE_SWEEP = [
     dict(gemv_block_n=16, gemv_down_block_n=16, gemv_warps=2),
     dict(gemv_stages=2),
     dict(gemv_stages=4),
-    dict(gemv_down_splits=2),
-    dict(gemv_down_splits=3),
     dict(gemv_block_n=32, gemv_down_block_n=32, gemv_block_u=8, gemv_warps=4),  # the H100 defaults of 2026-11-22
 ]
 DECODE_SWEEP_MAX_BATCH = 16  # up to here both paths are timed

@@ -422,18 +422,22 @@ def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.con
 
 @triton.jit
 def _router_partial_kernel(
-    x_ptr, wr_ptr, partial_ptr, out_ptr, T, H, E, stride_x, k_per_split,
+    x_ptr, wr_ptr, partial_ptr, out_ptr, counters_ptr, T, H, E, stride_x, k_per_split,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, OPERAND: tl.constexpr,
 ):
     """Router logits of BLOCK_T tokens over one split of the hidden dimension (grid axis 1):
     partial[split, t, e] = sum over k in the split of x[t, k] * Wr[e, k], float32. Also zeroes the
-    tokens' fp32 output rows over the same range (for the atomic combine). Splitting H spreads a
-    small batch's router over many multiprocessors instead of a few long loops."""
+    tokens' fp32 output rows over the same range (for the atomic combine), and the first program
+    the per-expert counters [2, E] the next kernels count into (no memset launch). Splitting H
+    spreads a small batch's router over many multiprocessors instead of a few long loops."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
     t_ok = t < T
     e_ok = e < E
+    if tl.program_id(0) + split == 0:
+        tl.store(counters_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_ok)
+        tl.store(counters_ptr + E + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_ok)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, H)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
@@ -617,14 +621,9 @@ def _gemv_down_kernel(
     STAGES: tl.constexpr, ASM: tl.constexpr,
 ):
     """out[t, n] += gate * (act[p] W2[e]^T + b2[e]) for pair p = (token t, slot), fp32 atomics.
-    act_ptr: the gate_up GEMV's fp16 output ([T*k, i_pad], scaled by 1 / inv_act_scale). Grid
-    axis 2 splits the K tiles (the atomics sum the splits; the first adds the bias)."""
+    act_ptr: the gate_up GEMV's fp16 output ([T*k, i_pad], scaled by 1 / inv_act_scale)."""
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    per_split = tl.cdiv(tl.cdiv(num_tiles, BLOCK_U), tl.num_programs(2)) * BLOCK_U
-    tile_lo = split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     token = pair // TOP_K
     e, gate = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
     e = e.to(tl.int64)
@@ -634,10 +633,9 @@ def _gemv_down_kernel(
     s_rows = s_ptr + e * H * s_row + n[:, None] * s_row + tl.arange(0, 2 * BLOCK_U)[None, :]
     a_row = act_ptr + pair.to(tl.int64) * i_pad
     acc = tl.zeros([BLOCK_N, BLOCK_U, 4], dtype=tl.float32)
-    for t0 in tl.range(tile_lo, tile_hi, BLOCK_U, num_stages=STAGES):
-        acc = _gemv_step(acc, rows, s_rows, n_ok, a_row, t0, tile_hi, BLOCK_N, BLOCK_U, ASM)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale
-    y += tl.load(b_ptr + e * H + n, mask=n_ok & (n * 0 + split == 0), other=0.0)  # (a tensor also under the interpreter)
+    for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
+        acc = _gemv_step(acc, rows, s_rows, n_ok, a_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)
     tl.atomic_add(out_ptr + token * H + n, gate * y, mask=n_ok, sem="relaxed")
 
 
@@ -793,7 +791,6 @@ class MoEKernelConfig:
     # small programs without cross-warp barriers keep more loads in flight than big ones.
     gemv_block_n: int = 8  # gate_up GEMV: output columns per program
     gemv_down_block_n: int = 8  # down GEMV: output columns per program
-    gemv_down_splits: int = 1  # down GEMV: programs a row's K tiles are split over
     gemv_block_u: int = 4  # 64-value K tiles per loop step (a power of 2)
     gemv_warps: int = 1
     gemv_stages: int = 3
@@ -907,7 +904,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
             x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, inter, num_experts, tiles1,
             w.s1.shape[2], k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, BLOCK_N=cfg.gemv_block_n, **gemv,
         )
-        _gemv_down_kernel[(pairs, triton.cdiv(hidden, cfg.gemv_down_block_n), cfg.gemv_down_splits)](
+        _gemv_down_kernel[(pairs, triton.cdiv(hidden, cfg.gemv_down_block_n))](
             act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, w.s2.shape[2],
             i_pad, 1.0 / act_scale, BLOCK_N=cfg.gemv_down_block_n, **gemv,
         )
@@ -920,7 +917,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     operand = tl.float32 if interpreting() else tl.bfloat16  # the interpreter has no bf16 math
     ids = torch.empty(t_count, top_k, dtype=torch.int32, device=dev)
     gates = torch.empty(t_count, top_k, dtype=torch.float32, device=dev)
-    counters = torch.zeros(2, num_experts, dtype=torch.int32, device=dev)  # counts, cursors
+    counters = torch.empty(2, num_experts, dtype=torch.int32, device=dev)  # counts, cursors; zeroed by the router
     # Router: split H so that a small batch still spreads over many programs (at 64 tokens one
     # program per 16 tokens walking all of H took 15 us, H200), then top-k from the partial sums.
     block_t, router_k = 16, cfg.router_block_k
@@ -930,7 +927,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     splits = triton.cdiv(hidden, k_per_split)
     partial = torch.empty(splits, t_count, num_experts, dtype=torch.float32, device=dev)
     _router_partial_kernel[(token_blocks, splits)](
-        x, w.router_weight, partial, out32, t_count, hidden, num_experts, x.stride(0), k_per_split,
+        x, w.router_weight, partial, out32, counters, t_count, hidden, num_experts, x.stride(0), k_per_split,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=router_k, OPERAND=operand,
     )
     top_k_block_t = 4  # small programs: the loads of all splits are one wide load each
