@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from inference.moe import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
 from inference.moe_backend import TritonMoEBackend, model_output_dtype, select_moe_backend  # noqa: E402
+from inference.kernels.moe_triton import takes_decode_path  # noqa: E402
 
 HIDDEN = INTERMEDIATE = 2880
 TOP_K = 4
@@ -195,13 +196,14 @@ def main() -> None:
                     default = backend.config
                     variants = [dict()]
                     if args.sweep and t <= DECODE_SWEEP_MAX_BATCH:
-                        variants = [dict(decode_max_tokens=t, **v) for v in DECODE_SWEEP] + [dict(decode_max_tokens=0)]
+                        variants = [dict(decode_max_tokens=t, decode_max_pairs_per_expert=None, **v) for v in DECODE_SWEEP]
+                        variants.append(dict(decode_max_tokens=0))
                     elif args.sweep and t in GROUPED_SWEEP_BATCHES.get(model, ()):
                         variants = [dict(decode_max_tokens=0, **v) for v in GROUPED_SWEEP]
                     runs = []
                     for variant in variants:
                         config = dataclasses.replace(default, **variant)
-                        path = "gemv" if t <= config.decode_max_tokens else "grouped"
+                        path = "gemv" if takes_decode_path(t, TOP_K, EXPERTS[model], config) else "grouped"
                         runs.append((path, variant, TritonMoEBackend(config)))
                 else:
                     runs = [("cutlass", dict(), backend)]

@@ -321,7 +321,7 @@ def test_triton_output_dtype():
     x = torch.randn(3, 64, device=DEVICE).to(DTYPE)
     ref = reference(x, w, 2)
     for decode_max in (3, 0):
-        backend = triton_backend(_kernels().MoEKernelConfig(decode_max_tokens=decode_max))
+        backend = triton_backend(_kernels().MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None))
         prepared = prepared_copy(backend, w)
         for dtype in (torch.float32, torch.bfloat16):
             out = backend.forward(x, prepared, 2, LIMIT, out_dtype=dtype)
@@ -401,7 +401,7 @@ def _run_both_paths(w, x, top_k, tol=TOL, **config):
     ref = reference(x, w, top_k)
     outs = {}
     for name, decode_max in (("decode", x.shape[0]), ("grouped", 0)):
-        backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=decode_max, **config))
+        backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None, **config))
         out = backend.forward(x, prepared_copy(backend, w), top_k, LIMIT)
         assert out.dtype == x.dtype
         assert_close(out, ref, max(tol, DECODE_TOL) if name == "decode" else tol)
@@ -432,7 +432,7 @@ def test_triton_add_norm_moe_matches_add_rms_norm_then_moe():
     norm_weight = (torch.rand(96, generator=g) + 0.5).to(DEVICE, DTYPE)
     want_residual, h = add_rms_norm_reference(x, delta, norm_weight, 1e-5)
     for decode_max in (3, 0):  # the decode path, then the grouped one
-        backend = triton_backend(_kernels().MoEKernelConfig(decode_max_tokens=decode_max))
+        backend = triton_backend(_kernels().MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None))
         prepared = prepared_copy(backend, w)
         residual, out = backend.add_norm_forward(x, delta, norm_weight, 1e-5, prepared, 2, LIMIT)
         assert torch.equal(residual, want_residual)
@@ -452,6 +452,17 @@ def test_triton_grouped_many_tokens_and_block_sizes():
                                     router_block_k=32 if block_m == 32 else 64)  # 32: the router in two splits
         backend = triton_backend(config)
         assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), ref, TOL)
+
+
+@needs_triton
+def test_triton_decode_path_by_batch_and_experts():
+    """The GEMVs take a batch up to decode_max_tokens tokens with no more (token, slot) pairs
+    than experts: 20b (32 experts, top-4) up to 8 tokens, 120b (128) up to 16."""
+    mt = _kernels()
+    assert mt.takes_decode_path(8, 4, 32) and not mt.takes_decode_path(9, 4, 32)
+    assert mt.takes_decode_path(16, 4, 128) and not mt.takes_decode_path(17, 4, 128)
+    unlimited = mt.MoEKernelConfig(decode_max_pairs_per_expert=None)
+    assert mt.takes_decode_path(16, 4, 32, unlimited) and not mt.takes_decode_path(17, 4, 32, unlimited)
 
 
 @needs_triton

@@ -4,7 +4,7 @@ The math is `inference.moe.moe_reference`; expert weights stay 4-bit on the GPU 
 dequantised in registers. `prepare_moe_weights` converts the checkpoint's packed layout once at
 load time into the layout below; `fused_moe` runs one MoE block. Two paths:
 
-  decode, T <= decode_max_tokens (GEMVs on CUDA cores, 3 launches; latency-bound at batch 1):
+  decode, small T (`takes_decode_path`; GEMVs on CUDA cores, 3 launches; latency-bound at batch 1):
     router logits, spread over many programs; also zeroes the fp32 output rows and
         writes x as scaled fp16 for the GEMVs                                        [T, E]
     gate_up GEMV per (token, slot): top-k + softmax of the token's logits in its
@@ -786,7 +786,12 @@ class MoEKernelConfig:
     """Launch choices; the defaults are the fastest of `benchmarks/bench_moe.py --sweep` on an
     H200 (BENCHMARKS.md, "MoE kernels")."""
 
-    decode_max_tokens: int = 16  # T at or below this takes the GEMV path (at 16: a tie for 20b, 1.6x for 120b)
+    decode_max_tokens: int = 16  # T above this takes the grouped path
+    # ... and so do batches with more (token, slot) pairs than this times the experts: the GEMVs
+    # read an expert once a pair, the grouped path once. 20b (32 experts): T <= 8 (at 12 the
+    # grouped path is 13% faster, at 16 28%); 120b (128): T <= 16 (GEMVs 12% faster at 16).
+    # None: no such limit.
+    decode_max_pairs_per_expert: float | None = 1.0
     # GEMVs: small one-warp programs. They are latency-bound (few warps in flight), and many
     # small programs without cross-warp barriers keep more loads in flight than big ones.
     gemv_block_n: int = 8  # gate_up GEMV: output columns per program
@@ -805,6 +810,13 @@ class MoEKernelConfig:
 
 
 DEFAULT_CONFIG = MoEKernelConfig()
+
+
+def takes_decode_path(t_count: int, top_k: int, num_experts: int, config: MoEKernelConfig = DEFAULT_CONFIG) -> bool:
+    """Whether a batch of t_count tokens runs the decode GEMVs by its size (`fused_moe` also
+    sends weights or limits outside the GEMVs' range to the grouped path)."""
+    limit = config.decode_max_pairs_per_expert
+    return t_count <= config.decode_max_tokens and (limit is None or t_count * top_k <= limit * num_experts)
 
 
 def interpreting() -> bool:
@@ -878,7 +890,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     out32 = torch.empty(t_count, hidden, dtype=torch.float32, device=dev)  # zeroed by the router
 
     act_scale = gemv_activation_scale(swiglu_limit)
-    if t_count <= cfg.decode_max_tokens and act_scale is not None and w.max_scale <= GEMV_MAX_SCALE:
+    if takes_decode_path(t_count, top_k, num_experts, cfg) and act_scale is not None and w.max_scale <= GEMV_MAX_SCALE:
         logits = torch.empty(t_count, num_experts, dtype=torch.float32, device=dev)
         k_pad, i_pad = tiles1 * 64, tiles2 * 64
         x_half = torch.empty(t_count, k_pad, dtype=torch.float16, device=dev)  # h * 2^k, permuted
