@@ -854,7 +854,7 @@ def fused_moe(
     x: torch.Tensor, w: TritonMoEWeights, top_k: int, swiglu_limit: float, config: MoEKernelConfig = DEFAULT_CONFIG,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The MoE block. x: [T, H] bf16 (float32 under the interpreter) -> [T, H] in out_dtype
+    """The MoE block. x: [T, H] bf16, or float32 (float32 math throughout) -> [T, H] in out_dtype
     (default x's); float32 returns the kernels' own sums, with no cast kernel."""
     return _moe(x, None, w, top_k, swiglu_limit, config, out_dtype)[1]
 
@@ -926,7 +926,10 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     if add_norm:
         delta, norm_weight, eps = add_norm
         residual, x = add_rms_norm_triton(x, delta.contiguous(), norm_weight, eps)
-    operand = tl.float32 if interpreting() else tl.bfloat16  # the interpreter has no bf16 math
+    # Float32 models (and the interpreter, which has no bf16 math) keep float32 MMA operands
+    # and activations; bf16 ones run bf16 MMAs on the packed dequantisation.
+    full_precision = interpreting() or x.dtype == torch.float32
+    operand = tl.float32 if full_precision else tl.bfloat16
     ids = torch.empty(t_count, top_k, dtype=torch.int32, device=dev)
     gates = torch.empty(t_count, top_k, dtype=torch.float32, device=dev)
     counters = torch.empty(2, num_experts, dtype=torch.int32, device=dev)  # counts, cursors; zeroed by the router
@@ -957,9 +960,9 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
         ids, counters[0], counters[1], sorted_pairs, block_expert, pairs, num_experts, max_blocks,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
     )
-    act_dtype = torch.float32 if interpreting() else torch.bfloat16  # exact checks under the interpreter
+    act_dtype = torch.float32 if full_precision else torch.bfloat16
     act = torch.empty(max_blocks * block_m, inter, dtype=act_dtype, device=dev)
-    packed = not interpreting() and not w.large_scales  # `GROUPED_DEQUANT_PTX`: bf16, scale bytes <= 128
+    packed = not full_precision and not w.large_scales  # `GROUPED_DEQUANT_PTX`: bf16, scale bytes <= 128
     common = dict(TOP_K=top_k, BLOCK_M=block_m, LARGE_SCALES=w.large_scales, PACKED=packed, OPERAND=operand,
                   num_stages=cfg.stages)
     # Grids run the column blocks of one token block side by side (axis 0 is launched first):
