@@ -12,8 +12,9 @@ load time into the layout below; `fused_moe` runs one MoE block. Two paths:
     down GEMV per (token, slot): epilogue scales by the routing weight and
         atomically adds into the token's fp32 output row                             [T, H]
     (a cast to the output dtype, unless the caller takes the float32 sums)
-  larger batches (grouped GEMMs on tensor cores, 6 launches plus a memset and the cast):
-    router partial logits over splits of H; also zeroes the output rows       partial [S, T, E]
+  larger batches (grouped GEMMs on tensor cores, 5 launches plus the cast):
+    router partial logits over splits of H; also zeroes the output rows and
+        the expert counters                                                   partial [S, T, E]
     route top-k: logits, top-k, softmax, per-expert counts                           ids, gates
     align: (token, slot) pairs grouped by expert into BLOCK_M-row blocks
     gate_up grouped GEMM + SwiGLU epilogue, rows in expert order                     act [R, I]
