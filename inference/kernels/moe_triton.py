@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ..moe import MoEWeights
 from ..mxfp4 import BLOCK_SIZE
-from .rmsnorm_triton import add_rms_norm_triton
+from .rmsnorm_triton import add_rms_norm_triton, residual_add, rms_rstd, rms_scaled
 
 SWIGLU_ALPHA = 1.702
 SCALE_ROW_ALIGN = 16  # bytes
@@ -523,14 +523,11 @@ def _router_logits_kernel(
     wr = tl.load(wr_ptr + e[:, None] * H + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
     x = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0)
     if ADD_NORM:
-        d = tl.load(delta_ptr + t * stride_d + k, mask=k_ok, other=0.0)
-        norm_w = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # the residual, rounded as stored
+        x = residual_add(x, tl.load(delta_ptr + t * stride_d + k, mask=k_ok, other=0.0))
         if eb == 0:
             tl.store(res_ptr + t * H + k, x, mask=k_ok)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        h = (norm_w * (xf * rstd)).to(x.dtype).to(tl.float32)
+        rstd = rms_rstd(x, H, eps)
+        h = rms_scaled(x, tl.load(norm_ptr + k, mask=k_ok, other=0.0), rstd).to(tl.float32)
     else:
         h = x.to(tl.float32)
     logits = tl.sum(wr.to(tl.float32) * h[None, :], axis=1) + tl.load(br_ptr + e, mask=e_ok, other=0.0)
@@ -547,10 +544,8 @@ def _router_logits_kernel(
     ok = cols < H
     xs = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
     if ADD_NORM:
-        ds = tl.load(delta_ptr + t * stride_d + cols, mask=ok, other=0.0)
-        ws = tl.load(norm_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        rs = (xs.to(tl.float32) + ds.to(tl.float32)).to(xs.dtype)
-        xs = (ws * (rs.to(tl.float32) * rstd)).to(xs.dtype)
+        xs = residual_add(xs, tl.load(delta_ptr + t * stride_d + cols, mask=ok, other=0.0))
+        xs = rms_scaled(xs, tl.load(norm_ptr + cols, mask=ok, other=0.0), rstd)
     tl.store(xh_ptr + t * k_pad + _permuted(cols), (xs.to(tl.float32) * c).to(tl.float16), mask=cols < k_pad)
     tl.store(out_ptr + t * H + cols, tl.zeros([SLICE], dtype=tl.float32), mask=ok)
 
@@ -939,7 +934,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     block_t, router_k = 16, cfg.router_block_k
     token_blocks = triton.cdiv(t_count, block_t)
     chunks = triton.cdiv(hidden, router_k)
-    k_per_split = router_k * triton.cdiv(chunks, max(1, min(chunks, cfg.router_programs // token_blocks)))
+    k_per_split = router_k * triton.cdiv(chunks, max(1, cfg.router_programs // token_blocks))
     splits = triton.cdiv(hidden, k_per_split)
     partial = torch.empty(splits, t_count, num_experts, dtype=torch.float32, device=dev)
     _router_partial_kernel[(token_blocks, splits)](

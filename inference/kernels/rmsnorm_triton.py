@@ -49,14 +49,27 @@ if triton is not None:
         ok = cols < H
         x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
         if HAS_DELTA:
-            d = tl.load(Delta + row * stride_d + cols, mask=ok, other=0.0)
-            # Round the sum to the storage dtype first, as the unfused `x + delta` does.
-            x = (x.to(tl.float32) + d.to(tl.float32)).to(Res.dtype.element_ty)
+            x = residual_add(x, tl.load(Delta + row * stride_d + cols, mask=ok, other=0.0))
             tl.store(Res + row * H + cols, x, mask=ok)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(Out + row * H + cols, (w * (xf * rstd)).to(Out.dtype.element_ty), mask=ok)
+        w = tl.load(W + cols, mask=ok, other=0.0)
+        tl.store(Out + row * H + cols, rms_scaled(x, w, rms_rstd(x, H, eps)), mask=ok)
+
+    # The fused add + norm's math, also used where other kernels fold it in (the MoE router).
+    @triton.jit
+    def residual_add(x, delta):
+        """x + delta added in float32 and rounded to x's dtype, as the unfused `x + delta` stores it."""
+        return (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+
+    @triton.jit
+    def rms_rstd(r, H, eps):
+        """1 / sqrt(mean(r^2) + eps) over a whole row r (masked-off entries zero), float32."""
+        rf = r.to(tl.float32)
+        return 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
+
+    @triton.jit
+    def rms_scaled(r, weight, rstd):
+        """weight * r * rstd in float32, rounded to r's dtype (any slice of a row, given its rstd)."""
+        return (weight.to(tl.float32) * (r.to(tl.float32) * rstd)).to(r.dtype)
 
 
 def add_rms_norm_triton(
