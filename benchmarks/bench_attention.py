@@ -102,8 +102,9 @@ def bench_decode(pool: KVPool, batch: int, context: int, window, cfg: at.DecodeC
     seconds = time_graph_calls(run, rotations, calls)
     q_out_bytes = 2 * batch * HQ * D * BYTES
     sms = at.multiprocessors(DEV)
-    return dict(seconds=seconds, bytes=kv_bytes + q_out_bytes, splits=at.decode_num_splits(batch, HKV, keys, sms, cfg),
-                block_n=at.decode_block_n(batch, HKV, sms, cfg))
+    splits = at.decode_num_splits(batch, HKV, keys, sms, cfg)
+    return dict(seconds=seconds, bytes=kv_bytes + q_out_bytes, splits=splits,
+                block_n=at.decode_block_n(batch, HKV, splits, sms, cfg))
 
 
 def flashinfer_attention(kernel: str, workspace=None):

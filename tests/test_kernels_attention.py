@@ -279,15 +279,21 @@ def test_triton_decode_splits(splits):
 
 @needs_triton
 def test_triton_decode_split_count():
-    """No split up to min_chunk keys (a sliding layer's window); past it, enough splits to fill
-    the GPU, none under split_keys keys."""
+    """No split up to min_chunk keys (a sliding layer's window); past it, as many splits as fit
+    in 4 programs a multiprocessor (rounded down), none under split_keys keys; 64-key steps
+    while the grid stays within those programs, 32-key steps past them."""
     attention_triton, _ = _kernel_modules()
     splits = attention_triton.decode_num_splits
+    block_n = attention_triton.decode_block_n
     assert splits(1, 8, 128, 132) == 1  # batch 1, sliding layer
     assert splits(1, 8, 1024, 132) == 16  # batch 1, 1k keys: one 64-key block a split
     assert splits(1, 8, 32768, 132) == 66  # 4 programs a multiprocessor
-    assert splits(64, 8, 8192, 132) == 2 and splits(128, 8, 1024, 132) == 1
+    assert splits(8, 8, 4096, 132) == 8 and splits(32, 8, 1024, 132) == 2
+    assert splits(64, 8, 8192, 132) == 1 and splits(128, 8, 1024, 132) == 1  # 512 programs already
     assert splits(1, 8, 1024, 132, attention_triton.DecodeConfig(num_splits=3)) == 3
+    assert block_n(1, 8, 66, 132) == 64 and block_n(64, 8, 1, 132) == 64 and block_n(32, 8, 2, 132) == 64
+    assert block_n(128, 8, 1, 132) == 32 and block_n(64, 8, 2, 132) == 32
+    assert block_n(128, 8, 1, 132, attention_triton.DecodeConfig(block_n=64)) == 64
 
 
 @needs_triton

@@ -231,9 +231,10 @@ def _prefill_kernel(
 class DecodeConfig:
     """Launch shape of the decode kernel; None = pick from the batch and context.
 
-    block_n: keys per loop step. Measured on an H100 (BENCHMARKS.md): 32 when the grid already
-    fills the GPU (more programs per SM hide latency better), 64 when few (sequence, KV head)
-    pairs are split many ways.
+    block_n: keys per loop step: 64 while the grid (splits included) has at most `waves`
+    programs a multiprocessor, 32 past that (an H200 sweep, BENCHMARKS.md: at 64 sequences
+    x 1k keys one split of 64-key steps takes 40.6 us against 45.7 for two of 32-key steps; at
+    128 sequences, 1024 programs, 32-key steps win).
     """
 
     block_n: int | None = None
@@ -242,7 +243,7 @@ class DecodeConfig:
     num_splits: int | None = None
     min_chunk: int = 256  # fewest keys worth splitting (a split costs a combine launch)
     split_keys: int = 64  # fewest keys a split gets once splitting
-    waves: float = 4.0  # aim for this many programs per multiprocessor
+    waves: float = 4.0  # at most this many programs per multiprocessor (splits and block_n)
 
 
 @dataclass(frozen=True)
@@ -261,22 +262,24 @@ PREFILL = PrefillConfig()
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_keys: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
-    """Splits per (sequence, KV head): none up to min_chunk keys, else enough programs to fill
-    the GPU, each with >= split_keys keys. Small batches are latency-bound: at batch 1 and 1k keys
-    16 one-block splits take 5.3 us against 7.7 for 4 of 256 keys (H200, BENCHMARKS.md)."""
+    """Splits per (sequence, KV head): none up to min_chunk keys, else as many as keep the grid
+    within `waves` programs a multiprocessor (rounded down: a partial extra wave costs more
+    than it hides), each with >= split_keys keys. Small batches are latency-bound: at batch 1
+    and 1k keys 16 one-block splits take 5.3 us against 7.7 for 4 of 256 keys (H200,
+    BENCHMARKS.md)."""
     if cfg.num_splits is not None:
         return cfg.num_splits
     if max_keys <= cfg.min_chunk:
         return 1
     programs = batch * num_kv_heads
-    wanted = triton.cdiv(int(cfg.waves * sm_count), programs)
+    wanted = int(cfg.waves * sm_count) // programs
     return max(1, min(wanted, triton.cdiv(max_keys, cfg.split_keys)))
 
 
-def decode_block_n(batch: int, num_kv_heads: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
+def decode_block_n(batch: int, num_kv_heads: int, splits: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
     if cfg.block_n is not None:
         return cfg.block_n
-    return 32 if batch * num_kv_heads >= sm_count else 64
+    return 64 if batch * num_kv_heads * splits <= cfg.waves * sm_count else 32
 
 
 def _check_inputs(q, k_cache, v_cache, sinks) -> tuple[int, int, int, int, int]:
@@ -331,7 +334,7 @@ def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out
         max_keys = min(max_keys, window)
     sm_count = multiprocessors(q.device)
     splits = decode_num_splits(batch, hkv, max_keys, sm_count, cfg)
-    block_n = decode_block_n(batch, hkv, sm_count, cfg)
+    block_n = decode_block_n(batch, hkv, splits, sm_count, cfg)
     split = splits > 1
     if split:
         part_acc = torch.empty((batch, hq, splits, d), dtype=torch.float32, device=q.device)
