@@ -1,10 +1,14 @@
 """Which attention implementation the model runs: chosen once per model, by device.
 
-Every backend has the same two methods:
+Every backend has the same three methods:
     attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window) -> [T, Hq, D]
         (contract: `inference.attention.sink_attention_reference`)
     rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> rotated q
         (contract: `inference.kernels.rope_cache.rope_and_write_kv_reference`)
+    rope_kv_attention(q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks,
+                      sm_scale, window) -> [T, Hq, D]
+        the two above in order, for the model's layers (`AttentionBackend`); the Triton backend
+        runs a decode step as one kernel
 
 "reference" is pure torch and always available (the CPU path). "triton" needs CUDA and Triton.
 "flashinfer" (`inference/attention_flashinfer.py`, needs the optional flashinfer-python) runs
@@ -28,7 +32,18 @@ BACKENDS = ("reference", "triton", "flashinfer")
 HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's FA3 kernels are built for (gpt-oss: 64)
 
 
-class ReferenceAttentionBackend:
+class AttentionBackend:
+    """What every backend shares: a layer's RoPE + K/V cache write, then attention."""
+
+    def rope_kv_attention(self, q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks,
+                          sm_scale, window):
+        """q [T, Hq, D], k and v [T, Hkv, D] as projected (not rotated, not in the cache yet)
+        -> attention output [T, Hq, D]; rotated k and v are left at `slot_mapping`'s slots."""
+        q = self.rope_and_write_kv(q, k, v, meta.positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return self.attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window)
+
+
+class ReferenceAttentionBackend(AttentionBackend):
     """Pure torch, float32 math: exact but slow; used on CPU and as the tests' yardstick."""
 
     name = "reference"
@@ -42,8 +57,10 @@ class ReferenceAttentionBackend:
         return rope_and_write_kv_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
 
-class TritonAttentionBackend:
-    """Triton kernels over the paged cache (`inference/kernels/attention_triton.py`, `rope_cache.py`)."""
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels over the paged cache (`inference/kernels/attention_triton.py`, `rope_cache.py`).
+    Decode steps run RoPE, the cache write and attention as one kernel (one launch a layer
+    fewer: 24 a step on gpt-oss)."""
 
     name = "triton"
 
@@ -52,12 +69,25 @@ class TritonAttentionBackend:
 
         self._attention = attention_triton.paged_sink_attention
         self._rope_and_write_kv = rope_cache.rope_and_write_kv_triton
+        self._decode_with_new_kv = attention_triton.decode_attention_with_new_kv
+        self._is_pure_decode = attention_triton.is_pure_decode
 
     def attention(self, q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window):
         return self._attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window)
 
     def rope_and_write_kv(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         return self._rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+    def folds_rope_into_decode(self, q, meta, window) -> bool:
+        return self._is_pure_decode(q.shape[0], meta)
+
+    def rope_kv_attention(self, q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks,
+                          sm_scale, window):
+        if self.folds_rope_into_decode(q, meta, window):
+            return self._decode_with_new_kv(q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping,
+                                            sinks, sm_scale, window)
+        return super().rope_kv_attention(q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping,
+                                         sinks, sm_scale, window)
 
 
 class FlashInferAttentionBackend(TritonAttentionBackend):
@@ -74,7 +104,7 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
       * sliding-window layers: Triton, 1.5-2x faster than either flashinfer kernel;
       * anything captured into a CUDA graph, float32 queries (flashinfer has no float32
         kernels) and head sizes outside `HEAD_DIMS` (its FA3 kernels do not build for them): Triton.
-    RoPE + KV write is Triton's in every case.
+    RoPE + KV write is Triton's in every case (folded into Triton's decode kernel at decode).
     """
 
     name = "flashinfer"
@@ -96,6 +126,9 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         if self.runs_flashinfer(q, meta, window):
             return self.flashinfer.attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window)
         return super().attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window)
+
+    def folds_rope_into_decode(self, q, meta, window) -> bool:
+        return super().folds_rope_into_decode(q, meta, window) and not self.runs_flashinfer(q, meta, window)
 
     def warmup(self, num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype) -> None:
         """Compile (first start on a machine) or load the kernels this split uses: full layers'.

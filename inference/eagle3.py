@@ -212,10 +212,8 @@ class Eagle3DraftModel(nn.Module):
         k = qkv[:, q_dim : q_dim + kv_dim].view(t, c.num_key_value_heads, c.head_dim)
         v = qkv[:, q_dim + kv_dim :].view(t, c.num_key_value_heads, c.head_dim)
         k_cache, v_cache = kv_cache
-        q = backend.rope_and_write_kv(q, k, v, meta.positions, self.cos_sin, k_cache, v_cache,
-                                      meta.slot_mapping["full"])
-        out = backend.attention(q, k_cache, v_cache, meta, meta.block_tables["full"], self.sinks,
-                                c.head_dim ** -0.5, None)
+        out = backend.rope_kv_attention(q, k, v, self.cos_sin, k_cache, v_cache, meta, meta.block_tables["full"],
+                                        meta.slot_mapping["full"], self.sinks, c.head_dim ** -0.5, None)
         x = residual + self.o_proj(out.reshape(t, q_dim))
         gate, up = self.gate_up(llama_rms_norm(x, self.post_attention_layernorm, eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)

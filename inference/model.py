@@ -75,12 +75,9 @@ class Attention(nn.Module):
         k = qkv[:, q_dim : q_dim + kv_dim].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_dim + kv_dim :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        q = backend.rope_and_write_kv(
-            q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping[self.cache_kind]
-        )
-        out = backend.attention(
-            q, k_cache, v_cache, meta, meta.block_tables[self.cache_kind], self.sinks, self.sm_scale, self.window
-        )
+        kind = self.cache_kind
+        out = backend.rope_kv_attention(q, k, v, cos_sin, k_cache, v_cache, meta, meta.block_tables[kind],
+                                        meta.slot_mapping[kind], self.sinks, self.sm_scale, self.window)
         out = self.o_proj(out.reshape(t, q_dim))
         return out if self.tp is None else self.tp.all_reduce(out)
 

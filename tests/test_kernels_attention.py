@@ -296,6 +296,88 @@ def test_triton_decode_split_count():
     assert block_n(128, 8, 1, 132, attention_triton.DecodeConfig(block_n=64)) == 64
 
 
+def newest_slots(meta, table, page_size):
+    """The physical slot of each sequence's newest position (where its new K/V belong)."""
+    slots = []
+    for b, ctx in enumerate(meta.context_lens_list):
+        pos = ctx - 1
+        slots.append(int(table[b, pos // page_size]) * page_size + pos % page_size)
+    return torch.tensor(slots, dtype=torch.long, device=DEVICE)
+
+
+def check_decode_with_new_kv(decode_with_new_kv, seed, lens, heads, page_size, window, skip=(), **kw):
+    """The fused kernel against `rope_and_write_kv_reference` then `sink_attention_reference`:
+    outputs and both whole caches. The newest position starts as NaN in the cache (the step's K/V
+    are not there yet), so a kernel that read it instead of the projected k and v fails. Sequences
+    in `skip` get slot -1 (nothing written; their outputs are not compared)."""
+    hq, hkv, d = heads
+    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(seed, [1] * len(lens), lens, heads, page_size, window)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k_new = torch.randn(len(lens), hkv, d, generator=gen).to(DTYPE).to(DEVICE)
+    v_new = torch.randn(len(lens), hkv, d, generator=gen).to(DTYPE).to(DEVICE)
+    angles = torch.rand(max(lens), d // 2, generator=gen) * 6.3
+    cos_sin = (torch.cat([angles.cos(), angles.sin()], -1) * 1.3).to(DEVICE)
+    slots = newest_slots(meta, table, page_size)
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    flat_k[slots], flat_v[slots] = float("nan"), float("nan")
+    for b in skip:
+        slots[b] = -1
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_rot = rope_and_write_kv_reference(q, k_new, v_new, meta.positions, cos_sin, k_ref, v_ref, slots)
+    ref = sink_attention_reference(q_rot, k_ref, v_ref, meta, table, sinks, scale, window)
+    out = decode_with_new_kv(q, k_new, v_new, cos_sin, k_cache, v_cache, meta, table, slots, sinks, scale, window,
+                             **kw)
+    keep = [b for b in range(len(lens)) if b not in skip]
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    err = relative_error(out[keep], ref[keep])
+    assert err < TOL, f"relative error {err:.2e}"
+    exact = dict(rtol=0, atol=0) if not CUDA else dict(rtol=8e-3, atol=1e-2)  # GPU: FMA contraction
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **exact)
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_decode_with_new_kv(heads, window, splits):
+    """RoPE and the cache write folded into the decode kernel: same output and same caches as
+    the separate launches, with and without splits (the new key belongs to one split)."""
+    attention_triton, _ = _kernel_modules()
+    cfg = attention_triton.DecodeConfig(block_n=16, num_splits=splits)
+    lens = [1, 9, 17, 23, 40]  # one key; a key past a whole block; inside and across the window
+    check_decode_with_new_kv(attention_triton.decode_attention_with_new_kv, 13, lens, heads, 4, window,
+                             skip=(3,), decode_cfg=cfg)
+
+
+@needs_triton
+def test_triton_backend_folds_rope_only_into_decode():
+    """`rope_kv_attention` of the Triton backend: a decode step through the fused kernel, anything
+    else through the two launches; the reference backend composes the two. Same results."""
+    attention_triton, rope_cache = _kernel_modules()
+    from inference.attention_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend()
+    backend._attention, backend._rope_and_write_kv = attention_triton.paged_sink_attention, rope_cache.rope_and_write_kv_triton
+    backend._decode_with_new_kv = attention_triton.decode_attention_with_new_kv
+    calls = []
+    fused = backend._decode_with_new_kv
+    backend._decode_with_new_kv = lambda *a, **k: calls.append("fused") or fused(*a, **k)
+
+    check_decode_with_new_kv(lambda *a: backend.rope_kv_attention(*a), 5, [3, 20], (4, 2, 16), 4, None)
+    assert calls == ["fused"]
+    check_decode_with_new_kv(lambda *a: ReferenceAttentionBackend().rope_kv_attention(*a), 5, [3, 20],
+                             (4, 2, 16), 4, None)
+    # A prefill step (two tokens of one sequence) takes the separate launches.
+    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(6, [2], [5], (4, 2, 16), 4, None)
+    k = torch.randn(2, 2, 16).to(DTYPE).to(DEVICE)
+    v = torch.randn(2, 2, 16).to(DTYPE).to(DEVICE)
+    cos_sin = torch.randn(8, 16).to(DEVICE)
+    slots = torch.tensor([int(table[0, 0]) * 4 + 3, int(table[0, 1]) * 4], device=DEVICE)
+    out = backend.rope_kv_attention(q, k, v, cos_sin, k_cache, v_cache, meta, table, slots, sinks, scale, None)
+    assert calls == ["fused"] and torch.isfinite(out).all()
+
+
 @needs_triton
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("window", [None, 8])

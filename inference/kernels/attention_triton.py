@@ -7,6 +7,9 @@ Two launches cover every step:
   K/V page is read once for all of them. Long contexts are cut into `num_splits` chunks
   (flash-decoding); each split writes an unnormalised partial output with its running max and
   sum, and `_combine_kernel` merges the splits together with the sink logit.
+  `decode_attention_with_new_kv` also folds in the step's RoPE and K/V cache write (otherwise
+  `rope_cache`'s own launch): each program rotates q, and the program owning the newest
+  position takes the new key and value from the projection and stores them in the cache.
 * prefill/extend (a ragged batch of new tokens over cached plus new keys, causal): grid (query
   tile, KV head). A tile is BLOCK_T consecutive new tokens of one sequence times the G heads of
   one KV group, again packed as rows, so K/V blocks are shared by the group. Each program finds
@@ -81,13 +84,40 @@ def _attend_blocks(
 
 
 @triton.jit
+def _rope_factors(CosSin, pos, stride_cos, dims, HALF: tl.constexpr):
+    """(cos, signed sin) of position pos for head dims `dims`, float32 (see `_rotate_half`)."""
+    cos = tl.load(CosSin + pos * stride_cos + dims % HALF).to(tl.float32)
+    sin = tl.load(CosSin + pos * stride_cos + HALF + dims % HALF).to(tl.float32)
+    return cos, tl.where(dims < HALF, -sin, sin)
+
+
+@triton.jit
+def _rotate_half(ptr, dims, cos, signed_sin, mask, HALF: tl.constexpr):
+    """RoPE ("rotate half") of head vectors at ptr + dims ([..., D] pointers), float32:
+    x * cos + partner * signed_sin, where the partner of dim d is d + HALF for the first half
+    (signed_sin = -sin there) and d - HALF for the second (+sin)."""
+    x = tl.load(ptr + dims, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + (dims + HALF) % (2 * HALF), mask=mask, other=0.0).to(tl.float32)
+    return x * cos + partner * signed_sin
+
+
+@triton.jit
 def _decode_kernel(
     Q, K, V, Sinks, BlockTables, ContextLens, Out, PartAcc, PartMax, PartSum,
+    KNew, VNew, Positions, CosSin, Slots,
     stride_qt, stride_qh, stride_page, stride_slot, stride_kv_head, stride_bt, stride_ot, stride_oh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     qk_scale, window, num_splits,
     NUM_Q_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SPLIT: tl.constexpr,
+    NEW_KV: tl.constexpr,
 ):
+    """One (sequence, KV head, split). With NEW_KV, q is not yet rotated and the step's new key
+    and value (KNew, VNew: [B, Hkv, D], the projection's output) are not in the cache yet:
+    the program rotates q and k by the token's position (`Positions`, table `CosSin`, as
+    `rope_cache` does), takes the new key into its softmax from registers, and the program
+    whose split ends at the newest position stores the rotated k and v at the token's slot
+    (`Slots`, -1: none). That is the RoPE + cache-write launch folded into attention."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -100,14 +130,23 @@ def _decode_kernel(
     chunk = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, ctx)
+    holds_new = (start < end) & (end == ctx)  # this split owns the newest position, ctx - 1
+    if NEW_KV:
+        end = tl.where(holds_new, end - 1, end)  # ... which the cache does not hold yet
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
     rows = tl.arange(0, BLOCK_G)
     row_ok = rows < G
     heads = kv_head * G + rows
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q_ptrs = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    if NEW_KV:
+        pos = tl.load(Positions + seq).to(tl.int64)
+        cos, signed_sin = _rope_factors(CosSin, pos, stride_cos, dims, HEAD_DIM // 2)
+        q = _rotate_half(q_ptrs, dims[None, :], cos[None, :], signed_sin[None, :], row_ok[:, None], HEAD_DIM // 2)
+        q = q.to(Q.dtype.element_ty)  # rounded like the separate RoPE kernel's output
+    else:
+        q = tl.load(q_ptrs + dims[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(K.dtype.element_ty)
     sink = tl.load(Sinks + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     if SPLIT:
@@ -120,6 +159,26 @@ def _decode_kernel(
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + (ctx - 1)
     table = BlockTables + seq.to(tl.int64) * stride_bt
     kv_off = kv_head * stride_kv_head
+    if NEW_KV:
+        if holds_new:
+            # The new key first, so nothing of RoPE stays live through the key loops (their
+            # registers set how many programs fit a multiprocessor).
+            k_ptr = KNew + seq.to(tl.int64) * stride_kt + kv_head * stride_kh
+            k_new = _rotate_half(k_ptr, dims, cos, signed_sin, dims < HEAD_DIM, HEAD_DIM // 2).to(K.dtype.element_ty)
+            v_new = tl.load(VNew + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims).to(V.dtype.element_ty)
+            slot = tl.load(Slots + seq)
+            if slot >= 0:
+                dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_off
+                tl.store(K + dst + dims, k_new)
+                tl.store(V + dst + dims, v_new)
+            # The new key is visible to the token on every layer kind (it is the token itself).
+            s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+            m_new = tl.maximum(m_i, s)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, start, full_end, q_pos, window,
                                    qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
                                    False, False)
@@ -318,14 +377,53 @@ def paged_sink_attention(
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    if meta.max_q_len == 1 and t == len(meta.q_lens):
+    if is_pure_decode(t, meta):
         _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, decode_cfg)
     else:
         _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, prefill_cfg)
     return out
 
 
-def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, cfg: DecodeConfig) -> None:
+def is_pure_decode(num_tokens: int, meta: AttentionMetadata) -> bool:
+    """One new token per sequence: the step the decode kernel serves."""
+    return meta.max_q_len == 1 and num_tokens == len(meta.q_lens)
+
+
+def decode_attention_with_new_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    sinks: torch.Tensor,
+    sm_scale: float,
+    window: int | None,
+    decode_cfg: DecodeConfig = DECODE,
+) -> torch.Tensor:
+    """`rope_and_write_kv` then `paged_sink_attention` for a pure decode step, in one launch
+    (plus the split combine): q [B, Hq, D] and k, v [B, Hkv, D] as projected (not rotated, not
+    yet in the cache), positions from `meta.positions`. Returns [B, Hq, D] in q's dtype and
+    leaves rotated k and v at `slot_mapping`'s slots, as the two separate calls would."""
+    t, hq, d, page_size, hkv = _check_inputs(q, k_cache, v_cache, sinks)
+    if not is_pure_decode(t, meta):
+        raise ValueError("decode_attention_with_new_kv takes pure decode steps (one new token per sequence)")
+    if k.shape != (t, hkv, d) or v.shape != (t, hkv, d) or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"k and v must be [{t}, {hkv}, {d}] with a contiguous last dimension")
+    if cos_sin.shape[-1] != d or cos_sin.stride(-1) != 1:
+        raise ValueError(f"cos_sin must be [positions, {d}] with a contiguous last dimension")
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t:
+        _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, decode_cfg,
+                new_kv=(k, v, cos_sin, slot_mapping))
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, cfg: DecodeConfig,
+            new_kv=None) -> None:
     batch, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -342,13 +440,16 @@ def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused
+    k_new, v_new, cos_sin, slots = new_kv or (q, q, q, q)  # unused without new_kv
     _decode_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, sinks, block_table, meta.context_lens, out, part_acc, part_max, part_sum,
+        k_new, v_new, meta.positions, cos_sin, slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
         sm_scale * LOG2E, window or 0, splits,
         NUM_Q_HEADS=hq, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, SLIDING=window is not None, SPLIT=split,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, SLIDING=window is not None, SPLIT=split, NEW_KV=new_kv is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
