@@ -1,4 +1,5 @@
-"""Attention kernel benchmark: paged sink attention (decode and prefill) and the RoPE + KV write.
+"""Attention kernel benchmark: paged sink attention (decode and prefill), the RoPE + KV write, and
+the decode kernel with the step's RoPE + KV write folded in (`--only new-kv`).
 
 gpt-oss shapes (64 query heads, 8 KV heads, head_dim 64, bf16 cache, 16-token pages scattered
 at random over the pool). Prints, beside each time, what fraction of the GPU's measured ceilings
@@ -14,7 +15,7 @@ on the same shapes beside the Triton ones: device time from graph replays of alr
 calls, plus flashinfer's per-step host planning (`plan us`), which the engine pays once per step
 and attention kind, outside any graph. Usage:
 
-    python3 benchmarks/bench_attention.py [--sweep] [--flashinfer fa2,fa3] [--json out.json]
+    python3 benchmarks/bench_attention.py [--sweep] [--flashinfer fa2,fa3] [--only new-kv,...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -211,12 +212,50 @@ def bench_rope(tokens: int) -> dict:
     return dict(seconds=time_graph(run), host_seconds=host_seconds(run), bytes=moved)
 
 
+def bench_decode_new_kv(pool: KVPool, batch: int, context: int, window, calls: int = 20) -> dict:
+    """A decode step's RoPE + K/V cache write + attention, one layer: the two launches
+    (`rope_and_write_kv_triton`, then `paged_sink_attention`) against the decode kernel that
+    folds the first in (`decode_attention_with_new_kv`), each timed from CUDA graph replays over
+    rotating block tables. Also returns the relative difference of their outputs."""
+    gen = torch.Generator().manual_seed(batch * 7919 + context)
+    rotations = 4
+    steps = []
+    for _ in range(rotations):
+        table = pool.table(batch, context, gen)
+        meta = metadata([1] * batch, [context] * batch, table)
+        pos = context - 1
+        slots = table[:, pos // PAGE].long() * PAGE + pos % PAGE
+        meta.slot_mapping = {"full": slots, "sliding": slots}
+        qkv = torch.randn(batch, HQ + 2 * HKV, D, device=DEV, dtype=torch.bfloat16)
+        steps.append((qkv[:, :HQ], qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :], meta))
+    cos_sin = torch.randn(context, D, device=DEV)
+    sinks = torch.randn(HQ, device=DEV)
+
+    def separate(i):
+        q, k, v, meta = steps[i % rotations]
+        q = rope_and_write_kv_triton(q, k, v, meta.positions, cos_sin, pool.k, pool.v, meta.slot_mapping["full"])
+        return at.paged_sink_attention(q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window)
+
+    def folded(i):
+        q, k, v, meta = steps[i % rotations]
+        return at.decode_attention_with_new_kv(q, k, v, cos_sin, pool.k, pool.v, meta, meta.block_tables["full"],
+                                               meta.slot_mapping["full"], sinks, D**-0.5, window)
+
+    a, b = separate(0).float(), folded(0).float()
+    times = [time_graph_calls(f, rotations, calls) for f in (separate, folded, separate, folded)]
+    return dict(separate_seconds=min(times[0], times[2]), folded_seconds=min(times[1], times[3]),
+                rel_diff=float((a - b).norm() / a.norm()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="also try other launch configurations")
     ap.add_argument("--json", type=Path, help="write all results here")
     ap.add_argument("--flashinfer", default="", help="comma-separated flashinfer kernels to time too (fa2,fa3)")
+    ap.add_argument("--only", default="", help="comma-separated sections to run (decode, prefill, rope, new-kv); "
+                    "default: all")
     args = ap.parse_args()
+    sections = set(filter(None, args.only.split(","))) or {"decode", "prefill", "rope", "new-kv"}
     fi_kernels = [k for k in args.flashinfer.split(",") if k]
     workspace = None
     if fi_kernels:
@@ -235,7 +274,7 @@ def main() -> None:
 
     print("\ndecode attention, one layer (split-K, CUDA graph replay)")
     print(f"{'layer':>8} {'batch':>5} {'context':>7} {'splits':>6} {'block_n':>7} {'us':>9} {'TB/s':>6} {'of copy':>7}")
-    for window in (None, WINDOW):
+    for window in (None, WINDOW) if "decode" in sections else ():
         for batch in (1, 32, 64, 128):
             for context in (1024, 8192, 32768):
                 if window and context != 8192:
@@ -258,7 +297,7 @@ def main() -> None:
 
     print("\nprefill attention, one sequence, one layer (device time from graph replay; eager call; host issue time)")
     print(f"{'layer':>8} {'tokens':>7} {'us':>9} {'TFLOP/s':>8} {'of matmul':>9} {'eager us':>9} {'host us':>8}")
-    for window in (None, WINDOW):
+    for window in (None, WINDOW) if "prefill" in sections else ():
         for tokens in (2048, 8192):
             r = bench_prefill(pool, tokens, window, at.PREFILL)
             rate = r["flops"] / r["seconds"]
@@ -278,11 +317,20 @@ def main() -> None:
                       f"  (eager/host include the plan)  triton/fi {f['vs_triton']:.2f}", flush=True)
 
     print("\nrope + KV write (device time from graph replay; host issue time)")
-    for tokens in (64, 2048, 8192):
+    for tokens in (64, 2048, 8192) if "rope" in sections else ():
         r = bench_rope(tokens)
         results.setdefault("rope", []).append(dict(r, tokens=tokens))
         print(f"{tokens:>7} tokens {r['seconds'] * 1e6:>8.1f} us  {r['bytes'] / r['seconds'] / bw:>5.0%} of copy  "
               f"host {r['host_seconds'] * 1e6:.1f} us", flush=True)
+
+    print("\ndecode with the step's RoPE + KV write, one layer, 1k context: two launches vs folded into attention")
+    for batch in (1, 8, 32, 64, 128) if "new-kv" in sections else ():
+        for window in (None, WINDOW):
+            r = bench_decode_new_kv(pool, batch, 1024, window)
+            results.setdefault("decode_new_kv", []).append(dict(r, batch=batch, window=window))
+            print(f"{'sliding' if window else 'full':>8} {batch:>5}  separate {r['separate_seconds'] * 1e6:7.1f} us  "
+                  f"folded {r['folded_seconds'] * 1e6:7.1f} us  (x{r['separate_seconds'] / r['folded_seconds']:.2f}, "
+                  f"outputs differ by {r['rel_diff']:.1e})", flush=True)
 
     if args.sweep:
         print("\nsweep: decode, full layer")
