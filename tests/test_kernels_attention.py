@@ -357,25 +357,31 @@ def test_triton_backend_folds_rope_only_into_decode():
     attention_triton, rope_cache = _kernel_modules()
     from inference.attention_backend import TritonAttentionBackend
 
-    backend = TritonAttentionBackend()
-    backend._attention, backend._rope_and_write_kv = attention_triton.paged_sink_attention, rope_cache.rope_and_write_kv_triton
-    backend._decode_with_new_kv = attention_triton.decode_attention_with_new_kv
+    backend = TritonAttentionBackend()  # with the interpreted kernels on CPU:
+    backend._attention = attention_triton.paged_sink_attention
+    backend._rope_and_write_kv = rope_cache.rope_and_write_kv_triton
+    fused = attention_triton.decode_attention_with_new_kv
     calls = []
-    fused = backend._decode_with_new_kv
     backend._decode_with_new_kv = lambda *a, **k: calls.append("fused") or fused(*a, **k)
 
     check_decode_with_new_kv(lambda *a: backend.rope_kv_attention(*a), 5, [3, 20], (4, 2, 16), 4, None)
     assert calls == ["fused"]
     check_decode_with_new_kv(lambda *a: ReferenceAttentionBackend().rope_kv_attention(*a), 5, [3, 20],
                              (4, 2, 16), 4, None)
-    # A prefill step (two tokens of one sequence) takes the separate launches.
+    # A prefill step (positions 3 and 4 of one sequence) takes the separate launches: same output
+    # and caches as the reference backend's.
     q, k_cache, v_cache, meta, table, sinks, scale = make_batch(6, [2], [5], (4, 2, 16), 4, None)
     k = torch.randn(2, 2, 16).to(DTYPE).to(DEVICE)
     v = torch.randn(2, 2, 16).to(DTYPE).to(DEVICE)
     cos_sin = torch.randn(8, 16).to(DEVICE)
     slots = torch.tensor([int(table[0, 0]) * 4 + 3, int(table[0, 1]) * 4], device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref = ReferenceAttentionBackend().rope_kv_attention(q, k, v, cos_sin, k_ref, v_ref, meta, table, slots, sinks,
+                                                        scale, None)
     out = backend.rope_kv_attention(q, k, v, cos_sin, k_cache, v_cache, meta, table, slots, sinks, scale, None)
-    assert calls == ["fused"] and torch.isfinite(out).all()
+    assert calls == ["fused"]
+    assert relative_error(out, ref) < TOL
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **({} if CUDA else dict(rtol=1e-6, atol=1e-6)))
 
 
 @needs_triton

@@ -336,6 +336,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_keys: int, sm_count: in
 
 
 def decode_block_n(batch: int, num_kv_heads: int, splits: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
+    """Keys per loop step for a grid of batch x num_kv_heads x splits programs (`DecodeConfig`)."""
     if cfg.block_n is not None:
         return cfg.block_n
     return 64 if batch * num_kv_heads * splits <= cfg.waves * sm_count else 32
