@@ -130,9 +130,9 @@ def _decode_kernel(
     chunk = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, ctx)
-    holds_new = (start < end) & (end == ctx)  # this split owns the newest position, ctx - 1
     if NEW_KV:
-        end = tl.where(holds_new, end - 1, end)  # ... which the cache does not hold yet
+        holds_new = (start < end) & (end == ctx)  # this split owns the newest position, ctx - 1,
+        end = tl.where(holds_new, end - 1, end)  # which the cache does not hold yet
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
     rows = tl.arange(0, BLOCK_G)
