@@ -7,9 +7,9 @@ A graph is captured per (batch size, tokens per sequence): 1 token for plain dec
 speculative decoding k + 1 for a step that verifies k drafts per sequence (that step goes
 through the extend attention kernel, which is capture-safe too: its tile count depends only on
 the shape). Each owns static input buffers (token ids, positions, slot mappings, context
-lengths, block tables). `run` copies the step's real values into the smallest captured batch that
-fits, pads the rest with harmless sequences (slot -1: no KV write; context = tokens per sequence,
-on page 0), replays, and returns the real rows' logits (and the target layer outputs an EAGLE-3
+lengths, block tables). `run` writes the step's real values into the smallest captured batch that
+fits and pads the rest with harmless sequences (slot -1: no KV write; context = tokens per sequence,
+on page 0), in one launch (`inference/kernels/graph_inputs_triton.py`), replays, and returns the real rows' logits (and the target layer outputs an EAGLE-3
 drafter reads, when asked for). Larger batches run eagerly.
 
 The attention and MoE backends must be capture-safe in decode: no host synchronisation and no
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionMetadata
+from .kernels.graph_inputs_triton import GraphInputs, StepValues, fill_graph_inputs
 from .model import GptOssModel
 
 log = logging.getLogger(__name__)
@@ -137,8 +138,10 @@ class DecodeGraphRunner:
         sizes = self.sizes.get(tokens_per_seq)
         return bool(self.graphs) and bool(sizes) and batch <= sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, tokens_per_seq: int = 1):
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, tokens_per_seq: int = 1,
+            previous: torch.Tensor | None = None):
         """A step where each of B sequences runs `tokens_per_seq` new tokens (len(input_ids) = B * that).
+        previous: if given, input_ids are rows of it (the previous step's sampled ids, on the device).
 
         Returns (logits [B * tokens_per_seq, V], aux [B * tokens_per_seq, A] or None): the graph's
         output buffers, so read them before the next `run`.
@@ -148,16 +151,10 @@ class DecodeGraphRunner:
         n = t // q
         size = next(b for b in self.sizes[q] if b >= n)
         buf = self.graphs[(size, q)]
-        buf.input_ids[:t].copy_(input_ids, non_blocking=True)
-        buf.positions[:t].copy_(meta.positions, non_blocking=True)
-        buf.context_lens[:n].copy_(meta.context_lens, non_blocking=True)
-        buf.context_lens[n:].fill_(q)
-        for kind in ("full", "sliding"):
-            buf.slots[kind][:t].copy_(meta.slot_mapping[kind], non_blocking=True)
-            buf.slots[kind][t:].fill_(-1)
-            table = meta.block_tables[kind]
-            buf.block_tables[kind][:n, : table.shape[1]].copy_(table, non_blocking=True)
-            buf.block_tables[kind][:n, table.shape[1] :].fill_(-1)
-            buf.block_tables[kind][n:].fill_(0)
+        fill_graph_inputs(
+            GraphInputs(buf.input_ids, buf.positions, buf.slots, buf.context_lens, buf.block_tables),
+            StepValues(input_ids, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables, previous),
+            q,
+        )
         buf.graph.replay()
         return buf.logits[:t], (buf.aux[:t] if buf.aux is not None else None)

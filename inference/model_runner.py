@@ -223,10 +223,13 @@ class ModelRunner:
         previous_tokens: the previous step's sampled ids [N] when plan.inputs_from_previous.
         Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None)."""
         inputs = self.prepare(plan)
-        input_ids = previous_tokens[inputs.input_ids] if plan.inputs_from_previous else inputs.input_ids
-        if plan.graph_tokens is not None:
-            logits, aux = self.graphs.run(input_ids, inputs.meta, plan.graph_tokens)
+        previous = previous_tokens if plan.inputs_from_previous else None
+        if plan.graph_tokens is not None:  # the graph's input kernel gathers the previous ids itself
+            logits, aux = self.graphs.run(inputs.input_ids, inputs.meta, plan.graph_tokens, previous=previous)
+            if plan.sample_rows == list(range(len(plan.input_ids))):  # plain decode: every row, in order
+                return logits, aux
             return logits[inputs.sample_rows], aux
+        input_ids = inputs.input_ids if previous is None else previous[inputs.input_ids]
         out = self.model(input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
         hidden, aux = out if self.aux_layers else (out, None)
         logits = self.model.compute_logits(hidden[inputs.sample_rows]) if plan.sample_rows else None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.argmax_triton import argmax_rows
 from .request import SamplingParams, TokenLogprob
 from .sampler import Sampler
 
@@ -63,7 +64,7 @@ class RejectionSampler(Sampler):
             out + d[:i] if pen else [] for out, d, pen in zip(output_ids, drafts, penalised) for i in range(len(d) + 1)
         ]
         processed = self._apply_bias_and_penalties(logits, row_params, row_history)
-        best = processed.argmax(dim=-1)  # [R]
+        best = argmax_rows(processed)  # [R]
         first = [0]
         for c in counts:
             first.append(first[-1] + c)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.argmax_triton import argmax_rows
 from .request import SamplingParams, TokenLogprob
 from .transfers import HostCopy, to_device
 
@@ -73,7 +74,7 @@ class Sampler:
         """As calling the sampler, but the ids stay on the device until `result()` is asked for."""
         device = logits.device
         processed = self._apply_bias_and_penalties(logits, params, output_ids)
-        tokens = processed.argmax(dim=-1)
+        tokens = argmax_rows(processed)
         sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if sampled_rows:
             rows = to_device(sampled_rows, torch.long, device)
@@ -86,7 +87,7 @@ class Sampler:
                 noise.exponential_()
             for j, generator in seeded:
                 noise[j].exponential_(generator=generator)
-            tokens[rows] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+            tokens[rows] = argmax_rows(probs / noise.clamp_min_(1e-20))
         return SampledTokens(tokens, params, self._logprob_tensors(logits, tokens, params))
 
     @staticmethod
