@@ -2,14 +2,14 @@
 
 At decode a step multiplies a handful of token rows by each projection's weights, and the time is
 reading the weights. `inference/kernels/linear_triton.py` streams W in one pass. Measured on an
-H200 (BENCHMARKS.md, `benchmarks/bench_dense.py`), it wins only for o_proj (4096 -> 2880):
-9.7 us against cuBLAS's 11.9 at 1 row (57% against 47% of copy bandwidth), and ahead up to 16
-rows. qkv (2880 -> 5120) ties at 1 row and loses 14% at 2 to 16, so cuBLAS keeps it, and so it
-keeps the lm_head (already at copy speed) and the router.
+H200 (BENCHMARKS.md, `benchmarks/bench_dense.py`), it wins for o_proj (4096 -> 2880): 9.0 us
+against cuBLAS's 11.9 at 1 row (62% against 46% of copy bandwidth), and ahead up to 16 rows; and
+for qkv (2880 -> 5120) at 1 row only (10.0 against 11.0 us; 14% behind at 2 to 16 rows). cuBLAS
+keeps the rest, the lm_head (already at copy speed) and the router.
 
 The model builds plain `nn.Linear`s (the CPU path never changes); `use_decode_gemv(model)`, called
 by the loaders after the weights are in place, swaps the layers in DECODE_GEMV_LAYERS for
-`DecodeLinear`s holding the same parameters, only where the kernel can run: CUDA, Triton
+`DecodeLinear`s holding the same parameters (each with its own row limit), only where the kernel can run: CUDA, Triton
 installed, bf16 weights. Tensor-parallel shards are ordinary smaller weights (o_proj input
 columns) and take the same path.
 """
@@ -23,8 +23,9 @@ from torch import nn
 # Most token rows the Triton kernel takes; more go to cuBLAS (the H200 crossover for o_proj).
 GEMV_MAX_TOKENS = 16
 
-# Attention sublayers swapped (attribute names on `model.Attention`): where the kernel measured faster.
-DECODE_GEMV_LAYERS = ("o_proj",)
+# Attention sublayers swapped (attribute names on `model.Attention`) and the most token rows each
+# sends to the kernel: where it measured faster.
+DECODE_GEMV_LAYERS = {"qkv": 1, "o_proj": GEMV_MAX_TOKENS}
 
 
 class DecodeLinear(nn.Linear):
@@ -41,12 +42,13 @@ class DecodeLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     @classmethod
-    def wrapping(cls, linear: nn.Linear) -> "DecodeLinear":
+    def wrapping(cls, linear: nn.Linear, max_tokens: int = GEMV_MAX_TOKENS) -> "DecodeLinear":
         """A DecodeLinear sharing `linear`'s parameters (no copy)."""
         with torch.device("meta"):
             layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
         layer.weight = linear.weight
         layer.bias = linear.bias
+        layer.max_tokens = max_tokens
         return layer
 
 
@@ -64,9 +66,9 @@ def use_decode_gemv(model) -> int:
     were swapped (0 on CPU, in float32, or without Triton)."""
     swapped = 0
     for block in model.layers:
-        for name in DECODE_GEMV_LAYERS:
+        for name, max_tokens in DECODE_GEMV_LAYERS.items():
             linear = getattr(block.attn, name)
             if type(linear) is nn.Linear and gemv_supported(linear):
-                setattr(block.attn, name, DecodeLinear.wrapping(linear))
+                setattr(block.attn, name, DecodeLinear.wrapping(linear, max_tokens))
                 swapped += 1
     return swapped

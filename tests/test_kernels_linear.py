@@ -218,10 +218,14 @@ def test_decode_linear_routes_only_few_bf16_rows_to_the_kernel(monkeypatch):
     DecodeLinear.wrapping(nn.Linear(16, 8))(torch.randn(2, 16))  # float32
     layer(torch.randn(2, 32, dtype=torch.bfloat16)[:, ::2])  # columns not contiguous
     layer(torch.randn(1, 2, 16, dtype=torch.bfloat16))  # not [T, K]
+    one_row = DecodeLinear.wrapping(nn.Linear(16, 8, dtype=torch.bfloat16), max_tokens=1)  # qkv's limit
+    one_row(torch.randn(2, 16, dtype=torch.bfloat16))
+    one_row(torch.randn(1, 16, dtype=torch.bfloat16))
+    assert calls == [1, limit, 1]
     layer.max_tokens = 0  # switched off: nn.Linear's own result
     x = torch.randn(1, 16, dtype=torch.bfloat16)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert calls == [1, limit]
+    assert calls == [1, limit, 1]
 
 
 def test_decode_linear_shares_the_wrapped_parameters():
@@ -274,7 +278,7 @@ def test_gpu_model_logits_with_kernel_match_nn_linear(tiny_checkpoint, monkeypat
     model = GptOssModel.from_pretrained(tiny_checkpoint, device="cuda", dtype=torch.bfloat16, progress=False)
     dense = [getattr(block.attn, name) for block in model.layers for name in DECODE_GEMV_LAYERS]
     assert all(type(layer) is DecodeLinear for layer in dense) and len(dense) == len(DECODE_GEMV_LAYERS) * len(model.layers)
-    assert all(type(block.attn.qkv) is nn.Linear for block in model.layers)  # cuBLAS measured faster there
+    assert [block.attn.qkv.max_tokens for block in model.layers] == [1] * len(model.layers)  # cuBLAS past 1 row
     assert use_decode_gemv(model) == 0  # already swapped
     fp32 = GptOssModel.from_pretrained(tiny_checkpoint, device="cuda", dtype=torch.float32, progress=False)
     assert all(type(block.attn.qkv) is nn.Linear for block in fp32.layers)
@@ -287,12 +291,15 @@ def test_gpu_model_logits_with_kernel_match_nn_linear(tiny_checkpoint, monkeypat
         return torch.cat(rows)
 
     with_kernel = logits()
-    # Every swapped layer of the prefill step (5 rows) and of the 4 decode steps ran the kernel.
-    assert sorted(calls) == [1] * (4 * len(dense)) + [5] * len(dense)
+    # Every swapped layer ran the kernel in the 4 decode steps; in the prefill step (5 rows), those
+    # that take 5 rows.
+    prefill = [layer for layer in dense if layer.max_tokens >= 5]
+    assert 0 < len(prefill) < len(dense)
+    assert sorted(calls) == [1] * (4 * len(dense)) + [5] * len(prefill)
     for layer in dense:
         layer.max_tokens = 0
     with_cublas = logits()
-    assert len(calls) == 5 * len(dense)
+    assert len(calls) == 4 * len(dense) + len(prefill)
     assert torch.isfinite(with_kernel).all()
     err = rel_err(with_kernel, with_cublas)
     assert err < 1e-2, err
