@@ -8,9 +8,10 @@ speculative decoding k + 1 for a step that verifies k drafts per sequence (that 
 through the extend attention kernel, which is capture-safe too: its tile count depends only on
 the shape). Each owns static input buffers (token ids, positions, slot mappings, context
 lengths, block tables). `run` writes the step's real values into the smallest captured batch that
-fits and pads the rest with harmless sequences (slot -1: no KV write; context = tokens per sequence,
-on page 0), in one launch (`inference/kernels/graph_inputs_triton.py`), replays, and returns the real rows' logits (and the target layer outputs an EAGLE-3
-drafter reads, when asked for). Larger batches run eagerly.
+fits and pads the rest with harmless sequences (slot -1: no KV write; context = tokens per
+sequence, on page 0), all in one launch (`inference/kernels/graph_inputs_triton.py`), replays,
+and returns the real rows' logits (and the target layer outputs an EAGLE-3 drafter reads, when
+asked for). Larger batches run eagerly.
 
 The attention and MoE backends must be capture-safe in decode: no host synchronisation and no
 dependence on the metadata's Python lists beyond their length (the lists passed at capture

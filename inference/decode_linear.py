@@ -9,8 +9,8 @@ keeps the rest, the lm_head (already at copy speed) and the router.
 
 The model builds plain `nn.Linear`s (the CPU path never changes); `use_decode_gemv(model)`, called
 by the loaders after the weights are in place, swaps the layers in DECODE_GEMV_LAYERS for
-`DecodeLinear`s holding the same parameters (each with its own row limit), only where the kernel can run: CUDA, Triton
-installed, bf16 weights. Tensor-parallel shards are ordinary smaller weights (o_proj input
+`DecodeLinear`s holding the same parameters (each with its own row limit), only where the kernel
+can run: CUDA, Triton installed, bf16 weights. Tensor-parallel shards are ordinary smaller weights (o_proj input
 columns) and take the same path.
 """
 

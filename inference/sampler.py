@@ -9,7 +9,9 @@ Order of operations per row, all on the logits' device:
 Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which draws from p
 exactly. A seeded row draws its E from its own `torch.Generator`, so the same seed gives the
 same tokens whatever else is in the batch. Logprobs are those of the model's raw distribution
-(log_softmax of the logits before any of the above), as OpenAI reports them.
+(log_softmax of the logits before any of the above), as OpenAI reports them. Both argmaxes run
+`inference/kernels/argmax_triton.py` on CUDA (one 201k-wide row is a single slow reduction for
+torch.argmax).
 
 `Sampler.sample` only queues that work on the device and starts copying the ids (and logprobs)
 to the host: nothing in it waits for the stream, so with async scheduling the next step can be

@@ -85,6 +85,7 @@ if triton is not None:
         n, w, P, stride_full, stride_sliding,
         Q: tl.constexpr, Q_POW2: tl.constexpr, GATHER: tl.constexpr, BLOCK_P: tl.constexpr,
     ):
+        """Program (r, block): see the module docstring. Output tables are contiguous [B, P]."""
         r = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
         real = r < n
@@ -124,6 +125,8 @@ def fill_graph_inputs_triton(dst: GraphInputs, src: StepValues, q: int) -> None:
         raise ValueError("both block tables need the same width and unit column stride")
     if w > p:
         raise ValueError(f"block tables {w} pages wide do not fit the graph's {p}")
+    if not all(t.is_contiguous() for t in (*dst.block_tables.values(), *dst.slots.values(), dst.input_ids)):
+        raise ValueError("the graph's buffers must be contiguous")
     gather = src.previous is not None
     _fill_kernel[(b, triton.cdiv(p, BLOCK_P))](
         dst.input_ids, dst.positions, dst.slots["full"], dst.slots["sliding"], dst.context_lens,
