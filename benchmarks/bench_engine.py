@@ -14,6 +14,7 @@ by the measured copy bandwidth.
     python benchmarks/bench_engine.py --model 20b --hf             # also transformers, same shapes
     python benchmarks/bench_engine.py --model 20b --speculative ngram   # batch-1 decode with / without drafts
     python benchmarks/bench_engine.py --model 20b --async-scheduling --batches 1,8,64   # engine decode, overlap off / on
+    python benchmarks/bench_engine.py --model 20b --timeline 1   # kernel timeline of engine steps (gaps)
 
 With --speculative the script instead times batch-1 decode through the engine (scheduler, CUDA
 graphs for decode and verification steps, sampler) on a repetitive prompt, with and without the
@@ -284,6 +285,62 @@ def bench_speculative(model, args) -> dict:
     }
 
 
+def decode_max_len(args) -> int:
+    """A sequence's prompt (`args.context` tokens) plus room to decode: what the engine's
+    sequences and the static batches are sized for."""
+    return args.context + 2 * args.steps + 32
+
+
+def decode_engine(model, args, max_seqs: int):
+    """An engine with async scheduling for `max_seqs` sequences of `decode_max_len(args)` tokens."""
+    from inference.engine import EngineConfig, LLMEngine
+
+    max_len = decode_max_len(args)
+    pages_per_seq = -(-max_len // args.page_size)
+    # StaticBatch (the graph-replay row) lays every sequence's pages out in both pools alike.
+    pages = max_seqs * pages_per_seq + 8
+    return LLMEngine(model, EngineConfig(num_pages=pages, num_sliding_pages=pages, max_model_len=max_len,
+                                         max_num_seqs=max_seqs, page_size=args.page_size, async_scheduling=True))
+
+
+def start_decoding(engine, model, args, ids: list[str], rng) -> None:
+    """Add a random `args.context`-token greedy request per id; step until every prefill is done
+    and a few decode steps ran (so async scheduling is under way)."""
+    from inference.request import GenerationRequest, SamplingParams
+
+    for rid in ids:
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(args.context)]
+        engine.add_request(GenerationRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 24)))
+    produced = dict.fromkeys(ids, 0)
+    while min(produced.values()) < 4:
+        for d in engine.step():
+            produced[d.request_id] += len(d.token_ids)
+    torch.cuda.synchronize()
+
+
+def engine_timeline(model, args, batch: int):
+    """`step_timeline.Timeline` of `args.steps` async engine decode steps at `batch` sequences."""
+    import os
+    import random
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from step_timeline import load_activities, timeline
+
+    engine = decode_engine(model, args, batch)
+    start_decoding(engine, model, args, [f"timeline-{i}" for i in range(batch)], random.Random(0))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        activities = load_activities(path)
+    return timeline(activities, args.steps)
+
+
 def bench_async_scheduling(model, args) -> dict:
     """Decode through the engine at each batch size: graph replay alone, engine with async
     scheduling off, and on. Returns {batch: {graph_tok_s, sync_tok_s, async_tok_s, sync_host_us,
@@ -291,17 +348,10 @@ def bench_async_scheduling(model, args) -> dict:
     import random
 
     from inference import transfers
-    from inference.engine import EngineConfig, LLMEngine
-    from inference.request import GenerationRequest, SamplingParams
 
     batches = [int(b) for b in args.batches.split(",")]
-    max_len = args.context + 2 * args.steps + 32
-    pages_per_seq = -(-max_len // args.page_size)
-    # StaticBatch (the graph-replay row) lays every sequence's pages out in both pools alike.
-    pages = max(batches) * pages_per_seq + 8
-    engine = LLMEngine(model, EngineConfig(num_pages=pages, num_sliding_pages=pages, max_model_len=max_len,
-                                           max_num_seqs=max(batches), page_size=args.page_size,
-                                           async_scheduling=True))
+    pages_per_seq = -(-decode_max_len(args) // args.page_size)
+    engine = decode_engine(model, args, max(batches))
     overlap, graphs = engine.overlap, engine.runner.graphs
 
     waited = [0.0]  # seconds the engine thread spent waiting for sampled ids to reach the host
@@ -327,15 +377,7 @@ def bench_async_scheduling(model, args) -> dict:
                 progress(f"batch {b}: engine, async scheduling {'on' if mode == 'async' else 'off'}")
                 engine.overlap = overlap if mode == "async" else None
                 ids = [f"{mode}-{b}-{i}" for i in range(b)]
-                for rid in ids:
-                    prompt = [rng.randrange(model.config.vocab_size) for _ in range(args.context)]
-                    engine.add_request(GenerationRequest(rid, prompt, SamplingParams(temperature=0.0,
-                                                                                     max_tokens=args.steps + 24)))
-                produced = dict.fromkeys(ids, 0)
-                while min(produced.values()) < 4:  # every prefill done, a few decode steps (overlap under way)
-                    for d in engine.step():
-                        produced[d.request_id] += len(d.token_ids)
-                torch.cuda.synchronize()
+                start_decoding(engine, model, args, ids, rng)
                 waited[0], tokens, t0 = 0.0, 0, time.perf_counter()
                 for _ in range(args.steps):
                     tokens += sum(len(d.token_ids) for d in engine.step())
@@ -380,6 +422,9 @@ def main() -> None:
                     help="distinct words of the repetitive prompt; the output is confined to them (0: no bias)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="time decode through the engine at --batches with async scheduling off and on instead")
+    ap.add_argument("--timeline", type=int, metavar="BATCH",
+                    help="instead profile --steps engine decode steps (async scheduling) at this batch and "
+                         "print their kernel timeline: busy time, span, gaps between kernels")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -391,10 +436,21 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     max_context = args.context + args.steps + 8
     pages_per_seq = -(-max([max_context, *args.prefill]) // args.page_size)
+    if args.timeline:
+        from step_timeline import format_timeline
+
+        progress(f"building gpt-oss-{args.model} with random weights on the GPU")
+        model = GptOssModel.from_random(config, device="cuda", attention_backend=args.attention,
+                                        moe_backend=args.moe, max_positions=decode_max_len(args) + 32)
+        progress(f"profiling {args.steps} engine steps at batch {args.timeline}")
+        print(format_timeline(engine_timeline(model, args, args.timeline),
+                              f"gpt-oss-{args.model} random weights on {gpu}; engine decode, async scheduling, "
+                              f"batch {args.timeline}, ~{args.context} tokens of context"))
+        return
     if args.async_scheduling:
         progress(f"building gpt-oss-{args.model} with random weights on the GPU")
         model = GptOssModel.from_random(config, device="cuda", attention_backend=args.attention,
-                                        moe_backend=args.moe, max_positions=args.context + 2 * args.steps + 64)
+                                        moe_backend=args.moe, max_positions=decode_max_len(args) + 32)
         rows = bench_async_scheduling(model, args)
         print(f"\ngpt-oss-{args.model} random weights on {gpu}; decode through the engine, greedy, every sequence "
               f"at ~{args.context} tokens of context; {args.steps} timed steps")
