@@ -105,6 +105,7 @@ class DecodeGraphRunner:
             logits=torch.empty(0),
         )
         meta = self._metadata(buf, b, q)
+        self._warm_up_fill(buf, b, q)
         # Warm up outside the graph (Triton compiles and autotunes here), then capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -116,6 +117,23 @@ class DecodeGraphRunner:
             buf.logits, buf.aux = self._step(buf, meta)
         self.pool = buf.graph.pool()
         return buf
+
+    @staticmethod
+    def _warm_up_fill(buf: _Captured, b: int, q: int) -> None:
+        """Compile `run`'s input kernel for this shape now, not on a served step: a step of b
+        sequences at position 0 (what the buffers hold already), with and, for plain decode
+        (the only steps async scheduling chains), without the gather of the previous ids."""
+        dev = buf.input_ids.device
+        t = b * q
+        step = StepValues(torch.zeros(t, dtype=torch.long, device=dev), torch.zeros(t, dtype=torch.long, device=dev),
+                          {k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in ("full", "sliding")},
+                          torch.full((b,), q, dtype=torch.int32, device=dev),
+                          {k: torch.zeros(b, 1, dtype=torch.int32, device=dev) for k in ("full", "sliding")})
+        inputs = GraphInputs(buf.input_ids, buf.positions, buf.slots, buf.context_lens, buf.block_tables)
+        fill_graph_inputs(inputs, step, q)
+        if q == 1:
+            step.previous = torch.zeros(1, dtype=torch.long, device=dev)
+            fill_graph_inputs(inputs, step, q)
 
     def _metadata(self, buf: _Captured, b: int, q: int) -> AttentionMetadata:
         return AttentionMetadata(

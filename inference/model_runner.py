@@ -155,6 +155,7 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = self._capture_graphs(max_model_len, max_num_seqs, num_draft_tokens)
+        self.sampler.warm_up(model.config.vocab_size, self.device)
 
     def _capture_graphs(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int):
         from .cuda_graphs import DecodeGraphRunner
@@ -221,7 +222,9 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the model on this device (every tensor-parallel rank runs each plan).
         previous_tokens: the previous step's sampled ids [N] when plan.inputs_from_previous.
-        Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None)."""
+        Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None).
+        After a graph step both may be views of the graph's output buffers: valid until the
+        next `execute`, so consume (or queue work on) them first."""
         inputs = self.prepare(plan)
         previous = previous_tokens if plan.inputs_from_previous else None
         if plan.graph_tokens is not None:  # the graph's input kernel gathers the previous ids itself

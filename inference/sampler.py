@@ -65,6 +65,13 @@ class Sampler:
         """logits: [N, V] float32, one row per sequence; output_ids: tokens each has generated."""
         return self.sample(logits, params, output_ids, generators).result()
 
+    @staticmethod
+    def warm_up(vocab_size: int, device: torch.device) -> None:
+        """Compile the argmax kernels for rows of `vocab_size` logits on `device` now (CUDA), not
+        on the first request."""
+        if torch.device(device).type == "cuda":
+            argmax_rows(torch.zeros(1, vocab_size, device=device))
+
     @torch.inference_mode()
     def sample(
         self,

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
-    CUDA, DEVICE, fresh_process_only, gpu_only, kernel_module, needs_triton, run_in_fresh_interpreter,
+    DEVICE, fresh_process_only, gpu_only, kernel_module, needs_triton, run_in_fresh_interpreter,
 )
-from inference.kernels.argmax_triton import CHUNK, MIN_WIDTH, argmax_reference, argmax_rows  # noqa: E402
+from inference.kernels.argmax_triton import CHUNK, MIN_WIDTH, argmax_reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +58,29 @@ def test_triton_argmax_no_rows_and_bad_strides(kernels):
         kernels.argmax_rows_triton(torch.zeros(MIN_WIDTH, 2, device=DEVICE).t())
 
 
-def test_dispatch_uses_torch_off_gpu_and_for_narrow_rows():
+def test_dispatch_keeps_cpu_and_narrow_rows_on_torch(monkeypatch):
+    import inference.kernels.argmax_triton as module
+
+    def refuse(x):
+        raise AssertionError("the Triton path was taken")
+
+    monkeypatch.setattr(module, "argmax_rows_triton", refuse)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, MIN_WIDTH, generator=gen)
-    assert argmax_rows(x).tolist() == x.argmax(-1).tolist()
-    narrow = torch.randn(2, 100, generator=gen)
-    assert argmax_rows(narrow).tolist() == narrow.argmax(-1).tolist()
+    assert module.argmax_rows(x).tolist() == x.argmax(-1).tolist()  # CPU
+    if torch.cuda.is_available():
+        narrow = torch.randn(2, 100, generator=gen).cuda()
+        assert module.argmax_rows(narrow).tolist() == narrow.argmax(-1).tolist()
 
 
 @gpu_only
-def test_gpu_dispatch_batch_of_gpt_oss_rows():
+def test_gpu_dispatch_takes_the_kernels_for_gpt_oss_rows(monkeypatch):
+    import inference.kernels.argmax_triton as module
+
+    calls = []
+    real = module.argmax_rows_triton
+    monkeypatch.setattr(module, "argmax_rows_triton", lambda x: calls.append(x.shape) or real(x))
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(64, 201088, generator=gen) * 4).cuda()
-    assert torch.equal(argmax_rows(x), x.argmax(-1))
-    assert CUDA
+    assert torch.equal(module.argmax_rows(x), x.argmax(-1))
+    assert calls == [(64, 201088)]

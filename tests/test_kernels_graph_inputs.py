@@ -106,3 +106,7 @@ def test_triton_fill_rejects_what_does_not_fit(kernels):
         kernels.fill_graph_inputs_triton(junk_buffers(2, 1, 4, gen), step_values(2, 1, 5, gen), 1)
     with pytest.raises(ValueError, match="at most"):
         kernels.fill_graph_inputs_triton(junk_buffers(2, 1, 8, gen), step_values(3, 1, 5, gen), 1)
+    strided = step_values(2, 1, 5, gen)
+    strided.positions = torch.arange(4, device=DEVICE)[::2]
+    with pytest.raises(ValueError, match="unit-stride"):
+        kernels.fill_graph_inputs_triton(junk_buffers(2, 1, 8, gen), strided, 1)

@@ -91,6 +91,11 @@ def test_heuristic_fills_the_gpu_and_splits_only_short_grids():
             assert programs >= 4 * sms or k < 2048, (m, n, k, cfg)
     # The 20b decode shapes: qkv at M=1 fills the GPU with whole-K programs.
     assert linear_config(1, 5120, 2880, sms).split_k == 1
+    # K steps: 1024 wide for o_proj's K = 4096 at 4 columns a program, 512 for qkv's 2880, and
+    # 512 where a small GPU gives o_proj 16 columns a program.
+    assert (linear_config(1, 2880, 4096, sms).block_n, linear_config(1, 2880, 4096, sms).block_k) == (4, 1024)
+    assert linear_config(1, 5120, 2880, sms).block_k == 512
+    assert (linear_config(1, 2880, 4096, 40).block_n, linear_config(1, 2880, 4096, 40).block_k) == (16, 512)
 
 
 # ----------------------------------------------------------------------------- the kernel

@@ -74,7 +74,8 @@ def linear_config(m: int, n: int, k: int, sm_count: int) -> LinearConfig:
     M = 1: the fma inner product, BLOCK_N as small as needed (4..16) for PROGRAMS_PER_SM programs
     per multiprocessor (small tiles balance the load: no SM waits on a third program while others
     hold two), 512-wide K steps (8 KB of W per program per step at BLOCK_N 8), 1024-wide from
-    K = 4096 (o_proj: 9.0 against 9.5 us on an H200; qkv's K = 2880 stays faster at 512).
+    K = 4096 at BLOCK_N 4 (o_proj: 9.0 against 9.5 us on an H200; qkv's K = 2880 stays faster at
+    512; larger BLOCK_N keeps 512 so the float32 sums fit in registers).
     M > 1: tl.dot with BLOCK_N 32 (x rows reused over 32 W rows), 128-wide K steps pipelined 4 deep.
     Either way K is split (multiples of BLOCK_K, each >= MIN_K_PER_SPLIT) while there are fewer
     than PROGRAMS_PER_SM programs per multiprocessor.
@@ -83,7 +84,8 @@ def linear_config(m: int, n: int, k: int, sm_count: int) -> LinearConfig:
     if m == 1:
         # num_stages 1: latency is hidden by many resident programs, not by a shared-memory ring.
         block_n = min(16, max(4, _pow2_floor(max(1, n // want))))
-        cfg = LinearConfig(block_n=block_n, block_k=1024 if k >= 4096 else 512, num_warps=4, num_stages=1)
+        wide = k >= 4096 and block_n <= 4  # wider K steps only where the [BLOCK_N, BLOCK_K] sums stay small
+        cfg = LinearConfig(block_n=block_n, block_k=1024 if wide else 512, num_warps=4, num_stages=1)
     else:
         cfg = LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, dot=True)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, 1 if not cfg.dot else DOT_BLOCK_M)
