@@ -121,8 +121,8 @@ class DecodeGraphRunner:
     @staticmethod
     def _warm_up_fill(buf: _Captured, b: int, q: int) -> None:
         """Compile `run`'s input kernel for this shape now, not on a served step: a step of b
-        sequences at position 0 (what the buffers hold already), with and, for plain decode
-        (the only steps async scheduling chains), without the gather of the previous ids."""
+        sequences at position 0 (what the buffers hold already), without the gather of the
+        previous ids and, for plain decode (the only steps async scheduling chains), with it."""
         dev = buf.input_ids.device
         t = b * q
         step = StepValues(torch.zeros(t, dtype=torch.long, device=dev), torch.zeros(t, dtype=torch.long, device=dev),
