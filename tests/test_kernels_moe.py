@@ -235,12 +235,12 @@ def _run_ptx(text: str, operands: list[int]) -> dict:
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_word_pair_dot_assembly_decodes_the_planar_layout():
     """The decode GEMVs' inline assembly, executed instruction by instruction on CPU: for two
-    words of a tile it returns the sums over their low values (one scale block) and their high
-    values (the next) against fp16 activations in the `_permuted` order, in units of
+    (or four) words of a tile it returns the sums over their low values (one scale block) and
+    their high values (the next) against fp16 activations in the `_permuted` order, in units of
     e2m1 * 2^-14."""
     import numpy as np
 
-    from inference.kernels.moe_triton import WORD_PAIR_DOT_PTX, pack_planar
+    from inference.kernels.moe_triton import WORD_PAIR_DOT_PTX, WORD_QUAD_DOT_PTX, pack_planar
 
     lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
     g = torch.Generator().manual_seed(12)
@@ -255,17 +255,28 @@ def test_word_pair_dot_assembly_decodes_the_planar_layout():
     x_perm[perm] = x
     x32 = x_perm.view(torch.int32).numpy().view(np.uint32)
     xs = x.double()
-    for i in range(4):  # word pair i: words 2i, 2i+1; low values 8i..8i+7, high values 32+8i..
-        b = 4 * i  # x32 index of the pair's first low value (natural index 8i)
-        ops = [words[2 * i], words[2 * i + 1], x32[b], x32[b + 1], x32[b + 16], x32[b + 17],
-               x32[b + 2], x32[b + 3], x32[b + 18], x32[b + 19]]
-        regs = _run_ptx(WORD_PAIR_DOT_PTX, [int(o) for o in ops])
+    def pair_x(i):  # word pair i's activation operands (x32 index 4i: natural index 8i)
+        b = 4 * i
+        return [x32[b], x32[b + 1], x32[b + 16], x32[b + 17], x32[b + 2], x32[b + 3], x32[b + 18], x32[b + 19]]
+
+    def check(ptx, first_word, count, key):  # `count` words from `first_word`: values 4 * first_word..
+        ops = list(words[first_word: first_word + count])
+        for i in range(first_word // 2, (first_word + count) // 2):
+            ops += pair_x(i)
+        regs = _run_ptx(ptx, [int(o) for o in ops])
         got_lo, got_hi = float(regs["$0"]), float(regs["$1"])
-        want_lo = (values[8 * i: 8 * i + 8] * xs[8 * i: 8 * i + 8]).sum().item() * 2**-14
-        want_hi = (values[32 + 8 * i: 40 + 8 * i] * xs[32 + 8 * i: 40 + 8 * i]).sum().item() * 2**-14
-        scale = (values.abs() * xs.abs()).max().item() * 2**-14 * 8
-        assert abs(got_lo - want_lo) <= 2e-3 * scale, (i, got_lo, want_lo)
-        assert abs(got_hi - want_hi) <= 2e-3 * scale, (i, got_hi, want_hi)
+        lo = slice(4 * first_word, 4 * (first_word + count))
+        hi = slice(32 + 4 * first_word, 32 + 4 * (first_word + count))
+        want_lo = (values[lo] * xs[lo]).sum().item() * 2**-14
+        want_hi = (values[hi] * xs[hi]).sum().item() * 2**-14
+        scale = (values.abs() * xs.abs()).max().item() * 2**-14 * 4 * count
+        assert abs(got_lo - want_lo) <= 2e-3 * scale, (key, got_lo, want_lo)
+        assert abs(got_hi - want_hi) <= 2e-3 * scale, (key, got_hi, want_hi)
+
+    for i in range(4):  # word pair i: words 2i, 2i+1; low values 8i..8i+7, high values 32+8i..
+        check(WORD_PAIR_DOT_PTX, 2 * i, 2, ("pair", i))
+    for j in range(2):  # quad j (what the GEMVs run): word pairs 2j and 2j+1, values 16j..16j+15
+        check(WORD_QUAD_DOT_PTX, 4 * j, 4, ("quad", j))
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

@@ -263,7 +263,7 @@ or.b32 t, t, m;
 and.b32 h3, t, 0x8E008E00;
 """  # one word $w -> h0..h3 (see below)
 
-# The decode GEMVs' inner step, for two 32-bit words of one 64-value tile (16 weights):
+# The decode GEMVs' inner step, for 2 or 4 32-bit words of one 64-value tile (8 weights each):
 #   decode  each word's 8 values as 4 fp16x2 pairs of e2m1 * 2^-14 (fp16 subnormals for 0.5),
 #           moving each code's sign to bit 15 and magnitude to bits 9-11 of its half:
 #           h0 = ((w & 0x000F000F) * 0x8100) & M   low values of bytes 0, 2 (shifts 8 and 15)
@@ -275,36 +275,44 @@ and.b32 h3, t, 0x8E008E00;
 #           instruction), low and high values apart since they are different scale blocks;
 #   widen   each accumulator's two halves to fp32 and add them.
 # Products with bf16 x are exact in fp16 (2 + 8 significant bits); the SwiGLU output, stored
-# with 11, rounds once more in its products. Each fp16 sum has 4 terms: 4.8e-4 relative to the
-# float32 reference on gpt-oss shapes, below a bf16 output's rounding (BENCHMARKS.md).
-# Operands: $2, $3 the two words; $4, $5 the x pairs of word $2's low values from bytes (0, 2)
-# and (1, 3), $6, $7 those of its high values; $8..$11 the same for word $3.
-# `_word_pair_dot_emulated` is the same function in Triton ops. The loop's SASS takes about 3.2
-# instructions per weight (4.7 before).
-WORD_PAIR_DOT_PTX = """
-{{
-.reg .b32 t, m, h0, h1, h2, h3, a, b;
-.reg .f16 lo, hi;
-.reg .f32 fl, fh;
-{w0}mul.rn.f16x2 a, h0, $4;
-fma.rn.f16x2 a, h1, $5, a;
-mul.rn.f16x2 b, h2, $6;
-fma.rn.f16x2 b, h3, $7, b;
-{w1}fma.rn.f16x2 a, h0, $8, a;
-fma.rn.f16x2 a, h1, $9, a;
-fma.rn.f16x2 b, h2, $10, b;
-fma.rn.f16x2 b, h3, $11, b;
-mov.b32 {{lo, hi}}, a;
+# with 11, rounds once more in its products. Each fp16 sum has 2 terms a word (at most 12 each,
+# so 4 words stay far from fp16's range): 4.8e-4 relative to the float32 reference on gpt-oss
+# shapes with 2 words, below a bf16 output's rounding (BENCHMARKS.md).
+# Operands: $2.. the words; then per word 4 registers: the x pairs of its low values from
+# bytes (0, 2) and (1, 3), then those of its high values. `_word_pair_dot_emulated` is the
+# same function in Triton ops, a pair of words at a time. The GEMVs run 4 words a call: half
+# the widenings of 2, a loop step of 432 SASS instructions instead of 464 (gate_up, sm_90) and a
+# batch-1 layer 3.6% faster on an H200 (the relative error to float32 goes from 4.8e-4 to about
+# 7e-4, still below a bf16 output's rounding).
+
+
+def word_dot_ptx(words: int) -> str:
+    """The inline assembly for `words` (2 or 4) words: results $0 (low values' sum), $1 (high)."""
+    x = 2 + words  # first x register
+    body = []
+    for k in range(words):
+        r = x + 4 * k
+        first = "mul.rn.f16x2 {acc}, {h}, ${r};" if k == 0 else "fma.rn.f16x2 {acc}, {h}, ${r}, {acc};"
+        body.append(_WORD_DECODE_PTX.format(w=f"${2 + k}").strip())
+        body.append(first.format(acc="a", h="h0", r=r))
+        body.append(f"fma.rn.f16x2 a, h1, ${r + 1}, a;")
+        body.append(first.format(acc="b", h="h2", r=r + 2))
+        body.append(f"fma.rn.f16x2 b, h3, ${r + 3}, b;")
+    widen = """mov.b32 {lo, hi}, a;
 cvt.f32.f16 fl, lo;
 cvt.f32.f16 fh, hi;
 add.f32 $0, fl, fh;
-mov.b32 {{lo, hi}}, b;
+mov.b32 {lo, hi}, b;
 cvt.f32.f16 fl, lo;
 cvt.f32.f16 fh, hi;
-add.f32 $1, fl, fh;
-}}
-""".format(w0=_WORD_DECODE_PTX.format(w="$2"), w1=_WORD_DECODE_PTX.format(w="$3"))
-_WORD_PAIR_DOT = tl.constexpr(WORD_PAIR_DOT_PTX)
+add.f32 $1, fl, fh;"""
+    return ("{\n.reg .b32 t, m, h0, h1, h2, h3, a, b;\n.reg .f16 lo, hi;\n.reg .f32 fl, fh;\n"
+            + "\n".join(body) + "\n" + widen + "\n}\n")
+
+
+WORD_PAIR_DOT_PTX = word_dot_ptx(2)
+WORD_QUAD_DOT_PTX = word_dot_ptx(4)  # the GEMVs' step: one widening per 4 words instead of 2
+_WORD_QUAD_DOT = tl.constexpr(WORD_QUAD_DOT_PTX)
 
 
 @triton.jit
@@ -361,10 +369,11 @@ def _tile_dot(w, x_row, base, tile_ok, ASM: tl.constexpr):
     w: [BN, U, 8] int32, each row's words of U tiles; x_row: fp16 pointer to the token's
     permuted, scaled activation row; base: [U, 4] int32, the natural K index of the first
     value of word pair i (64 * tile + 8i); tile_ok: [U], which tiles exist (the rest must be
-    masked out of w as zeros). Returns the sums over each word pair's low and high values
-    (the tile's two scale blocks), each [BN, U, 4] float32 in units of e2m1 * 2^-14 * x_row;
-    the caller sums over pairs once, after its loop. ASM: the packed fp16 inline assembly;
-    otherwise `_word_pair_dot_emulated` on the same operands (the interpreter's path).
+    masked out of w as zeros). Returns the sums over each quad of words' low and high values
+    (the tile's two scale blocks; quad j = word pairs 2j and 2j + 1), each [BN, U, 2] float32 in
+    units of e2m1 * 2^-14 * x_row; the caller sums over quads once, after its loop. ASM: the
+    packed fp16 inline assembly; otherwise `_word_pair_dot_emulated` on the same operands (the
+    interpreter's path).
     """
     w0, w1 = tl.split(tl.reshape(w, (w.shape[0], w.shape[1], 4, 2)))  # words 2i and 2i+1
     # Word pair i's activation pairs: int32 words base/2 + 0..3 for its low values and
@@ -372,17 +381,43 @@ def _tile_dot(w, x_row, base, tile_ok, ASM: tl.constexpr):
     x32 = x_row.to(tl.pointer_type(tl.int32)) + (base // 2)[:, :, None] + tl.arange(0, 4)[None, None, :]
     lo0, lo1, lo2, lo3 = _four_words(x32, tile_ok)
     hi0, hi1, hi2, hi3 = _four_words(x32 + 16, tile_ok)
-    xs = (lo0, lo1, hi0, hi1, lo2, lo3, hi2, hi3)  # word 2i's low pairs, high pairs, then 2i+1's
-    args = [w0, w1] + [tl.broadcast_to(a[None, :, :], w0.shape) for a in xs]
+    # Word pairs 2j (p) and 2j+1 (q) side by side: [.., 4] -> [.., 2] each; word 2i's low x
+    # pairs, its high x pairs, then word 2i+1's, for each.
+    wp0, wq0 = _even_odd(w0)
+    wp1, wq1 = _even_odd(w1)
+    p0, q0 = _even_odd_rows(lo0, wp0.shape)
+    p1, q1 = _even_odd_rows(lo1, wp0.shape)
+    p2, q2 = _even_odd_rows(hi0, wp0.shape)
+    p3, q3 = _even_odd_rows(hi1, wp0.shape)
+    p4, q4 = _even_odd_rows(lo2, wp0.shape)
+    p5, q5 = _even_odd_rows(lo3, wp0.shape)
+    p6, q6 = _even_odd_rows(hi2, wp0.shape)
+    p7, q7 = _even_odd_rows(hi3, wp0.shape)
     if ASM:
         sa, sb = tl.inline_asm_elementwise(
-            _WORD_PAIR_DOT, "=f,=f,r,r,r,r,r,r,r,r,r,r", args,
+            _WORD_QUAD_DOT, "=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [wp0, wp1, wq0, wq1, p0, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7],
             dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
         )
     else:
-        sa, sb = _word_pair_dot_emulated(args[0], args[1], args[2], args[3], args[4], args[5], args[6],
-                                         args[7], args[8], args[9])
+        pa, pb = _word_pair_dot_emulated(wp0, wp1, p0, p1, p2, p3, p4, p5, p6, p7)
+        qa, qb = _word_pair_dot_emulated(wq0, wq1, q0, q1, q2, q3, q4, q5, q6, q7)
+        sa, sb = pa + qa, pb + qb
     return sa, sb
+
+
+@triton.jit
+def _even_odd(w):
+    """[BN, U, 4] -> entries 0, 2 and entries 1, 3 of the last axis, each [BN, U, 2]."""
+    return tl.split(tl.reshape(w, (w.shape[0], w.shape[1], 2, 2)))
+
+
+@triton.jit
+def _even_odd_rows(x, shape: tl.constexpr):
+    """[U, 4] activation pairs -> entries 0, 2 and 1, 3 of the last axis, broadcast to `shape`
+    ([BN, U, 2])."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))
+    return tl.broadcast_to(even[None, :, :], shape), tl.broadcast_to(odd[None, :, :], shape)
 
 
 @triton.jit
@@ -561,7 +596,7 @@ def _router_logits_kernel(
 @triton.jit
 def _gemv_step(acc, w_rows, s_rows, n_ok, x_row, t0, num_tiles,
                BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, ASM: tl.constexpr):
-    """acc [BN, U, 4] += one loop step of a GEMV over BLOCK_U tiles from tile t0: rows' words at
+    """acc [BN, U, 2] += one loop step of a GEMV over BLOCK_U tiles from tile t0: rows' words at
     w_rows ([BN, 1, 8] int32 pointers), their scale bytes at s_rows ([BN, 2U] pointers)."""
     u = tl.arange(0, BLOCK_U)
     tile_ok = t0 + u < num_tiles
@@ -597,8 +632,8 @@ def _gemv_gate_up_kernel(
     sg_rows = s_ptr + e * (2 * I) * s_row + n[:, None] * s_row + tl.arange(0, 2 * BLOCK_U)[None, :]
     su_rows = sg_rows + I * s_row
     x_row = xh_ptr + token.to(tl.int64) * k_pad
-    acc_g = tl.zeros([BLOCK_N, BLOCK_U, 4], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_U, 4], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_U, 2], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_U, 2], dtype=tl.float32)
     for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
         acc_g = _gemv_step(acc_g, g_rows, sg_rows, n_ok, x_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
         acc_u = _gemv_step(acc_u, u_rows, su_rows, n_ok, x_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
@@ -628,7 +663,7 @@ def _gemv_down_kernel(
     rows = w_ptr + e * H * row_words + n.to(tl.int64)[:, None, None] * row_words + tl.arange(0, 8)[None, None, :]
     s_rows = s_ptr + e * H * s_row + n[:, None] * s_row + tl.arange(0, 2 * BLOCK_U)[None, :]
     a_row = act_ptr + pair.to(tl.int64) * i_pad
-    acc = tl.zeros([BLOCK_N, BLOCK_U, 4], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_U, 2], dtype=tl.float32)
     for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
         acc = _gemv_step(acc, rows, s_rows, n_ok, a_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)
