@@ -291,15 +291,18 @@ def decode_max_len(args) -> int:
     return args.context + 2 * args.steps + 32
 
 
+def decode_pages_per_seq(args) -> int:
+    """Pages a sequence of `decode_max_len(args)` tokens takes."""
+    return -(-decode_max_len(args) // args.page_size)
+
+
 def decode_engine(model, args, max_seqs: int):
     """An engine with async scheduling for `max_seqs` sequences of `decode_max_len(args)` tokens."""
     from inference.engine import EngineConfig, LLMEngine
 
-    max_len = decode_max_len(args)
-    pages_per_seq = -(-max_len // args.page_size)
     # StaticBatch (the graph-replay row) lays every sequence's pages out in both pools alike.
-    pages = max_seqs * pages_per_seq + 8
-    return LLMEngine(model, EngineConfig(num_pages=pages, num_sliding_pages=pages, max_model_len=max_len,
+    pages = max_seqs * decode_pages_per_seq(args) + 8
+    return LLMEngine(model, EngineConfig(num_pages=pages, num_sliding_pages=pages, max_model_len=decode_max_len(args),
                                          max_num_seqs=max_seqs, page_size=args.page_size, async_scheduling=True))
 
 
@@ -350,7 +353,7 @@ def bench_async_scheduling(model, args) -> dict:
     from inference import transfers
 
     batches = [int(b) for b in args.batches.split(",")]
-    pages_per_seq = -(-decode_max_len(args) // args.page_size)
+    pages_per_seq = decode_pages_per_seq(args)
     engine = decode_engine(model, args, max(batches))
     overlap, graphs = engine.overlap, engine.runner.graphs
 

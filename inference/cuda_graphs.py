@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionMetadata
-from .kernels.graph_inputs_triton import GraphInputs, StepValues, fill_graph_inputs
+from .kernels.graph_inputs_triton import KINDS, GraphInputs, StepValues, fill_graph_inputs
 from .model import GptOssModel
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,10 @@ class DecodeGraphRunner:
             graph=torch.cuda.CUDAGraph(),
             input_ids=torch.zeros(t, dtype=torch.long, device=dev),
             positions=torch.zeros(t, dtype=torch.long, device=dev),
-            slots={k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in ("full", "sliding")},
+            slots={k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in KINDS},
             context_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
-            block_tables={k: torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev) for k in ("full", "sliding")},
+            block_tables={k: torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev) for k in KINDS},
             logits=torch.empty(0),
         )
         meta = self._metadata(buf, b, q)
@@ -126,9 +126,9 @@ class DecodeGraphRunner:
         dev = buf.input_ids.device
         t = b * q
         step = StepValues(torch.zeros(t, dtype=torch.long, device=dev), torch.zeros(t, dtype=torch.long, device=dev),
-                          {k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in ("full", "sliding")},
+                          {k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in KINDS},
                           torch.full((b,), q, dtype=torch.int32, device=dev),
-                          {k: torch.zeros(b, 1, dtype=torch.int32, device=dev) for k in ("full", "sliding")})
+                          {k: torch.zeros(b, 1, dtype=torch.int32, device=dev) for k in KINDS})
         inputs = GraphInputs(buf.input_ids, buf.positions, buf.slots, buf.context_lens, buf.block_tables)
         fill_graph_inputs(inputs, step, q)
         if q == 1:
