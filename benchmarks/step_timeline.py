@@ -2,12 +2,14 @@
 
 `timeline(activities, steps)` takes the GPU activities of a torch.profiler trace (kernels, copies
 and memsets, each a name, a start and a duration in µs) covering `steps` consecutive engine steps
-and returns, per step: how many activities ran, the time they ran (busy), the span from the first
-start to the last end, the idle time between consecutive activities, the gaps longer than
-`long_gap` µs grouped by the pair of activities around them (host launches, copies between the
-copy and compute engines, a graph's launch) with their median (a few late host launches make a
-large total from a small typical gap), and each kernel name's total. Span minus busy is
-what launches and synchronisation cost the step.
+and returns, per step: how many activities ran, the time at least one ran (busy), the span from
+the first start to the last end, the idle time (nothing running; span minus busy: what launches
+and synchronisation cost the step), the idle gaps longer than `long_gap` µs grouped by the pair of
+activities around them (host launches, copies between the copy and compute engines, a graph's
+launch) with their median (a few late host launches make a large total from a small typical
+gap), and each kernel name's total. Activities may overlap: copies on the copy engines, and
+kernels launched as programmatic dependents, whose durations include their wait for the kernel
+before them.
 
 `bench_engine.py --timeline B` profiles the async engine at batch B and prints `format_timeline`.
 """
@@ -35,9 +37,9 @@ class Timeline:
     steps: int
     long_gap: float  # µs: gaps above this are listed
     activities: float  # a step
-    busy_us: float  # a step: sum of activity durations
+    busy_us: float  # a step: time at least one activity runs
     span_us: float  # a step: first start to last end
-    gap_us: float  # a step: idle time between consecutive activities
+    gap_us: float  # a step: idle time (nothing runs)
     long_gaps: list[tuple[float, float, str, str]]  # (µs a step, median µs, before, after), largest first
     kernels: list[tuple[str, float, float]]  # (name, µs a step, launches a step), largest first
 
@@ -60,16 +62,19 @@ def timeline(activities: list[Activity], steps: int, long_gap: float = LONG_GAP_
     if steps < 1 or not activities:
         raise ValueError("need at least one step and one activity")
     acts = sorted(activities, key=lambda a: a.start)
-    busy = sum(a.duration for a in acts)
     span = max(a.start + a.duration for a in acts) - acts[0].start
     gaps = 0.0
     around: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for before, after in zip(acts, acts[1:]):
-        gap = after.start - (before.start + before.duration)
+    last = acts[0]  # of the activities so far, the one that ends last
+    for after in acts[1:]:
+        gap = after.start - (last.start + last.duration)
         if gap > 0:
             gaps += gap
         if gap > long_gap:
-            around[(before.name[:name_width], after.name[:name_width])].append(gap)
+            around[(last.name[:name_width], after.name[:name_width])].append(gap)
+        if after.start + after.duration > last.start + last.duration:
+            last = after
+    busy = span - gaps
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for a in acts:

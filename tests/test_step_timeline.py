@@ -47,7 +47,7 @@ def test_timeline_per_step_figures():
     acts = step_timeline.gpu_activities(chrome_trace(EVENTS))
     t = step_timeline.timeline(acts, steps=2, long_gap=3.0)
     assert t.activities == 4
-    assert t.busy_us == pytest.approx(33.0)  # 10 + 20 + 2 + 1
+    assert t.busy_us == pytest.approx(33.0)  # 10 + 20 + 2 + 1, nothing overlapping
     assert t.span_us == pytest.approx(92.5 / 2)
     # Gaps: 0.5, 5.0, 4.0, then 7.5 into step 2, then 0.5, 5.0, 4.0.
     assert t.gap_us == pytest.approx((0.5 + 5.0 + 4.0 + 7.5 + 0.5 + 5.0 + 4.0) / 2)
@@ -66,3 +66,16 @@ def test_timeline_cuts_long_names_and_rejects_empty_input():
         step_timeline.timeline([], steps=1)
     with pytest.raises(ValueError):
         step_timeline.timeline(acts, steps=0)
+
+
+def test_overlapping_activities_count_once_and_leave_no_false_gaps():
+    """A copy on the copy engine beside a kernel, and a dependent kernel launched before the
+    previous one ends: busy is the time anything runs, gaps are times nothing does."""
+    acts = [step_timeline.Activity("long", 0.0, 100.0), step_timeline.Activity("copy", 10.0, 5.0),
+            step_timeline.Activity("dependent", 90.0, 30.0), step_timeline.Activity("next", 126.0, 4.0)]
+    t = step_timeline.timeline(acts, steps=1, long_gap=3.0)
+    assert t.span_us == pytest.approx(130.0)
+    assert t.busy_us == pytest.approx(124.0)  # [0, 120) and [126, 130)
+    assert t.gap_us == pytest.approx(6.0)
+    assert t.long_gaps == [(6.0, 6.0, "dependent", "next")]  # not "copy" -> "dependent" (75 µs)
+    assert t.kernels[0] == ("long", 100.0, 1.0)

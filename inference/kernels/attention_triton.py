@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..attention import AttentionMetadata
+from .dependent_launch import pdl_options, wait_for_previous
 from .multiprocessors import multiprocessors
 
 LOG2E = 1.4426950408889634
@@ -110,7 +111,7 @@ def _decode_kernel(
     qk_scale, window, num_splits,
     NUM_Q_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SPLIT: tl.constexpr,
-    NEW_KV: tl.constexpr,
+    NEW_KV: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (sequence, KV head, split). With NEW_KV, q is not yet rotated and the step's new key
     and value (KNew, VNew: [B, Hkv, D], the projection's output) are not in the cache yet:
@@ -118,6 +119,7 @@ def _decode_kernel(
     `rope_cache` does), takes the new key into its softmax from registers, and the program
     whose split ends at the newest position stores the rotated k and v at the token's slot
     (`Slots`, -1: none). That is the RoPE + cache-write launch folded into attention."""
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -199,9 +201,10 @@ def _decode_kernel(
 @triton.jit
 def _combine_kernel(
     PartAcc, PartMax, PartSum, Sinks, Out, stride_ot, stride_oh, num_splits,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge one (sequence, head)'s split partials; the sink joins the denominator here."""
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -451,12 +454,13 @@ def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out
         sm_scale * LOG2E, window or 0, splits,
         NUM_Q_HEADS=hq, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         PAGE_SIZE=page_size, BLOCK_N=block_n, SLIDING=window is not None, SPLIT=split, NEW_KV=new_kv is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q.device, dependent=False),
     )
     if split:
         _combine_kernel[(batch, hq)](
             part_acc, part_max, part_sum, sinks, out, out.stride(0), out.stride(1), splits,
             NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,
+            **pdl_options(q.device, dependent=False),
         )
 
 

@@ -17,6 +17,10 @@ bits every run, unlike float32 atomics whose order depends on scheduling) and ne
 output buffer (atomics would need a memset launch plus a cast launch anyway). Nothing syncs with
 the host and all buffers come from the caching allocator, so every launch is CUDA-graph capturable.
 
+On Hopper the kernel is launched as a programmatic dependent (`dependent_launch`): an M = 1
+program loads its first W tile while the kernel before it (attention, or the add + norm) still
+runs, then waits for x.
+
 Launch shapes come from `linear_config(M, N, K, sm_count)`; `benchmarks/bench_dense.py --sweep`
 measures the alternatives. `linear_reference` is the definition (float32 math) the kernel must
 match.
@@ -28,11 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .dependent_launch import pdl_options
 from .multiprocessors import multiprocessors
 
 try:
     import triton
     import triton.language as tl
+
+    from .dependent_launch import wait_for_previous
 except ImportError:  # the reference below needs no Triton
     triton = None
 
@@ -101,11 +108,13 @@ if triton is not None:
     def _linear_kernel(
         X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_split, k_per_split,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (n, s, m): rows [m*BLOCK_M, +BLOCK_M) of x times W rows [n*BLOCK_N, +BLOCK_N)
         over K range s. With SPLIT > 1, Y is the float32 partials [S, M, N] (split stride
-        `stride_split`), written without bias; otherwise Y [M, N] gets bias added and the cast."""
+        `stride_split`), written without bias; otherwise Y [M, N] gets bias added and the cast.
+        PDL: `dependent_launch` bits; as a dependent, the M = 1 program loads its first W tile
+        before it waits for x."""
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -121,18 +130,27 @@ if triton is not None:
         w_ptrs = W + rows_n.to(tl.int64)[:, None] * stride_wn + ks[None, :]
         x_ptrs = X + rows_m.to(tl.int64)[:, None] * stride_xm + ks[None, :]
         if DOT:
+            wait_for_previous(PDL)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        else:
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k_ok = (k0 + ks) < K
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if DOT:
+            for k0 in range(k_start, k_end, BLOCK_K):
+                k_ok = (k0 + ks) < K
+                w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-            else:
+        else:
+            # The next W tile is loaded before the current one is used: a step of loads always in
+            # flight (no shared-memory pipeline here, num_stages 1). Nobody writes W, so the first
+            # tile is loaded before the wait for x (no split is empty). The masks are on K plus a
+            # whole-step condition, which keeps the loads 16 bytes wide.
+            w = tl.load(w_ptrs + k_start, mask=n_ok[:, None] & ((k_start + ks) < K)[None, :], other=0.0)
+            wait_for_previous(PDL)
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+                more = n_ok & (rows_n * 0 + k0 + BLOCK_K < k_end)  # (a tensor also under the interpreter)
+                w_next = tl.load(w_ptrs + k0 + BLOCK_K, mask=more[:, None] & ((k0 + BLOCK_K + ks) < K)[None, :], other=0.0)
                 acc2 += w.to(tl.float32) * x.to(tl.float32)  # x: [1, BLOCK_K], broadcast over rows
-        if not DOT:
+                w = w_next
             acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
         out_ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT > 1:
@@ -193,7 +211,7 @@ def linear_triton(
     _linear_kernel[grid](
         x, weight, b, target, m, n, k, x.stride(0), weight.stride(0), n, m * n, k_per_split,
         HAS_BIAS=has_bias, SPLIT=split, DOT=cfg.dot, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device, dependent=True),
     )
     if split > 1:
         block = 1024

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from ..moe import MoEWeights
 from ..mxfp4 import BLOCK_SIZE
+from .dependent_launch import pdl_options, wait_for_previous
 from .rmsnorm_triton import add_rms_norm_triton, residual_add, rms_rstd, rms_scaled
 
 SWIGLU_ALPHA = 1.702
@@ -536,6 +537,7 @@ def _router_logits_kernel(
     x_ptr, wr_ptr, br_ptr, logits_ptr, out_ptr, xh_ptr, inv_scale_ptr, H, E, stride_x, k_pad,
     delta_ptr, norm_ptr, res_ptr, stride_d, eps,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SLICE: tl.constexpr, ADD_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """logits[t, e] = h[t] . Wr[e] + br[e] for BLOCK_E experts of one token (float32): many small
     programs, so a decode step's router read is spread over the GPU, not one multiprocessor.
@@ -556,6 +558,7 @@ def _router_logits_kernel(
     k = tl.arange(0, BLOCK_H)
     k_ok = k < H
     wr = tl.load(wr_ptr + e[:, None] * H + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+    wait_for_previous(PDL)  # (the router weights are nobody's output)
     x = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0)
     if ADD_NORM:
         x = residual_add(x, tl.load(delta_ptr + t * stride_d + k, mask=k_ok, other=0.0))
@@ -614,12 +617,13 @@ def _gemv_gate_up_kernel(
     xh_ptr, inv_scale_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     I, E, num_tiles, s_row, k_pad, i_pad, limit, alpha, act_scale,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    STAGES: tl.constexpr, ASM: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[p, n] = act_scale * swiglu(x[t] W1g[e]^T + b, x[t] W1u[e]^T + b) in fp16, `_permuted`
     (zero for I <= n < i_pad), for pair p = (token t, slot), e the slot's expert, n in this
     program's BLOCK_N columns; BLOCK_U 64-value K tiles per step. w_ptr: the weights as int32
     words; xh_ptr: x as the router kernel scales it ([T, k_pad] fp16)."""
+    wait_for_previous(PDL)
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     token = pair // TOP_K
@@ -649,10 +653,13 @@ def _gemv_down_kernel(
     act_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     H, E, num_tiles, s_row, i_pad, inv_act_scale,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    STAGES: tl.constexpr, ASM: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n] += gate * (act[p] W2[e]^T + b2[e]) for pair p = (token t, slot), fp32 atomics.
-    act_ptr: the gate_up GEMV's fp16 output ([T*k, i_pad], scaled by 1 / inv_act_scale)."""
+    act_ptr: the gate_up GEMV's fp16 output ([T*k, i_pad], scaled by 1 / inv_act_scale).
+    PDL (`dependent_launch`): launched as the gate_up GEMV's dependent, the program picks its
+    expert from the router's logits (complete before the gate_up GEMV started) before it waits
+    for act."""
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     token = pair // TOP_K
@@ -662,6 +669,7 @@ def _gemv_down_kernel(
     row_words = num_tiles * 8
     rows = w_ptr + e * H * row_words + n.to(tl.int64)[:, None, None] * row_words + tl.arange(0, 8)[None, None, :]
     s_rows = s_ptr + e * H * s_row + n[:, None] * s_row + tl.arange(0, 2 * BLOCK_U)[None, :]
+    wait_for_previous(PDL)
     a_row = act_ptr + pair.to(tl.int64) * i_pad
     acc = tl.zeros([BLOCK_N, BLOCK_U, 2], dtype=tl.float32)
     for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
@@ -937,7 +945,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
             k_pad, delta, norm_weight, x if residual is None else residual, delta.stride(0), eps,
             BLOCK_E=experts_per_program, BLOCK_H=triton.next_power_of_2(hidden),
             SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)), ADD_NORM=add_norm is not None,
-            num_warps=8 if hidden > 2048 else 4,
+            num_warps=8 if hidden > 2048 else 4, **pdl_options(dev, dependent=True),
         )
         act = torch.empty(pairs, i_pad, dtype=torch.float16, device=dev)  # * act_scale, permuted
         asm = not interpreting()
@@ -946,10 +954,11 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
         _gemv_gate_up_kernel[(pairs, triton.cdiv(i_pad, cfg.gemv_block_n))](
             x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, inter, num_experts, tiles1,
             w.s1.shape[2], k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, BLOCK_N=cfg.gemv_block_n, **gemv,
+            **pdl_options(dev, dependent=False),
         )
         _gemv_down_kernel[(pairs, triton.cdiv(hidden, cfg.gemv_down_block_n))](
             act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, w.s2.shape[2],
-            i_pad, 1.0 / act_scale, BLOCK_N=cfg.gemv_down_block_n, **gemv,
+            i_pad, 1.0 / act_scale, BLOCK_N=cfg.gemv_down_block_n, **gemv, **pdl_options(dev, dependent=True),
         )
         return residual, out32.to(out_dtype)  # no copy when float32 was asked for
 

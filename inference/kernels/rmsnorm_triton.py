@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from .dependent_launch import pdl_options
+
 try:
     import triton
     import triton.language as tl
+
+    from .dependent_launch import wait_for_previous
 except ImportError:  # the reference below needs no Triton
     triton = None
 
@@ -43,7 +47,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(X, Delta, W, Res, Out, H, stride_x, stride_d, eps, HAS_DELTA: tl.constexpr,
-                             BLOCK_H: tl.constexpr):
+                             BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         ok = cols < H
@@ -85,6 +90,6 @@ def add_rms_norm_triton(
         _add_rms_norm_kernel[(t,)](
             x, x if delta is None else delta, weight, residual, out, h, x.stride(0),
             0 if delta is None else delta.stride(0), eps, HAS_DELTA=delta is not None,
-            BLOCK_H=triton.next_power_of_2(h), num_warps=4 if h <= 4096 else 8,
+            BLOCK_H=triton.next_power_of_2(h), num_warps=4 if h <= 4096 else 8, **pdl_options(x.device, dependent=True),
         )
     return residual, out
