@@ -391,13 +391,13 @@ def test_triton_router_matches_torch(shape):
     counters = torch.full((2, e_count), 7, dtype=torch.int32, device=DEVICE)
     mt._router_partial_kernel[(2, splits)](
         x, prepared.router_weight, partial, out32, counters, 19, hidden, e_count, x.stride(0), k_per_split,
-        BLOCK_T=16, BLOCK_E=16, BLOCK_K=32, OPERAND=operand,
+        BLOCK_T=16, BLOCK_E=16, BLOCK_K=32, OPERAND=operand, PDL=0,
     )
     assert (counters == 0).all()
     counts = counters[0]
     mt._route_top_k_kernel[(5,)](
         partial, prepared.router_bias, ids, gates, counts, 19, e_count, splits,
-        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=16, BLOCK_S=4,
+        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=16, BLOCK_S=4, PDL=0,
     )
     want_ids, want_gates = route(x.float(), float_copy(w), top_k)
     assert torch.equal(ids.long(), want_ids)

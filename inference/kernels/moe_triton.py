@@ -461,12 +461,14 @@ def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.con
 def _router_partial_kernel(
     x_ptr, wr_ptr, partial_ptr, out_ptr, counters_ptr, T, H, E, stride_x, k_per_split,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, OPERAND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Router logits of BLOCK_T tokens over one split of the hidden dimension (grid axis 1):
     partial[split, t, e] = sum over k in the split of x[t, k] * Wr[e, k], float32. Also zeroes the
     tokens' fp32 output rows over the same range (for the atomic combine), and the first program
     the per-expert counters [2, E] the next kernels count into (no memset launch). Splitting H
     spreads a small batch's router over many multiprocessors instead of a few long loops."""
+    wait_for_previous(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
@@ -493,11 +495,12 @@ def _router_partial_kernel(
 def _route_top_k_kernel(
     partial_ptr, br_ptr, ids_ptr, gates_ptr, counts_ptr, T, E, splits,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """Routing of BLOCK_T tokens from the router's partial sums (all BLOCK_S >= splits of them in
     one load): logits, top-k (ties: lowest id), softmax over the k. Writes ids [T, k] int32 and
     gates [T, k] float32 and adds the per-expert pair counts to counts [E]."""
+    wait_for_previous(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     sp = tl.arange(0, BLOCK_S)
@@ -685,12 +688,13 @@ def _gemv_down_kernel(
 def _align_kernel(
     ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr,
     num_pairs, E, max_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
     """Group (token, slot) pairs by expert: sorted[row] = pair (or -1 for padding), each expert's
     rows starting at a multiple of BLOCK_M; block_expert[b] = the expert of rows
     [b*BLOCK_M, (b+1)*BLOCK_M), -1 past the last. Order within an expert is arbitrary (atomics).
     """
+    wait_for_previous(PDL)
     pid = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -720,7 +724,7 @@ def _grouped_gate_up_kernel(
     x_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     H, I, num_tiles, s_row, stride_x, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr,
+    LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[rows, n] = swiglu(gate, up) for one BLOCK_M-row block of one expert's pairs.
 
@@ -730,6 +734,7 @@ def _grouped_gate_up_kernel(
     memory round trip); scales as 32-bit words (a tile pair's 4 bytes), which the pipeliner can
     copy ahead like the weights.
     """
+    wait_for_previous(PDL)
     mb = tl.program_id(1)
     e = tl.load(block_expert_ptr + mb)
     if e < 0:
@@ -779,11 +784,12 @@ def _grouped_down_kernel(
     act_ptr, sorted_ptr, block_expert_ptr, gates_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     H, I, num_tiles, s_row,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr,
+    LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[token, n] += gate * (act[row] W2[e]^T + b2[e]) for one block of one expert's rows
     (fp32 atomics: the k experts of a token meet in its output row, no extra pass). Loads and
     dequantises like `_grouped_gate_up_kernel`."""
+    wait_for_previous(PDL)
     mb = tl.program_id(1)
     e = tl.load(block_expert_ptr + mb)
     if e < 0:
@@ -831,6 +837,10 @@ class MoEKernelConfig:
     # grouped path is 13% faster, at 16 28%); 120b (128): T <= 16 (GEMVs 12% faster at 16).
     # None: no such limit.
     decode_max_pairs_per_expert: float | None = 1.0
+    # The grouped path's five kernels launch as programmatic dependents (`dependent_launch`) up
+    # to this many tokens: +1.6% engine tok/s at 16 and 64 tokens, -0.5% at 128 and -3% for a
+    # 2048-token prefill (H200, BENCHMARKS.md).
+    grouped_pdl_max_tokens: int = 64
     # GEMVs: small one-warp programs. They are latency-bound (few warps in flight), and many
     # small programs without cross-warp barriers keep more loads in flight than big ones.
     gemv_block_n: int = 8  # gate_up GEMV: output columns per program
@@ -981,15 +991,16 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     k_per_split = router_k * triton.cdiv(chunks, max(1, cfg.router_programs // token_blocks))
     splits = triton.cdiv(hidden, k_per_split)
     partial = torch.empty(splits, t_count, num_experts, dtype=torch.float32, device=dev)
+    pdl = pdl_options(dev, dependent=t_count <= cfg.grouped_pdl_max_tokens)  # each waits first thing
     _router_partial_kernel[(token_blocks, splits)](
         x, w.router_weight, partial, out32, counters, t_count, hidden, num_experts, x.stride(0), k_per_split,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=router_k, OPERAND=operand,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=router_k, OPERAND=operand, **pdl,
     )
     top_k_block_t = 4  # small programs: the loads of all splits are one wide load each
     _route_top_k_kernel[(triton.cdiv(t_count, top_k_block_t),)](
         partial, w.router_bias, ids, gates, counters[0], t_count, num_experts, splits,
         TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=top_k_block_t, BLOCK_E=block_e,
-        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_S=triton.next_power_of_2(splits), **pdl,
     )
     block_m = _block_m(pairs, num_experts, cfg)
     max_blocks = min(pairs, (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
@@ -998,13 +1009,13 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     block_p = 128
     _align_kernel[(triton.cdiv(pairs, block_p),)](
         ids, counters[0], counters[1], sorted_pairs, block_expert, pairs, num_experts, max_blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, **pdl,
     )
     act_dtype = torch.float32 if full_precision else torch.bfloat16
     act = torch.empty(max_blocks * block_m, inter, dtype=act_dtype, device=dev)
     packed = not full_precision and not w.large_scales  # `GROUPED_DEQUANT_PTX`: bf16, scale bytes <= 128
     common = dict(TOP_K=top_k, BLOCK_M=block_m, LARGE_SCALES=w.large_scales, PACKED=packed, OPERAND=operand,
-                  num_stages=cfg.stages)
+                  num_stages=cfg.stages, **pdl)
     # Grids run the column blocks of one token block side by side (axis 0 is launched first):
     # they share its activation rows while those are in cache (4-5% faster at 2048 tokens, H200).
     _grouped_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
