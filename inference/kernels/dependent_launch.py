@@ -10,8 +10,9 @@ in `wait_for_previous` until the previous kernel has completed and its writes ar
 
 The rules every kernel taking a `PDL: tl.constexpr` follows:
 - before `wait_for_previous(PDL)` it writes nothing, and reads only what no kernel in flight
-  writes: weights, or the output of the kernel two back (complete: the kernel in between passed
-  its own wait before this one could launch; the MoE down GEMV reads the router's logits there);
+  writes: weights, or the output of the kernel two back (complete: the kernel in between either
+  was launched the ordinary way, after it, or waited for it before letting this one launch; the
+  MoE down GEMV reads the router's logits there);
 - after it, everything earlier in the stream is complete, as with ordinary launches.
 
 Which kernels launch as dependents is measured, not assumed (BENCHMARKS.md, "Programmatic
