@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_interpreter import CUDA, HAVE_TRITON, gpu_only  # noqa: F401  (sets TRITON_INTERPRET on CPU)
+from tests.triton_interpreter import CUDA, HAVE_TRITON  # (first: sets TRITON_INTERPRET on CPU)
 
 from inference.kernels import dependent_launch  # noqa: E402
 
