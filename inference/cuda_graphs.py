@@ -46,6 +46,10 @@ class _Captured:
     logits: torch.Tensor  # [B*Q, V] float32, written by the graph
     aux: torch.Tensor | None = None  # [B*Q, A] aux layer outputs, written by the graph
 
+    def inputs(self) -> GraphInputs:
+        """The static buffers `fill_graph_inputs` writes before a replay."""
+        return GraphInputs(self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables)
+
 
 class DecodeGraphRunner:
     """Captured decode steps for one model and one set of KV caches.
@@ -129,11 +133,10 @@ class DecodeGraphRunner:
                           {k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in KINDS},
                           torch.full((b,), q, dtype=torch.int32, device=dev),
                           {k: torch.zeros(b, 1, dtype=torch.int32, device=dev) for k in KINDS})
-        inputs = GraphInputs(buf.input_ids, buf.positions, buf.slots, buf.context_lens, buf.block_tables)
-        fill_graph_inputs(inputs, step, q)
+        fill_graph_inputs(buf.inputs(), step, q)
         if q == 1:
             step.previous = torch.zeros(1, dtype=torch.long, device=dev)
-            fill_graph_inputs(inputs, step, q)
+            fill_graph_inputs(buf.inputs(), step, q)
 
     def _metadata(self, buf: _Captured, b: int, q: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -171,7 +174,7 @@ class DecodeGraphRunner:
         size = next(b for b in self.sizes[q] if b >= n)
         buf = self.graphs[(size, q)]
         fill_graph_inputs(
-            GraphInputs(buf.input_ids, buf.positions, buf.slots, buf.context_lens, buf.block_tables),
+            buf.inputs(),
             StepValues(input_ids, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables, previous),
             q,
         )
