@@ -14,6 +14,12 @@ weights and inputs for every backend, and with several backends a "winner" row p
     python benchmarks/bench_moe.py --models 20b --batches 1,2048 --profile   # per-kernel times
     python benchmarks/bench_moe.py --sweep                                   # try launch configs
     python benchmarks/bench_moe.py --backends triton,flashinfer --check      # both, vs the reference
+    python benchmarks/bench_moe.py --backends triton,flashinfer --flashinfer-tactics   # each tactic
+
+flashinfer's own autotuner needs more of its JIT modules than the fused MoE (it fails on a
+machine with only that one); `--flashinfer-tactics` times its tactics by index instead: every
+GEMM1 tactic with GEMM2's default, then every GEMM2 tactic with the fastest GEMM1. Tactics a
+build lacks (see `benchmarks/flashinfer_moe_subset.py`) fail before launching and are skipped.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ HIDDEN = INTERMEDIATE = 2880
 TOP_K = 4
 SWIGLU_LIMIT = 7.0
 EXPERTS = {"20b": 32, "120b": 128}
+MAX_TACTICS = 10_000  # a bound on `--flashinfer-tactics` per GEMM, should no index be refused
 
 # Launch variants tried by --sweep (fields of MoEKernelConfig; the rest keep their defaults).
 DECODE_SWEEP = [
@@ -135,6 +142,39 @@ def profile_kernels(fn, iters: int = 20) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+def sweep_flashinfer_tactics(backend, forward, iters: int) -> tuple[list[int], float, str]:
+    """Time `forward` (a graph-capturable call of the flashinfer backend) under each GEMM tactic.
+
+    Returns ([gemm1, gemm2] of the fastest pair, its seconds, "ran/all" counts of both GEMMs).
+    flashinfer numbers the tactics in one list, GEMM1's first; an index past a GEMM's range is
+    refused with "Invalid gemm<N> profile id", which ends that GEMM's sweep."""
+
+    def sweep(ids_for, start: int) -> tuple[dict[int, float], int]:
+        times = {}
+        for index in range(start, start + MAX_TACTICS):
+            backend.profile_ids = ids_for(index)
+            try:
+                times[index] = time_graph(forward, iters)
+            except Exception as exc:  # a tactic this build lacks, or one the shape refuses
+                if "Invalid gemm" in str(exc):
+                    return times, index
+        return times, start + MAX_TACTICS
+
+    try:
+        first, gemm1_end = sweep(lambda i: [i, -1], 0)
+        if not first:
+            raise RuntimeError("no GEMM1 tactic ran")
+        gemm1 = min(first, key=first.get)
+        second, gemm2_end = sweep(lambda j: [gemm1, j], gemm1_end)
+        if not second:
+            raise RuntimeError("no GEMM2 tactic ran")
+    finally:
+        backend.profile_ids = None
+    gemm2 = min(second, key=second.get)
+    counts = f"{len(first)}/{gemm1_end} and {len(second)}/{gemm2_end - gemm1_end} ran"
+    return [gemm1, gemm2], second[gemm2], counts
+
+
 def prepare_copy(backend, weights: MoEWeights):
     """prepare() releases the packed tensors it is given: hand it a shallow copy, so every
     backend (and the reference check) starts from the same checkpoint tensors."""
@@ -159,10 +199,19 @@ def main() -> None:
                     help="print each backend's relative error against the float32 reference per batch")
     ap.add_argument("--autotune", action="store_true",
                     help="let flashinfer profile its GEMM tactics for these batches before timing")
+    ap.add_argument("--flashinfer-tactics", action="store_true",
+                    help="also time flashinfer's GEMM tactics one by one and report the fastest pair")
+    ap.add_argument("--flashinfer-module", metavar="PATH",
+                    help="a fused_moe_90 library built by flashinfer_moe_subset.py, used instead of flashinfer's "
+                         "JIT module (its other JIT modules are then not built either: torch routes)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA GPU")
     names = args.backends.split(",")
+    if args.flashinfer_module:
+        from flashinfer_moe_subset import use_prebuilt
+
+        use_prebuilt(args.flashinfer_module)
 
     bandwidth = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
@@ -174,6 +223,8 @@ def main() -> None:
         weights = random_layer(EXPERTS[model])
         backends = {name: TritonMoEBackend() if name == "triton" else select_moe_backend("cuda", name)
                     for name in names}
+        if args.flashinfer_module and "flashinfer" in backends:
+            backends["flashinfer"].tinygemm_max_tokens = 0  # tinygemm is a JIT module of its own
         prepared = {}
         for name, backend in backends.items():
             progress(f"preparing the {name} backend's weights")
@@ -207,6 +258,17 @@ def main() -> None:
                         runs.append((path, variant, TritonMoEBackend(config)))
                 else:
                     runs = [("cutlass", dict(), backend)]
+                    if args.flashinfer_tactics:
+                        forward = lambda: backend.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT)  # noqa: E731
+                        try:
+                            ids, seconds, counts = sweep_flashinfer_tactics(backend, forward, args.iters)
+                        except Exception as exc:
+                            print(f"| {model} | {t} | {name} tactics | failed: {type(exc).__name__}: {str(exc)[:120]} |")
+                        else:
+                            best[name] = seconds
+                            print(f"| {model} | {t} | {name} cutlass | tactics {ids} (fastest; {counts}) | "
+                                  f"{seconds * 1e6:.1f} | {touched} | {moved / seconds / 1e9:.0f} | "
+                                  f"{100 * moved / seconds / bandwidth:.0f}% | {flops / seconds / 1e12:.1f} |", flush=True)
                 for path, variant, bench in runs:
                     label = f"{name} {path}" if len(names) > 1 else path
                     try:

@@ -30,11 +30,13 @@ a pad of x and a copy of the output. Nothing reads a GPU value on the host and t
 reused, so a step can be captured in a CUDA graph. Without tuning flashinfer runs its first
 tactic (a 64x16x128 tile); `FlashInferMoEBackend.autotune` profiles tactics for given batches.
 
-Status (2026-11-23): never run on a GPU. Building `fused_moe_90` takes longer than a whole
-session's device time in this workplace, and no prebuilt module (flashinfer-jit-cache) can be
-installed there. So this backend is opt-in only (`select_moe_backend(dev, "flashinfer")`). Its
-layout is checked on CPU, and `tests/test_moe_flashinfer_gpu.py` is the check to run first on a
-GPU; on a mismatch that test prints which convention would fit.
+Status (2026-11-24, H200): measured, and slower than the Triton kernels at every batch
+(BENCHMARKS.md, "flashinfer's fused MoE, measured"): 3.2x slower at batch 1, 1.36x at 64, 2.9x
+at 2048 with its default tactic; its fastest built tactics are still 6-10% behind at 64 and
+2048 tokens. So this backend stays opt-in (`select_moe_backend(dev, "flashinfer")`). The full
+JIT build takes longer than a session's device time here; `benchmarks/flashinfer_moe_subset.py`
+builds the bf16 x MXFP4 part alone, on any machine with nvcc. `tests/test_moe_flashinfer_gpu.py`
+checks it against the reference (it passes; on a mismatch it prints which convention would fit).
 """
 
 from __future__ import annotations
@@ -219,6 +221,9 @@ class FlashInferMoEBackend:
                 pass
         self._workspace: torch.Tensor | None = None
         self._workspace_key = None
+        # [gemm1, gemm2] tactic indices in flashinfer's combined list (-1: its default), for
+        # benchmarks that time tactics one by one; None leaves the choice to flashinfer.
+        self.profile_ids: list[int] | None = None
 
     def prepare(self, weights: MoEWeights):
         experts = weights.experts
@@ -272,6 +277,7 @@ class FlashInferMoEBackend:
             swiglu_alpha=prepared.alpha, swiglu_beta=beta, swiglu_limit=prepared.limit_tensor(swiglu_limit),
             use_w4_group_scaling=True, output=out,
             workspace_buffer=self._workspace_for(t, ids.shape[1], prepared, x.device),
+            **({} if self.profile_ids is None else {"profile_ids": list(self.profile_ids)}),
         )
         return out[:, :hidden].contiguous() if hp != hidden else out
 

@@ -16,7 +16,9 @@ loads and runs with flashinfer absent, and, where flashinfer is importable, the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +36,15 @@ gpu = pytest.mark.skipif(
     not SM90,
     reason="needs CUDA" if not CUDA else "needs flashinfer" if not HAVE_FLASHINFER else "needs an SM90 GPU",
 )
+# OSS_AGENT_FLASHINFER_MOE_MODULE: a subset build of flashinfer's fused-MoE module
+# (benchmarks/flashinfer_moe_subset.py) to test instead of its JIT build, which takes longer than
+# a session's device time. That build holds no other JIT module, so the router stays in torch.
+PREBUILT_MODULE = os.environ.get("OSS_AGENT_FLASHINFER_MOE_MODULE")
+if PREBUILT_MODULE and SM90:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from flashinfer_moe_subset import use_prebuilt
+
+    use_prebuilt(PREBUILT_MODULE)
 LIMIT = 7.0
 TOP_K = 4
 MAX_REL_ERR = 1e-2
@@ -84,7 +95,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def backend_and_prepared(w: MoEWeights):
     from inference.moe_flashinfer import FlashInferMoEBackend
 
-    backend = FlashInferMoEBackend()
+    backend = FlashInferMoEBackend(tinygemm_max_tokens=0 if PREBUILT_MODULE else 64)
     return backend, backend.prepare(shallow_copy(w))
 
 
