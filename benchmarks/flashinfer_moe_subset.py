@@ -4,7 +4,7 @@ flashinfer JIT-compiles `fused_moe_90` from ~250 sources holding ~1,300 CUTLASS 
 activation x weight type pair, 184 tile/cluster/schedule variants of each); that takes longer
 than a session's device time. gpt-oss needs one pair, bf16 activations x MXFP4 weights, so this
 script builds that and nothing else, on any machine with nvcc and flashinfer's sources (a GPU is
-not needed; 2 cores take about 25 minutes):
+not needed; 2 cores took 37 minutes):
 
   - the runner, its GEMM dispatch and the binding, with only the bf16 x MXFP4 runner
     instantiated (`CutlassMoeFCRunner<bf16, Fp4Type>`);
@@ -228,7 +228,8 @@ def main() -> None:
     ninja, count = write_ninja(args.out, Path(spec.ninja_path), csrc, gemm_sources, runner_sources,
                                args.include, args.lib)
     print(f"building {count} objects with {args.jobs} jobs (ninja's [done/total] below)", flush=True)
-    subprocess.run(["ninja", "-f", str(ninja), "-j", str(args.jobs), str(args.out / "objects.stamp")], check=True)
+    subprocess.run(["ninja", "-C", str(args.out), "-f", str(ninja), "-j", str(args.jobs), str(args.out / "objects.stamp")],
+                   check=True)  # -C: ninja's log and dependency files go to the build folder
     link(args.out, ninja)
 
 
