@@ -163,10 +163,11 @@ def write_ninja(out: Path, spec_ninja: Path, csrc: Path, gemm_sources, runner_so
 def link(out: Path, ninja: Path) -> Path:
     """Link the objects; then point every eagerly bound, undefined runner symbol (vtable
     entries of the other type pairs) at an aborting stub and link again."""
-    objects = [line.split(": ")[0][len("build "):] for line in ninja.read_text().splitlines()
+    text = ninja.read_text()
+    objects = [line.split(": ")[0][len("build "):] for line in text.splitlines()
                if line.startswith("build ") and ".o: " in line]
-    ldflags = re.search(r"\nldflags = (.*?)\n\n", ninja.read_text(), re.S).group(1).replace("$\n", " ")
-    ldflags = ldflags.replace("$cuda_home", re.search(r"\ncuda_home = (\S+)", ninja.read_text()).group(1))
+    ldflags = re.search(r"\nldflags = (.*?)\n\n", text, re.S).group(1).replace("$\n", " ")
+    ldflags = ldflags.replace("$cuda_home", re.search(r"\ncuda_home = (\S+)", text).group(1))
     stub_c = out / "abort_stub.c"
     stub_c.write_text(ABORT_STUB)
     subprocess.run(["cc", "-c", "-fPIC", "-O2", "-o", str(out / "abort_stub.o"), str(stub_c)], check=True)
@@ -216,6 +217,7 @@ def main() -> None:
                     help="extra header folder (e.g. curand's and nvrtc's, where the CUDA toolkit lacks them)")
     ap.add_argument("--lib", action="append", default=[], help="extra library folder (e.g. libcudart's)")
     args = ap.parse_args()
+    args.out = args.out.resolve()  # ninja runs inside it (-C), and its paths must not be relative
     from flashinfer.jit import env as jit_env
     from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
 
