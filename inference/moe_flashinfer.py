@@ -33,7 +33,7 @@ tactic (a 64x16x128 tile); `FlashInferMoEBackend.autotune` profiles tactics for 
 Status (2026-11-24, H200): measured (BENCHMARKS.md, "flashinfer's fused MoE, measured"). With
 its fastest built tactics it is 3x slower than the Triton kernels at batch 1, 1.18x at 64 tokens
 and 1.07x at 2048 (20b); only 120b at 2048 tokens ties (1% ahead, within noise). Its default
-tactic is 2.3-3x slower at 256 tokens and more, and its autotuner needs more JIT modules. So
+tactic is 2.3-2.9x slower at 2048 tokens, and its autotuner needs more JIT modules. So
 this backend stays opt-in (`select_moe_backend(dev, "flashinfer")`). Its full JIT build takes
 longer than a session's device time here; `benchmarks/flashinfer_moe_subset.py` builds the bf16
 x MXFP4 part alone, on any machine with nvcc. `tests/test_moe_flashinfer_gpu.py` checks it
