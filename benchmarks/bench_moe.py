@@ -48,13 +48,11 @@ MAX_TACTICS = 10_000  # a bound on `--flashinfer-tactics` per GEMM, should no in
 # Launch variants tried by --sweep (fields of MoEKernelConfig; the rest keep their defaults).
 DECODE_SWEEP = [
     dict(),
-    dict(gemv_block_u=2),
-    dict(gemv_block_u=8),
-    dict(gemv_block_n=4, gemv_down_block_n=4),
-    dict(gemv_block_n=16, gemv_down_block_n=16, gemv_warps=2),
-    dict(gemv_stages=2),
-    dict(gemv_stages=4),
-    dict(gemv_block_n=32, gemv_down_block_n=32, gemv_block_u=8, gemv_warps=4),  # the H100 defaults of 2026-11-22
+    dict(gemv_block_u=4),
+    dict(gemv_block_u=4, gemv_stages=3),
+    dict(gemv_stages=3),
+    dict(gemv_stages=5),
+    dict(gemv_warps=2),
 ]
 DECODE_SWEEP_MAX_BATCH = 16  # up to here both paths are timed
 GROUPED_SWEEP = [

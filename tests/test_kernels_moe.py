@@ -148,28 +148,44 @@ def test_reference_backend_packed_equals_dense():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
-def test_planar_layout_round_trip():
-    """The kernels' layout holds exactly the checkpoint's values (decoded here in torch)."""
-    from inference.kernels.moe_triton import pack_planar
+def test_row_group_layout_round_trip():
+    """The kernels' layout holds exactly the checkpoint's values (decoded here in torch): each
+    row's tile pairs in its group's chunks, gate_up's gates and ups side by side, and the
+    scale words' bytes in tile order."""
+    from inference.kernels.moe_triton import pack_row_groups
 
     lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
     g = torch.Generator().manual_seed(2)
-    for groups in (2, 3):  # 3: odd, padded with a zero block
-        blocks = torch.randint(0, 256, (2, 5, groups, 16), generator=g, dtype=torch.uint8)
-        scales = torch.randint(110, 140, (2, 5, groups), generator=g, dtype=torch.uint8)
-        rows = torch.tensor([4, 0, 3, 1, 2])
-        w, s = pack_planar(blocks, scales, rows)
-        gp = groups + groups % 2
-        assert w.shape == (2, 5, gp * 16) and s.shape == (2, 5, 16)  # scale rows padded to 16 bytes
-        assert (s[..., groups:] == 0).all()
-        b = w.view(2, 5, gp // 2, 32).long()
+
+    def decode(w, s):  # [E, G, P, R, 64], [E, G, P, R] -> values [E, G, R, 4P * 32]
+        b = w.long()
         low = lut[(b >> 1) & 7] * (1 - 2 * (b & 1))
         high = lut[b >> 5] * (1 - 2 * ((b >> 4) & 1))
-        values = torch.stack((low, high), dim=3).reshape(2, 5, gp, 32)
-        values = values * torch.exp2(s[..., :gp].float() - 127).unsqueeze(-1)
-        want = dequantize_mxfp4(blocks, scales, torch.float32)[:, rows]
-        assert torch.equal(values.reshape(2, 5, -1)[..., : groups * 32], want)
-        assert (values.reshape(2, 5, -1)[..., groups * 32 :] == 0).all()
+        e, groups, pairs, r = s.shape
+        tiles = (e, groups, pairs, r, 2, 32)
+        halves = torch.stack((low.view(tiles), high.view(tiles)), dim=5)  # [E, G, P, R, tile, half, 32]
+        scale_bytes = s.contiguous().view(torch.uint8).view(e, groups, pairs, r, 2, 2).float()
+        halves = halves * torch.exp2(scale_bytes - 127).unsqueeze(-1)
+        return halves.permute(0, 1, 3, 2, 4, 5, 6).reshape(e, groups, r, -1)
+
+    for blocks_per_row in (4, 3, 6):  # 3: the pair padded with a zero block; 6: one pair half empty
+        blocks = torch.randint(0, 256, (2, 16, blocks_per_row, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(110, 140, (2, 16, blocks_per_row), generator=g, dtype=torch.uint8)
+        want = dequantize_mxfp4(blocks, scales, torch.float32)  # [2, 16, B * 32]
+        pairs = -(-blocks_per_row // 4)
+        w, s = pack_row_groups(blocks, scales)
+        assert w.shape == (2, 2, pairs, 8, 64) and s.shape == (2, 2, pairs, 8) and s.dtype == torch.int32
+        got = decode(w, s).reshape(2, 16, -1)
+        assert torch.equal(got[..., : blocks_per_row * 32], want)
+        assert (got[..., blocks_per_row * 32:] == 0).all()
+        # gate_up: rows reordered, then 8 gates and their 8 ups a group
+        rows = torch.randperm(16, generator=g)
+        w, s = pack_row_groups(blocks, scales, rows, parts=2)
+        assert w.shape == (2, 1, pairs, 16, 64)
+        got = decode(w, s).reshape(2, 16, -1)[..., : blocks_per_row * 32]
+        assert torch.equal(got, want[:, rows])
+    with pytest.raises(ValueError, match="whole 8-row groups"):
+        pack_row_groups(blocks[:, :8], scales[:, :8], parts=2)
 
 
 def _run_ptx(text: str, operands: list[int]) -> dict:
@@ -240,12 +256,12 @@ def test_word_pair_dot_assembly_decodes_the_planar_layout():
     e2m1 * 2^-14."""
     import numpy as np
 
-    from inference.kernels.moe_triton import WORD_PAIR_DOT_PTX, WORD_QUAD_DOT_PTX, pack_planar
+    from inference.kernels.moe_triton import WORD_PAIR_DOT_PTX, WORD_QUAD_DOT_PTX, planar_tiles
 
     lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
     g = torch.Generator().manual_seed(12)
     blocks = torch.randint(0, 256, (1, 1, 2, 16), generator=g, dtype=torch.uint8)
-    w, _ = pack_planar(blocks, torch.full((1, 1, 2), 127, dtype=torch.uint8))
+    w = planar_tiles(blocks, 2)
     words = w.view(torch.int32).view(-1).numpy().view(np.uint32)  # the tile's 8 words
     values = dequantize_mxfp4(blocks, torch.full((1, 1, 2), 127, dtype=torch.uint8), torch.float64).view(-1)
     assert set(lut.tolist()) >= set(values.abs().tolist())
@@ -284,12 +300,12 @@ def test_grouped_dequant_assembly_decodes_the_planar_layout():
     """The grouped GEMMs' inline assembly, executed instruction by instruction on CPU: two bytes
     of a tile (two K-adjacent operand elements) and their blocks' bf16 multipliers give exactly
     the checkpoint's low values (one scale block) and high values (the next), as bf16 pairs."""
-    from inference.kernels.moe_triton import GROUPED_DEQUANT_PTX, pack_planar
+    from inference.kernels.moe_triton import GROUPED_DEQUANT_PTX, planar_tiles
 
     g = torch.Generator().manual_seed(5)
     blocks = torch.randint(0, 256, (1, 6, 2, 16), generator=g, dtype=torch.uint8)
     scales = torch.tensor([[[1, 60], [117, 118], [119, 120], [121, 122], [126, 127], [128, 100]]], dtype=torch.uint8)
-    w, _ = pack_planar(blocks, scales)
+    w = planar_tiles(blocks, 2).view(1, 6, 32)
     values = dequantize_mxfp4(blocks, scales, torch.float64)  # [1, 6, 64]
 
     def bf16_bits(v: float) -> int:
@@ -427,6 +443,21 @@ def test_triton_paths_match_reference(shape):
     w = make_weights(e_count, hidden, inter, seed=4)
     for t in (1, 3):
         _run_both_paths(w, torch.randn(t, hidden, device=DEVICE).to(DTYPE), top_k)
+
+
+@needs_triton
+def test_triton_decode_steps_of_two_tile_pairs():
+    """gemv_block_u=4: a GEMV step spans two tile pairs; with an odd number of pairs (1 for
+    K = 64, 3 for K = 320) the second pair of the last step lies past the row's chunks and is
+    masked out."""
+    mt = _kernels()
+    w = make_weights(4, 64, 320, seed=6)
+    x = torch.randn(2, 64, device=DEVICE).to(DTYPE)
+    backend = triton_backend(mt.MoEKernelConfig(gemv_block_u=4, decode_max_pairs_per_expert=None))
+    assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), reference(x, w, 2), max(TOL, DECODE_TOL))
+    for bad in (1, 3, 0):
+        with pytest.raises(ValueError, match="gemv_block_u"):
+            mt.MoEKernelConfig(gemv_block_u=bad)
 
 
 @needs_triton

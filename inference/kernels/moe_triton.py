@@ -23,18 +23,25 @@ load time into the layout below; `fused_moe` runs one MoE block. Two paths:
 Nothing here reads a GPU value on the host, so both paths can be captured in a CUDA graph.
 The fp32 atomics make the order of a token's k expert sums vary between runs (float rounding).
 
-Weight layout (per expert, a matrix W [N, K] used as y = x W^T, K padded to a multiple of 64):
-    w  uint8 [E, N, K/2]: K is cut into 64-value tiles; byte j (0..31) of tile t holds value
-       64t+j in its low half and value 64t+32+j in its high half ("planar"). So a tile's low
-       halves are one whole 32-value scale block and its high halves the next, and the two
-       dequantise without shuffling values across registers. Bits of a byte: low value's sign
-       0 and magnitude 1-3, high value's sign 4 and magnitude 5-7 (see `_e2m1_tiny`; the decode
-       GEMVs read the same bytes as 32-bit words, see `WORD_PAIR_DOT_PTX`).
-    s  uint8 [E, N, S]: the block scales, each row padded to S = a multiple of 16 bytes so a
-       GEMV step's scales are one aligned load, and the grouped GEMMs read a tile pair's four
-       as one 32-bit word (loads the pipeliner can copy ahead).
-gate_up rows are de-interleaved at load time: rows [0, I) are the gates, [I, 2I) the ups, so the
-SwiGLU epilogue pairs row n with row I+n.
+Weight layout (per expert, a matrix W [N, K] used as y = x W^T):
+    K is cut into 64-value tiles, and the tiles into pairs (zero blocks pad the last pair).
+    Byte j (0..31) of tile t holds value 64t+j in its low half and value 64t+32+j in its high
+    half ("planar"): a tile's low halves are one whole 32-value scale block and its high halves
+    the next, so the two dequantise without shuffling values across registers. Bits of a byte:
+    low value's sign 0 and magnitude 1-3, high value's sign 4 and magnitude 5-7 (see
+    `_e2m1_tiny`; the decode GEMVs read the same bytes as 32-bit words, see `WORD_PAIR_DOT_PTX`).
+    w  uint8 [E, G, P, R, 64]: rows in groups of 8 (ROW_GROUP); for group g and tile pair p,
+       the R rows' 64 bytes (tile 2p, then 2p+1) lie together. A decode GEMV program reads one
+       group, so each loop step reads one contiguous chunk.
+    s  int32 [E, G, P, R]: each row's four scale bytes of pair p in one word (tile 2p's low and
+       high block in bits 0-15, tile 2p+1's in 16-31), next to the chunk's order: one aligned
+       load a step for the GEMVs, and a word the grouped GEMMs' pipeliner copies ahead.
+    Down projection: R = 8 rows of W2. gate_up: the checkpoint's interleaved rows are split
+    into gates and ups, and R = 16: group g's 8 gate rows (columns 8g..8g+7 of the SwiGLU
+    output), then its 8 up rows, so the GEMV's gate and up rows are one chunk and the SwiGLU
+    epilogue pairs gate row n with up row n.
+Against whole rows with a separate scale array, this layout took the 20b MoE layer from 31 to
+28 us at batch 1 and from 231 to 206 us at 64 tokens (H200, BENCHMARKS.md "Row groups").
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ from .dependent_launch import pdl_options, wait_for_previous
 from .rmsnorm_triton import add_rms_norm_triton, residual_add, rms_rstd, rms_scaled
 
 SWIGLU_ALPHA = 1.702
-SCALE_ROW_ALIGN = 16  # bytes
+ROW_GROUP = 8  # weight rows stored together (a decode GEMV program's rows)
+_GROUP = tl.constexpr(ROW_GROUP)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -65,11 +73,11 @@ class TritonMoEWeights:
 
     router_weight: torch.Tensor  # [E, H] as loaded (bf16 on GPU)
     router_bias: torch.Tensor  # [E] float32
-    w1: torch.Tensor  # [E, 2I, K1/2] uint8, rows: gates then ups
-    s1: torch.Tensor  # [E, 2I, S1] uint8
+    w1: torch.Tensor  # [E, I/8, P1, 16, 64] uint8: per group 8 gate rows, then 8 up rows
+    s1: torch.Tensor  # [E, I/8, P1, 16] int32
     b1: torch.Tensor  # [E, 2I] float32, gates then ups
-    w2: torch.Tensor  # [E, H, K2/2] uint8
-    s2: torch.Tensor  # [E, H, S2] uint8
+    w2: torch.Tensor  # [E, H/8, P2, 8, 64] uint8
+    s2: torch.Tensor  # [E, H/8, P2, 8] int32
     b2: torch.Tensor  # [E, H] float32
     max_scale: int  # the largest scale byte; the decode GEMVs take up to GEMV_MAX_SCALE
 
@@ -88,33 +96,49 @@ class TritonMoEWeights:
 
     @property
     def intermediate_size(self) -> int:
-        return self.w1.shape[1] // 2
+        return self.w1.shape[1] * ROW_GROUP
 
 
-def pack_planar(
-    blocks: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None
+def planar_tiles(blocks: torch.Tensor, padded_blocks: int) -> torch.Tensor:
+    """HF MXFP4 blocks [..., B, 16] -> the planar bytes [..., padded_blocks / 2, 32] of their
+    64-value tiles (module docstring), zero blocks after the B given."""
+    *lead, b, _ = blocks.shape
+    codes = torch.zeros(*lead, padded_blocks, BLOCK_SIZE, dtype=torch.uint8, device=blocks.device)
+    codes[..., :b, :] = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*lead, b, BLOCK_SIZE)
+    codes = codes.view(*lead, padded_blocks // 2, 2, BLOCK_SIZE)
+    low, high = codes[..., 0, :], codes[..., 1, :]  # e2m1 codes in value order: sign bit 3, magnitude 0-2
+    return (low >> 3) | ((low & 7) << 1) | ((high & 8) << 1) | ((high & 7) << 5)
+
+
+def pack_row_groups(
+    blocks: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None, parts: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF MXFP4 (blocks [E, N, G, 16], scales [E, N, G]) -> (w [E, N, Gp*16], s [E, N, S]).
+    """HF MXFP4 (blocks [E, N, B, 16], scales [E, N, B]) -> (w [E, G, P, R, 64] uint8,
+    s [E, G, P, R] int32) in the layout of the module docstring.
 
-    `rows` optionally reorders the N rows. Gp is G rounded up to even (a zero block with scale
-    0 pads an odd G); S is Gp rounded up to SCALE_ROW_ALIGN. Works expert by expert to bound
-    the temporary memory.
+    `rows` optionally reorders the N rows first. The N rows are `parts` matrices of equal height
+    (gate_up: the gates, then the ups) whose groups of 8 rows sit side by side: R = 8 * parts,
+    G = N / R. P = B / 4 rounded up; zero blocks with scale 0 pad the last pair. Works expert by
+    expert to bound the temporary memory.
     """
-    e_count, n, g, _ = blocks.shape
-    gp = g + (g % 2)
-    s_row = -(-gp // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
-    w = torch.empty(e_count, n, gp * 16, dtype=torch.uint8, device=blocks.device)
-    s = torch.zeros(e_count, n, s_row, dtype=torch.uint8, device=blocks.device)
+    e_count, n, b, _ = blocks.shape
+    if n % (ROW_GROUP * parts):
+        raise ValueError(f"{n} rows do not split into {parts} parts of whole {ROW_GROUP}-row groups")
+    groups, width, pairs = n // (ROW_GROUP * parts), ROW_GROUP * parts, -(-b // 4)
+    w = torch.empty(e_count, groups, pairs, width, 64, dtype=torch.uint8, device=blocks.device)
+    s = torch.empty(e_count, groups, pairs, width, dtype=torch.int32, device=blocks.device)
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [N, P, ...] -> [G, P, R, ...]
+        rest = t.shape[2:]
+        t = t.reshape(parts, groups, ROW_GROUP, pairs, *rest).permute(1, 3, 0, 2, *range(4, 4 + len(rest)))
+        return t.reshape(groups, pairs, width, *rest)
+
     for e in range(e_count):
-        b, sc = (blocks[e], scales[e]) if rows is None else (blocks[e, rows], scales[e, rows])
-        codes = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(n, g, BLOCK_SIZE)  # in value order
-        if gp != g:
-            codes = torch.cat([codes, torch.zeros_like(codes[:, :1])], dim=1)
-        codes = codes.view(n, gp // 2, 2, BLOCK_SIZE)
-        low, high = codes[:, :, 0], codes[:, :, 1]  # e2m1 codes: sign bit 3, magnitude bits 0-2
-        packed = (low >> 3) | ((low & 7) << 1) | ((high & 8) << 1) | ((high & 7) << 5)
-        w[e] = packed.reshape(n, gp * 16)
-        s[e, :, :g] = sc
+        bl, sc = (blocks[e], scales[e]) if rows is None else (blocks[e, rows], scales[e, rows])
+        w[e] = grouped(planar_tiles(bl, 4 * pairs).reshape(n, pairs, 64))
+        scale_bytes = torch.zeros(n, 4 * pairs, dtype=torch.uint8, device=blocks.device)
+        scale_bytes[:, :b] = sc
+        s[e] = grouped(scale_bytes.view(torch.int32))  # little-endian: tile 2p's bytes in bits 0-15
     return w, s
 
 
@@ -135,8 +159,8 @@ def prepare_moe_weights(weights: MoEWeights) -> TritonMoEWeights:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
     dev = ex.gate_up_blocks.device
     deinterleave = torch.cat([torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)]).to(dev)
-    w1, s1 = pack_planar(ex.gate_up_blocks, ex.gate_up_scales, deinterleave)
-    w2, s2 = pack_planar(ex.down_blocks, ex.down_scales)
+    w1, s1 = pack_row_groups(ex.gate_up_blocks, ex.gate_up_scales, deinterleave, parts=2)
+    w2, s2 = pack_row_groups(ex.down_blocks, ex.down_scales)
     return TritonMoEWeights(
         router_weight=weights.router_weight.contiguous(),
         router_bias=weights.router_bias.float().contiguous(),
@@ -600,85 +624,100 @@ def _router_logits_kernel(
 
 
 @triton.jit
-def _gemv_step(acc, w_rows, s_rows, n_ok, x_row, t0, num_tiles,
-               BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, ASM: tl.constexpr):
-    """acc [BN, U, 2] += one loop step of a GEMV over BLOCK_U tiles from tile t0: rows' words at
-    w_rows ([BN, 1, 8] int32 pointers), their scale bytes at s_rows ([BN, 2U] pointers)."""
+def _gemv_step(acc, w_rows, s_rows, x_row, t0, num_tiles, CHUNK: tl.constexpr,
+               BLOCK_U: tl.constexpr, ASM: tl.constexpr):
+    """acc [8, U, 2] += one loop step of a GEMV over BLOCK_U (even) tiles from tile t0 (even):
+    w_rows [8, 1, 8] int32 pointers to the group's rows' first words in pair 0, s_rows [8, 1]
+    to their scale words; CHUNK: words (of weights, and of scales) from one pair's rows of the
+    group to the next pair's (R * 16, and R)."""
     u = tl.arange(0, BLOCK_U)
     tile_ok = t0 + u < num_tiles
-    c = tl.arange(0, 2 * BLOCK_U)
-    w = tl.load(w_rows + ((t0 + u) * 8)[None, :, None], mask=n_ok[:, None, None] & tile_ok[None, :, None], other=0)
-    sc = tl.load(s_rows + 2 * t0, mask=n_ok[:, None] & (t0 + c // 2 < num_tiles)[None, :], other=0)
-    s_a, s_b = tl.split(tl.reshape(sc.to(tl.int32), [BLOCK_N, BLOCK_U, 2]))
+    pair = t0 // 2 + u // 2
+    w = tl.load(w_rows + (pair * CHUNK + (u % 2) * 8)[None, :, None], mask=tile_ok[None, :, None], other=0)
+    HALF_U: tl.constexpr = BLOCK_U // 2
+    h = t0 // 2 + tl.arange(0, HALF_U)
+    words = tl.load(s_rows + h[None, :] * (CHUNK // 16), mask=(2 * h < num_tiles)[None, :], other=0)  # [8, U/2]
+    words = tl.reshape(tl.broadcast_to(words[:, :, None], [_GROUP, HALF_U, 2]), [_GROUP, BLOCK_U])
+    shift = ((u % 2) * 16)[None, :]
     base = (t0 + u)[:, None] * 64 + 8 * tl.arange(0, 4)[None, :]
     sa, sb = _tile_dot(w, x_row, base, tile_ok, ASM)
-    return acc + sa * _block_factor(s_a)[:, :, None] + sb * _block_factor(s_b)[:, :, None]
+    s_a = _block_factor((words >> shift) & 0xFF)
+    s_b = _block_factor((words >> (shift + 8)) & 0xFF)
+    return acc + sa * s_a[:, :, None] + sb * s_b[:, :, None]
 
 
 @triton.jit
 def _gemv_gate_up_kernel(
     xh_ptr, inv_scale_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
-    I, E, num_tiles, s_row, k_pad, i_pad, limit, alpha, act_scale,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    I, E, num_tiles, num_pairs, k_pad, i_pad, limit, alpha, act_scale,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_U: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """act[p, n] = act_scale * swiglu(x[t] W1g[e]^T + b, x[t] W1u[e]^T + b) in fp16, `_permuted`
-    (zero for I <= n < i_pad), for pair p = (token t, slot), e the slot's expert, n in this
-    program's BLOCK_N columns; BLOCK_U 64-value K tiles per step. w_ptr: the weights as int32
-    words; xh_ptr: x as the router kernel scales it ([T, k_pad] fp16)."""
+    """act[p, n] = act_scale * swiglu(x[t] W1g[e]^T + b, x[t] W1u[e]^T + b) in fp16, `_permuted`,
+    for pair p = (token t, slot), e the slot's expert, n in this program's row group (8 columns;
+    groups past I/8 write the zeros of i_pad's padding); BLOCK_U 64-value K tiles per step.
+    w_ptr / s_ptr: the weights as int32 words, the scale words; xh_ptr: x as the router kernel
+    scales it ([T, k_pad] fp16)."""
     wait_for_previous(PDL)
     pair = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(1)
+    n = group * _GROUP + tl.arange(0, _GROUP)
+    if group * _GROUP >= I:
+        tl.store(act_ptr + pair * i_pad + _permuted(n), tl.zeros([_GROUP], dtype=tl.float16), mask=n < i_pad)
+        return
     token = pair // TOP_K
     e, _ = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
-    e = e.to(tl.int64)
-    n_ok = n < I
-    row_words = num_tiles * 8
-    g_rows = w_ptr + e * (2 * I) * row_words + n.to(tl.int64)[:, None, None] * row_words + tl.arange(0, 8)[None, None, :]
-    u_rows = g_rows + I * row_words
-    sg_rows = s_ptr + e * (2 * I) * s_row + n[:, None] * s_row + tl.arange(0, 2 * BLOCK_U)[None, :]
-    su_rows = sg_rows + I * s_row
+    chunk = (e.to(tl.int64) * (I // _GROUP) + group) * num_pairs  # this group's pair 0
+    r = tl.arange(0, _GROUP)
+    CHUNK: tl.constexpr = 2 * _GROUP * 16  # int32 words of a pair's gate and up rows
+    g_rows = w_ptr + chunk * CHUNK + (r * 16)[:, None, None] + tl.arange(0, 8)[None, None, :]
+    u_rows = g_rows + _GROUP * 16
+    sg_rows = s_ptr + chunk * (CHUNK // 16) + r[:, None]
+    su_rows = sg_rows + _GROUP
     x_row = xh_ptr + token.to(tl.int64) * k_pad
-    acc_g = tl.zeros([BLOCK_N, BLOCK_U, 2], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_U, 2], dtype=tl.float32)
+    acc_g = tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32)
+    acc_u = tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32)
     for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
-        acc_g = _gemv_step(acc_g, g_rows, sg_rows, n_ok, x_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
-        acc_u = _gemv_step(acc_u, u_rows, su_rows, n_ok, x_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
+        acc_g = _gemv_step(acc_g, g_rows, sg_rows, x_row, t0, num_tiles, CHUNK, BLOCK_U, ASM)
+        acc_u = _gemv_step(acc_u, u_rows, su_rows, x_row, t0, num_tiles, CHUNK, BLOCK_U, ASM)
     inv_scale = tl.load(inv_scale_ptr + token)
-    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1) * inv_scale + tl.load(b_ptr + e * 2 * I + n, mask=n_ok, other=0.0)
-    up = tl.sum(tl.sum(acc_u, axis=2), axis=1) * inv_scale + tl.load(b_ptr + e * 2 * I + I + n, mask=n_ok, other=0.0)
-    act = tl.where(n_ok, _swiglu(gate, up, limit, alpha) * act_scale, 0.0)
-    tl.store(act_ptr + pair * i_pad + _permuted(n), act.to(tl.float16), mask=n < i_pad)
+    bias = b_ptr + e * 2 * I + n
+    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1) * inv_scale + tl.load(bias)
+    up = tl.sum(tl.sum(acc_u, axis=2), axis=1) * inv_scale + tl.load(bias + I)
+    act = _swiglu(gate, up, limit, alpha) * act_scale
+    tl.store(act_ptr + pair * i_pad + _permuted(n), act.to(tl.float16))
 
 
 @triton.jit
 def _gemv_down_kernel(
     act_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    H, E, num_tiles, s_row, i_pad, inv_act_scale,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    H, E, num_tiles, num_pairs, i_pad, inv_act_scale,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_U: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out[t, n] += gate * (act[p] W2[e]^T + b2[e]) for pair p = (token t, slot), fp32 atomics.
-    act_ptr: the gate_up GEMV's fp16 output ([T*k, i_pad], scaled by 1 / inv_act_scale).
+    """out[t, n] += gate * (act[p] W2[e]^T + b2[e]) for pair p = (token t, slot) and the 8
+    columns n of this program's row group, fp32 atomics. act_ptr: the gate_up GEMV's fp16
+    output ([T*k, i_pad], scaled by 1 / inv_act_scale).
     PDL (`dependent_launch`): launched as the gate_up GEMV's dependent, the program picks its
     expert from the router's logits (complete before the gate_up GEMV started) before it waits
     for act."""
     pair = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(1)
+    n = group * _GROUP + tl.arange(0, _GROUP)
     token = pair // TOP_K
     e, gate = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
-    e = e.to(tl.int64)
-    n_ok = n < H
-    row_words = num_tiles * 8
-    rows = w_ptr + e * H * row_words + n.to(tl.int64)[:, None, None] * row_words + tl.arange(0, 8)[None, None, :]
-    s_rows = s_ptr + e * H * s_row + n[:, None] * s_row + tl.arange(0, 2 * BLOCK_U)[None, :]
+    chunk = (e.to(tl.int64) * (H // _GROUP) + group) * num_pairs
+    r = tl.arange(0, _GROUP)
+    CHUNK: tl.constexpr = _GROUP * 16
+    rows = w_ptr + chunk * CHUNK + (r * 16)[:, None, None] + tl.arange(0, 8)[None, None, :]
+    s_rows = s_ptr + chunk * (CHUNK // 16) + r[:, None]
     wait_for_previous(PDL)
     a_row = act_ptr + pair.to(tl.int64) * i_pad
-    acc = tl.zeros([BLOCK_N, BLOCK_U, 2], dtype=tl.float32)
+    acc = tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32)
     for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
-        acc = _gemv_step(acc, rows, s_rows, n_ok, a_row, t0, num_tiles, BLOCK_N, BLOCK_U, ASM)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)
-    tl.atomic_add(out_ptr + token * H + n, gate * y, mask=n_ok, sem="relaxed")
+        acc = _gemv_step(acc, rows, s_rows, a_row, t0, num_tiles, CHUNK, BLOCK_U, ASM)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + tl.load(b_ptr + e * H + n)
+    tl.atomic_add(out_ptr + token * H + n, gate * y, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- grouped (prefill)
@@ -722,7 +761,7 @@ def _align_kernel(
 @triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
-    H, I, num_tiles, s_row, stride_x, limit, alpha,
+    H, I, num_tiles, num_pairs, stride_x, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -747,22 +786,24 @@ def _grouped_gate_up_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     j = tl.arange(0, 32)
-    row_bytes = num_tiles * 32
-    g_rows = w_ptr + e * (2 * I) * row_bytes + n.to(tl.int64)[:, None] * row_bytes + j[None, :]
-    u_rows = g_rows + I * row_bytes
-    sg = (s_ptr + e * (2 * I) * s_row + n * s_row).to(tl.pointer_type(tl.int32))
-    su = sg + I * (s_row // 4)
+    # Row n's pair-0 chunk: group n // 8 of 16 rows (8 gates, then their 8 ups), 64 bytes a row.
+    CHUNK: tl.constexpr = 2 * _GROUP
+    chunk = (e * (I // _GROUP) + n // _GROUP) * num_pairs * CHUNK + n % _GROUP  # in rows
+    g_rows = w_ptr + chunk.to(tl.int64)[:, None] * 64 + j[None, :]
+    u_rows = g_rows + _GROUP * 64
+    sg = s_ptr + chunk
+    su = sg + _GROUP
     x_rows = x_ptr + token.to(tl.int64)[None, :] * stride_x + j[:, None]
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for step in range(0, num_tiles, 2):  # two tiles a step: the scale words' bytes at constant shifts
-        sg_w = tl.load(sg + step // 2, mask=n_ok, other=0)
-        su_w = tl.load(su + step // 2, mask=n_ok, other=0)
+        sg_w = tl.load(sg + (step // 2) * CHUNK, mask=n_ok, other=0)
+        su_w = tl.load(su + (step // 2) * CHUNK, mask=n_ok, other=0)
         for half in tl.static_range(2):
             tile = step + half
             w_ok = (n_ok & (n * 0 + tile < num_tiles))[:, None]  # (a tensor also under the interpreter)
-            wg = tl.load(g_rows + tile * 32, mask=w_ok, other=0)
-            wu = tl.load(u_rows + tile * 32, mask=w_ok, other=0)
+            wg = tl.load(g_rows + (step // 2) * (CHUNK * 64) + half * 32, mask=w_ok, other=0)
+            wu = tl.load(u_rows + (step // 2) * (CHUNK * 64) + half * 32, mask=w_ok, other=0)
             k = tile * 64 + j
             x_lo = tl.load(x_rows + tile * 64, mask=valid[None, :] & (k < H)[:, None], other=0.0).to(OPERAND)
             x_hi = tl.load(x_rows + tile * 64 + 32, mask=valid[None, :] & (k + 32 < H)[:, None], other=0.0).to(OPERAND)
@@ -782,7 +823,7 @@ def _grouped_gate_up_kernel(
 @triton.jit
 def _grouped_down_kernel(
     act_ptr, sorted_ptr, block_expert_ptr, gates_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    H, I, num_tiles, s_row,
+    H, I, num_tiles, num_pairs,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -801,16 +842,17 @@ def _grouped_down_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     j = tl.arange(0, 32)
-    row_bytes = num_tiles * 32
-    w_rows = w_ptr + e * H * row_bytes + n.to(tl.int64)[:, None] * row_bytes + j[None, :]
-    s_words = (s_ptr + e * H * s_row + n * s_row).to(tl.pointer_type(tl.int32))
+    chunk = (e * (H // _GROUP) + n // _GROUP) * num_pairs * _GROUP + n % _GROUP  # in rows
+    w_rows = w_ptr + chunk.to(tl.int64)[:, None] * 64 + j[None, :]
+    s_words = s_ptr + chunk
     a_rows = act_ptr + rows.to(tl.int64)[None, :] * I + j[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for step in range(0, num_tiles, 2):
-        s_w = tl.load(s_words + step // 2, mask=n_ok, other=0)
+        s_w = tl.load(s_words + (step // 2) * _GROUP, mask=n_ok, other=0)
         for half in tl.static_range(2):
             tile = step + half
-            w = tl.load(w_rows + tile * 32, mask=(n_ok & (n * 0 + tile < num_tiles))[:, None], other=0)
+            w_ok = (n_ok & (n * 0 + tile < num_tiles))[:, None]
+            w = tl.load(w_rows + (step // 2) * (_GROUP * 64) + half * 32, mask=w_ok, other=0)
             k = tile * 64 + j
             a_lo = tl.load(a_rows + tile * 64, mask=(k < I)[:, None], other=0.0).to(OPERAND)
             a_hi = tl.load(a_rows + tile * 64 + 32, mask=(k + 32 < I)[:, None], other=0.0).to(OPERAND)
@@ -843,11 +885,10 @@ class MoEKernelConfig:
     grouped_pdl_max_tokens: int = 64
     # GEMVs: small one-warp programs. They are latency-bound (few warps in flight), and many
     # small programs without cross-warp barriers keep more loads in flight than big ones.
-    gemv_block_n: int = 8  # gate_up GEMV: output columns per program
-    gemv_down_block_n: int = 8  # down GEMV: output columns per program
-    gemv_block_u: int = 4  # 64-value K tiles per loop step (a power of 2)
+    # A program takes one group of 8 weight rows (ROW_GROUP, fixed by the layout).
+    gemv_block_u: int = 2  # 64-value K tiles per loop step (2, 4, 8: whole tile pairs)
     gemv_warps: int = 1
-    gemv_stages: int = 3
+    gemv_stages: int = 4
     router_block_k: int = 64  # grouped path router: hidden values per loop step
     router_programs: int = 64  # grouped path router: split H until about this many programs
     block_m: int | None = None  # grouped path tokens per block; None: by tokens per expert (`_block_m`)
@@ -856,6 +897,11 @@ class MoEKernelConfig:
     down_block_n: int = 64  # grouped down: weight rows per program
     down_warps: int | None = None  # None: warps
     stages: int = 2  # grouped path: loop steps (of two K tiles) loaded ahead
+
+    def __post_init__(self) -> None:
+        u = self.gemv_block_u
+        if u < 2 or u & (u - 1):
+            raise ValueError(f"gemv_block_u must be a power of 2 of at least 2 (whole tile pairs), got {u}")
 
 
 DEFAULT_CONFIG = MoEKernelConfig()
@@ -934,7 +980,8 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     dev = x.device
     cfg = config
     pairs = t_count * top_k
-    tiles1, tiles2 = w.w1.shape[2] // 32, w.w2.shape[2] // 32
+    tiles1, tiles2 = triton.cdiv(hidden, 64), triton.cdiv(inter, 64)  # 64-value K tiles
+    pairs1, pairs2 = w.w1.shape[2], w.w2.shape[2]
     block_e = triton.next_power_of_2(max(num_experts, 16))
     out32 = torch.empty(t_count, hidden, dtype=torch.float32, device=dev)  # zeroed by the router
 
@@ -961,14 +1008,13 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
         asm = not interpreting()
         gemv = dict(TOP_K=top_k, BLOCK_E=block_e, BLOCK_U=cfg.gemv_block_u, STAGES=cfg.gemv_stages, ASM=asm,
                     num_warps=cfg.gemv_warps)
-        _gemv_gate_up_kernel[(pairs, triton.cdiv(i_pad, cfg.gemv_block_n))](
+        _gemv_gate_up_kernel[(pairs, i_pad // ROW_GROUP)](
             x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, inter, num_experts, tiles1,
-            w.s1.shape[2], k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, BLOCK_N=cfg.gemv_block_n, **gemv,
-            **pdl_options(dev, dependent=False),
+            pairs1, k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, **gemv, **pdl_options(dev, dependent=False),
         )
-        _gemv_down_kernel[(pairs, triton.cdiv(hidden, cfg.gemv_down_block_n))](
-            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, w.s2.shape[2],
-            i_pad, 1.0 / act_scale, BLOCK_N=cfg.gemv_down_block_n, **gemv, **pdl_options(dev, dependent=True),
+        _gemv_down_kernel[(pairs, hidden // ROW_GROUP)](
+            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, pairs2,
+            i_pad, 1.0 / act_scale, **gemv, **pdl_options(dev, dependent=True),
         )
         return residual, out32.to(out_dtype)  # no copy when float32 was asked for
 
@@ -1019,11 +1065,11 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     # Grids run the column blocks of one token block side by side (axis 0 is launched first):
     # they share its activation rows while those are in cache (4-5% faster at 2048 tokens, H200).
     _grouped_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
-        x, sorted_pairs, block_expert, w.w1, w.s1, w.b1, act, hidden, inter, tiles1, w.s1.shape[2], x.stride(0),
+        x, sorted_pairs, block_expert, w.w1, w.s1, w.b1, act, hidden, inter, tiles1, pairs1, x.stride(0),
         swiglu_limit, SWIGLU_ALPHA, BLOCK_N=cfg.block_n, num_warps=cfg.warps, **common,
     )
     _grouped_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), max_blocks)](
-        act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, w.s2.shape[2],
+        act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, pairs2,
         BLOCK_N=cfg.down_block_n, num_warps=cfg.down_warps or cfg.warps, **common,
     )
     return residual, out32.to(out_dtype)
