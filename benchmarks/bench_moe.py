@@ -67,7 +67,7 @@ GROUPED_SWEEP = [
     dict(block_n=128),
     dict(warps=8),
     dict(stages=1),
-    dict(stages=3),
+    dict(stages=2),
     dict(router_programs=256),
 ]
 GROUPED_SWEEP_BATCHES = {"20b": (64, 128, 256, 512, 1024, 2048), "120b": (64, 128, 256, 512, 1024, 2048)}  # where grouped variants are compared

@@ -896,7 +896,7 @@ class MoEKernelConfig:
     warps: int = 4
     down_block_n: int = 64  # grouped down: weight rows per program
     down_warps: int | None = None  # None: warps
-    stages: int = 2  # grouped path: loop steps (of two K tiles) loaded ahead
+    stages: int = 3  # grouped path: loop steps (of two K tiles) loaded ahead
 
     def __post_init__(self) -> None:
         u = self.gemv_block_u
