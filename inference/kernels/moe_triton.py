@@ -625,19 +625,26 @@ def _router_logits_kernel(
 
 @triton.jit
 def _gemv_step(acc, w_rows, s_rows, x_row, t0, num_tiles, CHUNK: tl.constexpr,
-               BLOCK_U: tl.constexpr, ASM: tl.constexpr):
-    """acc [8, U, 2] += one loop step of a GEMV over BLOCK_U (even) tiles from tile t0 (even):
-    w_rows [8, 1, 8] int32 pointers to the group's rows' first words in pair 0, s_rows [8, 1]
-    to their scale words; CHUNK: words (of weights, and of scales) from one pair's rows of the
-    group to the next pair's (R * 16, and R)."""
+               BLOCK_U: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr = True):
+    """acc [R, U, 2] += one loop step of a GEMV over BLOCK_U (even) tiles from tile t0 (even):
+    w_rows [R, 1, 8] int32 pointers to R rows' first words in pair 0, s_rows [R, 1] to their
+    scale words; CHUNK: words (of weights, and of scales) from one pair's rows of the group to
+    the next pair's (R * 16, and R). MASKED: guard the tiles past num_tiles (a last, partial
+    step); whole steps load unmasked, which made the batch-1 to 8 layer 2-6% faster (H200)."""
     u = tl.arange(0, BLOCK_U)
-    tile_ok = t0 + u < num_tiles
+    if MASKED:
+        tile_ok = t0 + u < num_tiles
+    else:
+        tile_ok = tl.full([BLOCK_U], 1, tl.int1)
     pair = t0 // 2 + u // 2
     w = tl.load(w_rows + (pair * CHUNK + (u % 2) * 8)[None, :, None], mask=tile_ok[None, :, None], other=0)
     HALF_U: tl.constexpr = BLOCK_U // 2
     h = t0 // 2 + tl.arange(0, HALF_U)
-    words = tl.load(s_rows + h[None, :] * (CHUNK // 16), mask=(2 * h < num_tiles)[None, :], other=0)  # [8, U/2]
-    words = tl.reshape(tl.broadcast_to(words[:, :, None], [_GROUP, HALF_U, 2]), [_GROUP, BLOCK_U])
+    if MASKED:
+        words = tl.load(s_rows + h[None, :] * (CHUNK // 16), mask=(2 * h < num_tiles)[None, :], other=0)  # [R, U/2]
+    else:
+        words = tl.load(s_rows + h[None, :] * (CHUNK // 16))
+    words = tl.reshape(tl.broadcast_to(words[:, :, None], [s_rows.shape[0], HALF_U, 2]), [s_rows.shape[0], BLOCK_U])
     shift = ((u % 2) * 16)[None, :]
     base = (t0 + u)[:, None] * 64 + 8 * tl.arange(0, 4)[None, :]
     sa, sb = _tile_dot(w, x_row, base, tile_ok, ASM)
@@ -668,22 +675,23 @@ def _gemv_gate_up_kernel(
     token = pair // TOP_K
     e, _ = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
     chunk = (e.to(tl.int64) * (I // _GROUP) + group) * num_pairs  # this group's pair 0
-    r = tl.arange(0, _GROUP)
+    r = tl.arange(0, 2 * _GROUP)  # the group's 8 gate rows, then its 8 up rows: one chunk
     CHUNK: tl.constexpr = 2 * _GROUP * 16  # int32 words of a pair's gate and up rows
-    g_rows = w_ptr + chunk * CHUNK + (r * 16)[:, None, None] + tl.arange(0, 8)[None, None, :]
-    u_rows = g_rows + _GROUP * 16
-    sg_rows = s_ptr + chunk * (CHUNK // 16) + r[:, None]
-    su_rows = sg_rows + _GROUP
+    rows = w_ptr + chunk * CHUNK + (r * 16)[:, None, None] + tl.arange(0, 8)[None, None, :]
+    s_rows = s_ptr + chunk * (CHUNK // 16) + r[:, None]
     x_row = xh_ptr + token.to(tl.int64) * k_pad
-    acc_g = tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32)
-    acc_u = tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32)
-    for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
-        acc_g = _gemv_step(acc_g, g_rows, sg_rows, x_row, t0, num_tiles, CHUNK, BLOCK_U, ASM)
-        acc_u = _gemv_step(acc_u, u_rows, su_rows, x_row, t0, num_tiles, CHUNK, BLOCK_U, ASM)
+    acc = tl.zeros([2 * _GROUP, BLOCK_U, 2], dtype=tl.float32)
+    full = num_tiles // BLOCK_U * BLOCK_U
+    for t0 in tl.range(0, full, BLOCK_U, num_stages=STAGES):
+        acc = _gemv_step(acc, rows, s_rows, x_row, t0, num_tiles, CHUNK, BLOCK_U, ASM, False)
+    if full < num_tiles:
+        acc = _gemv_step(acc, rows, s_rows, x_row, full, num_tiles, CHUNK, BLOCK_U, ASM, True)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [16]: gates, then ups
+    gate_sum, up_sum = tl.split(tl.permute(tl.reshape(y, [2, _GROUP]), [1, 0]))
     inv_scale = tl.load(inv_scale_ptr + token)
     bias = b_ptr + e * 2 * I + n
-    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1) * inv_scale + tl.load(bias)
-    up = tl.sum(tl.sum(acc_u, axis=2), axis=1) * inv_scale + tl.load(bias + I)
+    gate = gate_sum * inv_scale + tl.load(bias)
+    up = up_sum * inv_scale + tl.load(bias + I)
     act = _swiglu(gate, up, limit, alpha) * act_scale
     tl.store(act_ptr + pair * i_pad + _permuted(n), act.to(tl.float16))
 
@@ -714,8 +722,11 @@ def _gemv_down_kernel(
     wait_for_previous(PDL)
     a_row = act_ptr + pair.to(tl.int64) * i_pad
     acc = tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32)
-    for t0 in tl.range(0, num_tiles, BLOCK_U, num_stages=STAGES):
-        acc = _gemv_step(acc, rows, s_rows, a_row, t0, num_tiles, CHUNK, BLOCK_U, ASM)
+    full = num_tiles // BLOCK_U * BLOCK_U
+    for t0 in tl.range(0, full, BLOCK_U, num_stages=STAGES):
+        acc = _gemv_step(acc, rows, s_rows, a_row, t0, num_tiles, CHUNK, BLOCK_U, ASM, False)
+    if full < num_tiles:
+        acc = _gemv_step(acc, rows, s_rows, a_row, full, num_tiles, CHUNK, BLOCK_U, ASM, True)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + tl.load(b_ptr + e * H + n)
     tl.atomic_add(out_ptr + token * H + n, gate * y, sem="relaxed")
 
