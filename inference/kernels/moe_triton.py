@@ -896,7 +896,8 @@ class MoEKernelConfig:
     grouped_pdl_max_tokens: int = 64
     # GEMVs: small one-warp programs. They are latency-bound (few warps in flight), and many
     # small programs without cross-warp barriers keep more loads in flight than big ones.
-    # A program takes one group of 8 weight rows (ROW_GROUP, fixed by the layout).
+    # A program takes one group of 8 output columns (ROW_GROUP, fixed by the layout): 8 down
+    # rows, or gate_up's 8 gate and 8 up rows, one contiguous chunk a step.
     gemv_block_u: int = 2  # 64-value K tiles per loop step (2, 4, 8: whole tile pairs)
     gemv_warps: int = 1
     gemv_stages: int = 4
