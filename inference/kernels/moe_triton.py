@@ -979,6 +979,37 @@ def fused_add_norm_moe(
     return _moe(x, (delta, norm_weight, eps), w, top_k, swiglu_limit, config, out_dtype)
 
 
+def decode_router(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, out32: torch.Tensor,
+                  add_norm=None):
+    """The decode path's router, one launch, for router_weight [E, H] (as loaded) and
+    router_bias [E] float32: (residual or None, logits [T, E] float32, x as the
+    GEMVs read it [T, K_pad] fp16 (scaled by a power of two, `_permuted`), the inverse scales
+    [T] float32). It also zeroes out32 [T, H] (float32, the down GEMV's atomics add into it).
+    add_norm: None, or (delta, norm weight, eps): then x is the residual stream, and the
+    kernel first adds delta and applies the RMSNorm (the new residual is returned)."""
+    x = x.contiguous()
+    t_count, hidden = x.shape
+    num_experts, dev = router_weight.shape[0], x.device
+    k_pad = triton.cdiv(hidden, 64) * 64
+    logits = torch.empty(t_count, num_experts, dtype=torch.float32, device=dev)
+    x_half = torch.empty(t_count, k_pad, dtype=torch.float16, device=dev)  # h * 2^k, permuted
+    inv_scale = torch.empty(t_count, dtype=torch.float32, device=dev)
+    experts_per_program = 2
+    programs = triton.cdiv(num_experts, experts_per_program)
+    residual, (delta, norm_weight, eps) = None, add_norm or (x, x, 0.0)
+    if add_norm:
+        delta = delta.contiguous()
+        residual = torch.empty_like(x)
+    _router_logits_kernel[(programs, t_count)](
+        x, router_weight, router_bias, logits, out32, x_half, inv_scale, hidden, num_experts, x.stride(0),
+        k_pad, delta, norm_weight, x if residual is None else residual, delta.stride(0), eps,
+        BLOCK_E=experts_per_program, BLOCK_H=triton.next_power_of_2(hidden),
+        SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)), ADD_NORM=add_norm is not None,
+        num_warps=8 if hidden > 2048 else 4, **pdl_options(dev, dependent=True),
+    )
+    return residual, logits, x_half, inv_scale
+
+
 def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     """(residual or None, MoE output); add_norm: None or (delta, norm weight, eps)."""
     t_count, hidden = x.shape
@@ -999,23 +1030,9 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
 
     act_scale = gemv_activation_scale(swiglu_limit)
     if takes_decode_path(t_count, top_k, num_experts, cfg) and act_scale is not None and w.max_scale <= GEMV_MAX_SCALE:
-        logits = torch.empty(t_count, num_experts, dtype=torch.float32, device=dev)
-        k_pad, i_pad = tiles1 * 64, tiles2 * 64
-        x_half = torch.empty(t_count, k_pad, dtype=torch.float16, device=dev)  # h * 2^k, permuted
-        inv_scale = torch.empty(t_count, dtype=torch.float32, device=dev)
-        experts_per_program = 2
-        programs = triton.cdiv(num_experts, experts_per_program)
-        residual, (delta, norm_weight, eps) = None, add_norm or (x, x, 0.0)
-        if add_norm:
-            delta = delta.contiguous()
-            residual = torch.empty_like(x)
-        _router_logits_kernel[(programs, t_count)](
-            x, w.router_weight, w.router_bias, logits, out32, x_half, inv_scale, hidden, num_experts, x.stride(0),
-            k_pad, delta, norm_weight, x if residual is None else residual, delta.stride(0), eps,
-            BLOCK_E=experts_per_program, BLOCK_H=triton.next_power_of_2(hidden),
-            SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)), ADD_NORM=add_norm is not None,
-            num_warps=8 if hidden > 2048 else 4, **pdl_options(dev, dependent=True),
-        )
+        i_pad = tiles2 * 64
+        residual, logits, x_half, inv_scale = decode_router(x, w.router_weight, w.router_bias, out32, add_norm)
+        k_pad = x_half.shape[1]
         act = torch.empty(pairs, i_pad, dtype=torch.float16, device=dev)  # * act_scale, permuted
         asm = not interpreting()
         gemv = dict(TOP_K=top_k, BLOCK_E=block_e, BLOCK_U=cfg.gemv_block_u, STAGES=cfg.gemv_stages, ASM=asm,
