@@ -95,7 +95,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def backend_and_prepared(w: MoEWeights):
     from inference.moe_flashinfer import FlashInferMoEBackend
 
-    backend = FlashInferMoEBackend(tinygemm_max_tokens=0 if PREBUILT_MODULE else 64)
+    backend = FlashInferMoEBackend()
+    if PREBUILT_MODULE:
+        backend.tinygemm_max_tokens = 0  # tinygemm is a JIT module of its own (as in bench_moe.py)
     return backend, backend.prepare(shallow_copy(w))
 
 
