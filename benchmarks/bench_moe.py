@@ -4,6 +4,9 @@ Builds one layer's router and MXFP4 experts with random weights of the real shap
 the GPU (20b: 32 experts, 120b: 128; H = I = 2880, top-4), then times each chosen backend's
 forward (router, expert kernels, combine) replayed from a CUDA graph at each batch size: the same
 weights and inputs for every backend, and with several backends a "winner" row per batch.
+The graph runs `--layers` layers of different weights back to back and the time is per layer:
+as in the model, each layer finds its experts out of L2 (a replay of one layer would find some
+of its 53 MB at batch 1 still in the 50 MB L2), and its first kernel overlaps the layer before.
 
     bytes    = every expert the batch routes to (MXFP4 blocks + scales + fp32 biases)
                + the router + activations in and out
@@ -124,8 +127,9 @@ def time_graph(fn, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def profile_kernels(fn, iters: int = 20) -> list[tuple[str, float]]:
-    """Mean GPU microseconds per call of each kernel `fn` launches."""
+def profile_kernels(fn, iters: int = 20, per_call: int = 1) -> list[tuple[str, float]]:
+    """Mean GPU microseconds of each kernel `fn` launches, per call divided by per_call (the
+    layers one call runs)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -136,7 +140,7 @@ def profile_kernels(fn, iters: int = 20) -> list[tuple[str, float]]:
     for evt in prof.key_averages():
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
         if total > 0:
-            rows.append((evt.key[:60], total / iters))
+            rows.append((evt.key[:60], total / iters / per_call))
     return sorted(rows, key=lambda r: -r[1])
 
 
@@ -179,6 +183,12 @@ def prepare_copy(backend, weights: MoEWeights):
     return backend.prepare(dataclasses.replace(weights, experts=dataclasses.replace(weights.experts)))
 
 
+def float_copy(weights: MoEWeights) -> MoEWeights:
+    """The layer with its router in float32, as the reference routes."""
+    return dataclasses.replace(weights, router_weight=weights.router_weight.float(),
+                               router_bias=weights.router_bias.float())
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -188,6 +198,8 @@ def main() -> None:
     ap.add_argument("--models", default="20b,120b")
     ap.add_argument("--batches", default="1,8,64,256,2048")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--layers", type=int, default=4,
+                    help="layers of different weights run in turn per timed call (the time is per layer)")
     ap.add_argument("--backends", default="triton",
                     help="comma-separated MoE backends timed on the same weights and inputs: triton, flashinfer")
     ap.add_argument("--sweep", action="store_true",
@@ -217,8 +229,9 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     batches = [int(b) for b in args.batches.split(",")]
     for model_index, model in enumerate(args.models.split(",")):
-        progress(f"building a random {model} MoE layer")
-        weights = random_layer(EXPERTS[model])
+        progress(f"building {args.layers} random {model} MoE layer(s)")
+        layers = [random_layer(EXPERTS[model], seed) for seed in range(args.layers)]
+        weights = layers[0]
         backends = {name: TritonMoEBackend() if name == "triton" else select_moe_backend("cuda", name)
                     for name in names}
         if args.flashinfer_module and "flashinfer" in backends:
@@ -226,17 +239,18 @@ def main() -> None:
         prepared = {}
         for name, backend in backends.items():
             progress(f"preparing the {name} backend's weights")
-            prepared[name] = prepare_copy(backend, weights)
+            prepared[name] = [prepare_copy(backend, layer) for layer in layers]
             if args.autotune and name == "flashinfer":
                 progress(f"autotuning flashinfer for batches {batches}")
-                backend.autotune(prepared[name], TOP_K, SWIGLU_LIMIT, batches)
-        float_router = dataclasses.replace(
-            weights, router_weight=weights.router_weight.float(), router_bias=weights.router_bias.float())
+                backend.autotune(prepared[name][0], TOP_K, SWIGLU_LIMIT, batches)
+        float_router = float_copy(weights)
         per_expert = expert_bytes(HIDDEN, INTERMEDIATE)
         router_bytes = weights.router_weight.numel() * 2 + weights.router_bias.numel() * 4
         for t in batches:
             x = (torch.randn(t, HIDDEN, device="cuda") * 0.5).bfloat16()
-            touched = torch.unique(route(x.float(), float_router, TOP_K)[0]).numel()
+            # experts read a layer, averaged over the layers (each routes x its own way)
+            touched = sum(torch.unique(route(x.float(), float_copy(layer), TOP_K)[0]).numel()
+                          for layer in layers) / len(layers)
             moved = touched * per_expert + router_bytes + 2 * x.numel() * 2
             flops = 2 * t * TOP_K * 3 * HIDDEN * INTERMEDIATE
             best = {}  # backend -> seconds of its fastest configuration
@@ -257,27 +271,32 @@ def main() -> None:
                 else:
                     runs = [("cutlass", dict(), backend)]
                     if args.flashinfer_tactics:
-                        forward = lambda: backend.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT)  # noqa: E731
+                        def forward():
+                            for layer in prepared[name]:
+                                backend.forward(x, layer, TOP_K, SWIGLU_LIMIT)
                         try:
                             ids, seconds, counts = sweep_flashinfer_tactics(backend, forward, args.iters)
+                            seconds /= args.layers
                         except Exception as exc:
                             print(f"| {model} | {t} | {name} tactics | failed: {type(exc).__name__}: {str(exc)[:120]} |")
                         else:
                             best[name] = seconds
                             print(f"| {model} | {t} | {name} cutlass | tactics {ids} (fastest; {counts}) | "
-                                  f"{seconds * 1e6:.1f} | {touched} | {moved / seconds / 1e9:.0f} | "
+                                  f"{seconds * 1e6:.1f} | {touched:g} | {moved / seconds / 1e9:.0f} | "
                                   f"{100 * moved / seconds / bandwidth:.0f}% | {flops / seconds / 1e12:.1f} |", flush=True)
                 for path, variant, bench in runs:
                     label = f"{name} {path}" if len(names) > 1 else path
                     try:
-                        seconds = time_graph(lambda: bench.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT,
-                                                                   out_dtype=model_output_dtype(bench)), args.iters)
+                        def forward():
+                            for layer in prepared[name]:
+                                bench.forward(x, layer, TOP_K, SWIGLU_LIMIT, out_dtype=model_output_dtype(bench))
+                        seconds = time_graph(forward, args.iters) / args.layers
                     except Exception as exc:  # a variant that does not compile must not end the sweep
                         print(f"| {model} | {t} | {label} | {variant or 'default'} | failed: {type(exc).__name__}: "
                               f"{str(exc)[:120]} |")
                         continue
                     best[name] = min(seconds, best.get(name, seconds))
-                    print(f"| {model} | {t} | {label} | {variant or 'default'} | {seconds * 1e6:.1f} | {touched} | "
+                    print(f"| {model} | {t} | {label} | {variant or 'default'} | {seconds * 1e6:.1f} | {touched:g} | "
                           f"{moved / seconds / 1e9:.0f} | {100 * moved / seconds / bandwidth:.0f}% | "
                           f"{flops / seconds / 1e12:.1f} |", flush=True)
             if len(best) > 1:
@@ -287,16 +306,18 @@ def main() -> None:
             if args.check:
                 ref = moe_reference(x.float(), float_router, TOP_K, SWIGLU_LIMIT)
                 for name, backend in backends.items():
-                    out = backend.forward(x, prepared[name], TOP_K, SWIGLU_LIMIT, out_dtype=model_output_dtype(backend))
+                    out = backend.forward(x, prepared[name][0], TOP_K, SWIGLU_LIMIT,
+                                          out_dtype=model_output_dtype(backend))
                     print(f"    check {name} T={t}: |out - ref| / |ref| = {relative_error(out, ref):.2e} "
                           f"(finite: {bool(torch.isfinite(out).all())})", flush=True)
             if args.profile and model_index == 0:
                 for name, backend in backends.items():
-                    fn = lambda: backend.forward(  # noqa: E731
-                        x, prepared[name], TOP_K, SWIGLU_LIMIT, out_dtype=model_output_dtype(backend))
-                    for kernel, us in profile_kernels(fn)[:8]:
+                    def fn():
+                        for layer in prepared[name]:
+                            backend.forward(x, layer, TOP_K, SWIGLU_LIMIT, out_dtype=model_output_dtype(backend))
+                    for kernel, us in profile_kernels(fn, per_call=args.layers)[:8]:
                         print(f"    {name} T={t}: {us:8.1f} us  {kernel}")
-        weights = float_router = prepared = backends = None  # free this model's layer before the next
+        weights = layers = float_router = prepared = backends = None  # free this model's layer before the next
         torch.cuda.empty_cache()
 
 
