@@ -994,7 +994,10 @@ def decode_router(x: torch.Tensor, router_weight: torch.Tensor, router_bias: tor
     logits = torch.empty(t_count, num_experts, dtype=torch.float32, device=dev)
     x_half = torch.empty(t_count, k_pad, dtype=torch.float16, device=dev)  # h * 2^k, permuted
     inv_scale = torch.empty(t_count, dtype=torch.float32, device=dev)
-    experts_per_program = 2
+    # 4 experts a program on 4 warps: at T = 8 the 120b router with its add + norm took 3.0-3.1
+    # us against 3.7 for 2 experts on 8 warps, and at T = 1 the same 2.1-2.3 us
+    # (`bench_router.py`, H200, BENCHMARKS.md).
+    experts_per_program = 4
     programs = triton.cdiv(num_experts, experts_per_program)
     residual, (delta, norm_weight, eps) = None, add_norm or (x, x, 0.0)
     if add_norm:
@@ -1005,7 +1008,7 @@ def decode_router(x: torch.Tensor, router_weight: torch.Tensor, router_bias: tor
         k_pad, delta, norm_weight, x if residual is None else residual, delta.stride(0), eps,
         BLOCK_E=experts_per_program, BLOCK_H=triton.next_power_of_2(hidden),
         SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)), ADD_NORM=add_norm is not None,
-        num_warps=8 if hidden > 2048 else 4, **pdl_options(dev, dependent=True),
+        num_warps=4, **pdl_options(dev, dependent=True),
     )
     return residual, logits, x_half, inv_scale
 
