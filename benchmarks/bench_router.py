@@ -48,15 +48,10 @@ def load_tinygemm(module: str | None):
     except ImportError:
         return None
     if module:
-        import tvm_ffi
+        from flashinfer_moe_subset import PrebuiltModule
 
         ctypes.CDLL("libcuda.so.1", mode=os.RTLD_GLOBAL)  # for a module linked against a stub
-
-        class Prebuilt:
-            def build_and_load(self):
-                return tvm_ffi.load_module(module)
-
-        routergemm.gen_tinygemm2_module = lambda: Prebuilt()
+        routergemm.gen_tinygemm2_module = lambda: PrebuiltModule(module)
     return routergemm.tinygemm_bf16
 
 

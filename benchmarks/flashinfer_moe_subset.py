@@ -195,17 +195,25 @@ def link(out: Path, ninja: Path) -> Path:
     return library
 
 
+class PrebuiltModule:
+    """Stands in for one of flashinfer's JIT module specs: `build_and_load` loads a library
+    built beforehand (this script's output, or flashinfer's own build of another module)."""
+
+    def __init__(self, library: str) -> None:
+        self.library = library
+
+    def build_and_load(self):
+        import tvm_ffi
+
+        return tvm_ffi.load_module(self.library)
+
+
 def use_prebuilt(library: str) -> None:
     """Make flashinfer load `library` (this script's output) as its SM90 fused-MoE module
     instead of JIT-building the full one. Call before the first fused-MoE call."""
     import flashinfer.fused_moe.core as core
-    import tvm_ffi
 
-    class Prebuilt:
-        def build_and_load(self):
-            return tvm_ffi.load_module(library)
-
-    core.gen_cutlass_fused_moe_sm90_module = lambda use_fast_build=False: Prebuilt()
+    core.gen_cutlass_fused_moe_sm90_module = lambda use_fast_build=False: PrebuiltModule(library)
 
 
 def main() -> None:
