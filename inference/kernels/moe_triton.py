@@ -654,6 +654,19 @@ def _gemv_step(acc, w_rows, s_rows, x_row, t0, num_tiles, CHUNK: tl.constexpr,
 
 
 @triton.jit
+def _gemv_loop(acc, w_rows, s_rows, x_row, num_tiles, CHUNK: tl.constexpr, BLOCK_U: tl.constexpr,
+               STAGES: tl.constexpr, ASM: tl.constexpr):
+    """acc += a GEMV over all num_tiles K tiles (`_gemv_step`'s arguments): the whole steps
+    unmasked, pipelined STAGES deep, then the partial last step, if any, masked."""
+    full = num_tiles // BLOCK_U * BLOCK_U
+    for t0 in tl.range(0, full, BLOCK_U, num_stages=STAGES):
+        acc = _gemv_step(acc, w_rows, s_rows, x_row, t0, num_tiles, CHUNK, BLOCK_U, ASM, False)
+    if full < num_tiles:
+        acc = _gemv_step(acc, w_rows, s_rows, x_row, full, num_tiles, CHUNK, BLOCK_U, ASM, True)
+    return acc
+
+
+@triton.jit
 def _gemv_gate_up_kernel(
     xh_ptr, inv_scale_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     I, E, num_tiles, num_pairs, k_pad, i_pad, limit, alpha, act_scale,
@@ -680,12 +693,8 @@ def _gemv_gate_up_kernel(
     rows = w_ptr + chunk * CHUNK + (r * 16)[:, None, None] + tl.arange(0, 8)[None, None, :]
     s_rows = s_ptr + chunk * (CHUNK // 16) + r[:, None]
     x_row = xh_ptr + token.to(tl.int64) * k_pad
-    acc = tl.zeros([2 * _GROUP, BLOCK_U, 2], dtype=tl.float32)
-    full = num_tiles // BLOCK_U * BLOCK_U
-    for t0 in tl.range(0, full, BLOCK_U, num_stages=STAGES):
-        acc = _gemv_step(acc, rows, s_rows, x_row, t0, num_tiles, CHUNK, BLOCK_U, ASM, False)
-    if full < num_tiles:
-        acc = _gemv_step(acc, rows, s_rows, x_row, full, num_tiles, CHUNK, BLOCK_U, ASM, True)
+    acc = _gemv_loop(tl.zeros([2 * _GROUP, BLOCK_U, 2], dtype=tl.float32), rows, s_rows, x_row, num_tiles, CHUNK,
+                     BLOCK_U, STAGES, ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [16]: gates, then ups
     gate_sum, up_sum = tl.split(tl.permute(tl.reshape(y, [2, _GROUP]), [1, 0]))
     inv_scale = tl.load(inv_scale_ptr + token)
@@ -721,12 +730,8 @@ def _gemv_down_kernel(
     s_rows = s_ptr + chunk * (CHUNK // 16) + r[:, None]
     wait_for_previous(PDL)
     a_row = act_ptr + pair.to(tl.int64) * i_pad
-    acc = tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32)
-    full = num_tiles // BLOCK_U * BLOCK_U
-    for t0 in tl.range(0, full, BLOCK_U, num_stages=STAGES):
-        acc = _gemv_step(acc, rows, s_rows, a_row, t0, num_tiles, CHUNK, BLOCK_U, ASM, False)
-    if full < num_tiles:
-        acc = _gemv_step(acc, rows, s_rows, a_row, full, num_tiles, CHUNK, BLOCK_U, ASM, True)
+    acc = _gemv_loop(tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32), rows, s_rows, a_row, num_tiles, CHUNK,
+                     BLOCK_U, STAGES, ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + tl.load(b_ptr + e * H + n)
     tl.atomic_add(out_ptr + token * H + n, gate * y, sem="relaxed")
 
