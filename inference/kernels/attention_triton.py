@@ -457,10 +457,12 @@ def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q.device, dependent=False),
     )
     if split:
+        # A dependent: placed while the splits run, it waits for their partials first thing
+        # (batch 1: 663-665 against 660-663 tok/s, H200, BENCHMARKS.md).
         _combine_kernel[(batch, hq)](
             part_acc, part_max, part_sum, sinks, out, out.stride(0), out.stride(1), splits,
             NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,
-            **pdl_options(q.device, dependent=False),
+            **pdl_options(q.device, dependent=True),
         )
 
 
