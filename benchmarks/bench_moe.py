@@ -189,6 +189,14 @@ def float_copy(weights: MoEWeights) -> MoEWeights:
                                router_bias=weights.router_bias.float())
 
 
+def each_layer(backend, x: torch.Tensor, layers: list, **kwargs):
+    """One timed call: backend.forward(x) through each prepared layer in turn."""
+    def forward():
+        for layer in layers:
+            backend.forward(x, layer, TOP_K, SWIGLU_LIMIT, **kwargs)
+    return forward
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -243,14 +251,15 @@ def main() -> None:
             if args.autotune and name == "flashinfer":
                 progress(f"autotuning flashinfer for batches {batches}")
                 backend.autotune(prepared[name][0], TOP_K, SWIGLU_LIMIT, batches)
-        float_router = float_copy(weights)
+        float_layers = [float_copy(layer) for layer in layers]
+        float_router = float_layers[0]
         per_expert = expert_bytes(HIDDEN, INTERMEDIATE)
         router_bytes = weights.router_weight.numel() * 2 + weights.router_bias.numel() * 4
         for t in batches:
             x = (torch.randn(t, HIDDEN, device="cuda") * 0.5).bfloat16()
             # experts read a layer, averaged over the layers (each routes x its own way)
-            touched = sum(torch.unique(route(x.float(), float_copy(layer), TOP_K)[0]).numel()
-                          for layer in layers) / len(layers)
+            touched = sum(torch.unique(route(x.float(), layer, TOP_K)[0]).numel()
+                          for layer in float_layers) / len(layers)
             moved = touched * per_expert + router_bytes + 2 * x.numel() * 2
             flops = 2 * t * TOP_K * 3 * HIDDEN * INTERMEDIATE
             best = {}  # backend -> seconds of its fastest configuration
@@ -271,11 +280,9 @@ def main() -> None:
                 else:
                     runs = [("cutlass", dict(), backend)]
                     if args.flashinfer_tactics:
-                        def forward():
-                            for layer in prepared[name]:
-                                backend.forward(x, layer, TOP_K, SWIGLU_LIMIT)
                         try:
-                            ids, seconds, counts = sweep_flashinfer_tactics(backend, forward, args.iters)
+                            ids, seconds, counts = sweep_flashinfer_tactics(
+                                backend, each_layer(backend, x, prepared[name]), args.iters)
                             seconds /= args.layers
                         except Exception as exc:
                             print(f"| {model} | {t} | {name} tactics | failed: {type(exc).__name__}: {str(exc)[:120]} |")
@@ -287,9 +294,7 @@ def main() -> None:
                 for path, variant, bench in runs:
                     label = f"{name} {path}" if len(names) > 1 else path
                     try:
-                        def forward():
-                            for layer in prepared[name]:
-                                bench.forward(x, layer, TOP_K, SWIGLU_LIMIT, out_dtype=model_output_dtype(bench))
+                        forward = each_layer(bench, x, prepared[name], out_dtype=model_output_dtype(bench))
                         seconds = time_graph(forward, args.iters) / args.layers
                     except Exception as exc:  # a variant that does not compile must not end the sweep
                         print(f"| {model} | {t} | {label} | {variant or 'default'} | failed: {type(exc).__name__}: "
@@ -312,12 +317,10 @@ def main() -> None:
                           f"(finite: {bool(torch.isfinite(out).all())})", flush=True)
             if args.profile and model_index == 0:
                 for name, backend in backends.items():
-                    def fn():
-                        for layer in prepared[name]:
-                            backend.forward(x, layer, TOP_K, SWIGLU_LIMIT, out_dtype=model_output_dtype(backend))
+                    fn = each_layer(backend, x, prepared[name], out_dtype=model_output_dtype(backend))
                     for kernel, us in profile_kernels(fn, per_call=args.layers)[:8]:
                         print(f"    {name} T={t}: {us:8.1f} us  {kernel}")
-        weights = layers = float_router = prepared = backends = None  # free this model's layer before the next
+        weights = layers = float_layers = float_router = prepared = backends = None  # free this model's layer before the next
         torch.cuda.empty_cache()
 
 
