@@ -1,10 +1,6 @@
 """The cost model of `benchmarks/decode_bit_layouts.py` against the shipped MXFP4 layout, and its
 simulation of an unpacking sequence."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,20 +9,17 @@ from tests.triton_interpreter import HAVE_TRITON  # noqa: E402  (first: sets TRI
 if not HAVE_TRITON:
     pytest.skip("planar_tiles lives in the Triton MoE module", allow_module_level=True)
 from inference.kernels.moe_triton import planar_tiles  # noqa: E402
+from tests.benchmark_scripts import load_benchmark  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location(
-    "decode_bit_layouts", Path(__file__).resolve().parents[1] / "benchmarks" / "decode_bit_layouts.py")
-layouts = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("decode_bit_layouts", layouts)
-_spec.loader.exec_module(layouts)
+layouts = load_benchmark("decode_bit_layouts")
 
 
 def _bit_of(value: int, code: int) -> int:
     """Which bit of the first 16-bit half of tile 0 `planar_tiles` sets when value `value` of a
     row has e2m1 code `code` and every other value is 0."""
     blocks = torch.zeros(2, 16, dtype=torch.uint8)  # one row, 2 blocks = one 64-value tile
-    byte = blocks[value // 32]
-    byte[(value % 32) // 2] = code << (4 * (value % 2))
+    block = blocks[value // 32]
+    block[(value % 32) // 2] = code << (4 * (value % 2))
     half = planar_tiles(blocks, 2)[0, :2].to(torch.int32)
     bits = int(half[0]) | int(half[1]) << 8
     assert bits and bits & (bits - 1) == 0, f"value {value}, code {code}: bits {bits:#x}"

@@ -3,18 +3,13 @@ prints), on a synthetic profiler trace."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "step_timeline", Path(__file__).resolve().parents[1] / "benchmarks" / "step_timeline.py")
-step_timeline = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("step_timeline", step_timeline)  # its dataclasses look their module up
-_spec.loader.exec_module(step_timeline)
+from tests.benchmark_scripts import load_benchmark
+
+step_timeline = load_benchmark("step_timeline")
 
 
 def chrome_trace(events):
