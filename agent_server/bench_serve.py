@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -86,10 +87,32 @@ def normalize_base_url(url: str) -> str:
 # --- one request ----------------------------------------------------------------------------
 
 
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(response: httpx.Response):
+    """The stream's lines, ended as the SSE format ends them: CRLF, LF or CR. Not httpx's
+    `aiter_lines`, which also splits at U+2028, U+0085 and the like, which JSON may carry raw."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        # A CR at the end may be the first half of a CRLF: keep it for the next piece.
+        cut = len(pending) - 1 if pending.endswith("\r") else len(pending)
+        *lines, rest = _SSE_LINE_END.split(pending[:cut])
+        pending = rest + pending[cut:]
+        for line in lines:
+            yield line
+    *lines, rest = _SSE_LINE_END.split(pending)
+    for line in lines:
+        yield line
+    if rest:
+        yield rest
+
+
 async def sse_events(response: httpx.Response):
     """The `data:` payloads of a server-sent event stream, one string per event."""
     data: list[str] = []
-    async for line in response.aiter_lines():
+    async for line in sse_lines(response):
         if not line:
             if data:
                 yield "\n".join(data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, AsyncIterator, Callable
 
 from sse_starlette.sse import EventSourceResponse, ServerSentEvent
@@ -28,11 +29,21 @@ def sse_response(
     return EventSourceResponse(guarded(), ping=ping_seconds, headers={"Cache-Control": "no-cache"})
 
 
+# Characters JSON may carry raw (pydantic writes them unescaped) that Python's str.splitlines,
+# and so httpx's `iter_lines`, take for line ends: a client reading SSE that way would cut an
+# event in two. In a JSON document they can only sit inside strings, where the escape is equal.
+_SPLITLINES_ONLY = re.compile("[\u0085\u2028\u2029]")
+
+
+def _escaped(data: str) -> str:
+    return _SPLITLINES_ONLY.sub(lambda m: f"\\u{ord(m.group()):04x}", data)
+
+
 def sdk_event(event: Any) -> ServerSentEvent:
     """A Responses API event (an SDK object or its stored dict) as `event:` + `data:` lines."""
     if isinstance(event, dict):
         return ServerSentEvent(data=json.dumps(event, separators=(",", ":")), event=event["type"])
-    return ServerSentEvent(data=event.model_dump_json(exclude_unset=True, by_alias=True), event=event.type)
+    return ServerSentEvent(data=_escaped(event.model_dump_json(exclude_unset=True, by_alias=True)), event=event.type)
 
 
 def data_only(payload: Any) -> ServerSentEvent:
@@ -41,4 +52,4 @@ def data_only(payload: Any) -> ServerSentEvent:
         return ServerSentEvent(data=payload)
     if isinstance(payload, dict):
         return ServerSentEvent(data=json.dumps(payload, separators=(",", ":")))
-    return ServerSentEvent(data=payload.model_dump_json(exclude_unset=True))
+    return ServerSentEvent(data=_escaped(payload.model_dump_json(exclude_unset=True)))

@@ -290,3 +290,20 @@ def test_bench_engine_and_its_http_overhead_in_one_run(tiny_checkpoint, tmp_path
     assert ratios["output token throughput (tok/s)"] == pytest.approx(
         http["output_throughput"] / engine["output_throughput"])
     assert "streaming overhead" in printed and "| output token throughput (tok/s) |" in printed
+
+
+def test_sse_lines_end_only_where_the_sse_format_ends_them():
+    from agent_server.bench_serve import sse_events
+
+    pieces = [b'data: {"a":"x\xe2\x80', b'\xa8y\xc2\x85z\xe2\x80\xa9"}\r', b"\n\r\ndata: 1\rdata: 2\r", b"\r",
+              b"data: [DONE]"]
+
+    async def body():
+        for piece in pieces:
+            yield piece
+
+    async def read() -> list[str]:
+        return [e async for e in sse_events(httpx.Response(200, content=body()))]
+
+    # U+2028, U+0085 and U+2029 stay inside the first event; CRLF, CR and a CR cut from its LF end lines.
+    assert asyncio.run(read()) == ['{"a":"x\u2028y\x85z\u2029"}', "1\n2", "[DONE]"]

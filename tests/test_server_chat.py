@@ -267,3 +267,23 @@ def test_logprobs_match_transformers_on_the_tiny_checkpoint(tiny_engine_server, 
             assert [bytes(t.bytes) for t in entry.top_logprobs] == [token_bytes(int(i)) for i in top_ids]
             assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top_values.tolist(), abs=2e-3)
             ids.append(token)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_unicode_line_separators_leave_every_event_one_line(fake_server, api):
+    # pydantic writes U+2028, U+2029 and U+0085 raw; clients that read SSE with str.splitlines
+    # (httpx's iter_lines) would cut the event there. The server escapes them inside the JSON.
+    text = "a\u2028b\u2029c\x85d"
+    fake_server.engine.say(f"<|channel|>final<|message|>{text}<|return|>")
+    path, body = (("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "stream": True}) if api == "chat"
+                  else ("/v1/responses", {"model": MODEL, "input": "Say hello.", "stream": True}))
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{fake_server.url}{path}", json=body) as r:
+            raw = r.read().decode()
+    assert not any(c in raw for c in "\u2028\u2029\x85")
+    events = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+    if api == "chat":
+        streamed = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    else:
+        streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert streamed == text
