@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+
+from inference.config import GPT_OSS_SHAPES
 
 from .bench_driver import add_load_arguments, check_load_arguments, drive
 from .bench_report import RequestResult, format_summary, json_safe, summarize
@@ -44,7 +48,11 @@ COMPARED = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
+    weights.add_argument("--random-weights", choices=sorted(GPT_OSS_SHAPES), metavar="SHAPES",
+                         help="instead, the full-size shapes of gpt-oss-SHAPES (20b or 120b) with random weights "
+                              "made on the device: speed without a checkpoint (the text is random)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the engine's)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
@@ -121,13 +129,13 @@ async def _warm_up(send, requests: list[BenchRequest]) -> None:
             raise RuntimeError(f"the warm-up request failed: {result.error}")
 
 
-async def _serve_and_bench(engine, args: argparse.Namespace, requests, warmup) -> dict[str, Any]:
-    """Serve `engine` on 127.0.0.1 (a free port) in this event loop and run bench serve on it.
-    The app's shutdown also shuts the engine down, so this runs last."""
+@contextlib.asynccontextmanager
+async def loopback_server(engine) -> AsyncIterator[str]:
+    """Serve `engine` on 127.0.0.1 (a free port) in this event loop; yields the base URL. The
+    app's shutdown also shuts the engine down, so nothing may use the engine after this."""
     import uvicorn
 
     from .app import create_app
-    from .bench_serve import ServeTarget, benchmark
     from .state import ServerConfig
 
     with tempfile.TemporaryDirectory(prefix="oss-agent-bench-") as scratch:
@@ -142,51 +150,64 @@ async def _serve_and_bench(engine, args: argparse.Namespace, requests, warmup) -
                     raise RuntimeError("the HTTP server did not start")
                 await asyncio.sleep(0.01)
             port = server.servers[0].sockets[0].getsockname()[1]
-            base_url = f"http://127.0.0.1:{port}"
             while not app.state.server.ready:
                 if app.state.server.extra.get("load_error"):
                     raise RuntimeError(f"the HTTP server failed to start: {app.state.server.extra['load_error']}")
                 await asyncio.sleep(0.01)
-            target = ServeTarget(base_url=base_url, model=engine.model_name, ignore_eos=args.ignore_eos,
-                                 temperature=args.temperature)
-            return await benchmark(
-                target, requests, warmup=warmup, request_rate=args.request_rate, burstiness=args.burstiness,
-                max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.no_progress,
-                server_metrics=True,
-            )
+            yield f"http://127.0.0.1:{port}"
         finally:
             server.should_exit = True
             await serving
 
 
-async def benchmark(engine, args: argparse.Namespace) -> dict[str, Any]:
-    """The engine run, then (with --compare-http) the HTTP run; returns {"engine": summary,
-    "http": summary, "http_over_engine": ratios} (the last two with --compare-http only)."""
+async def engine_run(engine, args: argparse.Namespace, *, seed_offset: int = 0) -> dict[str, Any]:
+    """The workload of `args` straight into the engine (after its warm-up requests): the summary."""
     bench = EngineBench(engine, ignore_eos=args.ignore_eos, temperature=args.temperature)
-    await _warm_up(bench.send, workload_from_args(args, num=args.warmup, seed_offset=1) if args.warmup else [])
+    await _warm_up(bench.send, workload_from_args(args, num=args.warmup, seed_offset=seed_offset + 1)
+                   if args.warmup else [])
     stats_before = engine.stats()
     results, start, duration = await drive(
-        workload_from_args(args), bench.send, request_rate=args.request_rate, burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.no_progress, desc="bench engine",
+        workload_from_args(args, seed_offset=seed_offset), bench.send, request_rate=args.request_rate,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
+        progress=not args.no_progress, desc="bench engine",
     )
     stats = engine.stats()
-    report: dict[str, Any] = {"engine": summarize(
+    return summarize(
         results, duration, start, backend="engine", model=engine.model_name, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
         prefix_hit_tokens=stats.prefix_hit_tokens - stats_before.prefix_hit_tokens,
         preemptions=stats.preemptions - stats_before.preemptions,
-    )}
+    )
+
+
+async def http_run(base_url: str, model: str, args: argparse.Namespace, *, seed_offset: int = 2) -> dict[str, Any]:
+    """The same shape of workload through the Chat API of the server at `base_url` (bench serve,
+    with the server's own metrics). Other prompts than `engine_run`'s (another seed), so neither
+    run gets prefix-cache hits from the other's."""
+    from .bench_serve import ServeTarget, benchmark as serve_benchmark
+
+    target = ServeTarget(base_url=base_url, model=model, ignore_eos=args.ignore_eos, temperature=args.temperature)
+    return await serve_benchmark(
+        target, workload_from_args(args, seed_offset=seed_offset),
+        warmup=workload_from_args(args, num=args.warmup, seed_offset=seed_offset + 1) if args.warmup else [],
+        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        seed=args.seed, progress=not args.no_progress, server_metrics=True,
+    )
+
+
+def ratios(engine: dict[str, Any], http: dict[str, Any]) -> dict[str, float]:
+    """HTTP / engine for each of COMPARED."""
+    return {name: value(http) / value(engine) if value(engine) else math.nan for name, value in COMPARED}
+
+
+async def benchmark(engine, args: argparse.Namespace) -> dict[str, Any]:
+    """The engine run, then (with --compare-http) the HTTP run; returns {"engine": summary,
+    "http": summary, "http_over_engine": ratios} (the last two with --compare-http only)."""
+    report: dict[str, Any] = {"engine": await engine_run(engine, args)}
     if args.compare_http:
-        # Other prompts of the same shape, so the HTTP run gets no prefix-cache hits from the engine run's.
-        http = await _serve_and_bench(
-            engine, args, workload_from_args(args, seed_offset=2),
-            workload_from_args(args, num=args.warmup, seed_offset=3) if args.warmup else [],
-        )
-        report["http"] = http
-        report["http_over_engine"] = {
-            name: value(http) / value(report["engine"]) if value(report["engine"]) else math.nan
-            for name, value in COMPARED
-        }
+        async with loopback_server(engine) as base_url:
+            report["http"] = await http_run(base_url, engine.model_name, args)
+        report["http_over_engine"] = ratios(report["engine"], report["http"])
     return report
 
 
@@ -201,10 +222,19 @@ def format_comparison(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    check_load_arguments(args)
-    from inference.engine import AsyncEngine
+def build_engine(args: argparse.Namespace):
+    """The `AsyncEngine` the arguments describe, with the engine options `oss-agent serve` uses."""
+    from inference.engine import AsyncEngine, LLMEngine
 
+    if args.random_weights:
+        from inference.config import ModelConfig
+        from inference.tiny_checkpoint import hf_config_dict
+
+        print(f"gpt-oss-{args.random_weights} shapes with random weights, made on the device", file=sys.stderr)
+        config = ModelConfig.from_dict(hf_config_dict(GPT_OSS_SHAPES[args.random_weights]))
+        return AsyncEngine(LLMEngine.from_random(config, device=args.device,
+                                                 model_name=f"gpt-oss-{args.random_weights}-random",
+                                                 **engine_options(args)))
     if args.model:
         model_dir = Path(args.model)
     else:
@@ -212,7 +242,12 @@ def run(args: argparse.Namespace) -> int:
 
         model_dir = default_tiny_checkpoint()
         print(f"no --model: benchmarking a tiny random-weight checkpoint ({model_dir})", file=sys.stderr)
-    engine = AsyncEngine.from_pretrained(str(model_dir), device=args.device, **engine_options(args))
+    return AsyncEngine.from_pretrained(str(model_dir), device=args.device, **engine_options(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    check_load_arguments(args)
+    engine = build_engine(args)
 
     async def measure() -> dict[str, Any]:
         try:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .kv_cache import CacheUsage, KVCacheManager, allocate_kv_tensors, describe_plan, plan_cache
+from .config import ModelConfig
 from .model import GptOssModel
 from .model_runner import LaunchedStep, ModelRunner
 from .request import EngineStats, GenerationRequest, SamplingParams, TokenDelta
@@ -108,6 +109,23 @@ class EngineConfig:
             raise ValueError("async_scheduling must be true, false or unset")
         if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
             raise ValueError("speculative eagle3 does not run with tensor_parallel_size > 1 (ngram does)")
+
+
+def _engine_config(options: dict) -> EngineConfig:
+    unknown = set(options) - {f.name for f in fields(EngineConfig)}
+    if unknown:
+        raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
+    config = EngineConfig(**options)
+    config.validate()
+    return config
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES and dtype != "auto":
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto")
+        return _DTYPES.get(dtype)
+    return dtype
 
 
 class LLMEngine:
@@ -201,16 +219,8 @@ class LLMEngine:
         **options,
     ) -> LLMEngine:
         """Load a HF gpt-oss checkpoint and build an engine; `options` are `EngineConfig` fields."""
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = set(options) - known
-        if unknown:
-            raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
-        config = EngineConfig(**options)
-        config.validate()
-        if isinstance(dtype, str):
-            if dtype not in _DTYPES and dtype != "auto":
-                raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto")
-            dtype = _DTYPES.get(dtype)
+        config = _engine_config(options)
+        dtype = _dtype(dtype)
         if config.tensor_parallel_size > 1:
             from .tensor_parallel import ModelSource, start_engine
 
@@ -222,6 +232,31 @@ class LLMEngine:
             moe_backend=moe_backend, max_positions=config.max_model_len,
         )
         return cls(model, config, model_name=model_name or Path(model_dir).name)
+
+    @classmethod
+    def from_random(
+        cls,
+        model_config: ModelConfig,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        attention_backend: str | None = None,
+        moe_backend: str | None = None,
+        model_name: str = "gpt-oss-random",
+        seed: int = 0,
+        **options,
+    ) -> LLMEngine:
+        """An engine on a model of `model_config`'s shapes with random weights made on the device
+        (`GptOssModel.from_random`): full-size speed measurements with no checkpoint. `options`
+        as in `from_pretrained`; one device only."""
+        config = _engine_config(options)
+        if config.tensor_parallel_size > 1:
+            raise ValueError("random weights run on one device (tensor_parallel_size 1)")
+        model = GptOssModel.from_random(
+            model_config, device=device, dtype=_dtype(dtype), attention_backend=attention_backend,
+            moe_backend=moe_backend, max_positions=config.max_model_len, seed=seed,
+        )
+        return cls(model, config, model_name=model_name)
 
     def _profile_kv_memory(self) -> int:
         """Bytes left for the KV cache on the GPU after the weights and one largest step."""

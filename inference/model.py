@@ -306,7 +306,9 @@ def random_tensor_source(config: ModelConfig, device, seed: int = 0, decisive_ro
 
     def get(name: str) -> torch.Tensor:
         spec = specs[name]
-        g = torch.Generator(device=device).manual_seed(seed * 0x1_0000_0000 + zlib.crc32(name.encode()))
+        # A 32-bit seed: the CPU generator ignores higher bits (seed * 2^32 + ... once made every
+        # seed the same weights on CPU). crc32 from `seed` keeps seed 0's weights as they were.
+        g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode(), seed & 0xFFFF_FFFF))
         if not spec.float:
             if name.endswith("_scales"):
                 return torch.randint(118, 122, spec.shape, generator=g, device=device, dtype=torch.uint8)

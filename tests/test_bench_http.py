@@ -1,0 +1,101 @@
+"""benchmarks/bench_http.py (SPEC §3's HTTP targets) and the random-weight engine it serves, on CPU.
+
+On the GPU the script builds full-size random weights; here the same code paths run on the tiny
+shapes: `LLMEngine.from_random`, `oss-agent bench engine --random-weights`, and the script's
+workloads with smaller lengths, engine and HTTP side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from agent_server import bench_engine
+from agent_server.cli import main
+from inference.config import GPT_OSS_SHAPES, ModelConfig
+from inference.engine import LLMEngine
+from inference.request import GenerationRequest, SamplingParams
+from inference.tiny_checkpoint import hf_config_dict
+from tests.benchmark_scripts import load_benchmark
+
+TINY = ModelConfig.from_dict(hf_config_dict())
+OPTIONS = dict(device="cpu", max_model_len=256, num_pages=64, enforce_eager=True)
+
+
+def greedy(engine: LLMEngine, prompt: list[int], n: int = 6) -> list[int]:
+    engine.add_request(GenerationRequest("r", prompt, SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[])))
+    out: list[int] = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out += delta.token_ids
+    return out
+
+
+def test_random_weight_engine_builds_its_seed_and_options():
+    a = LLMEngine.from_random(TINY, seed=0, **OPTIONS)
+    assert a.max_model_len == 256 and a.model.max_positions == 256
+    assert a.model.config == TINY and a.model_name == "gpt-oss-random"
+    prompt = [200006, 1428, 200008, 1645, 3021, 200007]
+    first = greedy(a, prompt)
+    assert len(first) == 6
+    assert greedy(LLMEngine.from_random(TINY, seed=0, **OPTIONS), prompt) == first
+    # Another seed is other weights.
+    b = LLMEngine.from_random(TINY, seed=1, **OPTIONS)
+    assert not b.model.embed.weight.equal(a.model.embed.weight)
+
+
+def test_random_weight_engine_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="one device"):
+        LLMEngine.from_random(TINY, tensor_parallel_size=2, **OPTIONS)
+    with pytest.raises(TypeError, match="unknown engine options: pages"):
+        LLMEngine.from_random(TINY, pages=3, device="cpu")
+
+
+def test_bench_engine_with_random_weights(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(GPT_OSS_SHAPES, "tiny", {})  # hf_config_dict's tiny defaults
+    out = tmp_path / "random.json"
+    rc = main(["bench", "engine", "--random-weights", "tiny", "--device", "cpu", "--max-model-len", "256",
+               "--engine-option", "num_pages=64", "--engine-option", "enforce_eager=True", "--num-prompts", "2",
+               "--input-len", "16", "--output-len", "4", "--ignore-eos", "--no-progress", "--json", str(out)])
+    assert rc == 0, capsys.readouterr()
+    report = json.loads(out.read_text())["engine"]
+    assert report["model"] == "gpt-oss-tiny-random"
+    assert (report["completed"], report["total_output_tokens"]) == (2, 8)
+    with pytest.raises(SystemExit):  # a checkpoint and random weights at once
+        main(["bench", "engine", "--random-weights", "tiny", "--model", str(tmp_path)])
+
+
+def test_bench_http_workloads_engine_and_http_side_by_side(monkeypatch):
+    bench_http = load_benchmark("bench_http")
+    monkeypatch.setitem(GPT_OSS_SHAPES, "tiny", {})
+    monkeypatch.setattr(bench_http, "WORKLOADS", {"ttft": (24, 1, 1), "c1": (24, 6, 1), "c64": (24, 6, 3)})
+    parser = argparse.ArgumentParser()
+    bench_engine.add_arguments(parser)
+    base = parser.parse_args(["--random-weights", "tiny", "--device", "cpu", "--ignore-eos", "--no-progress",
+                              "--max-model-len", "256", "--engine-option=num_pages=128",
+                              "--engine-option=enforce_eager=True"])
+    runs = {name: bench_http.workload_args(base, name, 3) for name in ("ttft", "c1", "c64")}
+    assert (runs["c64"].input_len, runs["c64"].output_len, runs["c64"].max_concurrency) == (24, 6, 3)
+    report = asyncio.run(bench_http.measure(bench_engine.build_engine(base), runs))
+
+    for name, outputs in (("ttft", 1), ("c1", 6), ("c64", 6)):
+        for side in ("engine", "http"):
+            s = report[name][side]
+            assert (s["completed"], s["failed"], s["total_output_tokens"]) == (3, 0, 3 * outputs), (name, side)
+            assert s["ttft_ms"]["mean"] > 0
+        # Both sides were given the prompt the server renders for the same message length.
+        assert report[name]["engine"]["total_input_tokens"] == report[name]["http"]["total_input_tokens"] > 3 * 24
+    # One output token: the HTTP side's first text is that token, so its TTFT is the whole request.
+    ttft = report["ttft"]["http"]
+    assert ttft["ttft_ms"]["mean"] <= ttft["e2e_ms"]["mean"]
+    assert ttft["server_metrics"]["generation_tokens"] == 3
+
+    table = bench_http.format_report(report, "title")
+    assert "| ttft | TTFT mean (ms) |" in table and "| ttft | server's own TTFT mean" in table
+    for name in ("c1", "c64"):
+        assert f"| {name} | **streaming overhead**" in table
+        ratio = report[name]["http"]["output_throughput"] / report[name]["engine"]["output_throughput"]
+        assert f"| {name} | output tok/s |" in table and f"{ratio:.3f}" in table
