@@ -181,23 +181,38 @@ async def engine_run(engine, args: argparse.Namespace, *, seed_offset: int = 0) 
 
 
 async def http_run(base_url: str, model: str, args: argparse.Namespace, *, seed_offset: int = 2) -> dict[str, Any]:
-    """The same shape of workload through the Chat API of the server at `base_url` (bench serve,
-    with the server's own metrics). Other prompts than `engine_run`'s (another seed), so neither
-    run gets prefix-cache hits from the other's."""
-    from .bench_serve import ServeTarget, benchmark as serve_benchmark
-
-    target = ServeTarget(base_url=base_url, model=model, ignore_eos=args.ignore_eos, temperature=args.temperature)
-    return await serve_benchmark(
-        target, workload_from_args(args, seed_offset=seed_offset),
-        warmup=workload_from_args(args, num=args.warmup, seed_offset=seed_offset + 1) if args.warmup else [],
-        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        seed=args.seed, progress=not args.no_progress, server_metrics=True,
-    )
+    """The same shape of workload through the Chat API of the server at `base_url`: `bench serve`
+    in a process of its own, so that its reading of the streams (SSE, JSON) does not take this
+    process's GIL from the engine thread and count as the server's cost. Other prompts than
+    `engine_run`'s (seed + `seed_offset`), so neither run gets prefix-cache hits from the other's."""
+    with tempfile.TemporaryDirectory(prefix="oss-agent-bench-") as scratch:
+        out = Path(scratch) / "serve.json"
+        argv = [sys.executable, "-m", "agent_server.cli", "bench", "serve", "--base-url", base_url, "--model", model,
+                "--api", "chat", "--server-metrics", "--no-progress", "--json", str(out),
+                "--seed", str(args.seed + seed_offset), "--num-prompts", str(args.num_prompts),
+                "--input-len", str(args.input_len), "--range-ratio", str(args.range_ratio),
+                "--request-rate", str(args.request_rate), "--burstiness", str(args.burstiness),
+                "--warmup", str(args.warmup)]
+        for flag, value in (("--output-len", args.output_len), ("--dataset", args.dataset),
+                            ("--max-concurrency", args.max_concurrency), ("--temperature", args.temperature)):
+            if value is not None:
+                argv += [flag, str(value)]
+        if args.ignore_eos:
+            argv.append("--ignore-eos")
+        client = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL,
+                                                      stderr=asyncio.subprocess.PIPE)
+        _, err = await client.communicate()
+        if not out.exists():
+            raise RuntimeError(f"bench serve failed (exit {client.returncode}): {err.decode()[-2000:]}")
+        return json.loads(out.read_text())
 
 
 def ratios(engine: dict[str, Any], http: dict[str, Any]) -> dict[str, float]:
     """HTTP / engine for each of COMPARED."""
-    return {name: value(http) / value(engine) if value(engine) else math.nan for name, value in COMPARED}
+    def ratio(h: float | None, e: float | None) -> float:  # None: a JSON summary's n/a
+        return h / e if h is not None and e else math.nan
+
+    return {name: ratio(value(http), value(engine)) for name, value in COMPARED}
 
 
 async def benchmark(engine, args: argparse.Namespace) -> dict[str, Any]:
@@ -215,8 +230,12 @@ def format_comparison(report: dict[str, Any]) -> str:
     engine, http, ratios = report["engine"], report["http"], report["http_over_engine"]
     lines = ["HTTP (chat, streaming) vs the engine alone, same workload shape", "",
              "| measure | engine | HTTP | HTTP / engine |", "| --- | ---: | ---: | ---: |"]
+    def cell(v: float | None, spec: str) -> str:
+        return "n/a" if v is None or math.isnan(v) else format(v, spec)
+
     for name, value in COMPARED:
-        lines.append(f"| {name} | {value(engine):,.2f} | {value(http):,.2f} | {ratios[name]:.3f} |")
+        lines.append(f"| {name} | {cell(value(engine), ',.2f')} | {cell(value(http), ',.2f')} | "
+                     f"{cell(ratios[name], '.3f')} |")
     overhead = 1 - ratios["output token throughput (tok/s)"]
     lines.append(f"\nstreaming overhead (1 - HTTP / engine output throughput): {overhead:.1%}")
     return "\n".join(lines)

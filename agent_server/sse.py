@@ -26,7 +26,19 @@ def sse_response(
             if on_close is not None:
                 on_close()
 
-    return EventSourceResponse(guarded(), ping=ping_seconds, headers={"Cache-Control": "no-cache"})
+    return EventStreamResponse(guarded(), ping=ping_seconds, headers={"Cache-Control": "no-cache"})
+
+
+class EventStreamResponse(EventSourceResponse):
+    """sse-starlette's response, less one cost per event: with no send timeout (none is set
+    here) each event still went through an anyio cancel scope without a deadline, about 7 µs,
+    a fifth of a streamed token's server time."""
+
+    async def _send_with_timeout(self, send, message) -> None:
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)
 
 
 # Characters JSON may carry raw (pydantic writes them unescaped) that Python's str.splitlines,

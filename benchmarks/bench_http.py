@@ -10,8 +10,15 @@ with streaming (`bench serve`), with other prompts of the same shape.
         routing, validation, Harmony rendering, tokenising, queueing, prefill, sampling, the
         Harmony parser and SSE. The engine side's runs from handing it the prompt ids.
   c1    1024-token user messages, 256 output tokens, one at a time.
-  c64   the same, 64 in flight.
+  c64   user messages of 128 to 384 tokens, 256 to 768 output tokens (uniform), 64 in flight:
+        mostly decode, and requests end at different times, so new ones join a running batch
+        one by one. With equal lengths, 64 requests ended and 64 new ones arrived together, and
+        the throughput of such waves swung by up to 18% between rounds of the same code.
 
+Each workload first runs one unmeasured wave (as many requests as it keeps in flight) into the
+engine, so that no measured run pays for compiling the kernels of a new batch shape; then
+`--rounds` rounds, the engine then HTTP each, so the spread between rounds shows beside the
+overhead.
 Streaming overhead = 1 - HTTP output throughput / engine output throughput (SPEC §3: ≤ 5%).
 Random weights write no Harmony header, so the server holds their first 48 tokens as a header
 and then streams the rest as text (agent_server/harmony.py). Every token still passes through
@@ -36,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent_server import bench_engine  # noqa: E402
 from agent_server.bench_report import format_summary, json_safe  # noqa: E402
 
-# name: (user message tokens, output tokens, in flight)
-WORKLOADS = {"ttft": (256, 1, 1), "c1": (1024, 256, 1), "c64": (1024, 256, 64)}
+# name: (user message tokens, output tokens, in flight, range ratio of both lengths)
+WORKLOADS = {"ttft": (256, 1, 1, 0.0), "c1": (1024, 256, 1, 0.0), "c64": (256, 512, 64, 0.5)}
 
 
 def progress(msg: str) -> None:
@@ -45,23 +52,35 @@ def progress(msg: str) -> None:
 
 
 def workload_args(base: argparse.Namespace, name: str, requests: int) -> argparse.Namespace:
-    input_len, output_len, in_flight = WORKLOADS[name]
+    input_len, output_len, in_flight, range_ratio = WORKLOADS[name]
     return argparse.Namespace(**{**vars(base), "input_len": input_len, "output_len": output_len,
-                                 "max_concurrency": in_flight, "num_prompts": requests,
-                                 "warmup": max(base.warmup, 1)})
+                                 "max_concurrency": in_flight, "range_ratio": range_ratio,
+                                 "num_prompts": requests, "warmup": max(base.warmup, 1)})
 
 
-async def measure(engine, runs: dict[str, argparse.Namespace]) -> dict[str, Any]:
-    report: dict[str, Any] = {}
+async def measure(engine, runs: dict[str, argparse.Namespace], rounds: int = 1) -> dict[str, Any]:
+    """{workload: [{"engine", "http", "http_over_engine"} for each round]}."""
+    report: dict[str, Any] = {name: [] for name in runs}
     # The HTTP server comes up first and stays: its shutdown also stops the engine.
     async with bench_engine.loopback_server(engine) as base_url:
-        for name, args in runs.items():
-            progress(f"{name}: {args.num_prompts} requests, {args.input_len} + {args.output_len} tokens, "
-                     f"{args.max_concurrency} in flight; the engine alone")
-            direct = await bench_engine.engine_run(engine, args)
-            progress(f"{name}: the same through HTTP")
-            http = await bench_engine.http_run(base_url, engine.model_name, args)
-            report[name] = {"engine": direct, "http": http, "http_over_engine": bench_engine.ratios(direct, http)}
+        for w, (name, args) in enumerate(runs.items()):
+            # One unmeasured wave at the workload's concurrency first: a batch shape's first step
+            # compiles kernels (seconds), which the one-at-a-time warm-up requests never reach.
+            # (Measured: the first 64-stream round gave 5,488 tok/s, the next 8,723.)
+            progress(f"{name}: a warm-up wave of {args.max_concurrency} requests, not measured")
+            await bench_engine.engine_run(engine, argparse.Namespace(
+                **{**vars(args), "num_prompts": args.max_concurrency, "warmup": 0}), seed_offset=100 * w + 90)
+            for r in range(rounds):
+                progress(f"{name}, round {r + 1}: {args.num_prompts} requests, {args.input_len} + "
+                         f"{args.output_len} tokens, {args.max_concurrency} in flight; the engine alone")
+                # Prompts of their own for each workload, round and side (and their warm-ups, at
+                # +1): none gets prefix-cache hits from another's, beyond the chat template.
+                seed = 100 * w + 10 * r
+                direct = await bench_engine.engine_run(engine, args, seed_offset=seed)
+                progress(f"{name}, round {r + 1}: the same through HTTP")
+                http = await bench_engine.http_run(base_url, engine.model_name, args, seed_offset=seed + 2)
+                report[name].append({"engine": direct, "http": http,
+                                     "http_over_engine": bench_engine.ratios(direct, http)})
     return report
 
 
@@ -71,33 +90,35 @@ def ms(summary: dict[str, Any], key: str, stat: str) -> str:
 
 
 def format_report(report: dict[str, Any], title: str) -> str:
-    lines = [title, "", "| workload | measure | engine | HTTP | HTTP / engine |", "| --- | --- | ---: | ---: | ---: |"]
-    if "ttft" in report:
-        r = report["ttft"]
+    lines = [title, "", "| workload | round | measure | engine | HTTP | HTTP / engine |",
+             "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for r, run in enumerate(report.get("ttft", []), 1):
         for stat in ("mean", "median", "p99"):
-            e, h = r["engine"]["ttft_ms"][stat], r["http"]["ttft_ms"][stat]
-            lines.append(f"| ttft | TTFT {stat} (ms) | {e:,.2f} | {h:,.2f} | {h / e:.3f} |")
-        server = r["http"].get("server_metrics") or {}
+            e, h = run["engine"]["ttft_ms"][stat], run["http"]["ttft_ms"][stat]
+            lines.append(f"| ttft | {r} | TTFT {stat} (ms) | {e:,.2f} | {h:,.2f} | {h / e:.3f} |")
+        server = run["http"].get("server_metrics") or {}
         if server.get("ttft_mean_ms") is not None:
-            lines.append(f"| ttft | server's own TTFT mean, arrival to first token (ms) | | "
+            lines.append(f"| ttft | {r} | server's own TTFT mean, arrival to first token (ms) | | "
                          f"{server['ttft_mean_ms']:,.2f} | |")
-        lines.append(f"| ttft | input tokens a request (with the chat template) | "
-                     f"{r['engine']['total_input_tokens'] / max(r['engine']['completed'], 1):,.0f} | "
-                     f"{r['http']['total_input_tokens'] / max(r['http']['completed'], 1):,.0f} | |")
+        lines.append(f"| ttft | {r} | input tokens a request (with the chat template) | "
+                     f"{run['engine']['total_input_tokens'] / max(run['engine']['completed'], 1):,.0f} | "
+                     f"{run['http']['total_input_tokens'] / max(run['http']['completed'], 1):,.0f} | |")
     for name in ("c1", "c64"):
-        if name not in report:
-            continue
-        r = report[name]
-        e, h = r["engine"], r["http"]
-        lines.append(f"| {name} | output tok/s | {e['output_throughput']:,.1f} | {h['output_throughput']:,.1f} | "
-                     f"{h['output_throughput'] / e['output_throughput']:.3f} |")
-        # Not TTFT or TPOT: the HTTP side's first text comes after the 48 tokens held as a header.
-        lines.append(f"| {name} | end-to-end latency mean (ms) | {ms(e, 'e2e_ms', 'mean')} | "
-                     f"{ms(h, 'e2e_ms', 'mean')} | {h['e2e_ms']['mean'] / e['e2e_ms']['mean']:.3f} |")
-        lines.append(f"| {name} | **streaming overhead** (1 - HTTP / engine tok/s) | | "
-                     f"**{1 - h['output_throughput'] / e['output_throughput']:.1%}** | |")
-    failed = {f"{name} {side}": r[side]["failed"] for name, r in report.items() for side in ("engine", "http")
-              if r[side]["failed"]}
+        overheads = []
+        for r, run in enumerate(report.get(name, []), 1):
+            e, h = run["engine"], run["http"]
+            overheads.append(1 - h["output_throughput"] / e["output_throughput"])
+            lines.append(f"| {name} | {r} | output tok/s | {e['output_throughput']:,.1f} | "
+                         f"{h['output_throughput']:,.1f} | {h['output_throughput'] / e['output_throughput']:.3f} |")
+            # Not TTFT or TPOT: the HTTP side's first text comes after the 48 tokens held as a header.
+            lines.append(f"| {name} | {r} | end-to-end latency mean (ms) | {ms(e, 'e2e_ms', 'mean')} | "
+                         f"{ms(h, 'e2e_ms', 'mean')} | {h['e2e_ms']['mean'] / e['e2e_ms']['mean']:.3f} |")
+        if overheads:
+            lines.append(f"| {name} | all | **streaming overhead** (1 - HTTP / engine tok/s) | | "
+                         f"**{sum(overheads) / len(overheads):.1%}** (rounds: "
+                         f"{', '.join(f'{o:.1%}' for o in overheads)}) | |")
+    failed = {f"{name} round {r} {side}": run[side]["failed"] for name, runs in report.items()
+              for r, run in enumerate(runs, 1) for side in ("engine", "http") if run[side]["failed"]}
     if failed:
         lines.append(f"\nfailed requests: {failed}")
     return "\n".join(lines)
@@ -110,6 +131,7 @@ def main() -> int:
     ap.add_argument("--ttft-requests", type=int, default=40)
     ap.add_argument("--c1-requests", type=int, default=8)
     ap.add_argument("--c64-requests", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2, help="engine-then-HTTP rounds of each workload")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
     ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                     help="extra keyword for the engine, as in oss-agent serve")
@@ -137,22 +159,24 @@ def main() -> int:
     start = time.perf_counter()
     engine = bench_engine.build_engine(base)
     progress(f"engine ready in {time.perf_counter() - start:.1f} s")
-    report = asyncio.run(measure(engine, runs))  # the server's shutdown stops the engine
+    report = asyncio.run(measure(engine, runs, args.rounds))  # the server's shutdown stops the engine
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     title = (f"gpt-oss-{args.model} random weights on {device}, {time.strftime('%Y-%m-%d %H:%M')}; "
              f"engine options as oss-agent serve's defaults{' + ' + ', '.join(args.engine_option) if args.engine_option else ''}")
     print()
-    for name, r in report.items():
-        print(format_summary(r["engine"], f"{name}: the engine alone"))
-        print()
-        print(format_summary(r["http"], f"{name}: through HTTP (chat, streaming)"))
-        print()
+    for name, runs_of in report.items():
+        for r, run in enumerate(runs_of, 1):
+            print(format_summary(run["engine"], f"{name}, round {r}: the engine alone"))
+            print()
+            print(format_summary(run["http"], f"{name}, round {r}: through HTTP (chat, streaming)"))
+            print()
     print(format_report(report, title))
     if args.json:
         Path(args.json).write_text(json.dumps(json_safe({"title": title, **report}), indent=2))
-    ok = all(r[side]["failed"] == 0 and r[side]["completed"] for r in report.values() for side in ("engine", "http"))
+    ok = all(run[side]["failed"] == 0 and run[side]["completed"]
+             for runs_of in report.values() for run in runs_of for side in ("engine", "http"))
     return 0 if ok else 1
 
 

@@ -572,6 +572,7 @@ class AsyncEngine:
         self._stopping = False
         self._active: set[str] = set()  # request ids with an open stream (event-loop side)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine-thread side
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}  # ditto
         self._stats = engine.stats()
         self._usage = engine.cache_usage()
         self._thread = threading.Thread(target=self._loop, name="oss-agent-engine", daemon=True)
@@ -672,7 +673,8 @@ class AsyncEngine:
                 log.exception("engine loop failed")
                 for delta in self.engine.fail_all(f"{type(e).__name__}: {e}"):
                     self._deliver(delta)
-            self._publish()
+            self._publish()  # first: a consumer handed its last delta then reads stats that count it
+            self._flush()
             with self._lock:
                 if stop or (not self._inbox and not self.engine.has_unfinished()):
                     self._idle.set()
@@ -700,18 +702,28 @@ class AsyncEngine:
         return False
 
     def _deliver(self, delta: TokenDelta) -> None:
+        """Queue `delta` for its consumer; `_flush` hands a pass's deltas over."""
         sink = self._sinks.get(delta.request_id)
         if sink is None:
             return
         if delta.finish_reason is not None:
             del self._sinks[delta.request_id]
         loop, queue = sink
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
-        except RuntimeError:  # the consumer's event loop is gone
-            if delta.finish_reason is None:
-                self.engine.abort(delta.request_id)
-                self._sinks.pop(delta.request_id, None)
+        self._outbox.setdefault(loop, []).append((queue, delta))
+
+    def _flush(self) -> None:
+        """One wake-up of each consumer loop for all of this pass's deltas. A wake-up per delta
+        was a write to the loop's self-pipe each, and this thread taking the GIL back after
+        each: a fifth of its time at 64 streams."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumer's event loop is gone
+                for _, delta in items:
+                    if delta.finish_reason is None:
+                        self.engine.abort(delta.request_id)
+                        self._sinks.pop(delta.request_id, None)
 
     def _abort_all(self) -> None:
         for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
@@ -724,6 +736,11 @@ class AsyncEngine:
     def _publish(self) -> None:
         self._stats = self.engine.stats()
         self._usage = self.engine.cache_usage()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
 
 
 __all__ = ["AsyncEngine", "EngineConfig", "LLMEngine", "SamplingParams"]

@@ -71,7 +71,7 @@ def test_bench_engine_with_random_weights(monkeypatch, tmp_path, capsys):
 def test_bench_http_workloads_engine_and_http_side_by_side(monkeypatch):
     bench_http = load_benchmark("bench_http")
     monkeypatch.setitem(GPT_OSS_SHAPES, "tiny", {})
-    monkeypatch.setattr(bench_http, "WORKLOADS", {"ttft": (24, 1, 1), "c1": (24, 6, 1), "c64": (24, 6, 3)})
+    monkeypatch.setattr(bench_http, "WORKLOADS", {"ttft": (24, 1, 1, 0.0), "c1": (24, 6, 1, 0.0), "c64": (24, 6, 3, 0.0)})
     parser = argparse.ArgumentParser()
     bench_engine.add_arguments(parser)
     base = parser.parse_args(["--random-weights", "tiny", "--device", "cpu", "--ignore-eos", "--no-progress",
@@ -79,23 +79,29 @@ def test_bench_http_workloads_engine_and_http_side_by_side(monkeypatch):
                               "--engine-option=enforce_eager=True"])
     runs = {name: bench_http.workload_args(base, name, 3) for name in ("ttft", "c1", "c64")}
     assert (runs["c64"].input_len, runs["c64"].output_len, runs["c64"].max_concurrency) == (24, 6, 3)
-    report = asyncio.run(bench_http.measure(bench_engine.build_engine(base), runs))
+    report = asyncio.run(bench_http.measure(bench_engine.build_engine(base), runs, rounds=2))
 
     for name, outputs in (("ttft", 1), ("c1", 6), ("c64", 6)):
-        for side in ("engine", "http"):
-            s = report[name][side]
-            assert (s["completed"], s["failed"], s["total_output_tokens"]) == (3, 0, 3 * outputs), (name, side)
-            assert s["ttft_ms"]["mean"] > 0
-        # Both sides were given the prompt the server renders for the same message length.
-        assert report[name]["engine"]["total_input_tokens"] == report[name]["http"]["total_input_tokens"] > 3 * 24
+        assert len(report[name]) == 2
+        for run in report[name]:
+            for side in ("engine", "http"):
+                s = run[side]
+                assert (s["completed"], s["failed"], s["total_output_tokens"]) == (3, 0, 3 * outputs), (name, side)
+                assert s["ttft_ms"]["mean"] > 0
+            # Both sides were given the prompt the server renders for the same message length.
+            assert run["engine"]["total_input_tokens"] == run["http"]["total_input_tokens"] > 3 * 24
+            # ... and no round reused another's prompts: the cache serves at most the template.
+            template = run["engine"]["total_input_tokens"] // 3 - 24
+            assert run["engine"]["prefix_hit_tokens"] <= 3 * template
     # One output token: the HTTP side's first text is that token, so its TTFT is the whole request.
-    ttft = report["ttft"]["http"]
+    ttft = report["ttft"][0]["http"]
     assert ttft["ttft_ms"]["mean"] <= ttft["e2e_ms"]["mean"]
     assert ttft["server_metrics"]["generation_tokens"] == 3
 
     table = bench_http.format_report(report, "title")
-    assert "| ttft | TTFT mean (ms) |" in table and "| ttft | server's own TTFT mean" in table
+    assert "| ttft | 1 | TTFT mean (ms) |" in table and "| ttft | 2 | server's own TTFT mean" in table
     for name in ("c1", "c64"):
-        assert f"| {name} | **streaming overhead**" in table
-        ratio = report[name]["http"]["output_throughput"] / report[name]["engine"]["output_throughput"]
-        assert f"| {name} | output tok/s |" in table and f"{ratio:.3f}" in table
+        assert f"| {name} | all | **streaming overhead**" in table
+        for r, run in enumerate(report[name], 1):
+            ratio = run["http"]["output_throughput"] / run["engine"]["output_throughput"]
+            assert f"| {name} | {r} | output tok/s |" in table and f"{ratio:.3f}" in table

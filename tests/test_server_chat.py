@@ -287,3 +287,55 @@ def test_unicode_line_separators_leave_every_event_one_line(fake_server, api):
     else:
         streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert streamed == text
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_every_streamed_chunk_is_exactly_an_sdk_chunk(fake_server, n):
+    # The chunks are JSON built from dicts (no pydantic per token): each must validate as the
+    # SDK's ChatCompletionChunk and dump back to the same JSON (no field the type lacks or coerces).
+    from openai.types.chat import ChatCompletionChunk
+
+    for _ in range(n):
+        fake_server.engine.say(ONE_CALL)
+    body = {"model": MODEL, "messages": HELLO, "tools": TOOLS, "stream": True, "n": n, "logprobs": True,
+            "top_logprobs": 2, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{fake_server.url}/v1/chat/completions", json=body) as r:
+            raw = r.read().decode()
+    payloads = [line[6:] for line in raw.split("\r\n") if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    kinds = set()
+    for payload in payloads[:-1]:
+        data = json.loads(payload)
+        chunk = ChatCompletionChunk.model_validate(data)
+        assert chunk.model_dump(mode="json", exclude_unset=True) == data
+        for c in chunk.choices:
+            kinds |= {k for k, v in c.delta.model_dump(exclude_unset=True).items() if v}
+    assert {"role", "reasoning_content", "tool_calls"} <= kinds
+    assert json.loads(payloads[-2])["usage"]["completion_tokens"] > 0
+
+
+def test_events_are_sent_without_a_cancel_scope_each(fake_server, monkeypatch):
+    # EventStreamResponse overrides sse-starlette's private `_send_with_timeout`; if a release
+    # renames it, the override goes dead silently. Every event must still pass through it.
+    import anyio
+
+    from agent_server.sse import EventStreamResponse
+
+    calls, scopes = [], []
+    override = EventStreamResponse._send_with_timeout
+
+    async def counted(self, send, message):
+        calls.append(message["type"])
+        await override(self, send, message)
+
+    real_move_on_after = anyio.move_on_after
+    monkeypatch.setattr(EventStreamResponse, "_send_with_timeout", counted)
+    monkeypatch.setattr(anyio, "move_on_after", lambda *a, **k: scopes.append(a) or real_move_on_after(*a, **k))
+    fake_server.engine.say(REASONED)
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{fake_server.url}/v1/chat/completions",
+                         json={"model": MODEL, "messages": HELLO, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert len(calls) == len(events) > 5
+    assert scopes == []
