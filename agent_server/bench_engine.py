@@ -6,8 +6,8 @@ the server's), streamed through `AsyncEngine.generate`; TTFT is to the first gen
 With no `--model` it runs the tiny random checkpoint on CPU (numbers are for trying it out).
 
 `--compare-http` then serves the same engine over HTTP on a loopback port, in this process,
-and runs `bench serve` (Chat API) with prompts of the same shape, so the cost of HTTP, SSE and
-Harmony parsing shows as a ratio measured in one run. The HTTP side times the first streamed
+and runs `bench serve` (Chat API) in a process of its own with prompts of the same shape, so the
+cost of HTTP, SSE and Harmony parsing shows as a ratio measured in one run. The HTTP side times the first streamed
 *text*, which the model writes after its Harmony header (`<|channel|>final<|message|>`, a few
 tokens); use `--ignore-eos` so both sides generate the same number of tokens.
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .kv_cache import CacheUsage, KVCacheManager, allocate_kv_tensors, describe_plan, plan_cache
 from .config import ModelConfig
+from .kv_cache import CacheUsage, KVCacheManager, allocate_kv_tensors, describe_plan, plan_cache
 from .model import GptOssModel
 from .model_runner import LaunchedStep, ModelRunner
 from .request import EngineStats, GenerationRequest, SamplingParams, TokenDelta
