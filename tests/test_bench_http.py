@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+import tests.triton_interpreter  # noqa: F401  (first: sets TRITON_INTERPRET on CPU before the engine imports triton)
 from agent_server import bench_engine
 from agent_server.cli import main
 from inference.config import GPT_OSS_SHAPES, ModelConfig
