@@ -1,4 +1,5 @@
 """CUDA graphs for decode steps: capture the whole model once per batch size, replay per token.
+(And for one sequence's short prefill: `PrefillGraphRunner`, at the end.)
 
 At batch 1 a gpt-oss step is ~100 kernel launches of a few microseconds each; launching them
 from Python costs more than running them. A captured graph replays them with one launch.
@@ -180,3 +181,125 @@ class DecodeGraphRunner:
         )
         buf.graph.replay()
         return buf.logits[:t], (buf.aux[:t] if buf.aux is not None else None)
+
+
+# Prompt lengths a single-sequence prefill graph is captured for (tokens, padded up to the next).
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class _CapturedPrefill:
+    graph: torch.cuda.CUDAGraph | None
+    input_ids: torch.Tensor  # [Q] int64
+    positions: torch.Tensor  # [Q] int64
+    slots: dict[str, torch.Tensor]  # [Q] int64 per cache kind; -1 (no KV write) past the real tokens
+    context_lens: torch.Tensor  # [1] int32: start + Q
+    cu_seqlens_q: torch.Tensor  # [2] int32: 0, Q
+    block_tables: dict[str, torch.Tensor]  # [1, P + pad] int32 per cache kind
+    row: torch.Tensor  # [1] int64: the row whose logits the step returns
+    logits: torch.Tensor  # [1, V] float32, written by the graph
+
+
+class PrefillGraphRunner:
+    """Captured prefill steps of one sequence, one per length bucket (`PREFILL_BUCKETS`).
+
+    An eager prefill is ~270 launches; where each costs tens of microseconds of host time (50 under
+    gVisor), a short prompt's step is host-bound: 18.0 ms wall against 9.5 ms of kernels at 323
+    tokens on an H200 (BENCHMARKS.md), most of an idle server's time to first token.
+
+    `run` pads the step's n tokens to the bucket Q: the padded tokens come after the real ones,
+    write no K/V (slot -1) and their rows are dropped, so the real tokens, which attend only to
+    positions at or before their own, compute what they would eagerly. The context length is
+    start + Q, so attention places token i at start + i; the block tables get `pad_pages` zero
+    columns more, so the padded tokens' key reads stay inside them. The graph returns the
+    logits of one row (the last real token's). Capture-safety is the decode graphs' (the extend
+    attention kernel's tile count depends only on Q).
+    """
+
+    def __init__(self, model: GptOssModel, kv_caches: list, max_pages: int, max_context: int,
+                 buckets: tuple[int, ...] = PREFILL_BUCKETS):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_context = max_context
+        self.buckets = tuple(sorted(buckets))
+        page_size = kv_caches[0][0].shape[1]
+        self.width = max_pages + -(-self.buckets[-1] // page_size)
+        self.max_position = model.max_positions - 1
+        self.offsets = torch.arange(self.buckets[-1], dtype=torch.long, device=model.device)
+        self.graphs: dict[int, _CapturedPrefill] = {}
+        self.pool = None
+
+    def buffers(self, q: int) -> _CapturedPrefill:
+        dev = self.model.device
+        return _CapturedPrefill(
+            graph=None,
+            input_ids=torch.zeros(q, dtype=torch.long, device=dev),
+            positions=torch.arange(q, dtype=torch.long, device=dev),
+            slots={k: torch.full((q,), -1, dtype=torch.long, device=dev) for k in KINDS},
+            context_lens=torch.full((1,), q, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, q], dtype=torch.int32, device=dev),
+            block_tables={k: torch.zeros(1, self.width, dtype=torch.int32, device=dev) for k in KINDS},
+            row=torch.zeros(1, dtype=torch.long, device=dev),
+            logits=torch.empty(0),
+        )
+
+    def metadata(self, buf: _CapturedPrefill, context: int | None = None) -> AttentionMetadata:
+        """The step's metadata over the buffers. The context list is a bound (the Triton kernels
+        read the lengths from the device); the reference backend needs the exact `context`."""
+        q = buf.input_ids.shape[0]
+        return AttentionMetadata(
+            cu_seqlens_q=buf.cu_seqlens_q, context_lens=buf.context_lens, block_tables=buf.block_tables,
+            slot_mapping=buf.slots, positions=buf.positions, max_q_len=q, q_lens=[q],
+            context_lens_list=[context or self.max_context],
+        )
+
+    def step(self, buf: _CapturedPrefill, context: int | None = None) -> torch.Tensor:
+        """The model on the buffers: logits [1, V] of row `buf.row` (what a replay computes)."""
+        hidden = self.model(buf.input_ids, self.metadata(buf, context), self.kv_caches)
+        return self.model.compute_logits(hidden.index_select(0, buf.row))
+
+    def capture(self) -> None:
+        for q in sorted(self.buckets, reverse=True):  # largest first: the others reuse its pool
+            buf = self.buffers(q)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up (Triton compiles here), no KV written: slots -1
+                for _ in range(2):
+                    self.step(buf)
+            torch.cuda.current_stream().wait_stream(stream)
+            buf.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(buf.graph, pool=self.pool):
+                buf.logits = self.step(buf)
+            self.pool = buf.graph.pool()
+            self.graphs[q] = buf
+        log.info("captured prefill CUDA graphs", extra={"tokens": list(self.buckets)})
+
+    def can_run(self, num_tokens: int) -> bool:
+        return bool(self.graphs) and num_tokens <= self.buckets[-1]
+
+    def fill(self, buf: _CapturedPrefill, input_ids: torch.Tensor, meta: AttentionMetadata, row: int) -> None:
+        """Write one sequence's step (n <= Q tokens from position meta.positions[0]) into `buf`,
+        padded to Q. A few small copies, no host synchronisation."""
+        n, q = input_ids.shape[0], buf.input_ids.shape[0]
+        buf.input_ids[:n].copy_(input_ids)
+        buf.input_ids[n:].zero_()
+        torch.clamp(meta.positions[:1] + self.offsets[:q], max=self.max_position, out=buf.positions)
+        for kind, slots in buf.slots.items():
+            if kind in meta.slot_mapping:  # a model without sliding layers has no sliding pool
+                slots[:n].copy_(meta.slot_mapping[kind])
+                slots[n:].fill_(-1)
+        torch.add(meta.context_lens, q - n, out=buf.context_lens)
+        for kind, table in buf.block_tables.items():
+            if kind in meta.block_tables:
+                real = meta.block_tables[kind]
+                table[:, real.shape[1]:].zero_()
+                table[:, : real.shape[1]].copy_(real)
+        buf.row.fill_(row)
+
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, row: int) -> torch.Tensor:
+        """One sequence's prefill step of n tokens (`can_run(n)`); the logits [1, V] of its token
+        `row` (the graph's output buffer: read it before the next `run`)."""
+        buf = self.graphs[next(q for q in self.buckets if q >= input_ids.shape[0])]
+        self.fill(buf, input_ids, meta, row)
+        buf.graph.replay()
+        return buf.logits

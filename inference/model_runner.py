@@ -153,8 +153,11 @@ class ModelRunner:
         self.packer = StepInputPacker(page_size, self.device)
         self.workers = None  # tensor parallel, on rank 0: `tensor_parallel.WorkerProcesses`, sent every step
         self.graphs = None
+        self.prefill_graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = self._capture_graphs(max_model_len, max_num_seqs, num_draft_tokens)
+            if model.tp is None and not self.aux_layers:
+                self.prefill_graphs = self._capture_prefill_graphs(max_model_len)
         self.sampler.warm_up(model.config.vocab_size, self.device)
 
     def _capture_graphs(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int):
@@ -171,6 +174,17 @@ class ModelRunner:
             if self.model.tp is not None:  # ...but not alone: the other ranks' collectives would wait
                 raise
             log.exception("CUDA graph capture failed; decode runs eagerly")
+            return None
+
+    def _capture_prefill_graphs(self, max_model_len: int):
+        from .cuda_graphs import PrefillGraphRunner
+
+        try:
+            runner = PrefillGraphRunner(self.model, self.kv_caches, -(-max_model_len // self.page_size), max_model_len)
+            runner.capture()
+            return runner
+        except Exception:  # short prefills then run eagerly, as longer ones do
+            log.exception("prefill CUDA graph capture failed; prefill runs eagerly")
             return None
 
     def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int]]:
@@ -232,11 +246,23 @@ class ModelRunner:
             if plan.sample_rows == list(range(len(plan.input_ids))):  # plain decode: every row, in order
                 return logits, aux
             return logits[inputs.sample_rows], aux
+        if self._prefill_graph_fits(plan):  # one sequence's short prefill (chunk): one replay
+            n = len(plan.input_ids)
+            logits = self.prefill_graphs.run(inputs.input_ids, inputs.meta, plan.sample_rows[0] if plan.sample_rows
+                                             else n - 1)
+            return (logits if plan.sample_rows else None), None
         input_ids = inputs.input_ids if previous is None else previous[inputs.input_ids]
         out = self.model(input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
         hidden, aux = out if self.aux_layers else (out, None)
         logits = self.model.compute_logits(hidden[inputs.sample_rows]) if plan.sample_rows else None
         return logits, aux
+
+    def _prefill_graph_fits(self, plan: StepPlan) -> bool:
+        """One sequence, several new tokens (none of them drafts: then it would sample more than
+        one row), at most the largest captured bucket."""
+        return (self.prefill_graphs is not None and len(plan.q_lens) == 1 and plan.q_lens[0] > 1
+                and len(plan.sample_rows) <= 1 and not plan.inputs_from_previous
+                and self.prefill_graphs.can_run(plan.q_lens[0]))
 
     def forward_step(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
