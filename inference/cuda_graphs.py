@@ -37,19 +37,38 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    """A graph's static buffers (decode: B sequences of Q tokens; prefill: one sequence, B = 1)."""
+
     input_ids: torch.Tensor  # [B*Q] int64 (Q tokens per sequence)
     positions: torch.Tensor  # [B*Q] int64
-    slots: dict[str, torch.Tensor]  # [B*Q] int64 per cache kind
+    slots: dict[str, torch.Tensor]  # [B*Q] int64 per cache kind; -1: no KV write
     context_lens: torch.Tensor  # [B] int32
     cu_seqlens_q: torch.Tensor  # [B+1] int32, fixed: Q per sequence (the graph reads it: keep it alive)
     block_tables: dict[str, torch.Tensor]  # [B, P] int32 per cache kind
-    logits: torch.Tensor  # [B*Q, V] float32, written by the graph
+    graph: torch.cuda.CUDAGraph | None = None  # set by `_record`
+    logits: torch.Tensor | None = None  # [B*Q, V] (prefill: [1, V]) float32, written by the graph
     aux: torch.Tensor | None = None  # [B*Q, A] aux layer outputs, written by the graph
+    row: torch.Tensor | None = None  # prefill: [1] int64, the row whose logits the graph returns
 
     def inputs(self) -> GraphInputs:
         """The static buffers `fill_graph_inputs` writes before a replay."""
         return GraphInputs(self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables)
+
+
+def _record(step, pool):
+    """Run `step` twice on a side stream (Triton compiles and autotunes there, outside the graph),
+    then capture it into a new graph sharing memory `pool`. Returns (graph, what `step` returned
+    during capture: the graph's output buffers)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
 
 
 class DecodeGraphRunner:
@@ -100,26 +119,16 @@ class DecodeGraphRunner:
         dev = self.model.device
         t = b * q
         buf = _Captured(
-            graph=torch.cuda.CUDAGraph(),
             input_ids=torch.zeros(t, dtype=torch.long, device=dev),
             positions=torch.zeros(t, dtype=torch.long, device=dev),
             slots={k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in KINDS},
             context_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
             block_tables={k: torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev) for k in KINDS},
-            logits=torch.empty(0),
         )
         meta = self._metadata(buf, b, q)
         self._warm_up_fill(buf, b, q)
-        # Warm up outside the graph (Triton compiles and autotunes here), then capture.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(buf, meta)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(buf.graph, pool=self.pool):
-            buf.logits, buf.aux = self._step(buf, meta)
+        buf.graph, (buf.logits, buf.aux) = _record(lambda: self._step(buf, meta), self.pool)
         self.pool = buf.graph.pool()
         return buf
 
@@ -187,19 +196,6 @@ class DecodeGraphRunner:
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
-@dataclass
-class _CapturedPrefill:
-    graph: torch.cuda.CUDAGraph | None
-    input_ids: torch.Tensor  # [Q] int64
-    positions: torch.Tensor  # [Q] int64
-    slots: dict[str, torch.Tensor]  # [Q] int64 per cache kind; -1 (no KV write) past the real tokens
-    context_lens: torch.Tensor  # [1] int32: start + Q
-    cu_seqlens_q: torch.Tensor  # [2] int32: 0, Q
-    block_tables: dict[str, torch.Tensor]  # [1, P + pad] int32 per cache kind
-    row: torch.Tensor  # [1] int64: the row whose logits the step returns
-    logits: torch.Tensor  # [1, V] float32, written by the graph
-
-
 class PrefillGraphRunner:
     """Captured prefill steps of one sequence, one per length bucket (`PREFILL_BUCKETS`).
 
@@ -226,13 +222,12 @@ class PrefillGraphRunner:
         self.width = max_pages + -(-self.buckets[-1] // page_size)
         self.max_position = model.max_positions - 1
         self.offsets = torch.arange(self.buckets[-1], dtype=torch.long, device=model.device)
-        self.graphs: dict[int, _CapturedPrefill] = {}
+        self.graphs: dict[int, _Captured] = {}
         self.pool = None
 
-    def buffers(self, q: int) -> _CapturedPrefill:
+    def buffers(self, q: int) -> _Captured:
         dev = self.model.device
-        return _CapturedPrefill(
-            graph=None,
+        return _Captured(
             input_ids=torch.zeros(q, dtype=torch.long, device=dev),
             positions=torch.arange(q, dtype=torch.long, device=dev),
             slots={k: torch.full((q,), -1, dtype=torch.long, device=dev) for k in KINDS},
@@ -240,10 +235,9 @@ class PrefillGraphRunner:
             cu_seqlens_q=torch.tensor([0, q], dtype=torch.int32, device=dev),
             block_tables={k: torch.zeros(1, self.width, dtype=torch.int32, device=dev) for k in KINDS},
             row=torch.zeros(1, dtype=torch.long, device=dev),
-            logits=torch.empty(0),
         )
 
-    def metadata(self, buf: _CapturedPrefill, context: int | None = None) -> AttentionMetadata:
+    def metadata(self, buf: _Captured, context: int | None = None) -> AttentionMetadata:
         """The step's metadata over the buffers. The context list is a bound (the Triton kernels
         read the lengths from the device); the reference backend needs the exact `context`."""
         q = buf.input_ids.shape[0]
@@ -253,23 +247,15 @@ class PrefillGraphRunner:
             context_lens_list=[context or self.max_context],
         )
 
-    def step(self, buf: _CapturedPrefill, context: int | None = None) -> torch.Tensor:
+    def step(self, buf: _Captured, context: int | None = None) -> torch.Tensor:
         """The model on the buffers: logits [1, V] of row `buf.row` (what a replay computes)."""
         hidden = self.model(buf.input_ids, self.metadata(buf, context), self.kv_caches)
         return self.model.compute_logits(hidden.index_select(0, buf.row))
 
     def capture(self) -> None:
         for q in sorted(self.buckets, reverse=True):  # largest first: the others reuse its pool
-            buf = self.buffers(q)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm up (Triton compiles here), no KV written: slots -1
-                for _ in range(2):
-                    self.step(buf)
-            torch.cuda.current_stream().wait_stream(stream)
-            buf.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(buf.graph, pool=self.pool):
-                buf.logits = self.step(buf)
+            buf = self.buffers(q)  # slots all -1: the warm-up steps write no K/V
+            buf.graph, buf.logits = _record(lambda: self.step(buf), self.pool)
             self.pool = buf.graph.pool()
             self.graphs[q] = buf
         log.info("captured prefill CUDA graphs", extra={"tokens": list(self.buckets)})
@@ -277,7 +263,7 @@ class PrefillGraphRunner:
     def can_run(self, num_tokens: int) -> bool:
         return bool(self.graphs) and num_tokens <= self.buckets[-1]
 
-    def fill(self, buf: _CapturedPrefill, input_ids: torch.Tensor, meta: AttentionMetadata, row: int) -> None:
+    def fill(self, buf: _Captured, input_ids: torch.Tensor, meta: AttentionMetadata, row: int) -> None:
         """Write one sequence's step (n <= Q tokens from position meta.positions[0]) into `buf`,
         padded to Q. A few small copies, no host synchronisation."""
         n, q = input_ids.shape[0], buf.input_ids.shape[0]

@@ -18,21 +18,12 @@ from agent_server import bench_engine
 from agent_server.cli import main
 from inference.config import GPT_OSS_SHAPES, ModelConfig
 from inference.engine import LLMEngine
-from inference.request import GenerationRequest, SamplingParams
 from inference.tiny_checkpoint import hf_config_dict
 from tests.benchmark_scripts import load_benchmark
+from tests.gpu_comparison import greedy
 
 TINY = ModelConfig.from_dict(hf_config_dict())
 OPTIONS = dict(device="cpu", max_model_len=256, num_pages=64, enforce_eager=True)
-
-
-def greedy(engine: LLMEngine, prompt: list[int], n: int = 6) -> list[int]:
-    engine.add_request(GenerationRequest("r", prompt, SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[])))
-    out: list[int] = []
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out += delta.token_ids
-    return out
 
 
 def test_random_weight_engine_builds_its_seed_and_options():
@@ -40,9 +31,9 @@ def test_random_weight_engine_builds_its_seed_and_options():
     assert a.max_model_len == 256 and a.model.max_positions == 256
     assert a.model.config == TINY and a.model_name == "gpt-oss-random"
     prompt = [200006, 1428, 200008, 1645, 3021, 200007]
-    first = greedy(a, prompt)
+    first = greedy(a, [prompt], 6)[0][0]
     assert len(first) == 6
-    assert greedy(LLMEngine.from_random(TINY, seed=0, **OPTIONS), prompt) == first
+    assert greedy(LLMEngine.from_random(TINY, seed=0, **OPTIONS), [prompt], 6)[0][0] == first
     # Another seed is other weights.
     b = LLMEngine.from_random(TINY, seed=1, **OPTIONS)
     assert not b.model.embed.weight.equal(a.model.embed.weight)
