@@ -91,26 +91,28 @@ class MoE(nn.Module):
         self.weights: MoEWeights | None = None  # raw weights as loaded
         self.prepared = None  # the backend's layout of them
 
-    def forward(self, x: torch.Tensor, backend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend, valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] normed hidden states -> [T, H]: float32 on one device where the backend
         computes in float32 (the residual add takes it as it is, see `inference.moe_backend`),
         otherwise x's dtype; under tensor parallelism always x's dtype (half the bytes to
-        all-reduce)."""
+        all-reduce). valid_tokens: the real rows of a padded step (`GptOssModel.forward`)."""
         if self.tp is not None:
-            return self.tp.all_reduce(backend.forward(x, self.prepared, self.top_k, self.limit))
-        return backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=model_output_dtype(backend))
+            return self.tp.all_reduce(backend.forward(x, self.prepared, self.top_k, self.limit,
+                                                      valid_tokens=valid_tokens))
+        return backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=model_output_dtype(backend),
+                               valid_tokens=valid_tokens)
 
-    def add_norm_forward(self, x, delta, norm_weight, eps, backend, add_rms_norm):
+    def add_norm_forward(self, x, delta, norm_weight, eps, backend, add_rms_norm, valid_tokens=None):
         """(x + delta, forward(rmsnorm(x + delta) * norm_weight)): the residual add and norm in
         the backend's own kernels where it has them (one launch fewer a layer at decode)."""
         fused = getattr(backend, "add_norm_forward", None)
         if fused is not None and self.tp is None:
             result = fused(x, delta, norm_weight, eps, self.prepared, self.top_k, self.limit,
-                           out_dtype=model_output_dtype(backend))
+                           out_dtype=model_output_dtype(backend), valid_tokens=valid_tokens)
             if result is not None:
                 return result
         x, h = add_rms_norm(x, delta, norm_weight, eps)
-        return x, self.forward(h, backend)
+        return x, self.forward(h, backend, valid_tokens)
 
 
 class Block(nn.Module):
@@ -122,12 +124,13 @@ class Block(nn.Module):
         self.attn = Attention(config, layer, tp)
         self.mlp = MoE(config, tp)
 
-    def forward(self, x, h, meta, kv_cache, cos_sin, backends, next_norm, add_rms_norm):
+    def forward(self, x, h, meta, kv_cache, cos_sin, backends, next_norm, add_rms_norm, valid_tokens=None):
         """x: [T, H] residual stream; h: rmsnorm(x) with this block's attn_norm, computed by the
         previous block's fused add + norm. Returns (x after the block, x normed by `next_norm`)."""
         attention_backend, moe_backend = backends
         attn_out = self.attn(h, meta, kv_cache, cos_sin, attention_backend)
-        x, moe_out = self.mlp.add_norm_forward(x, attn_out, self.mlp_norm, self.eps, moe_backend, add_rms_norm)
+        x, moe_out = self.mlp.add_norm_forward(x, attn_out, self.mlp_norm, self.eps, moe_backend, add_rms_norm,
+                                               valid_tokens)
         return add_rms_norm(x, moe_out, next_norm, self.eps)
 
 
@@ -164,9 +167,14 @@ class GptOssModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list, aux_layers: tuple[int, ...] = ()
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list, aux_layers: tuple[int, ...] = (),
+        valid_tokens: torch.Tensor | None = None,
     ):
         """input_ids: [T] int64 new tokens; kv_caches[layer] = (k_cache, v_cache). Returns hidden [T, H].
+
+        valid_tokens: None, or int32 [1] on the device: a CUDA graph's step padded to its captured
+        size has only that many real tokens, first. The padded rows' outputs are garbage that
+        nobody reads; the MoE may skip them (see `inference.moe_backend`).
 
         With `aux_layers` (an EAGLE-3 drafter's input) returns (hidden, aux [T, len(aux_layers) * H]):
         the residual stream after each listed layer, concatenated in the order given.
@@ -180,7 +188,7 @@ class GptOssModel(nn.Module):
         last = len(self.layers) - 1
         for layer, block in enumerate(self.layers):
             next_norm = self.norm if layer == last else self.layers[layer + 1].attn_norm
-            x, h = block(x, h, meta, kv_caches[layer], self.cos_sin, backends, next_norm, add_rms_norm)
+            x, h = block(x, h, meta, kv_caches[layer], self.cos_sin, backends, next_norm, add_rms_norm, valid_tokens)
             if layer in aux_layers:
                 aux[layer] = x
         if aux_layers:

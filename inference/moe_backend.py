@@ -5,11 +5,16 @@ Every backend has the same two methods:
         once per layer at load time: converts the weights into the backend's layout. It may
         release the original expert tensors (the Triton backend does, so a model does not hold
         two copies); use only `prepared` afterwards.
-    forward(x [T, H], prepared, top_k, swiglu_limit, out_dtype=None) -> [T, H] in out_dtype
-        the MoE block (contract: `inference.moe.moe_reference`); out_dtype defaults to x's.
+    forward(x [T, H], prepared, top_k, swiglu_limit, out_dtype=None, valid_tokens=None)
+        -> [T, H] in out_dtype: the MoE block (contract: `inference.moe.moe_reference`);
+        out_dtype defaults to x's. valid_tokens: None, or int32 [1] on x's device, the number
+        of real rows of a padded step (a CUDA graph's); the rows past it are padding whose
+        output nobody reads. A backend may skip them (the Triton kernels route them nowhere,
+        so a padded row costs no expert reads) or compute them anyway.
 A backend may also have `add_norm_forward(x, delta, norm_weight, eps, prepared, top_k,
-swiglu_limit, out_dtype)` -> (x + delta, forward(rmsnorm(x + delta))) or None, which folds the
-residual add and norm before the block into its own kernels (the Triton backend's router).
+swiglu_limit, out_dtype, valid_tokens)` -> (x + delta, forward(rmsnorm(x + delta))) or None,
+which folds the residual add and norm before the block into its own kernels (the Triton
+backend's router).
 and one attribute, `float32_output`: whether the backend's own result is float32. The model
 then asks for float32 (`model_output_dtype`), which the residual add takes as it is: for the
 Triton kernels that saves a cast kernel a layer (one launch at batch 1).
@@ -46,8 +51,8 @@ class ReferenceMoEBackend:
 
     @staticmethod
     def forward(x: torch.Tensor, prepared: MoEWeights, top_k: int, swiglu_limit: float,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
+                out_dtype: torch.dtype | None = None, valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)  # padding rows computed too
 
 
 class TritonMoEBackend:
@@ -73,19 +78,21 @@ class TritonMoEBackend:
         return prepared
 
     def forward(self, x: torch.Tensor, prepared, top_k: int, swiglu_limit: float,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(prepared, MoEWeights):
             return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
-        return self._kernels.fused_moe(x, prepared, top_k, swiglu_limit, self.config, out_dtype=out_dtype)
+        return self._kernels.fused_moe(x, prepared, top_k, swiglu_limit, self.config, out_dtype=out_dtype,
+                                       valid_tokens=valid_tokens)
 
     def add_norm_forward(self, x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, prepared,
-                         top_k: int, swiglu_limit: float, out_dtype: torch.dtype | None = None):
+                         top_k: int, swiglu_limit: float, out_dtype: torch.dtype | None = None,
+                         valid_tokens: torch.Tensor | None = None):
         """(x + delta, forward(rmsnorm(x + delta) * norm_weight)), the add and norm fused into the
         kernels' router at decode sizes; None where the kernels do not take these weights."""
         if isinstance(prepared, MoEWeights):
             return None
         return self._kernels.fused_add_norm_moe(x, delta, norm_weight, eps, prepared, top_k, swiglu_limit, self.config,
-                                                out_dtype=out_dtype)
+                                                out_dtype=out_dtype, valid_tokens=valid_tokens)
 
 
 def model_output_dtype(backend) -> torch.dtype | None:

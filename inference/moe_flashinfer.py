@@ -249,7 +249,8 @@ class FlashInferMoEBackend:
         return top_ids.to(torch.int32), torch.softmax(top_values.float(), dim=-1)
 
     def forward(self, x: torch.Tensor, prepared, top_k: int, swiglu_limit: float,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        # valid_tokens is not used: padding rows go through the experts like real ones.
         if isinstance(prepared, MoEWeights):
             return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != prepared.hidden_size:

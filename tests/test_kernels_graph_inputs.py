@@ -33,6 +33,7 @@ def junk_buffers(b: int, q: int, p: int, gen: torch.Generator) -> GraphInputs:
         input_ids=rand(b * q, dtype=torch.long), positions=rand(b * q, dtype=torch.long),
         slots={k: rand(b * q, dtype=torch.long) for k in KINDS}, context_lens=rand(b, dtype=torch.int32),
         block_tables={k: rand(b, p, dtype=torch.int32) for k in KINDS},
+        valid_tokens=rand(1, dtype=torch.int32),
     )
 
 
@@ -55,11 +56,11 @@ def step_values(n: int, q: int, w: int, gen: torch.Generator, previous: int = 0)
 def clone(buffers: GraphInputs) -> GraphInputs:
     return GraphInputs(buffers.input_ids.clone(), buffers.positions.clone(),
                        {k: v.clone() for k, v in buffers.slots.items()}, buffers.context_lens.clone(),
-                       {k: v.clone() for k, v in buffers.block_tables.items()})
+                       {k: v.clone() for k, v in buffers.block_tables.items()}, buffers.valid_tokens.clone())
 
 
 def assert_same(a: GraphInputs, b: GraphInputs) -> None:
-    for name in ("input_ids", "positions", "context_lens"):
+    for name in ("input_ids", "positions", "context_lens", "valid_tokens"):
         assert torch.equal(getattr(a, name).cpu(), getattr(b, name).cpu()), name
     for k in KINDS:
         assert torch.equal(a.slots[k].cpu(), b.slots[k].cpu()), f"slots {k}"
@@ -74,6 +75,7 @@ def test_reference_pads_the_graph_rows():
     assert dst.input_ids[:6].tolist() == src.input_ids.tolist()
     assert dst.input_ids[6:].tolist() == old_ids[6:].tolist()  # padding rows' ids are never read
     assert dst.context_lens.tolist() == src.context_lens.tolist() + [2]
+    assert dst.valid_tokens.tolist() == [6]  # the real tokens, 3 sequences of 2
     for k in KINDS:
         assert dst.slots[k].tolist() == src.slots[k].tolist() + [-1, -1]
         table = dst.block_tables[k]

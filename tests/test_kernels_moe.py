@@ -412,7 +412,7 @@ def test_triton_router_matches_torch(shape):
     assert (counters == 0).all()
     counts = counters[0]
     mt._route_top_k_kernel[(5,)](
-        partial, prepared.router_bias, ids, gates, counts, 19, e_count, splits,
+        partial, prepared.router_bias, ids, gates, counts, None, 19, e_count, splits,
         TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=16, BLOCK_S=4, PDL=0,
     )
     want_ids, want_gates = route(x.float(), float_copy(w), top_k)
@@ -480,6 +480,40 @@ def test_triton_add_norm_moe_matches_add_rms_norm_then_moe():
         assert torch.equal(residual, want_residual)
         assert_close(out, backend.forward(h, prepared, 2, LIMIT), 1e-2 if CUDA else 1e-5)
         assert_close(out, reference(h, w, 2), max(TOL, DECODE_TOL))
+
+
+@needs_triton
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+def test_triton_valid_tokens_route_padding_nowhere(path):
+    """A CUDA graph's padded step (valid_tokens = n of T rows): the n real rows get what the
+    unpadded batch gets, and the padding rows route to no expert at all, so their output rows
+    stay zero (any routed pair would add its expert's nonzero bias there). The grouped path
+    also sees pads across blocks (n = 5 of 12 in 16-token blocks), the add + norm variant too."""
+    mt = _kernels()
+    w = make_weights(4, 96, 64, seed=12)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(12, 96, generator=g).to(DEVICE, DTYPE)
+    delta = torch.randn(12, 96, generator=g).to(DEVICE, DTYPE)
+    norm_weight = (torch.rand(96, generator=g) + 0.5).to(DEVICE, DTYPE)
+    from inference.kernels.rmsnorm_triton import add_rms_norm_reference
+
+    want_residual, h = add_rms_norm_reference(x, delta, norm_weight, 1e-5)
+    decode_max = 12 if path == "decode" else 0
+    backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None,
+                                                block_m=16))
+    prepared = prepared_copy(backend, w)
+    tol = max(TOL, DECODE_TOL) if path == "decode" else TOL
+    for n in (1, 5, 12):
+        valid = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+        out = backend.forward(x, prepared, 2, LIMIT, valid_tokens=valid)
+        assert_close(out[:n], reference(x[:n], w, 2), tol)
+        assert torch.count_nonzero(out[n:]) == 0
+        residual, fused = backend.add_norm_forward(x, delta, norm_weight, 1e-5, prepared, 2, LIMIT, valid_tokens=valid)
+        assert torch.equal(residual, want_residual)  # the add covers every row
+        assert_close(fused[:n], backend.forward(h[:n], prepared, 2, LIMIT), tol)
+        assert torch.count_nonzero(fused[n:]) == 0
+    with pytest.raises(ValueError, match="valid_tokens"):
+        backend.forward(x, prepared, 2, LIMIT, valid_tokens=torch.tensor([3], device=DEVICE))
 
 
 @needs_triton

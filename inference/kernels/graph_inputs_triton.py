@@ -4,8 +4,9 @@ A captured graph reads fixed buffers (`inference/cuda_graphs.py`): token ids, po
 slots per token, context lengths and block tables per sequence, sized for the captured batch.
 Each step fills the real rows from its packed inputs (`inference/step_inputs.py`) and pads the
 rest: padding sequences get context = tokens per sequence, slot -1 (no KV write) and a table
-of page 0; table columns past the step's width get -1. `fill_graph_inputs_reference` does that
-with a copy or fill per buffer: ten small operations, each a launch and a gap of a few
+of page 0; table columns past the step's width get -1; the count of real tokens goes to
+`valid_tokens` (the MoE routes the padding rows nowhere). `fill_graph_inputs_reference` does
+that with a copy or fill per buffer: ten small operations, each a launch and a gap of a few
 microseconds before the graph can start (about 20 µs a step at batch 1 on an H200).
 `fill_graph_inputs_triton` writes every buffer in one launch and can also take the token ids
 from the previous step's sampled ids on the device (async scheduling), which would otherwise be
@@ -40,6 +41,7 @@ class GraphInputs:
     slots: dict[str, torch.Tensor]  # "full", "sliding": [B*Q] int64
     context_lens: torch.Tensor  # [B] int32
     block_tables: dict[str, torch.Tensor]  # "full", "sliding": [B, P] int32
+    valid_tokens: torch.Tensor | None = None  # [1] int32: the step's real tokens (n*Q)
 
 
 @dataclass
@@ -67,6 +69,8 @@ def fill_graph_inputs_reference(dst: GraphInputs, src: StepValues, q: int) -> No
     dst.positions[:t].copy_(src.positions, non_blocking=True)
     dst.context_lens[:n].copy_(src.context_lens, non_blocking=True)
     dst.context_lens[n:].fill_(q)
+    if dst.valid_tokens is not None:
+        dst.valid_tokens.fill_(t)
     for kind in KINDS:
         dst.slots[kind][:t].copy_(src.slots[kind], non_blocking=True)
         dst.slots[kind][t:].fill_(-1)
@@ -82,7 +86,7 @@ if triton is not None:
     # for each that is 1 or a multiple of 16, in the middle of serving).
     @triton.jit(do_not_specialize=["n", "w", "P", "stride_full", "stride_sliding"])
     def _fill_kernel(
-        ids_out, pos_out, slot_full_out, slot_sliding_out, ctx_out, table_full_out, table_sliding_out,
+        ids_out, pos_out, slot_full_out, slot_sliding_out, ctx_out, table_full_out, table_sliding_out, valid_out,
         ids_in, previous, pos_in, slot_full_in, slot_sliding_in, ctx_in, table_full_in, table_sliding_in,
         n, w, P, stride_full, stride_sliding,
         Q: tl.constexpr, Q_POW2: tl.constexpr, GATHER: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -112,6 +116,9 @@ if triton is not None:
             tl.store(slot_sliding_out + tok, tl.load(slot_sliding_in + tok, mask=mine, other=-1), mask=tok_ok)
             ctx = tl.load(ctx_in + tl.minimum(r, n - 1))  # n >= 1
             tl.store(ctx_out + r, tl.where(real, ctx, Q))
+            if valid_out is not None:
+                if r == 0:
+                    tl.store(valid_out, n * Q)
 
 
 def fill_graph_inputs_triton(dst: GraphInputs, src: StepValues, q: int) -> None:
@@ -138,7 +145,7 @@ def fill_graph_inputs_triton(dst: GraphInputs, src: StepValues, q: int) -> None:
     gather = src.previous is not None
     _fill_kernel[(b, triton.cdiv(p, BLOCK_P))](
         dst.input_ids, dst.positions, dst.slots["full"], dst.slots["sliding"], dst.context_lens,
-        dst.block_tables["full"], dst.block_tables["sliding"],
+        dst.block_tables["full"], dst.block_tables["sliding"], dst.valid_tokens,
         src.input_ids, src.previous if gather else src.input_ids, src.positions, src.slots["full"],
         src.slots["sliding"], src.context_lens, full, sliding,
         n, w, p, full.stride(0), sliding.stride(0),

@@ -517,18 +517,21 @@ def _router_partial_kernel(
 
 @triton.jit
 def _route_top_k_kernel(
-    partial_ptr, br_ptr, ids_ptr, gates_ptr, counts_ptr, T, E, splits,
+    partial_ptr, br_ptr, ids_ptr, gates_ptr, counts_ptr, valid_ptr, T, E, splits,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """Routing of BLOCK_T tokens from the router's partial sums (all BLOCK_S >= splits of them in
     one load): logits, top-k (ties: lowest id), softmax over the k. Writes ids [T, k] int32 and
-    gates [T, k] float32 and adds the per-expert pair counts to counts [E]."""
+    gates [T, k] float32 and adds the per-expert pair counts to counts [E]. valid_ptr: None, or
+    the number of real tokens (int32 [1]); tokens past it are neither written nor counted."""
     wait_for_previous(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     sp = tl.arange(0, BLOCK_S)
     t_ok = t < T
+    if valid_ptr is not None:
+        t_ok = t_ok & (t < tl.load(valid_ptr))
     e_ok = e < E
     ptrs = partial_ptr + (sp[:, None, None] * T + t[None, :, None]) * E + e[None, None, :]
     mask = (sp < splits)[:, None, None] & t_ok[None, :, None] & e_ok[None, None, :]
@@ -668,7 +671,7 @@ def _gemv_loop(acc, w_rows, s_rows, x_row, num_tiles, CHUNK: tl.constexpr, BLOCK
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    xh_ptr, inv_scale_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    xh_ptr, inv_scale_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr, valid_ptr,
     I, E, num_tiles, num_pairs, k_pad, i_pad, limit, alpha, act_scale,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_U: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
@@ -677,10 +680,14 @@ def _gemv_gate_up_kernel(
     for pair p = (token t, slot), e the slot's expert, n in this program's row group (8 columns;
     groups past I/8 write the zeros of i_pad's padding); BLOCK_U 64-value K tiles per step.
     w_ptr / s_ptr: the weights as int32 words, the scale words; xh_ptr: x as the router kernel
-    scales it ([T, k_pad] fp16)."""
+    scales it ([T, k_pad] fp16). valid_ptr: None, or the number of real tokens (int32 [1]); the
+    programs of the rest return at once, leaving their act rows unwritten."""
     wait_for_previous(PDL)
     pair = tl.program_id(0)
     group = tl.program_id(1)
+    if valid_ptr is not None:
+        if pair // TOP_K >= tl.load(valid_ptr):
+            return
     n = group * _GROUP + tl.arange(0, _GROUP)
     if group * _GROUP >= I:
         tl.store(act_ptr + pair * i_pad + _permuted(n), tl.zeros([_GROUP], dtype=tl.float16), mask=n < i_pad)
@@ -707,7 +714,7 @@ def _gemv_gate_up_kernel(
 
 @triton.jit
 def _gemv_down_kernel(
-    act_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    act_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, out_ptr, valid_ptr,
     H, E, num_tiles, num_pairs, i_pad, inv_act_scale,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_U: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
@@ -717,9 +724,12 @@ def _gemv_down_kernel(
     output ([T*k, i_pad], scaled by 1 / inv_act_scale).
     PDL (`dependent_launch`): launched as the gate_up GEMV's dependent, the program picks its
     expert from the router's logits (complete before the gate_up GEMV started) before it waits
-    for act."""
+    for act. valid_ptr: as in the gate_up GEMV; only the real tokens' rows are added to."""
     pair = tl.program_id(0)
     group = tl.program_id(1)
+    if valid_ptr is not None:
+        if pair // TOP_K >= tl.load(valid_ptr):
+            return
     n = group * _GROUP + tl.arange(0, _GROUP)
     token = pair // TOP_K
     e, gate = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
@@ -741,13 +751,14 @@ def _gemv_down_kernel(
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr,
+    ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, valid_ptr,
     num_pairs, E, max_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
     """Group (token, slot) pairs by expert: sorted[row] = pair (or -1 for padding), each expert's
     rows starting at a multiple of BLOCK_M; block_expert[b] = the expert of rows
     [b*BLOCK_M, (b+1)*BLOCK_M), -1 past the last. Order within an expert is arbitrary (atomics).
+    valid_ptr: None, or the number of real tokens (int32 [1]): the pairs of the rest are left out.
     """
     wait_for_previous(PDL)
     pid = tl.program_id(0)
@@ -759,6 +770,8 @@ def _align_kernel(
     starts = ends - padded
     p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     p_ok = p < num_pairs
+    if valid_ptr is not None:
+        p_ok = p_ok & (p < tl.load(valid_ptr) * TOP_K)
     pe = tl.load(ids_ptr + p, mask=p_ok, other=0)
     start = tl.sum(tl.where(pe[:, None] == e[None, :], starts[None, :], 0), axis=1)
     rank = tl.atomic_add(cursor_ptr + pe, 1, mask=p_ok, sem="relaxed")
@@ -964,24 +977,30 @@ def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
 
 def fused_moe(
     x: torch.Tensor, w: TritonMoEWeights, top_k: int, swiglu_limit: float, config: MoEKernelConfig = DEFAULT_CONFIG,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, valid_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE block. x: [T, H] bf16, or float32 (float32 math throughout) -> [T, H] in out_dtype
-    (default x's); float32 returns the kernels' own sums, with no cast kernel."""
-    return _moe(x, None, w, top_k, swiglu_limit, config, out_dtype)[1]
+    (default x's); float32 returns the kernels' own sums, with no cast kernel.
+
+    valid_tokens: None, or int32 [1] on the device: only the first that many rows are real (a
+    CUDA graph's step padded to its captured size). The rest route nowhere, so they cost no
+    expert reads, and their output rows are zero."""
+    return _moe(x, None, w, top_k, swiglu_limit, config, out_dtype, valid_tokens)[1]
 
 
 def fused_add_norm_moe(
     x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: TritonMoEWeights, top_k: int,
     swiglu_limit: float, config: MoEKernelConfig = DEFAULT_CONFIG, out_dtype: torch.dtype | None = None,
+    valid_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and RMSNorm before the MoE block, then the block: returns (r, MoE(h))
     with r = x + delta and h = rmsnorm(r) * norm_weight, as `add_rms_norm_reference`. The
     decode path does the add and norm in its router kernel (a launch fewer a layer); larger
-    batches run `add_rms_norm_triton` first."""
+    batches run `add_rms_norm_triton` first. valid_tokens: as in `fused_moe` (the add and norm
+    still cover every row)."""
     if delta.shape != x.shape:
         raise ValueError(f"delta {tuple(delta.shape)} does not match x {tuple(x.shape)}")
-    return _moe(x, (delta, norm_weight, eps), w, top_k, swiglu_limit, config, out_dtype)
+    return _moe(x, (delta, norm_weight, eps), w, top_k, swiglu_limit, config, out_dtype, valid_tokens)
 
 
 def decode_router(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, out32: torch.Tensor,
@@ -1018,8 +1037,10 @@ def decode_router(x: torch.Tensor, router_weight: torch.Tensor, router_bias: tor
     return residual, logits, x_half, inv_scale
 
 
-def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
+def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=None):
     """(residual or None, MoE output); add_norm: None or (delta, norm weight, eps)."""
+    if valid_tokens is not None and (valid_tokens.dtype != torch.int32 or valid_tokens.numel() != 1):
+        raise ValueError("valid_tokens must be an int32 tensor of one element")
     t_count, hidden = x.shape
     num_experts, inter = w.num_experts, w.intermediate_size
     if hidden != w.hidden_size:
@@ -1046,11 +1067,11 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
         gemv = dict(TOP_K=top_k, BLOCK_E=block_e, BLOCK_U=cfg.gemv_block_u, STAGES=cfg.gemv_stages, ASM=asm,
                     num_warps=cfg.gemv_warps)
         _gemv_gate_up_kernel[(pairs, i_pad // ROW_GROUP)](
-            x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, inter, num_experts, tiles1,
+            x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, valid_tokens, inter, num_experts, tiles1,
             pairs1, k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, **gemv, **pdl_options(dev, dependent=False),
         )
         _gemv_down_kernel[(pairs, hidden // ROW_GROUP)](
-            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, hidden, num_experts, tiles2, pairs2,
+            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, valid_tokens, hidden, num_experts, tiles2, pairs2,
             i_pad, 1.0 / act_scale, **gemv, **pdl_options(dev, dependent=True),
         )
         return residual, out32.to(out_dtype)  # no copy when float32 was asked for
@@ -1081,7 +1102,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     )
     top_k_block_t = 4  # small programs: the loads of all splits are one wide load each
     _route_top_k_kernel[(triton.cdiv(t_count, top_k_block_t),)](
-        partial, w.router_bias, ids, gates, counters[0], t_count, num_experts, splits,
+        partial, w.router_bias, ids, gates, counters[0], valid_tokens, t_count, num_experts, splits,
         TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=top_k_block_t, BLOCK_E=block_e,
         BLOCK_S=triton.next_power_of_2(splits), **pdl,
     )
@@ -1091,8 +1112,8 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype):
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     block_p = 128
     _align_kernel[(triton.cdiv(pairs, block_p),)](
-        ids, counters[0], counters[1], sorted_pairs, block_expert, pairs, num_experts, max_blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, **pdl,
+        ids, counters[0], counters[1], sorted_pairs, block_expert, valid_tokens, pairs, num_experts, max_blocks,
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, **pdl,
     )
     act_dtype = torch.float32 if full_precision else torch.bfloat16
     act = torch.empty(max_blocks * block_m, inter, dtype=act_dtype, device=dev)
