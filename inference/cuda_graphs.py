@@ -123,6 +123,9 @@ class DecodeGraphRunner:
     def _capture_one(self, b: int, q: int = 1) -> _Captured:
         dev = self.model.device
         t = b * q
+        # Only a graph that runs smaller batches too gets the count: at batch 1 the MoE's extra
+        # load of it would sit on every layer's critical path for nothing.
+        can_pad = b - max((s for s in self.sizes[q] if s < b), default=0) > 1
         buf = _Captured(
             input_ids=torch.zeros(t, dtype=torch.long, device=dev),
             positions=torch.zeros(t, dtype=torch.long, device=dev),
@@ -130,7 +133,7 @@ class DecodeGraphRunner:
             context_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
             block_tables={k: torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev) for k in KINDS},
-            valid_tokens=torch.full((1,), t, dtype=torch.int32, device=dev),
+            valid_tokens=torch.full((1,), t, dtype=torch.int32, device=dev) if can_pad else None,
         )
         meta = self._metadata(buf, b, q)
         self._warm_up_fill(buf, b, q)

@@ -525,13 +525,13 @@ def _route_top_k_kernel(
     one load): logits, top-k (ties: lowest id), softmax over the k. Writes ids [T, k] int32 and
     gates [T, k] float32 and adds the per-expert pair counts to counts [E]. valid_ptr: None, or
     the number of real tokens (int32 [1]); tokens past it are neither written nor counted."""
-    wait_for_previous(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    if valid_ptr is not None:  # an input of the graph, written before it started: no need to wait
+        t_ok = t_ok & (t < tl.load(valid_ptr))
+    wait_for_previous(PDL)
     e = tl.arange(0, BLOCK_E)
     sp = tl.arange(0, BLOCK_S)
-    t_ok = t < T
-    if valid_ptr is not None:
-        t_ok = t_ok & (t < tl.load(valid_ptr))
     e_ok = e < E
     ptrs = partial_ptr + (sp[:, None, None] * T + t[None, :, None]) * E + e[None, None, :]
     mask = (sp < splits)[:, None, None] & t_ok[None, :, None] & e_ok[None, None, :]
@@ -681,13 +681,15 @@ def _gemv_gate_up_kernel(
     groups past I/8 write the zeros of i_pad's padding); BLOCK_U 64-value K tiles per step.
     w_ptr / s_ptr: the weights as int32 words, the scale words; xh_ptr: x as the router kernel
     scales it ([T, k_pad] fp16). valid_ptr: None, or the number of real tokens (int32 [1]); the
-    programs of the rest return at once, leaving their act rows unwritten."""
-    wait_for_previous(PDL)
+    programs of the rest return right after the wait, leaving their act rows unwritten."""
     pair = tl.program_id(0)
     group = tl.program_id(1)
-    if valid_ptr is not None:
-        if pair // TOP_K >= tl.load(valid_ptr):
-            return
+    valid = pair // TOP_K + 1
+    if valid_ptr is not None:  # an input of the graph: its load overlaps the wait
+        valid = tl.load(valid_ptr)
+    wait_for_previous(PDL)
+    if pair // TOP_K >= valid:
+        return
     n = group * _GROUP + tl.arange(0, _GROUP)
     if group * _GROUP >= I:
         tl.store(act_ptr + pair * i_pad + _permuted(n), tl.zeros([_GROUP], dtype=tl.float16), mask=n < i_pad)
@@ -760,8 +762,11 @@ def _align_kernel(
     [b*BLOCK_M, (b+1)*BLOCK_M), -1 past the last. Order within an expert is arbitrary (atomics).
     valid_ptr: None, or the number of real tokens (int32 [1]): the pairs of the rest are left out.
     """
-    wait_for_previous(PDL)
     pid = tl.program_id(0)
+    pairs = num_pairs
+    if valid_ptr is not None:  # (read before the wait, as in `_route_top_k_kernel`)
+        pairs = tl.minimum(pairs, tl.load(valid_ptr) * TOP_K)
+    wait_for_previous(PDL)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     counts = tl.load(counts_ptr + e, mask=e_ok, other=0)
@@ -769,9 +774,7 @@ def _align_kernel(
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_ok = p < num_pairs
-    if valid_ptr is not None:
-        p_ok = p_ok & (p < tl.load(valid_ptr) * TOP_K)
+    p_ok = p < pairs
     pe = tl.load(ids_ptr + p, mask=p_ok, other=0)
     start = tl.sum(tl.where(pe[:, None] == e[None, :], starts[None, :], 0), axis=1)
     rank = tl.atomic_add(cursor_ptr + pe, 1, mask=p_ok, sem="relaxed")
