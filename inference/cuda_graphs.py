@@ -103,8 +103,11 @@ class DecodeGraphRunner:
         self.max_pages = max_pages
         self.max_context = max_context
         self.aux_layers = tuple(aux_layers)
+        # Up to the smallest size that holds max_batch sequences (a batch of 5 replays the graph
+        # of 8; its padding costs no expert reads, see `valid_tokens`).
         limit = max_batch or max(batch_sizes)
-        self.batch_sizes = tuple(sorted(b for b in batch_sizes if b <= limit))
+        cover = min((b for b in batch_sizes if b >= limit), default=max(batch_sizes))
+        self.batch_sizes = tuple(sorted(b for b in batch_sizes if b <= cover))
         # Per tokens-per-sequence shape, the captured batch sizes (ascending).
         self.sizes: dict[int, tuple[int, ...]] = {
             q: self.batch_sizes if q == 1 else tuple(b for b in self.batch_sizes if b <= max_verify_batch)
@@ -123,9 +126,6 @@ class DecodeGraphRunner:
     def _capture_one(self, b: int, q: int = 1) -> _Captured:
         dev = self.model.device
         t = b * q
-        # Only a graph that runs smaller batches too gets the count: at batch 1 the MoE's extra
-        # load of it would sit on every layer's critical path for nothing.
-        can_pad = b - max((s for s in self.sizes[q] if s < b), default=0) > 1
         buf = _Captured(
             input_ids=torch.zeros(t, dtype=torch.long, device=dev),
             positions=torch.zeros(t, dtype=torch.long, device=dev),
@@ -133,13 +133,19 @@ class DecodeGraphRunner:
             context_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
             block_tables={k: torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev) for k in KINDS},
-            valid_tokens=torch.full((1,), t, dtype=torch.int32, device=dev) if can_pad else None,
+            valid_tokens=torch.full((1,), t, dtype=torch.int32, device=dev) if self.pads(b, q) else None,
         )
         meta = self._metadata(buf, b, q)
         self._warm_up_fill(buf, b, q)
         buf.graph, (buf.logits, buf.aux) = _record(lambda: self._step(buf, meta), self.pool)
         self.pool = buf.graph.pool()
         return buf
+
+    def pads(self, b: int, q: int = 1) -> bool:
+        """Whether the graph of b sequences (of q tokens) also runs smaller batches, padded. Only
+        those graphs carry the count of real tokens: at batch 1 the MoE's load of it would sit
+        on every layer's critical path for nothing."""
+        return b - max((s for s in self.sizes[q] if s < b), default=0) > 1
 
     @staticmethod
     def _warm_up_fill(buf: _Captured, b: int, q: int) -> None:

@@ -684,12 +684,13 @@ def _gemv_gate_up_kernel(
     programs of the rest return right after the wait, leaving their act rows unwritten."""
     pair = tl.program_id(0)
     group = tl.program_id(1)
-    valid = pair // TOP_K + 1
-    if valid_ptr is not None:  # an input of the graph: its load overlaps the wait
-        valid = tl.load(valid_ptr)
-    wait_for_previous(PDL)
-    if pair // TOP_K >= valid:
-        return
+    if valid_ptr is not None:
+        valid = tl.load(valid_ptr)  # an input of the graph: its load overlaps the wait
+        wait_for_previous(PDL)
+        if pair // TOP_K >= valid:
+            return
+    else:
+        wait_for_previous(PDL)
     n = group * _GROUP + tl.arange(0, _GROUP)
     if group * _GROUP >= I:
         tl.store(act_ptr + pair * i_pad + _permuted(n), tl.zeros([_GROUP], dtype=tl.float16), mask=n < i_pad)
@@ -1070,12 +1071,13 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
         gemv = dict(TOP_K=top_k, BLOCK_E=block_e, BLOCK_U=cfg.gemv_block_u, STAGES=cfg.gemv_stages, ASM=asm,
                     num_warps=cfg.gemv_warps)
         _gemv_gate_up_kernel[(pairs, i_pad // ROW_GROUP)](
-            x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, valid_tokens, inter, num_experts, tiles1,
-            pairs1, k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, **gemv, **pdl_options(dev, dependent=False),
+            x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, valid_tokens, inter, num_experts,
+            tiles1, pairs1, k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, **gemv,
+            **pdl_options(dev, dependent=False),
         )
         _gemv_down_kernel[(pairs, hidden // ROW_GROUP)](
-            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, valid_tokens, hidden, num_experts, tiles2, pairs2,
-            i_pad, 1.0 / act_scale, **gemv, **pdl_options(dev, dependent=True),
+            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, valid_tokens, hidden, num_experts, tiles2,
+            pairs2, i_pad, 1.0 / act_scale, **gemv, **pdl_options(dev, dependent=True),
         )
         return residual, out32.to(out_dtype)  # no copy when float32 was asked for
 
