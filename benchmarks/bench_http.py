@@ -163,8 +163,9 @@ def main() -> int:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    extra = f" + {', '.join(args.engine_option)}" if args.engine_option else ""
     title = (f"gpt-oss-{args.model} random weights on {device}, {time.strftime('%Y-%m-%d %H:%M')}; "
-             f"engine options as oss-agent serve's defaults{' + ' + ', '.join(args.engine_option) if args.engine_option else ''}")
+             f"engine options as oss-agent serve's defaults{extra}")
     print()
     for name, runs_of in report.items():
         for r, run in enumerate(runs_of, 1):

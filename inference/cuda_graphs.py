@@ -225,11 +225,12 @@ class PrefillGraphRunner:
     `run` pads the step's n tokens to the bucket Q: the padded tokens come after the real ones,
     write no K/V (slot -1) and their rows are dropped, so the real tokens, which attend only to
     positions at or before their own, compute what they would eagerly. The context length is
-    start + Q, so attention places token i at start + i; the block tables get `pad_pages` zero
-    columns more, so the padded tokens' key reads stay inside them. The MoE routes the padded
-    tokens nowhere (`valid_tokens` = n), so they add no expert work. The graph returns the
-    logits of one row (the last real token's). Capture-safety is the decode graphs' (the extend
-    attention kernel's tile count depends only on Q).
+    start + Q, so attention places token i at start + i; the block tables are wider than
+    max_pages by the largest bucket's pages (zeros past the real table), so the padded tokens'
+    key reads stay inside them. The MoE routes the padded tokens nowhere (`valid_tokens` = n),
+    so they add no expert work. The graph returns the logits of one row (the last real
+    token's). Capture-safety is the decode graphs' (the extend attention kernel's tile count
+    depends only on Q).
     """
 
     def __init__(self, model: GptOssModel, kv_caches: list, max_pages: int, max_context: int,

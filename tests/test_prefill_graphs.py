@@ -81,8 +81,8 @@ def test_engine_short_prefills_replay_the_graphs_and_match_eager(chunk):
     sequence's first near tie. Chunks of 8 tokens keep MoE on its per-token GEMV path in both (8
     real tokens, 16 in the graph), and every chunk after the first prefills after cached ones
     (cuBLAS may still pick another float32 kernel for 16 rows than for 8: ties of 0.01). Whole
-    prompts (150 to 171 tokens: 256 in the graph) take the grouped path, whose bf16 dots round
-    differently at another token count: ties of 0.05."""
+    prompts (150 to 171 tokens: 256 in the graph) take the grouped path, whose float32 dots run
+    as TF32 on tensor cores and round differently at another token count: ties of 0.05."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from inference.engine import LLMEngine
