@@ -59,12 +59,23 @@ EngineFactory = Callable[[], "EngineClient | Awaitable[EngineClient]"]
 ToolServersFactory = Callable[[], Awaitable[list[Any]]]
 
 
+def engine_failure(state: ServerState) -> str | None:
+    """Why the engine can no longer serve (an engine process that exited), or None."""
+    return getattr(state.engine, "failure", None)
+
+
 async def health(request: Request) -> Response:
+    failure = engine_failure(request.app.state.server)
+    if failure:
+        return JSONResponse({"status": "failed", "error": failure}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 async def ready(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    failure = engine_failure(state)
+    if failure:
+        return JSONResponse({"status": "failed", "error": failure}, status_code=503)
     if state.ready:
         return JSONResponse({"status": "ready", "model": state.config.model_name})
     error = state.extra.get("load_error")

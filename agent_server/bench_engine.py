@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, help="context length (default: the engine's)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                         help="extra keyword for AsyncEngine.from_pretrained (value as a Python literal)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine in a process of its own, as oss-agent serve runs it (default: as "
+                             "serve: on with CUDA)")
     add_target_arguments(parser)
     parser.add_argument("--compare-http", action="store_true",
                         help="also serve this engine over loopback HTTP and report HTTP / engine ratios")
@@ -242,18 +245,27 @@ def format_comparison(report: dict[str, Any]) -> str:
 
 
 def build_engine(args: argparse.Namespace):
-    """The `AsyncEngine` the arguments describe, with the engine options `oss-agent serve` uses."""
+    """The engine client the arguments describe, built as `oss-agent serve` builds it: its engine
+    options, and in a process of its own where serve would run it so (`--engine-process`)."""
     from inference.engine import AsyncEngine, LLMEngine
+    from inference.engine_process import EngineProcess, EngineSpec
 
+    from .serve_command import engine_in_process_of_its_own
+
+    options = engine_options(args)
+    own_process = engine_in_process_of_its_own(args)
     if args.random_weights:
         from inference.config import ModelConfig
         from inference.tiny_checkpoint import hf_config_dict
 
-        print(f"gpt-oss-{args.random_weights} shapes with random weights, made on the device", file=sys.stderr)
-        config = ModelConfig.from_dict(hf_config_dict(GPT_OSS_SHAPES[args.random_weights]))
-        return AsyncEngine(LLMEngine.from_random(config, device=args.device,
-                                                 model_name=f"gpt-oss-{args.random_weights}-random",
-                                                 **engine_options(args)))
+        print(f"gpt-oss-{args.random_weights} shapes with random weights, made on the device"
+              f"{', in an engine process' if own_process else ''}", file=sys.stderr)
+        hf_config, name = hf_config_dict(GPT_OSS_SHAPES[args.random_weights]), f"gpt-oss-{args.random_weights}-random"
+        if own_process:
+            return EngineProcess(EngineSpec(random_config=hf_config, model_name=name,
+                                            options={"device": args.device, **options}))
+        return AsyncEngine(LLMEngine.from_random(ModelConfig.from_dict(hf_config), device=args.device,
+                                                 model_name=name, **options))
     if args.model:
         model_dir = Path(args.model)
     else:
@@ -261,7 +273,9 @@ def build_engine(args: argparse.Namespace):
 
         model_dir = default_tiny_checkpoint()
         print(f"no --model: benchmarking a tiny random-weight checkpoint ({model_dir})", file=sys.stderr)
-    return AsyncEngine.from_pretrained(str(model_dir), device=args.device, **engine_options(args))
+    if own_process:
+        return EngineProcess(EngineSpec(model_dir=str(model_dir), options={"device": args.device, **options}))
+    return AsyncEngine.from_pretrained(str(model_dir), device=args.device, **options)
 
 
 def run(args: argparse.Namespace) -> int:

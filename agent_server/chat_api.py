@@ -26,7 +26,7 @@ from inference.tokenizer import CALL, RETURN
 from schemas.chat import ChatCompletionRequest
 
 from .chat_prompt import chat_prompt
-from .errors import APIError, internal_error
+from .errors import APIError, engine_unavailable, internal_error
 from .harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, recipient_kind
 from .request_parsing import read_request
 from .sse import data_only, sse_response
@@ -109,6 +109,8 @@ class ChoiceStream:
             generation = engine.generate(self.request)
         except ValueError as e:  # the engine refused the request (limits it checks itself)
             raise APIError(f"Invalid request: {e}.") from None
+        except RuntimeError as e:  # the engine is gone (its process exited) or shut down
+            raise engine_unavailable(str(e)) from None
         deltas = self.state.metrics.observe_generation(generation, self.started)
         finish, stop_token = None, None
         try:

@@ -94,6 +94,12 @@ def internal_error() -> APIError:
                     code="server_error")
 
 
+def engine_unavailable(reason: str) -> APIError:
+    """The 503 for a request the engine can no longer take (its process exited, or it is shut down)."""
+    return APIError(f"The model engine is unavailable ({reason}); retry later.", status=503,
+                    code="engine_unavailable")
+
+
 def shutting_down() -> APIError:
     return APIError("The server is shutting down and could not finish this request; retry it.", status=503,
                     code="server_shutting_down")

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "overlaps the GPU (default: on with CUDA, off on CPU; never with a drafter or -tp)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                         help="extra keyword for AsyncEngine.from_pretrained (value as a Python literal)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
+                             "steps under (default: on with CUDA, off on CPU)")
     parser.add_argument("--tool-timeout", type=float, default=300.0, help="seconds a built-in tool call may take")
     parser.add_argument("--cors-origin", action="append", default=[],
                         help="allow this browser origin (CORS, off by default); repeatable, '*' for any")
@@ -81,6 +84,18 @@ def engine_options(args: argparse.Namespace) -> dict:
     if options.get("speculative") == "eagle3" and not options.get("draft_model"):
         raise SystemExit("--speculative eagle3 needs --draft-model DIR (an EAGLE-3 draft checkpoint)")
     return options
+
+
+def engine_in_process_of_its_own(args: argparse.Namespace) -> bool:
+    """--engine-process, or by default whether the engine runs on CUDA (on CPU the engine's own
+    work is the bottleneck, and a process of its own only adds start-up time)."""
+    if args.engine_process is not None:
+        return args.engine_process
+    if args.device is not None:
+        return args.device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def fraction(text: str) -> float:
@@ -124,6 +139,11 @@ def run(args: argparse.Namespace) -> int:
     options = engine_options(args)
 
     def build_engine():
+        if engine_in_process_of_its_own(args):
+            from inference.engine_process import EngineProcess, EngineSpec
+
+            return EngineProcess(EngineSpec(model_dir=str(model_dir), options={"device": args.device, **options},
+                                            log_level=args.log_level))
         from inference.engine import AsyncEngine
 
         return AsyncEngine.from_pretrained(str(model_dir), device=args.device, **options)

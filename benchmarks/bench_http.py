@@ -135,6 +135,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
     ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                     help="extra keyword for the engine, as in oss-agent serve")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine in a process of its own (default: as oss-agent serve, on with CUDA)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -149,6 +151,8 @@ def main() -> int:
     argv += [f"--engine-option={o}" for o in args.engine_option]
     if args.device:
         argv += ["--device", args.device]
+    if args.engine_process is not None:
+        argv.append("--engine-process" if args.engine_process else "--no-engine-process")
     if args.temperature is not None:
         argv += ["--temperature", str(args.temperature)]
     base = parser.parse_args(argv)
@@ -158,14 +162,15 @@ def main() -> int:
     progress(f"building the engine: gpt-oss-{args.model} shapes, random weights")
     start = time.perf_counter()
     engine = bench_engine.build_engine(base)
-    progress(f"engine ready in {time.perf_counter() - start:.1f} s")
+    where = "a process of its own" if type(engine).__name__ == "EngineProcess" else "a thread of this process"
+    progress(f"engine ready in {time.perf_counter() - start:.1f} s, running in {where}")
     report = asyncio.run(measure(engine, runs, args.rounds))  # the server's shutdown stops the engine
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     extra = f" + {', '.join(args.engine_option)}" if args.engine_option else ""
     title = (f"gpt-oss-{args.model} random weights on {device}, {time.strftime('%Y-%m-%d %H:%M')}; "
-             f"engine options as oss-agent serve's defaults{extra}")
+             f"engine options as oss-agent serve's defaults{extra}; the engine in {where}")
     print()
     for name, runs_of in report.items():
         for r, run in enumerate(runs_of, 1):

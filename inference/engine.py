@@ -128,6 +128,23 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return dtype
 
 
+def check_request(request: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError (with a message fit for a 400) if an engine of this vocabulary and context
+    length cannot serve `request` (also checked where the engine is out of reach: `EngineProcess`)."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    request.sampling.validate(vocab_size)
+    total = len(prompt) + request.sampling.max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
+            f"{total}, more than the model's context length {max_model_len}"
+        )
+
+
 class LLMEngine:
     """The synchronous engine core. Not thread-safe: one thread drives it."""
 
@@ -293,18 +310,7 @@ class LLMEngine:
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ValueError (with a message fit for a 400) if the request cannot be served."""
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        request.sampling.validate(self.vocab_size)
-        total = len(prompt) + request.sampling.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
-                f"{total}, more than the model's context length {self.max_model_len}"
-            )
+        check_request(request, self.vocab_size, self.max_model_len)
 
     def add_request(self, request: GenerationRequest) -> None:
         self.check_request(request)
@@ -551,6 +557,66 @@ class LLMEngine:
         return self.cache.usage([(seq.pages, seq.num_computed) for seq in live])
 
 
+class EngineDriver:
+    """What the owner of an `LLMEngine` does between handing deltas out (`AsyncEngine`'s thread,
+    `EngineProcess`'s process): apply the callers' commands, run a step, keep serving through
+    failures. Commands are tuples: ("add", request), ("abort", request_id),
+    ("release", request_id), ("stop",)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def apply(self, command: tuple) -> tuple[list[TokenDelta], bool]:
+        """(the deltas it made, whether it was "stop"). An "add" that fails ends its request with
+        an "error" delta; any other failing command is logged."""
+        kind = command[0]
+        try:
+            if kind == "add":
+                request = command[1]
+                try:
+                    self.engine.add_request(request)
+                except Exception as e:
+                    return [TokenDelta(request.request_id, [], finish_reason="error", error=str(e),
+                                       num_prompt_tokens=len(request.prompt_token_ids))], False
+            elif kind == "abort":
+                delta = self.engine.abort(command[1])
+                return ([] if delta is None else [delta]), False
+            elif kind == "release":
+                self.engine.release(command[1])
+            elif kind == "stop":
+                return [], True
+        except Exception:
+            log.exception("engine command %s failed", kind)
+        return [], False
+
+    def step(self) -> tuple[list[TokenDelta], bool]:
+        """One step, if there is work: (its deltas, stalled). Stalled: nothing could be scheduled
+        (should not happen), so the caller should wait a little rather than spin. A bug fails
+        what is in flight, and the engine keeps serving."""
+        engine = self.engine
+        if not engine.has_unfinished():
+            return [], False
+        steps, collecting = engine.steps, engine.in_flight
+        try:
+            deltas = engine.step()
+        except Exception as e:
+            log.exception("engine loop failed")
+            return engine.fail_all(f"{type(e).__name__}: {e}"), False
+        return deltas, engine.steps == steps and not collecting
+
+    def abort_all(self) -> list[TokenDelta]:
+        """End every request ("abort") and free the parked sequences: the engine is stopping."""
+        engine = self.engine
+        try:
+            deltas = [engine.abort(seq.request_id) for seq in [*engine.scheduler.running, *engine.scheduler.waiting]]
+            for request_id in list(engine.scheduler.parked):
+                engine.release(request_id)
+            return [d for d in deltas if d is not None]
+        except Exception as e:
+            log.exception("engine loop failed")
+            return engine.fail_all(f"{type(e).__name__}: {e}")
+
+
 class AsyncEngine:
     """`LLMEngine` on a dedicated thread, streaming to asyncio (implements `EngineClient`).
 
@@ -648,6 +714,7 @@ class AsyncEngine:
         self._wakeup.set()
 
     def _loop(self) -> None:
+        driver = EngineDriver(self.engine)
         while True:
             if not self.engine.has_unfinished():
                 self._wakeup.wait()
@@ -656,23 +723,22 @@ class AsyncEngine:
                 commands, self._inbox = self._inbox, []
             stop = False
             for command in commands:
-                try:
-                    stop |= self._apply(command)
-                except Exception:
-                    log.exception("engine command %s failed", command[0])
-            try:
-                if stop:
-                    self._abort_all()
-                elif self.engine.has_unfinished():
-                    steps, collecting = self.engine.steps, self.engine.in_flight
-                    for delta in self.engine.step():
-                        self._deliver(delta)
-                    if self.engine.steps == steps and not collecting:
-                        self._wakeup.wait(0.01)  # nothing could be scheduled (should not happen): don't spin
-            except Exception as e:  # a bug must not kill the thread: fail what is in flight, keep serving
-                log.exception("engine loop failed")
-                for delta in self.engine.fail_all(f"{type(e).__name__}: {e}"):
+                if command[0] == "add":  # ("add", request, loop, queue): the sink stays on this side
+                    _, request, loop, queue = command
+                    self._sinks[request.request_id] = (loop, queue)
+                    command = ("add", request)
+                deltas, stopped = driver.apply(command)
+                stop |= stopped
+                for delta in deltas:
                     self._deliver(delta)
+            if stop:
+                deltas, stalled = driver.abort_all(), False
+            else:
+                deltas, stalled = driver.step()
+            for delta in deltas:
+                self._deliver(delta)
+            if stalled:
+                self._wakeup.wait(0.01)
             self._publish()  # first: a consumer handed its last delta then reads stats that count it
             self._flush()
             with self._lock:
@@ -680,26 +746,6 @@ class AsyncEngine:
                     self._idle.set()
             if stop:
                 return
-
-    def _apply(self, command: tuple) -> bool:
-        kind = command[0]
-        if kind == "add":
-            _, request, loop, queue = command
-            self._sinks[request.request_id] = (loop, queue)
-            try:
-                self.engine.add_request(request)
-            except Exception as e:
-                self._deliver(TokenDelta(request.request_id, [], finish_reason="error", error=str(e),
-                                         num_prompt_tokens=len(request.prompt_token_ids)))
-        elif kind == "abort":
-            delta = self.engine.abort(command[1])
-            if delta is not None:
-                self._deliver(delta)
-        elif kind == "release":
-            self.engine.release(command[1])
-        elif kind == "stop":
-            return True
-        return False
 
     def _deliver(self, delta: TokenDelta) -> None:
         """Queue `delta` for its consumer; `_flush` hands a pass's deltas over."""
@@ -725,14 +771,6 @@ class AsyncEngine:
                         self.engine.abort(delta.request_id)
                         self._sinks.pop(delta.request_id, None)
 
-    def _abort_all(self) -> None:
-        for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
-            delta = self.engine.abort(seq.request_id)
-            if delta is not None:
-                self._deliver(delta)
-        for request_id in list(self.engine.scheduler.parked):
-            self.engine.release(request_id)
-
     def _publish(self) -> None:
         self._stats = self.engine.stats()
         self._usage = self.engine.cache_usage()
@@ -743,4 +781,4 @@ def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
         queue.put_nowait(delta)
 
 
-__all__ = ["AsyncEngine", "EngineConfig", "LLMEngine", "SamplingParams"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineDriver", "LLMEngine", "SamplingParams", "check_request"]

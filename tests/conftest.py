@@ -2,8 +2,9 @@
 
 `fake_server` runs the app on `ScriptedEngine` with fake browser / python / MCP tool servers;
 `tiny_engine_server` runs it on the real `inference.engine.AsyncEngine` over a tiny random
-checkpoint (skipped while that engine cannot be built); `live_server` is parametrized over both
-for tests whose assertions hold for any model.
+checkpoint (skipped while that engine cannot be built), `tiny_process_server` on the same engine
+in a process of its own (`inference.engine_process.EngineProcess`); `live_server` is parametrized
+over all three for tests whose assertions hold for any model.
 """
 
 from __future__ import annotations
@@ -137,6 +138,19 @@ def tiny_engine_server(tmp_path_factory, tiny_checkpoint):
         yield server
 
 
+@pytest.fixture(scope="session")
+def tiny_process_server(tmp_path_factory, tiny_checkpoint):
+    """`tiny_engine_server`'s engine in a process of its own (`EngineProcess`, what `oss-agent
+    serve` runs on CUDA): the same tests hold."""
+    from inference.engine_process import EngineProcess, EngineSpec
+
+    engine = EngineProcess(EngineSpec(model_dir=str(tiny_checkpoint), options=dict(
+        device="cpu", max_model_len=1024, num_pages=256, enforce_eager=True)))
+    app = make_app(lambda: engine, tmp_path_factory.mktemp("tiny-process-store") / "responses.sqlite3")
+    with LiveServer(app, kind="tiny") as server:
+        yield server
+
+
 @pytest.fixture(params=["fake", "tiny"])
 def tool_server(request, tmp_path, fake_tools, tiny_checkpoint):
     """A server with the fake tool servers whose engine says what the test scripts: the
@@ -152,7 +166,9 @@ def tool_server(request, tmp_path, fake_tools, tiny_checkpoint):
     return server
 
 
-@pytest.fixture(params=["fake", "tiny"])
+@pytest.fixture(params=["fake", "tiny", "tiny-process"])
 def live_server(request):
-    """A running server on either engine; tests read `live_server.kind` to script the fake."""
-    return request.getfixturevalue("fake_server" if request.param == "fake" else "tiny_engine_server")
+    """A running server on the scripted engine, the real one, or the real one in a process of its
+    own; tests read `live_server.kind` ("fake" or "tiny") to script the fake."""
+    return request.getfixturevalue({"fake": "fake_server", "tiny": "tiny_engine_server",
+                                    "tiny-process": "tiny_process_server"}[request.param])

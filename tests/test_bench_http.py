@@ -46,13 +46,15 @@ def test_random_weight_engine_refuses_what_it_cannot_do():
         LLMEngine.from_random(TINY, pages=3, device="cpu")
 
 
-def test_bench_engine_with_random_weights(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("where", ["--no-engine-process", "--engine-process"])
+def test_bench_engine_with_random_weights(where, monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(GPT_OSS_SHAPES, "tiny", {})  # hf_config_dict's tiny defaults
     out = tmp_path / "random.json"
     rc = main(["bench", "engine", "--random-weights", "tiny", "--device", "cpu", "--max-model-len", "256",
                "--engine-option", "num_pages=64", "--engine-option", "enforce_eager=True", "--num-prompts", "2",
-               "--input-len", "16", "--output-len", "4", "--ignore-eos", "--no-progress", "--json", str(out)])
+               "--input-len", "16", "--output-len", "4", "--ignore-eos", "--no-progress", "--json", str(out), where])
     assert rc == 0, capsys.readouterr()
+    assert ("in an engine process" in capsys.readouterr().err) == (where == "--engine-process")
     report = json.loads(out.read_text())["engine"]
     assert report["model"] == "gpt-oss-tiny-random"
     assert (report["completed"], report["total_output_tokens"]) == (2, 8)

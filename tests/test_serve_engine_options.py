@@ -55,3 +55,36 @@ def test_bad_engine_flags_are_refused_by_name(flag, value, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["serve", flag, value])
     assert info.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_engine_process_flag_serves_the_same_engine_in_a_child_process(captured, tiny_checkpoint, tmp_path):
+    import os
+
+    from inference.engine import AsyncEngine
+    from inference.engine_process import EngineProcess
+
+    serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"), "--engine-process",
+           "--num-pages", "96", "--max-model-len", "256"])
+    with LiveServer(captured["app"]) as server:
+        engine = server.engine
+        assert isinstance(engine, EngineProcess) and engine.pid != os.getpid()
+        assert engine.stats().pages_total == 96 and engine.max_model_len == 256
+        reply = server.client().chat.completions.create(
+            model=engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert reply.usage.completion_tokens == 4
+    serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
+    with LiveServer(captured["app"]) as server:  # on CPU the default is the engine thread
+        assert isinstance(server.engine, AsyncEngine)
+
+
+@pytest.mark.parametrize("argv,cuda,expected", [
+    ([], True, True), ([], False, False), (["--device", "cpu"], True, False), (["--device", "cuda:1"], False, True),
+    (["--no-engine-process"], True, False), (["--engine-process", "--device", "cpu"], False, True),
+])
+def test_engine_process_default_follows_the_device(argv, cuda, expected, monkeypatch):
+    import torch
+
+    from agent_server.serve_command import engine_in_process_of_its_own
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert engine_in_process_of_its_own(build_parser().parse_args(["serve", *argv])) is expected

@@ -17,6 +17,7 @@ from agent_server.harmony import (
     MessageEnd,
     MessageStart,
     PromptConfig,
+    PreambleTokens,
     continuation_tokens,
     preamble,
     render_prompt,
@@ -111,6 +112,49 @@ def test_continuation_tokens_match_harmony_rendering():
     answer = tool_message("browser.search", "results")
     whole = render_prompt(preamble(config) + [user, call, answer])
     assert prompt + generated + continuation_tokens([answer]) == whole
+
+
+def test_preamble_tokens_are_reused_only_for_the_same_preamble():
+    """render_prompt's cached system and developer messages give what Harmony renders for the whole
+    conversation, whatever follows them (function tools in the developer message change the system
+    message's text), and no two different preambles share tokens."""
+    from openai_harmony import (Conversation, Message, RenderConversationConfig, ToolDescription,
+                                ToolNamespaceConfig)
+
+    def uncached(messages):
+        return harmony_encoding().render_conversation_for_completion(
+            Conversation.from_messages(messages), Role.ASSISTANT, RenderConversationConfig(auto_drop_analysis=True))
+
+    user = Message.from_role_and_content(Role.USER, "What is 2 + 2?")
+    thought = Message.from_role_and_content(Role.ASSISTANT, "Easy.").with_channel("analysis")
+    final = Message.from_role_and_content(Role.ASSISTANT, "4").with_channel("final")
+    call = (Message.from_role_and_content(Role.ASSISTANT, '{"code":"1"}').with_channel("analysis")
+            .with_recipient("python"))
+    weather = ToolDescription.new("weather", "Weather now", parameters={"type": "object",
+                                                                      "properties": {"city": {"type": "string"}}})
+    other = ToolNamespaceConfig(name="functions2", description="", tools=[weather])
+    configs = [PromptConfig(), PromptConfig(reasoning_effort="high"), PromptConfig(conversation_start_date="2026-01-02"),
+               PromptConfig(conversation_start_date="2026-01-03"),
+               PromptConfig(tool_namespaces=[ToolNamespaceConfig.browser(), ToolNamespaceConfig.python()]),
+               PromptConfig(tool_namespaces=[ToolNamespaceConfig.browser()]), PromptConfig(tool_namespaces=[other]),
+               PromptConfig(instructions="Be brief.", function_tools=[weather])]
+    rests = [[user], [user, thought, final, user], [user, call, tool_message("python", "1")]]
+    heads = set()
+    for _ in range(2):  # the second pass reads the cache
+        for config in configs:
+            for rest in rests:
+                messages = preamble(config) + rest
+                assert render_prompt(messages) == uncached(messages)
+            heads.add(tuple(render_prompt(preamble(config) + [user])))
+        assert render_prompt([user]) == uncached([user])  # no preamble at all
+        late = [*preamble(PromptConfig()), user, *preamble(configs[-1])[1:]]  # function tools after the preamble
+        assert render_prompt(late) == uncached(late)
+    assert len(heads) == len(configs)
+    cache = PreambleTokens(size=2)
+    for config in configs[:3]:
+        tokens = cache.get(preamble(config))
+        tokens.append(-1)  # callers own what they get
+    assert len(cache._tokens) == 2 and -1 not in cache.get(preamble(configs[2]))
 
 
 def test_stop_strings_hold_back_only_possible_prefixes():

@@ -1,0 +1,329 @@
+"""The engine in a process of its own, behind the same `EngineClient` interface as `AsyncEngine`.
+
+In one process the HTTP server's event loop and `AsyncEngine`'s thread share one GIL. At 64
+streams the server spends tens of microseconds of Python on every token it streams (SSE, JSON,
+the Harmony parser), so the engine thread waits for the GIL between its steps and decode slows
+down (BENCHMARKS.md, "Through HTTP"). `EngineProcess` runs the same loop (`EngineDriver`) in a
+child process with its own interpreter:
+
+    server process                               engine process
+    generate() -> ("add", request) --commands--> reader thread -> inbox -> the engine loop
+    queues <- reader thread <------events------- one ("pass", deltas, stats, ...) a loop pass
+
+Requests are checked in the server process (`check_request`), so a bad one still raises before
+its stream starts. Every loop pass sends one message: the pass's deltas, the engine's stats and
+cache usage, and how many commands it has applied, from which `wait_idle` knows that nothing sent
+is still pending. If the engine process dies, every open stream ends with an "error" delta and
+`generate` refuses new requests. If the server process dies, the engine process sees its command
+pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import signal
+import threading
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from .engine import EngineDriver, LLMEngine, check_request
+from .kv_cache import CacheUsage
+from .request import EngineStats, GenerationRequest, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How the engine process builds its engine (sent to it, so plain values only).
+
+    model_dir: a HF gpt-oss checkpoint (`LLMEngine.from_pretrained`); or random_config: a HF
+    config dict for random weights of its shapes (`LLMEngine.from_random`, benchmarks).
+    options: `from_pretrained` / `from_random` keywords (device, dtype, EngineConfig fields).
+    log_level: the engine process's logging level (its records go to stderr, as the server's).
+    """
+
+    model_dir: str | None = None
+    random_config: dict | None = None
+    model_name: str | None = None
+    options: dict = field(default_factory=dict)
+    log_level: str = "WARNING"
+
+    def build(self) -> LLMEngine:
+        if (self.model_dir is None) == (self.random_config is None):
+            raise ValueError("an EngineSpec names a model_dir or a random_config, not both or neither")
+        if self.model_dir is not None:
+            return LLMEngine.from_pretrained(self.model_dir, model_name=self.model_name, **self.options)
+        from .config import ModelConfig
+
+        return LLMEngine.from_random(ModelConfig.from_dict(self.random_config),
+                                     model_name=self.model_name or "gpt-oss-random", **self.options)
+
+
+class EngineProcess:
+    """`LLMEngine` in a child process, streaming to asyncio (implements `EngineClient`).
+
+    Construction starts the process and returns once its engine is built (weights loaded, CUDA
+    graphs captured), raising RuntimeError with the child's traceback if that failed."""
+
+    def __init__(self, spec: EngineSpec):
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        their_commands, self._commands = ctx.Pipe(duplex=False)
+        self._events, their_events = ctx.Pipe(duplex=False)
+        # Not a daemon: a tensor-parallel engine starts worker processes of its own.
+        self._process = ctx.Process(target=_engine_process_main, args=(spec, their_commands, their_events),
+                                    name="oss-agent-engine")
+        self._process.start()
+        their_commands.close()
+        their_events.close()
+        try:
+            message = self._events.recv()
+        except EOFError:
+            self._process.join(10)
+            raise RuntimeError(f"the engine process exited (code {self._process.exitcode}) before it was ready")
+        if message[0] == "failed":
+            self._process.join(10)
+            raise RuntimeError(f"the engine process could not build its engine:\n{message[1]}")
+        _, info = message
+        self.model_name: str = info["model_name"]
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+        self._stats: EngineStats = info["stats"]
+        self._usage: CacheUsage = info["usage"]
+        self._lock = threading.Lock()  # _sinks, _sent, _ended
+        self._send_lock = threading.Lock()  # the command pipe (one writer at a time)
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._active: set[str] = set()  # request ids with an open stream (event-loop side)
+        self._sent = 0  # commands sent; the engine process reports how many it has applied
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stopping = False
+        self._ended: str | None = None  # why the engine process is gone, once it is
+        self._reader = threading.Thread(target=self._read_events, name="oss-agent-engine-events", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can no longer serve (its process exited without being shut down), or
+        None. The server reports it on /health and /ready."""
+        return None if self._stopping else self._ended
+
+    # -- EngineClient --------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Validate now (ValueError for a bad request), then stream its deltas when iterated.
+        Leaving the iteration early (client gone, task cancelled) aborts the request."""
+        if self._stopping or self._ended is not None:
+            raise RuntimeError("the engine is shut down" if self._stopping else self._ended)
+        check_request(request, self.vocab_size, self.max_model_len)
+        self._check_not_active(request.request_id)
+        return self._stream(request)
+
+    def _check_not_active(self, request_id: str) -> None:
+        if request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already running")
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        # Registered on first iteration, so a stream that is never iterated leaves nothing behind.
+        self._check_not_active(request.request_id)
+        self._active.add(request.request_id)
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        with self._lock:
+            ended = self._ended
+            if ended is None:
+                self._sinks[request.request_id] = (asyncio.get_running_loop(), queue)
+        if ended is not None:
+            queue.put_nowait(_ended_delta(request.request_id, ended, self._stopping))
+        else:
+            self._submit(("add", request))
+        done = False
+        try:
+            while not done:
+                delta = await queue.get()
+                done = delta.finish_reason is not None
+                yield delta
+        finally:
+            self._active.discard(request.request_id)
+            if not done:
+                self._submit(("abort", request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def release(self, request_id: str) -> None:
+        self._submit(("release", request_id))
+
+    def stats(self) -> EngineStats:
+        """The counters as of the engine's last loop pass."""
+        return self._stats
+
+    def cache_usage(self) -> CacheUsage:
+        return self._usage
+
+    async def wait_idle(self) -> None:
+        """Return once every submitted request has finished."""
+        await asyncio.to_thread(self._idle.wait)
+
+    async def shutdown(self, timeout: float = 60.0) -> None:
+        """Abort what is still running (streams end with finish_reason "abort"), stop the engine
+        process and wait for it (terminated after `timeout` seconds)."""
+        if not self._stopping:
+            self._stopping = True
+            self._submit(("stop",))
+        await asyncio.to_thread(self._reader.join)
+        await asyncio.to_thread(self._process.join, timeout)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop in %.0f s; terminating it", timeout)
+            self._process.terminate()
+            await asyncio.to_thread(self._process.join, 10)
+        self._commands.close()
+        self._events.close()
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _submit(self, command: tuple) -> None:
+        with self._lock:
+            if self._ended is not None:
+                return
+            self._sent += 1
+            self._idle.clear()
+        try:
+            with self._send_lock:
+                self._commands.send(command)
+        except (OSError, ValueError):  # the process is gone: the event reader ends the streams
+            log.debug("engine command %s not sent: the engine process is gone", command[0])
+
+    def _read_events(self) -> None:
+        """The event reader thread: hand each pass's deltas to their streams' event loops."""
+        while True:
+            try:
+                message = self._events.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "stopped":
+                break
+            _, deltas, stats, usage, applied, idle = message
+            self._stats, self._usage = stats, usage  # first: a consumer handed its last delta reads stats that count it
+            self._deliver(deltas)
+            with self._lock:
+                if idle and applied == self._sent:
+                    self._idle.set()
+        self._process.join(5)
+        reason = (f"the engine process exited (code {self._process.exitcode})" if not self._stopping
+                  else "the engine was shut down")
+        with self._lock:
+            self._ended = reason
+            sinks, self._sinks = self._sinks, {}
+            self._idle.set()
+        if not self._stopping:
+            log.error("%s; %d open streams end with an error", reason, len(sinks))
+        self._deliver([_ended_delta(rid, reason, self._stopping) for rid in sinks], sinks)
+
+    def _deliver(self, deltas: list[TokenDelta], sinks: dict | None = None) -> None:
+        """One wake-up of each consumer event loop for all of `deltas`."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
+        with self._lock:
+            for delta in deltas:
+                sink = (sinks or self._sinks).get(delta.request_id)
+                if sink is None:
+                    continue
+                if delta.finish_reason is not None and sinks is None:
+                    del self._sinks[delta.request_id]
+                by_loop.setdefault(sink[0], []).append((sink[1], delta))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumer's event loop is gone
+                for _, delta in items:
+                    if delta.finish_reason is None:
+                        self._submit(("abort", delta.request_id))
+
+
+def _ended_delta(request_id: str, reason: str, stopping: bool) -> TokenDelta:
+    if stopping:
+        return TokenDelta(request_id, [], finish_reason="abort")
+    return TokenDelta(request_id, [], finish_reason="error", error=reason)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
+
+
+# -- the engine process -----------------------------------------------------------------------
+
+
+def _engine_process_main(spec: EngineSpec, commands, events) -> None:
+    """The engine process: build the engine, then run its loop until "stop" or the server is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s [engine process] %(message)s")
+    try:
+        engine = spec.build()
+    except BaseException:
+        events.send(("failed", traceback.format_exc()))
+        return
+    events.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+                           "vocab_size": engine.vocab_size, "stats": engine.stats(),
+                           "usage": engine.cache_usage()}))
+    inbox: list[tuple] = []
+    lock = threading.Lock()
+    wakeup = threading.Event()
+
+    def read_commands() -> None:
+        # Its own thread, so the server's sends never wait for a step to end (a pipe holds 64 KB).
+        while True:
+            try:
+                command = commands.recv()
+            except (EOFError, OSError):  # the server process is gone
+                command = ("stop",)
+            with lock:
+                inbox.append(command)
+            wakeup.set()
+            if command[0] == "stop":
+                return
+
+    threading.Thread(target=read_commands, name="engine-commands", daemon=True).start()
+    driver = EngineDriver(engine)
+    applied = 0
+    try:
+        while True:
+            if not engine.has_unfinished():
+                wakeup.wait()
+            wakeup.clear()
+            with lock:
+                taken, inbox[:] = list(inbox), []
+            deltas: list[TokenDelta] = []
+            stop = False
+            for command in taken:
+                made, stopped = driver.apply(command)
+                deltas += made
+                stop |= stopped
+            applied += len(taken)
+            if stop:
+                deltas += driver.abort_all()
+                stalled = False
+            else:
+                made, stalled = driver.step()
+                deltas += made
+            if stalled:
+                wakeup.wait(0.01)
+            idle = stop or not engine.has_unfinished()
+            events.send(("pass", deltas, engine.stats(), engine.cache_usage(), applied, idle))
+            if stop:
+                break
+    except (BrokenPipeError, EOFError, OSError):  # the server process is gone
+        log.warning("the server process is gone; the engine process stops")
+    finally:
+        engine.close()
+    try:
+        events.send(("stopped",))
+    except OSError:
+        pass
