@@ -617,7 +617,67 @@ class EngineDriver:
             return engine.fail_all(f"{type(e).__name__}: {e}")
 
 
-class AsyncEngine:
+class StreamingEngineClient:
+    """The asyncio side that `AsyncEngine` and `EngineProcess` share: each request streams its
+    deltas through a queue of its own, one request id runs at a time, and leaving a stream early
+    aborts its request. Subclasses say how a request reaches the engine (`_open`) and how the
+    other commands do (`_submit`)."""
+
+    max_model_len: int
+    vocab_size: int
+
+    def __init__(self) -> None:
+        self._active: set[str] = set()  # request ids with an open stream (event-loop side)
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Validate now (ValueError for a bad request, RuntimeError once the engine is gone), then
+        stream its deltas when iterated. Leaving the iteration early (client gone, task
+        cancelled) aborts the request."""
+        self._check_serving()
+        check_request(request, self.vocab_size, self.max_model_len)
+        self._check_not_active(request.request_id)
+        return self._stream(request)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def release(self, request_id: str) -> None:
+        self._submit(("release", request_id))
+
+    def _check_serving(self) -> None:
+        """Raise RuntimeError if the engine takes no more requests."""
+        raise NotImplementedError
+
+    def _open(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
+        """Send `request` to the engine, its deltas to go to `queue` (on the running loop)."""
+        raise NotImplementedError
+
+    def _submit(self, command: tuple) -> None:
+        raise NotImplementedError
+
+    def _check_not_active(self, request_id: str) -> None:
+        if request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already running")
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        # Registered on first iteration, so a stream that is never iterated leaves nothing behind.
+        self._check_not_active(request.request_id)
+        self._active.add(request.request_id)
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self._open(request, queue)
+        done = False
+        try:
+            while not done:
+                delta = await queue.get()
+                done = delta.finish_reason is not None
+                yield delta
+        finally:
+            self._active.discard(request.request_id)
+            if not done:
+                self._submit(("abort", request.request_id))
+
+
+class AsyncEngine(StreamingEngineClient):
     """`LLMEngine` on a dedicated thread, streaming to asyncio (implements `EngineClient`).
 
     The thread owns the engine: requests, aborts and releases reach it through an inbox and are
@@ -626,6 +686,7 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine):
+        super().__init__()
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -636,7 +697,6 @@ class AsyncEngine:
         self._idle = threading.Event()
         self._idle.set()
         self._stopping = False
-        self._active: set[str] = set()  # request ids with an open stream (event-loop side)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine-thread side
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}  # ditto
         self._stats = engine.stats()
@@ -651,41 +711,12 @@ class AsyncEngine:
 
     # -- EngineClient --------------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        """Validate now (ValueError for a bad request), then stream its deltas when iterated.
-        Leaving the iteration early (client gone, task cancelled) aborts the request."""
+    def _check_serving(self) -> None:
         if self._stopping:
             raise RuntimeError("the engine is shut down")
-        self.engine.check_request(request)
-        self._check_not_active(request.request_id)
-        return self._stream(request)
 
-    def _check_not_active(self, request_id: str) -> None:
-        if request_id in self._active:
-            raise ValueError(f"request id {request_id!r} is already running")
-
-    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        # Registered on first iteration, so a stream that is never iterated leaves nothing behind.
-        self._check_not_active(request.request_id)
-        self._active.add(request.request_id)
-        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+    def _open(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
         self._submit(("add", request, asyncio.get_running_loop(), queue))
-        done = False
-        try:
-            while not done:
-                delta = await queue.get()
-                done = delta.finish_reason is not None
-                yield delta
-        finally:
-            self._active.discard(request.request_id)
-            if not done:
-                self._submit(("abort", request.request_id))
-
-    def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
-
-    def release(self, request_id: str) -> None:
-        self._submit(("release", request_id))
 
     def stats(self) -> EngineStats:
         """The counters as of the engine thread's last step."""
@@ -781,4 +812,4 @@ def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
         queue.put_nowait(delta)
 
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineDriver", "LLMEngine", "SamplingParams", "check_request"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineDriver", "LLMEngine", "SamplingParams", "StreamingEngineClient", "check_request"]

@@ -26,10 +26,9 @@ import multiprocessing as mp
 import signal
 import threading
 import traceback
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from .engine import EngineDriver, LLMEngine, check_request
+from .engine import EngineDriver, LLMEngine, StreamingEngineClient, _put_all
 from .kv_cache import CacheUsage
 from .request import EngineStats, GenerationRequest, TokenDelta
 
@@ -63,7 +62,7 @@ class EngineSpec:
                                      model_name=self.model_name or "gpt-oss-random", **self.options)
 
 
-class EngineProcess:
+class EngineProcess(StreamingEngineClient):
     """`LLMEngine` in a child process, streaming to asyncio (implements `EngineClient`).
 
     Construction starts the process and returns once its engine is built (weights loaded, CUDA
@@ -76,6 +75,7 @@ class EngineProcess:
     through `call_soon_threadsafe`."""
 
     def __init__(self, spec: EngineSpec):
+        super().__init__()
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         their_commands, self._commands = ctx.Pipe(duplex=False)
         _enlarge_pipe(self._commands.fileno())
@@ -103,7 +103,6 @@ class EngineProcess:
         self._lock = threading.Lock()  # _sinks, _sent, _ended (loops on other threads)
         self._send_lock = threading.Lock()  # the command pipe (one writer at a time)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._active: set[str] = set()  # request ids with an open stream (event-loop side)
         self._sent = 0  # commands sent; the engine process reports how many it has applied
         self._idle = threading.Event()
         self._idle.set()
@@ -128,25 +127,15 @@ class EngineProcess:
 
     # -- EngineClient --------------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        """Validate now (ValueError for a bad request), then stream its deltas when iterated.
-        Leaving the iteration early (client gone, task cancelled) aborts the request."""
-        if self._stopping or self._ended is not None:
-            raise RuntimeError("the engine is shut down" if self._stopping else self._ended)
-        check_request(request, self.vocab_size, self.max_model_len)
-        self._check_not_active(request.request_id)
-        return self._stream(request)
+    def _check_serving(self) -> None:
+        if self._stopping:
+            raise RuntimeError("the engine is shut down")
+        failure = self.failure  # also a process that died before this loop read its pipe's end
+        if failure:
+            raise RuntimeError(failure)
 
-    def _check_not_active(self, request_id: str) -> None:
-        if request_id in self._active:
-            raise ValueError(f"request id {request_id!r} is already running")
-
-    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        # Registered on first iteration, so a stream that is never iterated leaves nothing behind.
-        self._check_not_active(request.request_id)
-        self._active.add(request.request_id)
+    def _open(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
         self._attach()
-        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         with self._lock:
             ended = self._ended
             if ended is None:
@@ -155,22 +144,6 @@ class EngineProcess:
             queue.put_nowait(_ended_delta(request.request_id, ended, self._stopping))
         else:
             self._submit(("add", request))
-        done = False
-        try:
-            while not done:
-                delta = await queue.get()
-                done = delta.finish_reason is not None
-                yield delta
-        finally:
-            self._active.discard(request.request_id)
-            if not done:
-                self._submit(("abort", request.request_id))
-
-    def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
-
-    def release(self, request_id: str) -> None:
-        self._submit(("release", request_id))
 
     def stats(self) -> EngineStats:
         """The counters as of the engine's last loop pass that an event loop has read."""
@@ -309,11 +282,6 @@ def _ended_delta(request_id: str, reason: str, stopping: bool) -> TokenDelta:
     if stopping:
         return TokenDelta(request_id, [], finish_reason="abort")
     return TokenDelta(request_id, [], finish_reason="error", error=reason)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
 
 
 # -- the engine process -----------------------------------------------------------------------
