@@ -795,7 +795,7 @@ class AsyncEngine(StreamingEngineClient):
         outbox, self._outbox = self._outbox, {}
         for loop, items in outbox.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_deltas, items)
             except RuntimeError:  # the consumer's event loop is gone
                 for _, delta in items:
                     if delta.finish_reason is None:
@@ -807,7 +807,8 @@ class AsyncEngine(StreamingEngineClient):
         self._usage = self.engine.cache_usage()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+def put_deltas(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+    """Each delta into its stream's queue (run on the queues' event loop)."""
     for queue, delta in items:
         queue.put_nowait(delta)
 

@@ -28,7 +28,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 
-from .engine import EngineDriver, LLMEngine, StreamingEngineClient, _put_all
+from .engine import EngineDriver, LLMEngine, StreamingEngineClient, put_deltas
 from .kv_cache import CacheUsage
 from .request import EngineStats, GenerationRequest, TokenDelta
 
@@ -256,10 +256,10 @@ class EngineProcess(StreamingEngineClient):
             here = None
         for loop, items in by_loop.items():
             if loop is here:
-                _put_all(items)
+                put_deltas(items)
                 continue
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_deltas, items)
             except RuntimeError:  # the consumer's event loop is gone
                 for _, delta in items:
                     if delta.finish_reason is None:
