@@ -2,7 +2,9 @@
 
 Each request is the prompt the server would build for a Chat Completions request with that
 user message (the Harmony system message and template included, so input token counts match
-the server's), streamed through `AsyncEngine.generate`; TTFT is to the first generated token.
+the server's), streamed through the engine client's `generate`, built as `oss-agent serve` builds
+it (on CUDA in a process of its own: `--no-engine-process` for the thread); TTFT is to the first
+generated token.
 With no `--model` it runs the tiny random checkpoint on CPU (numbers are for trying it out).
 
 `--compare-http` then serves the same engine over HTTP on a loopback port, in this process,

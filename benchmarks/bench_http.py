@@ -1,8 +1,9 @@
 """SPEC §3's HTTP targets on full-size random weights: TTFT through HTTP, and the streaming overhead.
 
 Builds gpt-oss-20b (or -120b) with random weights on the GPU, as an engine with the options
-`oss-agent serve` uses by default, serves it over loopback HTTP in this process, and runs each
-workload straight into the engine (`AsyncEngine.generate`), then through the Chat API with
+`oss-agent serve` uses by default (on CUDA in a process of its own, `EngineProcess`;
+`--no-engine-process` for the engine thread), serves it over loopback HTTP in this process, and
+runs each workload straight into the engine (its `generate`), then through the Chat API with
 streaming (`bench serve`, in a process of its own), with other prompts of the same shape.
 
   ttft  a 256-token user message, 1 output token, one request at a time (an idle server). The
