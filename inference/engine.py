@@ -750,33 +750,38 @@ class AsyncEngine(StreamingEngineClient):
             if not self.engine.has_unfinished():
                 self._wakeup.wait()
             self._wakeup.clear()
-            with self._lock:
-                commands, self._inbox = self._inbox, []
-            stop = False
-            for command in commands:
-                if command[0] == "add":  # ("add", request, loop, queue): the sink stays on this side
-                    _, request, loop, queue = command
-                    self._sinks[request.request_id] = (loop, queue)
-                    command = ("add", request)
-                deltas, stopped = driver.apply(command)
-                stop |= stopped
-                for delta in deltas:
-                    self._deliver(delta)
-            if stop:
-                deltas, stalled = driver.abort_all(), False
-            else:
-                deltas, stalled = driver.step()
+            if self._pass(driver):
+                return
+
+    def _pass(self, driver: EngineDriver) -> bool:
+        """Apply the inbox's commands, run a step, hand the deltas over; True once stopped. (A
+        method of its own, so that nothing of the pass stays referenced while the thread waits.)"""
+        with self._lock:
+            commands, self._inbox = self._inbox, []
+        stop = False
+        for command in commands:
+            if command[0] == "add":  # ("add", request, loop, queue): the sink stays on this side
+                _, request, loop, queue = command
+                self._sinks[request.request_id] = (loop, queue)
+                command = ("add", request)
+            deltas, stopped = driver.apply(command)
+            stop |= stopped
             for delta in deltas:
                 self._deliver(delta)
-            if stalled:
-                self._wakeup.wait(0.01)
-            self._publish()  # first: a consumer handed its last delta then reads stats that count it
-            self._flush()
-            with self._lock:
-                if stop or (not self._inbox and not self.engine.has_unfinished()):
-                    self._idle.set()
-            if stop:
-                return
+        if stop:
+            deltas, stalled = driver.abort_all(), False
+        else:
+            deltas, stalled = driver.step()
+        for delta in deltas:
+            self._deliver(delta)
+        if stalled:
+            self._wakeup.wait(0.01)
+        self._publish()  # first: a consumer handed its last delta then reads stats that count it
+        self._flush()
+        with self._lock:
+            if stop or (not self._inbox and not self.engine.has_unfinished()):
+                self._idle.set()
+        return stop
 
     def _deliver(self, delta: TokenDelta) -> None:
         """Queue `delta` for its consumer; `_flush` hands a pass's deltas over."""

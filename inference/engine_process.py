@@ -304,27 +304,7 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
     applied = 0
     try:
         while True:
-            # Idle, the loop waits on the pipe itself: a request wakes it with no thread between.
-            taken = [commands.recv()] if not engine.has_unfinished() else []
-            while commands.poll():
-                taken.append(commands.recv())
-            deltas: list[TokenDelta] = []
-            stop = False
-            for command in taken:
-                made, stopped = driver.apply(command)
-                deltas += made
-                stop |= stopped
-            applied += len(taken)
-            if stop:
-                deltas += driver.abort_all()
-                stalled = False
-            else:
-                made, stalled = driver.step()
-                deltas += made
-            if stalled:
-                commands.poll(0.01)
-            idle = stop or not engine.has_unfinished()
-            events.send(("pass", deltas, engine.stats(), engine.cache_usage(), applied, idle))
+            applied, stop = _engine_pass(driver, commands, events, applied)
             if stop:
                 break
     except (EOFError, OSError):  # the server process is gone (its end of a pipe closed)
@@ -335,3 +315,31 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
         events.send(("stopped",))
     except OSError:
         pass
+
+
+def _engine_pass(driver: EngineDriver, commands, events, applied: int) -> tuple[int, bool]:
+    """One pass of the engine process's loop: take the commands (waiting for one when idle), run
+    a step, send the pass's message. Returns (commands applied so far, whether it stopped)."""
+    engine = driver.engine
+    # Idle, the loop waits on the pipe itself: a request wakes it with no thread between.
+    taken = [commands.recv()] if not engine.has_unfinished() else []
+    while commands.poll():
+        taken.append(commands.recv())
+    deltas: list[TokenDelta] = []
+    stop = False
+    for command in taken:
+        made, stopped = driver.apply(command)
+        deltas += made
+        stop |= stopped
+    applied += len(taken)
+    if stop:
+        deltas += driver.abort_all()
+        stalled = False
+    else:
+        made, stalled = driver.step()
+        deltas += made
+    if stalled:
+        commands.poll(0.01)
+    idle = stop or not engine.has_unfinished()
+    events.send(("pass", deltas, engine.stats(), engine.cache_usage(), applied, idle))
+    return applied, stop
