@@ -12,7 +12,8 @@ samples, and the engine appends tokens, checks stop conditions, and turns result
 `TokenDelta`s. With async scheduling (`inference/async_scheduling.py`) a steady decode batch's
 next step is launched before this step's tokens are read, so that host work overlaps the device.
 `AsyncEngine` runs that loop on its own thread and streams each request's deltas to asyncio
-consumers (the `EngineClient` protocol of `inference/request.py`).
+consumers (the `EngineClient` protocol of `inference/request.py`); `EngineProcess`
+(`inference/engine_process.py`) runs the same loop, `EngineDriver`, in a process of its own.
 """
 
 from __future__ import annotations
