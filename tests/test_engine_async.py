@@ -1,4 +1,6 @@
-"""AsyncEngine: the engine on its own thread, streaming to asyncio consumers."""
+"""AsyncEngine (the engine on its own thread) and EngineProcess (in a process of its own): the
+same contract for both, streaming to asyncio consumers. What only a process does (die, fail to
+start) is in tests/test_engine_process.py."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import random
 import pytest
 
 from inference.engine import AsyncEngine, EngineConfig, LLMEngine
+from inference.engine_process import EngineProcess, EngineSpec
 from inference.model import GptOssModel
 from inference.request import GenerationRequest, SamplingParams
 from inference.single_sequence import generate
@@ -24,11 +27,25 @@ def model(checkpoint):
     return GptOssModel.from_pretrained(checkpoint, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def engine_process(checkpoint):
+    """One engine process for the module (each test leaves it idle)."""
+    eng = EngineProcess(EngineSpec(model_dir=str(checkpoint), options={"device": "cpu", "page_size": 4,
+                                                                       "num_pages": 128}))
+    yield eng
+    asyncio.run(eng.shutdown())
+
+
 @pytest.fixture
-async def engine(model):
+async def thread_engine(model):
     eng = AsyncEngine(LLMEngine(model, EngineConfig(page_size=4, num_pages=128)))
     yield eng
     await eng.shutdown()
+
+
+@pytest.fixture(params=["thread", "process"])
+def engine(request):
+    return request.getfixturevalue("thread_engine" if request.param == "thread" else "engine_process")
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -47,6 +64,7 @@ async def collect(stream) -> list:
 async def test_concurrent_streams_match_alone_and_never_block_the_loop(engine, model):
     prompts = [prompt(i, 6 + 5 * i) for i in range(4)]
     expected = [generate(model, p, 8) for p in prompts]
+    decoded_before = engine.stats().tokens_decoded
     ticks = 0
     done = asyncio.Event()
 
@@ -65,11 +83,12 @@ async def test_concurrent_streams_match_alone_and_never_block_the_loop(engine, m
         assert deltas[-1].finish_reason == "length"
         assert all(d.finish_reason is None for d in deltas[:-1])
         assert deltas[0].num_prompt_tokens == len(p)
-    # The model ran on another thread: the event loop kept ticking throughout (~30 steps).
+    # The model ran on another thread or process: the event loop kept ticking throughout (~30 steps).
     assert ticks >= 20
     await engine.wait_idle()
     stats = engine.stats()
-    assert stats.tokens_decoded == 32 and stats.running == stats.waiting == 0 and stats.pages_used == 0
+    assert stats.tokens_decoded - decoded_before == 32
+    assert stats.running == stats.waiting == 0 and stats.pages_used == 0
 
 
 async def test_bad_request_raises_before_streaming(engine):
@@ -101,13 +120,14 @@ async def test_abort_ends_the_stream_and_frees_pages(engine):
 
 
 async def test_leaving_the_stream_early_aborts(engine):
+    decoded_before = engine.stats().tokens_decoded
     stream = engine.generate(greedy("gone", prompt(11, 9), 200))
     async for _ in stream:
         break
     await stream.aclose()  # what a disconnected client's cancelled task does
     await engine.wait_idle()
     assert engine.stats().running == 0 and engine.stats().pages_used == 0
-    assert engine.stats().tokens_decoded < 200
+    assert engine.stats().tokens_decoded - decoded_before < 200
 
 
 async def test_keep_alive_then_continue_then_release(engine, model):
@@ -150,7 +170,8 @@ async def test_from_pretrained(checkpoint):
         AsyncEngine.from_pretrained(str(checkpoint), device="cpu", num_pagez=3)
 
 
-async def test_a_failing_step_fails_its_request_and_the_engine_keeps_serving(engine, model, monkeypatch):
+async def test_a_failing_step_fails_its_request_and_the_engine_keeps_serving(thread_engine, model, monkeypatch):
+    engine = thread_engine
     real_run = engine.engine.runner.run
     failures = []
 
@@ -170,7 +191,8 @@ async def test_a_failing_step_fails_its_request_and_the_engine_keeps_serving(eng
     assert engine.stats().pages_used == 0
 
 
-async def test_a_scheduler_bug_ends_streams_with_error_and_the_thread_survives(engine, model, monkeypatch):
+async def test_a_scheduler_bug_ends_streams_with_error_and_the_thread_survives(thread_engine, model, monkeypatch):
+    engine = thread_engine
     real_schedule = engine.engine.scheduler.schedule
     calls = []
 

@@ -1,9 +1,9 @@
-"""EngineProcess: the engine in a child process, streaming to asyncio consumers in this one.
+"""EngineProcess: what only an engine in a process of its own does. It may fail to start, die
+(its streams then fail instead of hanging, and the server says so), and shut down.
 
-The same contract as `AsyncEngine` (tests/test_engine_async.py): greedy tokens equal the
-single-sequence reference, bad requests raise before streaming, aborts and early exits free the
-pages, parked sequences continue and release. Then what only a process can do: die, and fail its
-streams instead of hanging them.
+The contract it shares with `AsyncEngine` (greedy tokens equal the reference, bad requests raise
+before streaming, aborts free pages, parked sequences continue) is tested on both in
+tests/test_engine_async.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ import time
 import pytest
 
 from inference.engine_process import EngineProcess, EngineSpec
-from inference.model import GptOssModel
 from inference.request import GenerationRequest, SamplingParams
-from inference.single_sequence import generate
 from inference.tiny_checkpoint import write_tiny_checkpoint
 
 OPTIONS = {"device": "cpu", "page_size": 4, "num_pages": 128}
@@ -28,19 +26,6 @@ OPTIONS = {"device": "cpu", "page_size": 4, "num_pages": 128}
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-process"), seed=1)
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return GptOssModel.from_pretrained(checkpoint, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    """One engine process for the module's contract tests (each test leaves it idle)."""
-    eng = EngineProcess(EngineSpec(model_dir=str(checkpoint), options=OPTIONS))
-    yield eng
-    asyncio.run(eng.shutdown())
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -56,73 +41,9 @@ async def collect(stream) -> list:
     return [delta async for delta in stream]
 
 
-async def test_concurrent_streams_match_the_reference(engine, model, checkpoint):
-    assert engine.model_name == checkpoint.name and engine.vocab_size == 201088 and engine.pid != os.getpid()
-    prompts = [prompt(i, 6 + 5 * i) for i in range(4)]
-    expected = [generate(model, p, 8) for p in prompts]
-    decoded_before = engine.stats().tokens_decoded
-    results = await asyncio.gather(*(collect(engine.generate(greedy(f"c{i}", p, 8))) for i, p in enumerate(prompts)))
-    for deltas, want, p in zip(results, expected, prompts):
-        assert [t for d in deltas for t in d.token_ids] == want
-        assert deltas[-1].finish_reason == "length"
-        assert all(d.finish_reason is None for d in deltas[:-1])
-        assert deltas[0].num_prompt_tokens == len(p)
-    await engine.wait_idle()
-    stats = engine.stats()
-    assert stats.tokens_decoded - decoded_before == 32 and stats.running == stats.waiting == 0
-    assert stats.pages_used == 0 and engine.cache_usage().full_pages_used == 0
-
-
-async def test_bad_request_raises_before_streaming(engine):
-    with pytest.raises(ValueError, match="top_p"):
-        engine.generate(GenerationRequest("x", [1, 2], SamplingParams(top_p=0)))
-    with pytest.raises(ValueError, match="context length"):
-        engine.generate(greedy("y", [1, 2], engine.max_model_len))
-    with pytest.raises(ValueError, match="prompt token ids"):
-        engine.generate(greedy("z", [1, engine.vocab_size], 2))
-    stream = engine.generate(greedy("dup", [1, 2, 3], 2))
-    first = await stream.__anext__()
-    with pytest.raises(ValueError, match="already running"):
-        engine.generate(greedy("dup", [1, 2, 3], 2))
-    assert len([first, *await collect(stream)]) == 2
-    # A stream that is never iterated sends nothing and holds its id for no one.
-    engine.generate(greedy("unused", [1, 2, 3], 2))
-    assert len(await collect(engine.generate(greedy("unused", [1, 2, 3], 2)))) == 2
-    await engine.wait_idle()
-
-
-async def test_abort_and_leaving_early_free_the_pages(engine):
-    seen = []
-    async for delta in engine.generate(greedy("long", prompt(10, 9), 200)):
-        seen.append(delta)
-        if len(seen) == 2:
-            engine.abort("long")
-    assert seen[-1].finish_reason == "abort" and len(seen) < 200
-    stream = engine.generate(greedy("gone", prompt(11, 9), 200))
-    async for _ in stream:
-        break
-    await stream.aclose()  # what a disconnected client's cancelled task does
-    await engine.wait_idle()
-    assert engine.stats().running == 0 and engine.stats().pages_used == 0
-
-
-async def test_keep_alive_then_continue_then_release(engine, model):
-    first = prompt(12, 10)
-    out0 = await collect(engine.generate(greedy("t0", first, 4, keep_alive=True)))
-    generated = [t for d in out0 for t in d.token_ids]
-    await engine.wait_idle()
-    assert engine.stats().parked == 1 and engine.stats().pages_used > 0
-    second = first + generated + prompt(13, 3)
-    out1 = await collect(engine.generate(greedy("t1", second, 4, keep_alive=True, continue_from="t0")))
-    assert out1[0].num_cached_tokens == len(first) + len(generated) - 1
-    assert [t for d in out1 for t in d.token_ids] == generate(model, second, 4)
-    engine.release("t1")
-    await engine.wait_idle()
-    assert engine.stats().parked == 0 and engine.stats().pages_used == 0
-
-
 async def test_shutdown_aborts_running_requests(checkpoint):
     eng = EngineProcess(EngineSpec(model_dir=str(checkpoint), options=OPTIONS))
+    assert eng.pid != os.getpid() and eng.vocab_size == 201088 and eng.failure is None
     stream = eng.generate(greedy("s", prompt(14, 5), 400))
     first = await stream.__anext__()
     await eng.shutdown()
