@@ -5,7 +5,6 @@ start) is in tests/test_engine_process.py."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
@@ -15,6 +14,9 @@ from inference.model import GptOssModel
 from inference.request import GenerationRequest, SamplingParams
 from inference.single_sequence import generate
 from inference.tiny_checkpoint import write_tiny_checkpoint
+from tests.engine_runs import collect
+from tests.engine_runs import greedy_request as greedy
+from tests.engine_runs import random_prompt as prompt
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +48,6 @@ async def thread_engine(model):
 @pytest.fixture(params=["thread", "process"])
 def engine(request):
     return request.getfixturevalue("thread_engine" if request.param == "thread" else "engine_process")
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(200_000) for _ in range(length)]
-
-
-def greedy(rid: str, ids: list[int], max_tokens: int, **kw) -> GenerationRequest:
-    return GenerationRequest(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens), **kw)
-
-
-async def collect(stream) -> list:
-    return [delta async for delta in stream]
 
 
 async def test_concurrent_streams_match_alone_and_never_block_the_loop(engine, model):

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 
 import pytest
 
 from inference.engine_process import EngineProcess, EngineSpec
-from inference.request import GenerationRequest, SamplingParams
 from inference.tiny_checkpoint import write_tiny_checkpoint
+from tests.engine_runs import collect
+from tests.engine_runs import greedy_request as greedy
+from tests.engine_runs import random_prompt as prompt
 
 OPTIONS = {"device": "cpu", "page_size": 4, "num_pages": 128}
 
@@ -26,19 +27,6 @@ OPTIONS = {"device": "cpu", "page_size": 4, "num_pages": 128}
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-process"), seed=1)
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(200_000) for _ in range(length)]
-
-
-def greedy(rid: str, ids: list[int], max_tokens: int, **kw) -> GenerationRequest:
-    return GenerationRequest(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens), **kw)
-
-
-async def collect(stream) -> list:
-    return [delta async for delta in stream]
 
 
 async def test_shutdown_aborts_running_requests(checkpoint):
