@@ -249,25 +249,20 @@ def format_comparison(report: dict[str, Any]) -> str:
 def build_engine(args: argparse.Namespace):
     """The engine client the arguments describe, built as `oss-agent serve` builds it: its engine
     options, and in a process of its own where serve would run it so (`--engine-process`)."""
-    from inference.engine import AsyncEngine, LLMEngine
-    from inference.engine_process import EngineProcess, EngineSpec
+    from inference.engine_process import EngineSpec, start_engine
 
     from .serve_command import engine_in_process_of_its_own
 
-    options = engine_options(args)
+    options = {"device": args.device, **engine_options(args)}
     own_process = engine_in_process_of_its_own(args)
     if args.random_weights:
-        from inference.config import ModelConfig
         from inference.tiny_checkpoint import hf_config_dict
 
         print(f"gpt-oss-{args.random_weights} shapes with random weights, made on the device"
               f"{', in an engine process' if own_process else ''}", file=sys.stderr)
-        hf_config, name = hf_config_dict(GPT_OSS_SHAPES[args.random_weights]), f"gpt-oss-{args.random_weights}-random"
-        if own_process:
-            return EngineProcess(EngineSpec(random_config=hf_config, model_name=name,
-                                            options={"device": args.device, **options}))
-        return AsyncEngine(LLMEngine.from_random(ModelConfig.from_dict(hf_config), device=args.device,
-                                                 model_name=name, **options))
+        spec = EngineSpec(random_config=hf_config_dict(GPT_OSS_SHAPES[args.random_weights]),
+                          model_name=f"gpt-oss-{args.random_weights}-random", options=options)
+        return start_engine(spec, own_process)
     if args.model:
         model_dir = Path(args.model)
     else:
@@ -275,9 +270,7 @@ def build_engine(args: argparse.Namespace):
 
         model_dir = default_tiny_checkpoint()
         print(f"no --model: benchmarking a tiny random-weight checkpoint ({model_dir})", file=sys.stderr)
-    if own_process:
-        return EngineProcess(EngineSpec(model_dir=str(model_dir), options={"device": args.device, **options}))
-    return AsyncEngine.from_pretrained(str(model_dir), device=args.device, **options)
+    return start_engine(EngineSpec(model_dir=str(model_dir), options=options), own_process)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -139,14 +139,11 @@ def run(args: argparse.Namespace) -> int:
     options = engine_options(args)
 
     def build_engine():
-        if engine_in_process_of_its_own(args):
-            from inference.engine_process import EngineProcess, EngineSpec
+        from inference.engine_process import EngineSpec, start_engine
 
-            return EngineProcess(EngineSpec(model_dir=str(model_dir), options={"device": args.device, **options},
-                                            log_level=args.log_level))
-        from inference.engine import AsyncEngine
-
-        return AsyncEngine.from_pretrained(str(model_dir), device=args.device, **options)
+        spec = EngineSpec(model_dir=str(model_dir), options={"device": args.device, **options},
+                          log_level=args.log_level)
+        return start_engine(spec, engine_in_process_of_its_own(args))
 
     tool_servers = None
     if args.tool_server:

@@ -163,7 +163,9 @@ def main() -> int:
     progress(f"building the engine: gpt-oss-{args.model} shapes, random weights")
     start = time.perf_counter()
     engine = bench_engine.build_engine(base)
-    where = "a process of its own" if type(engine).__name__ == "EngineProcess" else "a thread of this process"
+    from inference.engine_process import EngineProcess
+
+    where = "a process of its own" if isinstance(engine, EngineProcess) else "a thread of this process"
     progress(f"engine ready in {time.perf_counter() - start:.1f} s, running in {where}")
     report = asyncio.run(measure(engine, runs, args.rounds))  # the server's shutdown stops the engine
     import torch

@@ -629,6 +629,8 @@ class StreamingEngineClient:
 
     def __init__(self) -> None:
         self._active: set[str] = set()  # request ids with an open stream (event-loop side)
+        self._stats: EngineStats | None = None  # as of the engine's last step this client has seen
+        self._usage: CacheUsage | None = None
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Validate now (ValueError for a bad request, RuntimeError once the engine is gone), then
@@ -644,6 +646,13 @@ class StreamingEngineClient:
 
     def release(self, request_id: str) -> None:
         self._submit(("release", request_id))
+
+    def stats(self) -> EngineStats:
+        """The counters as of the engine's last step this client has seen."""
+        return self._stats
+
+    def cache_usage(self) -> CacheUsage:
+        return self._usage
 
     def _check_serving(self) -> None:
         """Raise RuntimeError if the engine takes no more requests."""
@@ -718,13 +727,6 @@ class AsyncEngine(StreamingEngineClient):
 
     def _open(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
         self._submit(("add", request, asyncio.get_running_loop(), queue))
-
-    def stats(self) -> EngineStats:
-        """The counters as of the engine thread's last step."""
-        return self._stats
-
-    def cache_usage(self) -> CacheUsage:
-        return self._usage
 
     async def wait_idle(self) -> None:
         """Return once every submitted request has finished."""

@@ -28,7 +28,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 
-from .engine import EngineDriver, LLMEngine, StreamingEngineClient, put_deltas
+from .engine import AsyncEngine, EngineDriver, LLMEngine, StreamingEngineClient, put_deltas
 from .kv_cache import CacheUsage
 from .request import EngineStats, GenerationRequest, TokenDelta
 
@@ -60,6 +60,12 @@ class EngineSpec:
 
         return LLMEngine.from_random(ModelConfig.from_dict(self.random_config),
                                      model_name=self.model_name or "gpt-oss-random", **self.options)
+
+
+def start_engine(spec: EngineSpec, own_process: bool) -> StreamingEngineClient:
+    """The engine `spec` describes, in a process of its own (`EngineProcess`) or on a thread of
+    this one (`AsyncEngine`)."""
+    return EngineProcess(spec) if own_process else AsyncEngine(spec.build())
 
 
 class EngineProcess(StreamingEngineClient):
@@ -144,13 +150,6 @@ class EngineProcess(StreamingEngineClient):
             queue.put_nowait(_ended_delta(request.request_id, ended, self._stopping))
         else:
             self._submit(("add", request))
-
-    def stats(self) -> EngineStats:
-        """The counters as of the engine's last loop pass that an event loop has read."""
-        return self._stats
-
-    def cache_usage(self) -> CacheUsage:
-        return self._usage
 
     async def wait_idle(self) -> None:
         """Return once every submitted request has finished."""

@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 MODEL = "gpt-oss-test"
+# The real engine on the tiny checkpoint: float32 on CPU, its context as the load tests need.
+TINY_ENGINE_OPTIONS = dict(device="cpu", max_model_len=1024, num_pages=256, enforce_eager=True)
 
 
 class LiveServer:
@@ -124,8 +126,7 @@ def build_tiny_engine(checkpoint: Path):
     except ImportError as e:
         pytest.skip(f"inference.engine is not available: {e}")
     try:
-        return AsyncEngine.from_pretrained(str(checkpoint), device="cpu", max_model_len=1024, num_pages=256,
-                                          enforce_eager=True)
+        return AsyncEngine.from_pretrained(str(checkpoint), **TINY_ENGINE_OPTIONS)
     except ImportError as e:  # a module the engine needs is still being written
         pytest.skip(f"the real engine cannot be built yet: {e}")
 
@@ -144,8 +145,7 @@ def tiny_process_server(tmp_path_factory, tiny_checkpoint):
     serve` runs on CUDA): the same tests hold."""
     from inference.engine_process import EngineProcess, EngineSpec
 
-    engine = EngineProcess(EngineSpec(model_dir=str(tiny_checkpoint), options=dict(
-        device="cpu", max_model_len=1024, num_pages=256, enforce_eager=True)))
+    engine = EngineProcess(EngineSpec(model_dir=str(tiny_checkpoint), options=TINY_ENGINE_OPTIONS))
     app = make_app(lambda: engine, tmp_path_factory.mktemp("tiny-process-store") / "responses.sqlite3")
     with LiveServer(app, kind="tiny") as server:
         yield server
