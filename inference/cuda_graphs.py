@@ -1,5 +1,6 @@
 """CUDA graphs for decode steps: capture the whole model once per batch size, replay per token.
-(And for one sequence's short prefill: `PrefillGraphRunner`, at the end.)
+(And for the other steps of a few hundred tokens, prefill chunks and requests joining a batch:
+`PrefillGraphRunner`, at the end.)
 
 At batch 1 a gpt-oss step is ~100 kernel launches of a few microseconds each; launching them
 from Python costs more than running them. A captured graph replays them with one launch.
@@ -39,7 +40,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 @dataclass
 class _Captured:
-    """A graph's static buffers (decode: B sequences of Q tokens; prefill: one sequence, B = 1)."""
+    """A graph's static buffers (decode: B sequences of Q tokens; prefill: Q tokens in all of up to
+    B sequences, where B is `PrefillGraphRunner.max_seqs`)."""
 
     input_ids: torch.Tensor  # [B*Q] int64 (Q tokens per sequence)
     positions: torch.Tensor  # [B*Q] int64
@@ -48,9 +50,9 @@ class _Captured:
     cu_seqlens_q: torch.Tensor  # [B+1] int32, fixed: Q per sequence (the graph reads it: keep it alive)
     block_tables: dict[str, torch.Tensor]  # [B, P] int32 per cache kind
     graph: torch.cuda.CUDAGraph | None = None  # set by `_record`
-    logits: torch.Tensor | None = None  # [B*Q, V] (prefill: [1, V]) float32, written by the graph
+    logits: torch.Tensor | None = None  # [B*Q, V] (prefill: [R, V], see `row`) float32, written by the graph
     aux: torch.Tensor | None = None  # [B*Q, A] aux layer outputs, written by the graph
-    row: torch.Tensor | None = None  # prefill: [1] int64, the row whose logits the graph returns
+    row: torch.Tensor | None = None  # prefill: [R] int64, the rows whose logits the graph returns
     # [1] int32: the step's real tokens (the rest are padding, which the MoE routes nowhere)
     valid_tokens: torch.Tensor | None = None
 
@@ -209,70 +211,96 @@ class DecodeGraphRunner:
         return buf.logits[:t], (buf.aux[:t] if buf.aux is not None else None)
 
 
-# Prompt lengths a single-sequence prefill graph is captured for (tokens, padded up to the next).
-# 384 splits the widest gap: a 323-token step took 9.4-9.7 ms in it against 9.8-10.3 in 512's
-# (20b, H200). Each graph costs about 1.6 s of capture at start-up; 48, 96 and 192 measured no gain.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512)
+# Tokens a step graph is captured for (a step's tokens are padded up to the next). 384 splits the
+# widest gap below 512: a 323-token prompt took 9.4-9.7 ms in it against 9.8-10.3 in 512's (20b,
+# H200); 48, 96 and 192 measured no gain. 640 to 1024 hold the steps where requests join a running
+# batch (63 decode rows and a prompt: 260-520 tokens at 64 streams). Each graph costs about 1.6 s
+# of capture at start-up.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024)
+# Sequences a step graph holds (real ones, and one more for the padding): the steps where requests
+# join 64 running ones fit; larger batches run eagerly.
+PREFILL_GRAPH_SEQS = 128
 
 
 class PrefillGraphRunner:
-    """Captured prefill steps of one sequence, one per length bucket (`PREFILL_BUCKETS`).
+    """Captured steps that are not plain decode: up to `max_seqs` - 1 sequences with Q new tokens
+    in all, one graph per Q bucket (`PREFILL_BUCKETS`). That is a prompt's prefill (chunk), or a
+    running batch's decode rows beside the prompts of requests joining it.
 
-    An eager prefill is ~270 launches; where each costs tens of microseconds of host time (50 under
-    gVisor), a short prompt's step is host-bound: 18.0 ms wall against 9.5 ms of kernels at 323
-    tokens on an H200 (BENCHMARKS.md), most of an idle server's time to first token.
+    An eager step is ~270 launches; where each costs tens of microseconds of host time (50 under
+    gVisor), a step of a few hundred tokens is host-bound: 18.0 ms wall against 9.5 ms of kernels
+    for a 323-token prompt, and 28 ms against 11-16 for 64 sequences with a prompt among them
+    (H200, BENCHMARKS.md).
 
-    `run` pads the step's n tokens to the bucket Q: the padded tokens come after the real ones,
-    write no K/V (slot -1) and their rows are dropped, so the real tokens, which attend only to
-    positions at or before their own, compute what they would eagerly. The context length is
-    start + Q, so attention places token i at start + i; the block tables are wider than
-    max_pages by the largest bucket's pages (zeros past the real table), so the padded tokens'
-    key reads stay inside them. The MoE routes the padded tokens nowhere (`valid_tokens` = n),
-    so they add no expert work. The graph returns the logits of one row (the last real
-    token's). Capture-safety is the decode graphs' (the extend attention kernel's tile count
-    depends only on Q).
+    `run` pads the step's n tokens to Q with one more sequence after the real ones: Q - n tokens
+    at positions 0.. on page 0 (a block-table row of zeros), writing no K/V (slot -1), its rows
+    never read. The real sequences attend exactly as eagerly: a tile of the attention kernel
+    never spans two sequences. The MoE routes the padded tokens nowhere (`valid_tokens` = n), so
+    they add no expert work. Capture-safety: the metadata's lists hold bounds (`metadata`), the
+    attention grid covers any split of Q tokens into `max_seqs` sequences, and sequences past the
+    real ones have no tokens (cu_seqlens_q repeats Q). The graph returns the logits of
+    min(Q, max_seqs) rows (`rows`): those the step samples from, then whatever the buffer held.
     """
 
     def __init__(self, model: GptOssModel, kv_caches: list, max_pages: int, max_context: int,
-                 buckets: tuple[int, ...] = PREFILL_BUCKETS):
+                 buckets: tuple[int, ...] = PREFILL_BUCKETS, max_seqs: int = PREFILL_GRAPH_SEQS):
         self.model = model
         self.kv_caches = kv_caches
         self.max_context = max_context
         self.buckets = tuple(sorted(buckets))
+        self.max_seqs = max_seqs
         page_size = kv_caches[0][0].shape[1]
-        self.width = max_pages + -(-self.buckets[-1] // page_size)
-        self.max_position = model.max_positions - 1
-        self.offsets = torch.arange(self.buckets[-1], dtype=torch.long, device=model.device)
+        self.width = max_pages + -(-self.buckets[-1] // page_size)  # the padding's keys fit in its row
+        # The padding's positions, for RoPE only (its rows are dropped): within the model's table.
+        self.offsets = torch.arange(self.buckets[-1], dtype=torch.long, device=model.device).clamp(
+            max=model.max_positions - 1)
+        # One logits buffer for every graph (each writes its rows first thing at the end), so the
+        # graphs' outputs cost 128 rows of the vocabulary, not 128 a bucket.
+        self.logits = torch.empty(self.rows(self.buckets[-1]), model.config.vocab_size, dtype=torch.float32,
+                                  device=model.device)
+        # Block tables shared the same way (`fill` writes what a step reads): 4 MB a bucket and
+        # pool at 128k tokens of context.
+        self.block_tables = {k: torch.zeros(max_seqs, self.width, dtype=torch.int32, device=model.device)
+                             for k in KINDS}
         self.graphs: dict[int, _Captured] = {}
         self.pool = None
 
+    def rows(self, q: int) -> int:
+        """Logits rows the graph of q tokens returns."""
+        return min(q, self.max_seqs)
+
     def buffers(self, q: int) -> _Captured:
-        dev = self.model.device
+        """A bucket's buffers, holding a valid step: one sequence of q tokens that writes nothing
+        (on page 0: fill the shared block tables before replaying a graph, as `run` does)."""
+        dev, s = self.model.device, self.max_seqs
         return _Captured(
             input_ids=torch.zeros(q, dtype=torch.long, device=dev),
-            positions=torch.arange(q, dtype=torch.long, device=dev),
+            positions=self.offsets[:q].clone(),
             slots={k: torch.full((q,), -1, dtype=torch.long, device=dev) for k in KINDS},
-            context_lens=torch.full((1,), q, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor([0, q], dtype=torch.int32, device=dev),
-            block_tables={k: torch.zeros(1, self.width, dtype=torch.int32, device=dev) for k in KINDS},
-            row=torch.zeros(1, dtype=torch.long, device=dev),
+            context_lens=torch.full((s,), q, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0] + [q] * s, dtype=torch.int32, device=dev),
+            block_tables=self.block_tables,
+            row=torch.zeros(self.rows(q), dtype=torch.long, device=dev),
             valid_tokens=torch.full((1,), q, dtype=torch.int32, device=dev),
         )
 
-    def metadata(self, buf: _Captured, context: int | None = None) -> AttentionMetadata:
-        """The step's metadata over the buffers. The context list is a bound (the Triton kernels
-        read the lengths from the device); the reference backend needs the exact `context`."""
-        q = buf.input_ids.shape[0]
+    def metadata(self, buf: _Captured, exact: tuple[list[int], list[int]] | None = None) -> AttentionMetadata:
+        """The step's metadata over the buffers. Its lists are bounds (the Triton kernels read the
+        lengths from the device): q_lens [Q, 1, 1, ...] sizes the attention grid for any
+        `max_seqs` sequences (`attention_triton._prefill`). The reference backend needs the exact
+        (q_lens, context lens) of all `max_seqs` sequences instead: `exact`."""
+        q, s = buf.input_ids.shape[0], self.max_seqs
+        q_lens, contexts = exact or ([q] + [1] * (s - 1), [self.max_context] * s)
         return AttentionMetadata(
             cu_seqlens_q=buf.cu_seqlens_q, context_lens=buf.context_lens, block_tables=buf.block_tables,
-            slot_mapping=buf.slots, positions=buf.positions, max_q_len=q, q_lens=[q],
-            context_lens_list=[context or self.max_context],
+            slot_mapping=buf.slots, positions=buf.positions, max_q_len=q, q_lens=q_lens,
+            context_lens_list=contexts,
         )
 
-    def step(self, buf: _Captured, context: int | None = None) -> torch.Tensor:
-        """The model on the buffers: logits [1, V] of row `buf.row` (what a replay computes)."""
-        hidden = self.model(buf.input_ids, self.metadata(buf, context), self.kv_caches, valid_tokens=buf.valid_tokens)
-        return self.model.compute_logits(hidden.index_select(0, buf.row))
+    def step(self, buf: _Captured, exact: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+        """The model on the buffers: the logits [rows(Q), V] of rows `buf.row` (what a replay computes)."""
+        hidden = self.model(buf.input_ids, self.metadata(buf, exact), self.kv_caches, valid_tokens=buf.valid_tokens)
+        return self.model.compute_logits(hidden.index_select(0, buf.row), out=self.logits[: buf.row.shape[0]])
 
     def capture(self) -> None:
         for q in sorted(self.buckets, reverse=True):  # largest first: the others reuse its pool
@@ -280,35 +308,47 @@ class PrefillGraphRunner:
             buf.graph, buf.logits = _record(lambda: self.step(buf), self.pool)
             self.pool = buf.graph.pool()
             self.graphs[q] = buf
-        log.info("captured prefill CUDA graphs", extra={"tokens": list(self.buckets)})
+        log.info("captured step CUDA graphs", extra={"tokens": list(self.buckets), "sequences": self.max_seqs - 1})
 
-    def can_run(self, num_tokens: int) -> bool:
-        return bool(self.graphs) and num_tokens <= self.buckets[-1]
+    def can_run(self, num_tokens: int, num_seqs: int = 1, num_rows: int = 1) -> bool:
+        """Whether a step of num_tokens new tokens in num_seqs sequences, sampling from num_rows
+        rows, fits a graph (one sequence slot stays for the padding)."""
+        if not self.graphs or num_tokens > self.buckets[-1] or num_seqs >= self.max_seqs:
+            return False
+        return num_rows <= self.rows(self.bucket(num_tokens))
 
-    def fill(self, buf: _Captured, input_ids: torch.Tensor, meta: AttentionMetadata, row: int) -> None:
-        """Write one sequence's step (n <= Q tokens from position meta.positions[0]) into `buf`,
-        padded to Q. A few small copies, no host synchronisation."""
-        n, q = input_ids.shape[0], buf.input_ids.shape[0]
+    def bucket(self, num_tokens: int) -> int:
+        return next(q for q in self.buckets if q >= num_tokens)
+
+    def fill(self, buf: _Captured, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> None:
+        """Write a step (n <= Q tokens of S < max_seqs sequences; `rows` [k] int64, the rows to
+        sample from) into `buf`: the padding sequence after the real ones, then sequences with
+        no tokens. A dozen small copies, no host synchronisation."""
+        n, q, s = input_ids.shape[0], buf.input_ids.shape[0], len(meta.q_lens)
         buf.input_ids[:n].copy_(input_ids)
         buf.input_ids[n:].zero_()
-        torch.clamp(meta.positions[:1] + self.offsets[:q], max=self.max_position, out=buf.positions)
+        buf.positions[:n].copy_(meta.positions)
+        buf.positions[n:].copy_(self.offsets[: q - n])
         for kind, slots in buf.slots.items():
             if kind in meta.slot_mapping:  # a model without sliding layers has no sliding pool
                 slots[:n].copy_(meta.slot_mapping[kind])
                 slots[n:].fill_(-1)
-        torch.add(meta.context_lens, q - n, out=buf.context_lens)
-        buf.valid_tokens.fill_(n)
+        buf.cu_seqlens_q[: s + 1].copy_(meta.cu_seqlens_q)
+        buf.cu_seqlens_q[s + 1 :].fill_(q)
+        buf.context_lens[:s].copy_(meta.context_lens)
+        buf.context_lens[s:].fill_(q - n)
         for kind, table in buf.block_tables.items():
             if kind in meta.block_tables:
                 real = meta.block_tables[kind]
-                table[:, real.shape[1]:].zero_()
-                table[:, : real.shape[1]].copy_(real)
-        buf.row.fill_(row)
+                table[:s, : real.shape[1]].copy_(real)
+                table[s].zero_()
+        buf.valid_tokens.fill_(n)
+        buf.row[: rows.shape[0]].copy_(rows)
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, row: int) -> torch.Tensor:
-        """One sequence's prefill step of n tokens (`can_run(n)`); the logits [1, V] of its token
-        `row` (the graph's output buffer: read it before the next `run`)."""
-        buf = self.graphs[next(q for q in self.buckets if q >= input_ids.shape[0])]
-        self.fill(buf, input_ids, meta, row)
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """A step that `can_run`; the logits [k, V] of its `rows` [k] (a view of the graphs'
+        shared output buffer: read it before the next `run`)."""
+        buf = self.graphs[self.bucket(input_ids.shape[0])]
+        self.fill(buf, input_ids, meta, rows)
         buf.graph.replay()
-        return buf.logits
+        return self.logits[: rows.shape[0]]

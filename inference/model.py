@@ -196,10 +196,11 @@ class GptOssModel(nn.Module):
         return h
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] (already normed) -> logits [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, H] (already normed) -> logits [N, vocab] float32, written into `out` if given."""
         logits = self.lm_head(hidden)
-        return (logits if self.tp is None else self.tp.gather_vocab(logits)).float()
+        logits = logits if self.tp is None else self.tp.gather_vocab(logits)
+        return logits.float() if out is None else out.copy_(logits)
 
     @property
     def device(self) -> torch.device:

@@ -5,7 +5,9 @@ are computed only for the last new token of sequences that reach their end in th
 prefill chunk that stops short of the prompt's end samples nothing), and, with speculative
 decoding, for each draft token a sequence verifies (`inference/rejection_sampler.py` decides
 which drafts stay). On CUDA, decode-only steps and verification steps with the same number of
-drafts per sequence replay captured CUDA graphs (`inference/cuda_graphs.py`) unless `enforce_eager`.
+drafts per sequence replay captured CUDA graphs (`inference/cuda_graphs.py`) unless `enforce_eager`;
+other steps of up to 1024 tokens and 127 sequences (prefill chunks, requests joining a running
+batch) replay the step graph of their token bucket; larger ones run eagerly.
 
 A step is first described in plain Python values (`StepPlan`), then run (`execute`): its integer
 inputs go to the device packed in one buffer with one copy (`inference/step_inputs.py`). Under
@@ -246,10 +248,8 @@ class ModelRunner:
             if plan.sample_rows == list(range(len(plan.input_ids))):  # plain decode: every row, in order
                 return logits, aux
             return logits[inputs.sample_rows], aux
-        if self._prefill_graph_fits(plan):  # one sequence's short prefill (chunk): one replay
-            n = len(plan.input_ids)
-            logits = self.prefill_graphs.run(inputs.input_ids, inputs.meta, plan.sample_rows[0] if plan.sample_rows
-                                             else n - 1)
+        if self._step_graph_fits(plan):  # a prefill chunk, or requests joining a batch: one replay
+            logits = self.prefill_graphs.run(inputs.input_ids, inputs.meta, inputs.sample_rows)
             return (logits if plan.sample_rows else None), None
         input_ids = inputs.input_ids if previous is None else previous[inputs.input_ids]
         out = self.model(input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
@@ -257,12 +257,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows]) if plan.sample_rows else None
         return logits, aux
 
-    def _prefill_graph_fits(self, plan: StepPlan) -> bool:
-        """One sequence, several new tokens (none of them drafts: then it would sample more than
-        one row), at most the largest captured bucket."""
-        return (self.prefill_graphs is not None and len(plan.q_lens) == 1 and plan.q_lens[0] > 1
-                and len(plan.sample_rows) <= 1 and not plan.inputs_from_previous
-                and self.prefill_graphs.can_run(plan.q_lens[0]))
+    def _step_graph_fits(self, plan: StepPlan) -> bool:
+        """A step no decode graph runs (prefill chunks, with or without decode rows beside them;
+        uneven drafts), of at most the largest captured bucket's tokens and sequences."""
+        return (self.prefill_graphs is not None and plan.graph_tokens is None and not plan.inputs_from_previous
+                and self.prefill_graphs.can_run(len(plan.input_ids), len(plan.q_lens), len(plan.sample_rows)))
 
     def forward_step(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -395,13 +395,38 @@ def test_triton_prefill_extend(heads, window):
 
 
 @needs_triton
-def test_triton_prefill_many_sequences():
-    """Tiles find their sequence in-kernel: many sequences, some with no new tokens."""
+@pytest.mark.parametrize("seqs_a_scan", [64, 4])
+def test_triton_prefill_many_sequences(seqs_a_scan, monkeypatch):
+    """Tiles find their sequence in-kernel: many sequences, some with no new tokens; with 4 a scan
+    step, the search crosses steps (and a step ends on a sequence with no tiles)."""
     attention_triton, _ = _kernel_modules()
+    monkeypatch.setattr(attention_triton, "PREFILL_SEQS_A_SCAN", seqs_a_scan)
     q_lens = [3, 0, 17, 1, 0, 9, 2, 16, 1, 5]
     contexts = [3, 4, 30, 22, 7, 9, 40, 16, 2, 12]
     check_attention(attention_triton.paged_sink_attention, 8, q_lens, contexts, (4, 2, 16), 4, 8,
                     **small_cfgs(attention_triton))
+
+
+@needs_triton
+def test_triton_prefill_grid_from_bounds():
+    """As a CUDA graph of Q tokens for up to S sequences launches it: the metadata's lists are
+    bounds (q_lens [Q, 1, 1, ...]), the device's cu_seqlens_q repeats the end past the real
+    sequences. The real rows come out as with the exact grid; the tiles past them do nothing."""
+    attention_triton, _ = _kernel_modules()
+    q_lens, contexts, slots_for = [1, 9, 1, 3], [30, 9, 12, 20], 7
+    for window in (None, 8):
+        q, k_cache, v_cache, meta, table, sinks, scale = make_batch(5, q_lens, contexts, (4, 2, 16), 4, window)
+        ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
+        total, pad = sum(q_lens), slots_for - len(q_lens)
+        bound = AttentionMetadata(
+            cu_seqlens_q=torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(pad)]),
+            context_lens=torch.cat([meta.context_lens, torch.zeros(pad, dtype=torch.int32, device=q.device)]),
+            block_tables=meta.block_tables, slot_mapping=meta.slot_mapping, positions=meta.positions,
+            max_q_len=total, q_lens=[total] + [1] * (slots_for - 1), context_lens_list=[64] * slots_for)
+        wide_table = torch.cat([table, torch.full((pad, table.shape[1]), -1, dtype=table.dtype, device=q.device)])
+        out = attention_triton.paged_sink_attention(q, k_cache, v_cache, bound, wide_table, sinks, scale, window,
+                                                    **small_cfgs(attention_triton))
+        assert relative_error(out, ref) < TOL
 
 
 @needs_triton
@@ -461,6 +486,22 @@ def test_gpu_prefill_extend_gpt_oss_shapes(window, page_size):
     q_lens = torch.randint(0, 60, (70,), generator=gen).tolist()  # a mixed batch, some sequences idle
     contexts = [n + int(torch.randint(0, 700, (1,), generator=gen)) for n in q_lens]
     check_attention(attention_triton.paged_sink_attention, 8, q_lens, contexts, GPT_OSS, page_size, window)
+
+
+@gpu_only
+def test_gpu_prefill_compiles_once_for_any_batch():
+    """Mixed steps differ in their number of sequences and block-table width from one to the next;
+    none of that may compile a variant of the prefill kernel while serving."""
+    attention_triton, _ = _kernel_modules()
+    kernel = attention_triton._prefill_kernel
+    check_attention(attention_triton.paged_sink_attention, 30, [5, 1], [40, 3], GPT_OSS, 16, None)
+    compiled = len(kernel.device_caches[torch.cuda.current_device()][0])
+    gen = torch.Generator().manual_seed(3)
+    for b, seqs in enumerate([2, 3, 16, 17, 33, 64, 65, 130]):
+        q_lens = [1] * (seqs - 1) + [int(torch.randint(2, 40, (1,), generator=gen))]
+        contexts = [n + int(torch.randint(0, 16 * (b + 1) ** 2, (1,), generator=gen)) for n in q_lens]
+        check_attention(attention_triton.paged_sink_attention, 31 + b, q_lens, contexts, GPT_OSS, 16, None)
+    assert len(kernel.device_caches[torch.cuda.current_device()][0]) == compiled
 
 
 @gpu_only

@@ -481,7 +481,9 @@ def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.con
 # ----------------------------------------------------------------------------- router
 
 
-@triton.jit
+# The step's counts are not specialised on (divisible by 16, or 1): eager steps of other sizes
+# would compile variants while serving (a 0.24 s stall at 64 streams, BENCHMARKS.md).
+@triton.jit(do_not_specialize=["T"])
 def _router_partial_kernel(
     x_ptr, wr_ptr, partial_ptr, out_ptr, counters_ptr, T, H, E, stride_x, k_per_split,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, OPERAND: tl.constexpr,
@@ -515,7 +517,8 @@ def _router_partial_kernel(
     tl.store(partial_ptr + (split * T + t[:, None]) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
-@triton.jit
+# Counts not specialised on: see `_router_partial_kernel`.
+@triton.jit(do_not_specialize=["T", "splits"])
 def _route_top_k_kernel(
     partial_ptr, br_ptr, ids_ptr, gates_ptr, counts_ptr, valid_ptr, T, E, splits,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -752,7 +755,8 @@ def _gemv_down_kernel(
 # ----------------------------------------------------------------------------- grouped (prefill)
 
 
-@triton.jit
+# Counts not specialised on: see `_router_partial_kernel`.
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _align_kernel(
     ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, valid_ptr,
     num_pairs, E, max_blocks,
