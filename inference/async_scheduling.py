@@ -15,10 +15,13 @@ What a follow-up step can get wrong is only known when step N's tokens arrive; i
     runs it before any later step that could reuse the page.
   * a sequence that will reach max_tokens or the context length at step N is known in advance
     and left out of step N+1.
-Everything else falls back to the plain synchronous step, decided here (`next_batch` None):
-batches with prefill chunks or drafts, penalties (the sampler needs the token history on the
-host), a request waiting with room to be admitted, more running sequences than the token budget
-holds, pages that do not fit. The next step runs the same sequences the scheduler would pick.
+The launched step may hold prompts too (requests that joined the running ones): a prompt that
+ends in it samples its first token there and decodes in the next step like the others.
+Everything else falls back to the scheduler's plan once the tokens are read (`next_batch`
+None): a prompt chunk that stops short of the prompt's end, drafts, penalties (the sampler needs
+the token history on the host), a request waiting with room to be admitted, more running
+sequences than the token budget holds, pages that do not fit. The next step runs the same
+sequences the scheduler would pick.
 The engine does not build this at all with a drafter or under tensor parallelism.
 
 One cost stays hidden in a launch: when a row truncates by top-k/top-p and the sampler's cheap
@@ -44,38 +47,34 @@ class StepOverlap:
         self.max_model_len = max_model_len
 
     @staticmethod
-    def is_steady_decode(batch: ScheduledBatch) -> bool:
-        """Every sequence decodes one token and samples the next, without drafts or penalties."""
-        drafts = batch.num_draft or [0] * len(batch)
-        return all(n == 1 and not d and StepOverlap._decodes_plainly(seq)
-                   for seq, n, d in zip(batch.seqs, batch.num_new, drafts))
-
-    @staticmethod
-    def _decodes_plainly(seq: Sequence) -> bool:
+    def _samples_plainly(seq: Sequence, num_new: int) -> bool:
+        """Whether the launched step's `num_new` tokens of `seq` reach its end (it samples the
+        next token there), without penalties."""
         p = seq.sampling
-        return seq.num_tokens - seq.num_computed == 1 and not (p.frequency_penalty or p.presence_penalty)
+        return seq.num_tokens - seq.num_computed == num_new and not (p.frequency_penalty or p.presence_penalty)
 
     def next_batch(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch` (launched, tokens not applied yet), its pages reserved;
-        None when the synchronous scheduler must plan it once `batch`'s tokens are known."""
+        None when the synchronous scheduler must plan it once `batch`'s tokens are known. `batch`
+        may hold prompts (requests joining the running ones): those that end there decode next."""
         s = self.scheduler
-        if any(n != 1 for n in batch.num_new) or any(batch.num_draft):
+        if any(batch.num_draft):
             return None
         if s.waiting and len(s.running) < s.max_num_seqs:
             return None  # a new request may join: the scheduler admits it
         # Sequences that ended (or were aborted) before `batch` could be read have no next step.
-        running = [seq for seq in batch.seqs if seq.status == SequenceStatus.RUNNING]
-        if not all(self._decodes_plainly(seq) for seq in running):
+        entries = [(seq, n) for seq, n in zip(batch.seqs, batch.num_new) if seq.status == SequenceStatus.RUNNING]
+        if not all(self._samples_plainly(seq, n) for seq, n in entries):
+            return None  # a prompt chunk short of its end: the scheduler plans the next chunk
+        entries = [(seq, n) for seq, n in entries if not self._ends_now(seq)]
+        if not entries or len(entries) > s.max_num_batched_tokens:
             return None
-        seqs = [seq for seq in running if not self._ends_now(seq)]
-        if not seqs or len(seqs) > s.max_num_batched_tokens:
-            return None
-        for seq in seqs:  # `batch` writes position num_computed; the next step the one after it
-            start = seq.num_computed + 1
+        for seq, n in entries:  # `batch` writes positions up to num_computed + n - 1; the next step the one after
+            start = seq.num_computed + n
             if self.cache.fit_tokens(seq.pages, start, 1) < 1:
                 return None  # out of pages: the scheduler preempts, or parks, as it sees fit
             self.cache.reserve(seq.pages, start, 1)
-        return ScheduledBatch(seqs, [1] * len(seqs), [0] * len(seqs))
+        return ScheduledBatch([seq for seq, _ in entries], [1] * len(entries), [0] * len(entries))
 
     def _ends_now(self, seq: Sequence) -> bool:
         """Whether the token the launched step samples for `seq` is its last by length."""

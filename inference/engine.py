@@ -9,8 +9,8 @@
 
 Each step: the scheduler picks sequences and token counts, the model runner runs them and
 samples, and the engine appends tokens, checks stop conditions, and turns results into
-`TokenDelta`s. With async scheduling (`inference/async_scheduling.py`) a steady decode batch's
-next step is launched before this step's tokens are read, so that host work overlaps the device.
+`TokenDelta`s. With async scheduling (`inference/async_scheduling.py`) the next step, where it is
+plain decode, is launched before this step's tokens are read, so that host work overlaps the device.
 `AsyncEngine` runs that loop on its own thread and streams each request's deltas to asyncio
 consumers (the `EngineClient` protocol of `inference/request.py`); `EngineProcess`
 (`inference/engine_process.py`) runs the same loop, `EngineDriver`, in a process of its own.
@@ -383,7 +383,7 @@ class LLMEngine:
             if not batch.seqs:
                 return []
             self.steps += 1
-            if self.overlap is None or not self.overlap.is_steady_decode(batch):
+            if self.overlap is None:
                 return self._run_synchronously(batch)
             try:
                 launched = self.runner.launch(batch)

@@ -217,15 +217,16 @@ class ModelRunner:
 
     def plan_after(self, batch: ScheduledBatch, after: LaunchedStep) -> tuple[StepPlan, list[int], list[int]]:
         """`plan` for a decode step launched before `after`'s tokens are known: every sequence
-        of `batch` decodes one token at num_computed + 1 (its pages reserved), and its input is
-        the token `after` sampled for it, gathered on the device."""
+        of `batch` decodes one token just past what `after` computes for it (its pages reserved),
+        and its input is the token `after` sampled for it, gathered on the device."""
         seqs = batch.seqs
         n = len(seqs)
         rows = after.token_rows()
+        computed = {seq: seq.num_computed + k for seq, k in zip(after.batch.seqs, after.batch.num_new)}
         graph = self.graphs is not None and self.graphs.can_run(n, 1)
         plan = StepPlan([rows[seq] for seq in seqs], [seq.pages.full for seq in seqs],
                         [seq.pages.sliding for seq in seqs] if self.has_sliding else None,
-                        [seq.num_computed + 1 for seq in seqs], [1] * n, list(range(n)), 1 if graph else None,
+                        [computed[seq] for seq in seqs], [1] * n, list(range(n)), 1 if graph else None,
                         inputs_from_previous=True)
         return plan, list(range(n)), list(range(n))
 

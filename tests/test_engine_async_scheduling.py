@@ -220,10 +220,12 @@ def test_when_the_next_step_is_launched_ahead(model):
     overlap = eng.overlap
     eng.add_request(request("a", prompt(70, 6), temperature=0.0, max_tokens=8))
     eng.add_request(request("b", prompt(71, 5), temperature=0.0, max_tokens=2))
-    eng.step()  # both prefill: a synchronous step, nothing left in flight
+    eng.overlap = None
+    eng.step()  # both prefill, synchronously here: nothing left in flight
+    eng.overlap = overlap
     assert not eng.in_flight
     decode = eng.scheduler.schedule()  # from here on the steps are planned by hand
-    assert overlap.is_steady_decode(decode)
+    assert decode.num_new == [1, 1]
     a, b = decode.seqs
     pages_before = list(a.pages.full)
     nxt = overlap.next_batch(decode)
@@ -240,7 +242,38 @@ def test_when_the_next_step_is_launched_ahead(model):
     eng.abort("c")
     # Penalties need the host's token history: no overlap for a batch holding one.
     a.sampling.presence_penalty = 0.5
-    assert not overlap.is_steady_decode(decode) and overlap.next_batch(decode) is None
+    assert overlap.next_batch(decode) is None
+
+
+def test_requests_joining_the_batch_are_followed_by_a_step_launched_ahead(model):
+    """The step where a prompt prefills beside decode rows is launched like a decode step, and
+    when the prompt ends in it the next step (every sequence decoding, the newcomer too) goes
+    ahead at once; a chunk that stops short of its prompt's end leaves the planning to the
+    scheduler."""
+    eng = engine(model, True)  # 16-token budget
+    eng.add_request(request("a", prompt(80, 6), temperature=0.0, max_tokens=12))
+    eng.step()
+    eng.step()  # a decodes, launched ahead from here on
+    eng.add_request(request("b", prompt(81, 9), temperature=0.0, max_tokens=6))
+    eng.step()  # collects a's step in flight; b waits with room: nothing launched ahead
+    assert not eng.in_flight
+    eng.step()  # b's prompt beside a's decode row, then both decode in the step launched ahead
+    assert eng.in_flight
+    queued = eng._inflight.batch
+    assert [s.request_id for s in queued.seqs] == ["a", "b"] and queued.num_new == [1, 1]
+    b = queued.seqs[1]
+    assert b.num_computed == 9 and b.num_output_tokens == 1  # its prompt, and its first token applied
+    eng.add_request(request("c", prompt(82, 30), temperature=0.0, max_tokens=4))
+    eng.step()  # collects the step in flight; c waits
+    eng.step()  # c's first 14 tokens beside a's and b's rows: the rest of its prompt comes next
+    assert not eng.in_flight
+    while eng.has_unfinished():
+        eng.step()
+    sync = Run(engine(model, False), {0: [request("a", prompt(80, 6), temperature=0.0, max_tokens=12)],
+                                      2: [request("b", prompt(81, 9), temperature=0.0, max_tokens=6)],
+                                      4: [request("c", prompt(82, 30), temperature=0.0, max_tokens=4)]})
+    assert sync.finishes() == {"a": ("length", None), "b": ("length", None), "c": ("length", None)}
+    assert_back_to_baseline(eng)
 
 
 def test_async_scheduling_is_off_on_cpu_unless_asked(model):
