@@ -29,11 +29,16 @@ def greedy(engine, prompt_list, max_tokens):
     for i, p in enumerate(prompt_list):
         engine.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                         logprobs=2)))
-    out = drain(engine)
+    return generations(drain(engine), len(prompt_list))
+
+
+def generations(deltas: dict[str, list], count: int):
+    """Requests "0" to count - 1 (asked with logprobs=2) from their deltas: per request (tokens,
+    their logprobs, top-2 margins)."""
     result = []
-    for i in range(len(prompt_list)):
-        logprobs = [lp for d in out[str(i)] for lp in d.logprobs or []]
-        result.append((tokens_of(out[str(i)]), [lp.logprob for lp in logprobs],
+    for i in range(count):
+        logprobs = [lp for d in deltas[str(i)] for lp in d.logprobs or []]
+        result.append((tokens_of(deltas[str(i)]), [lp.logprob for lp in logprobs],
                        [lp.top[0][1] - lp.top[1][1] for lp in logprobs]))
     return result
 

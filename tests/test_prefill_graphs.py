@@ -114,6 +114,36 @@ def test_fill_leaves_nothing_of_a_longer_earlier_step():
     assert not runner.can_run(16, 4, 1) and not runner.can_run(17, 1, 1)
 
 
+def eager_against_graphs(drive, **options):
+    """`drive(engine)` -> per request (tokens, logprobs, top-2 margins), on the float32 tiny model
+    eagerly and with graphs: ({eager: its result}, the q_lens of each step graph replayed)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from inference.engine import LLMEngine
+
+    config = ModelConfig.from_dict(hf_config_dict())
+    runs, replays = {}, []
+    for eager in (True, False):
+        engine = LLMEngine.from_random(config, device="cuda", dtype=torch.float32, seed=3, num_pages=256,
+                                       enforce_eager=eager, **options)
+        assert (engine.runner.prefill_graphs is None) == eager
+        if not eager:
+            def recording(ids, meta, rows, run=engine.runner.prefill_graphs.run):
+                replays.append(meta.q_lens)
+                return run(ids, meta, rows)
+
+            engine.runner.prefill_graphs.run = recording
+        runs[eager] = drive(engine)
+    return runs, replays
+
+
+def assert_first_tokens_agree(runs) -> None:
+    """The first token of each request, the prefill's own: its logprob agrees wherever the choice does."""
+    for (tokens_e, logprobs_e, _), (tokens_g, logprobs_g, _) in zip(runs[True], runs[False]):
+        if tokens_e[0] == tokens_g[0]:
+            assert abs(logprobs_e[0] - logprobs_g[0]) < 0.05
+
+
 @pytest.mark.parametrize("chunk", [8, 8192])
 def test_engine_short_prefills_replay_the_graphs_and_match_eager(chunk):
     """float32 tiny model through the engine, eager against graphs; greedy tokens equal up to each
@@ -122,31 +152,17 @@ def test_engine_short_prefills_replay_the_graphs_and_match_eager(chunk):
     (cuBLAS may still pick another float32 kernel for 16 rows than for 8: ties of 0.01). Whole
     prompts (150 to 171 tokens: 256 in the graph) take the grouped path, whose float32 dots run
     as TF32 on tensor cores and round differently at another token count: ties of 0.05."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from inference.engine import LLMEngine
     from tests.gpu_comparison import compare_greedy, greedy, prompts
 
-    config = ModelConfig.from_dict(hf_config_dict())
-    runs, replays = {}, []
-    for eager in (True, False):
-        engine = LLMEngine.from_random(config, device="cuda", dtype=torch.float32, seed=3, num_pages=256,
-                                       enforce_eager=eager, max_num_batched_tokens=chunk)
-        assert (engine.runner.prefill_graphs is None) == eager
-        if not eager:
-            run = engine.runner.prefill_graphs.run
-            engine.runner.prefill_graphs.run = lambda *a, **k: replays.append(a[0].shape[0]) or run(*a, **k)
-        # One request at a time, so each prefill step holds one sequence.
-        runs[eager] = [greedy(engine, [p], 12)[0] for p in prompts(4, 150)]
-    assert replays and all(n <= (8 if chunk == 8 else 171) for n in replays)
+    # One request at a time, so each prefill step holds one sequence.
+    runs, replays = eager_against_graphs(lambda engine: [greedy(engine, [p], 12)[0] for p in prompts(4, 150)],
+                                         max_num_batched_tokens=chunk)
+    assert replays and all(len(q) == 1 and q[0] <= (8 if chunk == 8 else 171) for q in replays)
     compared, total = compare_greedy(runs[True], runs[False], near_tie=0.01 if chunk == 8 else 0.05)
     # The random tiny model is full of near ties: whole prompts compared 15 of 48 tokens at 0.05
-    # (H200, 2026-11-24), all equal. The first token of each, the prefill's own, is checked
-    # beside: its logprob must agree wherever the choice does.
+    # (H200, 2026-11-24), all equal.
     assert compared >= total // (2 if chunk == 8 else 4), f"only {compared} of {total} tokens were compared"
-    for (tokens_e, logprobs_e, _), (tokens_g, logprobs_g, _) in zip(runs[True], runs[False]):
-        if tokens_e[0] == tokens_g[0]:
-            assert abs(logprobs_e[0] - logprobs_g[0]) < 0.05
+    assert_first_tokens_agree(runs)
 
 
 def test_engine_requests_joining_a_batch_replay_step_graphs_and_match_eager():
@@ -155,22 +171,10 @@ def test_engine_requests_joining_a_batch_replay_step_graphs_and_match_eager():
     (several sequences, some of one token). Greedy tokens equal up to each sequence's first near
     tie; prompts of 40 to 61 tokens beside up to 3 decode rows pad to 64 (grouped MoE path, TF32
     dots: ties of 0.05, as for whole prompts above)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from inference.engine import LLMEngine
     from inference.request import GenerationRequest, SamplingParams
-    from tests.engine_runs import tokens_of
-    from tests.gpu_comparison import compare_greedy, prompts
+    from tests.gpu_comparison import compare_greedy, generations, prompts
 
-    config = ModelConfig.from_dict(hf_config_dict())
-    runs, replays = {}, []
-    for eager in (True, False):
-        engine = LLMEngine.from_random(config, device="cuda", dtype=torch.float32, seed=3, num_pages=256,
-                                       enforce_eager=eager)
-        if not eager:
-            run = engine.runner.prefill_graphs.run
-            engine.runner.prefill_graphs.run = lambda ids, meta, rows: replays.append(meta.q_lens) or run(
-                ids, meta, rows)
+    def drive(engine):
         waiting, deltas, step = list(enumerate(prompts(4, 40))), {}, 0
         while waiting or engine.has_unfinished():
             if waiting and step % 3 == 0:  # one joins every third step
@@ -180,15 +184,11 @@ def test_engine_requests_joining_a_batch_replay_step_graphs_and_match_eager():
             for d in engine.step():
                 deltas.setdefault(d.request_id, []).append(d)
             step += 1
-        runs[eager] = []
-        for i in range(4):
-            logprobs = [lp for d in deltas[str(i)] for lp in d.logprobs or []]
-            runs[eager].append((tokens_of(deltas[str(i)]), [lp.logprob for lp in logprobs],
-                                [lp.top[0][1] - lp.top[1][1] for lp in logprobs]))
+        return generations(deltas, 4)
+
+    runs, replays = eager_against_graphs(drive)
     joined = [q for q in replays if len(q) > 1 and 1 in q and max(q) > 1]
     assert len(joined) == 3, f"steps replayed: {replays}"  # requests 1, 2 and 3 joined running ones
     compared, total = compare_greedy(runs[True], runs[False], near_tie=0.05)
     assert compared >= total // 4, f"only {compared} of {total} tokens were compared"
-    for (tokens_e, logprobs_e, _), (tokens_g, logprobs_g, _) in zip(runs[True], runs[False]):
-        if tokens_e[0] == tokens_g[0]:
-            assert abs(logprobs_e[0] - logprobs_g[0]) < 0.05
+    assert_first_tokens_agree(runs)
