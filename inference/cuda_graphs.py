@@ -254,12 +254,12 @@ class PrefillGraphRunner:
         # The padding's positions, for RoPE only (its rows are dropped): within the model's table.
         self.offsets = torch.arange(self.buckets[-1], dtype=torch.long, device=model.device).clamp(
             max=model.max_positions - 1)
-        # One logits buffer for every graph (each writes its rows first thing at the end), so the
-        # graphs' outputs cost 128 rows of the vocabulary, not 128 a bucket.
+        # One logits buffer for every graph (a replay writes its rows at the end of the step): the
+        # graphs' outputs cost 128 rows of the vocabulary in all (103 MB at 20b), not 128 a bucket.
         self.logits = torch.empty(self.rows(self.buckets[-1]), model.config.vocab_size, dtype=torch.float32,
                                   device=model.device)
-        # Block tables shared the same way (`fill` writes what a step reads): 4 MB a bucket and
-        # pool at 128k tokens of context.
+        # Block tables shared the same way (`fill` writes what a step reads): they would take 4 MB
+        # a bucket and cache kind at 128k tokens of context.
         self.block_tables = {k: torch.zeros(max_seqs, self.width, dtype=torch.int32, device=model.device)
                              for k in KINDS}
         self.graphs: dict[int, _Captured] = {}
