@@ -222,37 +222,48 @@ def _combine_kernel(
     tl.store(Out + seq.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty))
 
 
+@triton.jit
+def _sequence_tiles(CuSeqlensQ, b0, num_seqs, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Tiles of sequences b0 .. b0 + BLOCK_B - 1 ([BLOCK_B] int32; 0 past num_seqs)."""
+    b_idx = b0 + tl.arange(0, BLOCK_B)
+    b_ok = b_idx < num_seqs
+    q_starts = tl.load(CuSeqlensQ + b_idx, mask=b_ok, other=0)
+    q_ends = tl.load(CuSeqlensQ + b_idx + 1, mask=b_ok, other=0)
+    return (q_ends - q_starts + BLOCK_T - 1) // BLOCK_T
+
+
 # The counts and the block table's width change from step to step; specialised on (divisible by
 # 16, or 1), each new combination compiled a variant while serving (1.5 s stalls, BENCHMARKS.md).
-@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "num_tiles"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     Q, K, V, Sinks, BlockTables, ContextLens, CuSeqlensQ, Out,
     stride_qt, stride_qh, stride_page, stride_slot, stride_kv_head, stride_bt, stride_ot, stride_oh,
-    qk_scale, window, num_seqs, num_tiles,
+    qk_scale, window, num_seqs,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    # Tiles are numbered through the batch, sequence by sequence; run them last-first so that
-    # a long prompt's heaviest (latest) tiles start first.
+    # Tiles are numbered through the batch, sequence by sequence, and counted here from the
+    # sequences' lengths (a CUDA graph's grid only bounds them, see `_prefill`). They run
+    # last-first, so that a long prompt's heaviest (latest) tiles start first; programs past
+    # the step's tiles come last and return at once.
+    num_tiles = 0
+    for b0 in range(0, num_seqs, BLOCK_B):
+        num_tiles += tl.sum(_sequence_tiles(CuSeqlensQ, b0, num_seqs, BLOCK_T, BLOCK_B), 0)
     tile = num_tiles - 1 - tl.program_id(0)
+    if tile < 0:
+        return
     kv_head = tl.program_id(1)
-    # Find this tile's sequence from the per-sequence tile counts (no host-side tile list),
-    # BLOCK_B sequences at a time: the sequences whose tiles all come before this one.
+    # Find this tile's sequence (no host-side tile list), BLOCK_B sequences at a time: the
+    # sequences whose tiles all come before this one.
     seq = 0
     tiles_before = 0  # the tiles of those sequences
     tiles_scanned = 0
     for b0 in range(0, num_seqs, BLOCK_B):
-        b_idx = b0 + tl.arange(0, BLOCK_B)
-        b_ok = b_idx < num_seqs
-        q_starts = tl.load(CuSeqlensQ + b_idx, mask=b_ok, other=0)
-        q_ends = tl.load(CuSeqlensQ + b_idx + 1, mask=b_ok, other=0)
-        seq_tiles = (q_ends - q_starts + BLOCK_T - 1) // BLOCK_T
+        seq_tiles = _sequence_tiles(CuSeqlensQ, b0, num_seqs, BLOCK_T, BLOCK_B)
         before = tiles_scanned + tl.cumsum(seq_tiles, 0) <= tile
         seq += tl.sum(before.to(tl.int32), 0)
         tiles_before += tl.sum(tl.where(before, seq_tiles, 0), 0)
         tiles_scanned += tl.sum(seq_tiles, 0)
-    if seq >= num_seqs:  # past the step's tiles: a CUDA graph's grid holds a bound (see `_prefill`)
-        return
     t0 = (tile - tiles_before) * BLOCK_T  # first token, within the sequence
     q_first = tl.load(CuSeqlensQ + seq)
     q_len = tl.load(CuSeqlensQ + seq + 1) - q_first
@@ -484,7 +495,7 @@ def _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, ou
     """The grid comes from meta.q_lens. A CUDA graph's metadata holds bounds there (its
     sequences' new tokens come from cu_seqlens_q on the device): with q_lens = [Q] + [1] * (S - 1)
     the grid covers any S sequences of Q tokens in all (ceil(a) + ceil(b) <= ceil(a + b) + 1), and
-    tiles past the step's own return at once."""
+    the programs past the step's tiles return at once."""
     t, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -500,7 +511,7 @@ def _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, ou
         q, k_cache, v_cache, sinks, block_table, meta.context_lens, meta.cu_seqlens_q, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
-        sm_scale * LOG2E, window or 0, num_seqs, num_tiles,
+        sm_scale * LOG2E, window or 0, num_seqs,
         G=group, G_PAD=g_pad, BLOCK_T=block_t, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=cfg.block_n,
         SLIDING=window is not None, BLOCK_B=PREFILL_SEQS_A_SCAN,
         num_warps=cfg.num_warps, num_stages=cfg.sliding_num_stages if window is not None else cfg.num_stages,
