@@ -605,6 +605,21 @@ class EngineDriver:
             return engine.fail_all(f"{type(e).__name__}: {e}"), False
         return deltas, engine.steps == steps and not collecting
 
+    def run_pass(self, commands: list[tuple]) -> tuple[list[TokenDelta], bool, bool]:
+        """One pass of an owner's loop: apply `commands` in order, then run a step, or after a
+        "stop" end every request instead. Returns (the deltas, in order; stopped; stalled, see
+        `step`)."""
+        deltas: list[TokenDelta] = []
+        stop = False
+        for command in commands:
+            made, stopped = self.apply(command)
+            deltas += made
+            stop |= stopped
+        if stop:
+            return deltas + self.abort_all(), True, False
+        made, stalled = self.step()
+        return deltas + made, False, stalled
+
     def abort_all(self) -> list[TokenDelta]:
         """End every request ("abort") and free the parked sequences: the engine is stopping."""
         engine = self.engine
@@ -761,20 +776,12 @@ class AsyncEngine(StreamingEngineClient):
         method of its own, so that nothing of the pass stays referenced while the thread waits.)"""
         with self._lock:
             commands, self._inbox = self._inbox, []
-        stop = False
-        for command in commands:
+        for i, command in enumerate(commands):
             if command[0] == "add":  # ("add", request, loop, queue): the sink stays on this side
                 _, request, loop, queue = command
                 self._sinks[request.request_id] = (loop, queue)
-                command = ("add", request)
-            deltas, stopped = driver.apply(command)
-            stop |= stopped
-            for delta in deltas:
-                self._deliver(delta)
-        if stop:
-            deltas, stalled = driver.abort_all(), False
-        else:
-            deltas, stalled = driver.step()
+                commands[i] = ("add", request)
+        deltas, stop, stalled = driver.run_pass(commands)
         for delta in deltas:
             self._deliver(delta)
         if stalled:

@@ -324,19 +324,8 @@ def _engine_pass(driver: EngineDriver, commands, events, applied: int) -> tuple[
     taken = [commands.recv()] if not engine.has_unfinished() else []
     while commands.poll():
         taken.append(commands.recv())
-    deltas: list[TokenDelta] = []
-    stop = False
-    for command in taken:
-        made, stopped = driver.apply(command)
-        deltas += made
-        stop |= stopped
+    deltas, stop, stalled = driver.run_pass(taken)
     applied += len(taken)
-    if stop:
-        deltas += driver.abort_all()
-        stalled = False
-    else:
-        made, stalled = driver.step()
-        deltas += made
     if stalled:
         commands.poll(0.01)
     idle = stop or not engine.has_unfinished()
