@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the engine's)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra keyword for AsyncEngine.from_pretrained (value as a Python literal)")
+                        help="extra keyword for LLMEngine.from_pretrained (value as a Python literal)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine in a process of its own, as oss-agent serve runs it (default: as "
                              "serve: on with CUDA)")

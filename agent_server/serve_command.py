@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="launch each decode step before the previous one's tokens are read, so host work "
                              "overlaps the GPU (default: on with CUDA, off on CPU; never with a drafter or -tp)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra keyword for AsyncEngine.from_pretrained (value as a Python literal)")
+                        help="extra keyword for LLMEngine.from_pretrained (value as a Python literal)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
                              "steps under (default: on with CUDA, off on CPU)")

@@ -12,29 +12,23 @@ The packed inputs are checked against `build_metadata`, the plain definition.
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 import torch
 
-from inference.async_scheduling import StepOverlap
 from inference.engine import AsyncEngine, EngineConfig, LLMEngine
 from inference.model import GptOssModel
 from inference.model_runner import build_metadata
 from inference.request import GenerationRequest, SamplingParams
 from inference.step_inputs import StepInputPacker
 from inference.tiny_checkpoint import write_tiny_checkpoint
+from tests.engine_runs import random_prompt as prompt
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-async-scheduling"), seed=0)
     return GptOssModel.from_pretrained(path, device="cpu")
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(200_000) for _ in range(length)]
 
 
 def engine(model, async_scheduling: bool, **options) -> LLMEngine:

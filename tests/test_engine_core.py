@@ -8,8 +8,6 @@ full), sliding window 8; page size 4 so prompts cross many pages and the window.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ from inference.request import GenerationRequest, SamplingParams
 from inference.single_sequence import generate
 from inference.tiny_checkpoint import write_tiny_checkpoint
 from tests.engine_runs import drain, tokens_of
+from tests.engine_runs import random_prompt as prompt
 
 GREEDY = dict(temperature=0.0)
 
@@ -27,11 +26,6 @@ GREEDY = dict(temperature=0.0)
 def model(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-engine"), seed=0)
     return GptOssModel.from_pretrained(path, device="cpu")
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(200_000) for _ in range(length)]
 
 
 def engine(model, **options) -> LLMEngine:
