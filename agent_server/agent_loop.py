@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from openai.types.responses import ResponseUsage
 from openai_harmony import Message
@@ -89,8 +89,9 @@ class PendingCall:
 
 class AgentLoop:
     def __init__(self, engine: EngineClient, task: AgentTask, events: ResponseEvents, sessions: ToolSessions,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, on_engine_start: Callable[[], None] | None = None):
         self.engine = engine
+        self.on_engine_start = on_engine_start  # called once, when the first request reaches the engine
         self.task = task
         self.events = events
         self.sessions = sessions
@@ -172,11 +173,15 @@ class AgentLoop:
         sampling = replace(self.task.sampling, max_tokens=budget, stop_token_ids=[RETURN, CALL])
         request = GenerationRequest(request_id, prompt, sampling, keep_alive=self.task.tools.any_builtin,
                                     continue_from=parked)
+        self.request_id = request_id
+        deltas = self.engine.generate(request)
+        deltas.open()  # the engine prefills while the parser is built
+        if self.on_engine_start is not None:
+            self.on_engine_start()
+            self.on_engine_start = None
         stream = HarmonyStream()
         generated: list[int] = []
         finish, error, counted, cut = None, None, False, False
-        self.request_id = request_id
-        deltas = self.engine.generate(request)
         if self.metrics is not None:
             deltas = self.metrics.observe_generation(deltas, self.task.started if first else None)
         try:
@@ -207,8 +212,7 @@ class AgentLoop:
             raise
         if cut:
             self.engine.abort(request_id)
-            if hasattr(deltas, "aclose"):
-                await deltas.aclose()
+            await deltas.aclose()
             finish = "stop"
         self._on_events(stream.finish())
         return generated, finish or "abort", error

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from inference.request import GenerationRequest, SamplingParams, TokenLogprob
+from inference.request import DeltaStream, GenerationRequest, SamplingParams, TokenLogprob
 from inference.tokenizer import CALL, RETURN
 from schemas.chat import ChatCompletionRequest
 
@@ -101,17 +101,24 @@ class ChoiceStream:
         self.pending_logprobs: list[dict[str, Any]] = []  # tokens of the current message not yet emitted
         self.tool_calls = 0
         self.finish: str | None = None
+        self.generation: DeltaStream | None = None
 
-    async def pieces(self) -> AsyncIterator[ChoicePiece]:
-        engine = self.state.engine
-        stream = HarmonyStream()
+    def start(self) -> None:
+        """Hand the request to the engine now: it prefills while the response is set up."""
         try:
-            generation = engine.generate(self.request)
+            self.generation = self.state.engine.generate(self.request)
         except ValueError as e:  # the engine refused the request (limits it checks itself)
             raise APIError(f"Invalid request: {e}.") from None
         except RuntimeError as e:  # the engine is gone (its process exited) or shut down
             raise engine_unavailable(str(e)) from None
-        deltas = self.state.metrics.observe_generation(generation, self.started)
+        self.generation.open()
+
+    async def pieces(self) -> AsyncIterator[ChoicePiece]:
+        engine = self.state.engine
+        if self.generation is None:
+            self.start()
+        stream = HarmonyStream()
+        deltas = self.state.metrics.observe_generation(self.generation, self.started)
         finish, stop_token = None, None
         try:
             async for delta in deltas:
@@ -241,6 +248,14 @@ async def create_chat_completion(request: Request) -> Response:
         for i in range(req.n)
     ]
     header = {"id": completion_id, "created": int(time.time()), "model": req.model}
+    try:
+        for choice in choices:
+            choice.start()
+    except BaseException:
+        for choice in choices:
+            if choice.generation is not None:
+                await choice.generation.aclose()
+        raise
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(state, choices, header, include_usage)

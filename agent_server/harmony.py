@@ -27,11 +27,12 @@ from openai_harmony import (
     Role,
     StreamableParser,
     SystemContent,
+    TextContent,
     ToolDescription,
     ToolNamespaceConfig,
 )
 
-from inference.tokenizer import CALL, END, MESSAGE, RETURN, START, harmony_encoding
+from inference.tokenizer import CALL, END, MESSAGE, RETURN, START, encode_text, harmony_encoding
 
 from .token_bytes import token_bytes
 
@@ -105,8 +106,27 @@ def render_prompt(messages: list[Message]) -> list[int]:
     if any(m.author.role in (Role.SYSTEM, Role.DEVELOPER) for m in messages[lead:]):
         lead = 0  # a later one could change how the preamble renders: render it all as one
     head = _preamble_tokens.get(messages[:lead]) if lead else []
+    texts = [_plain_user_text(m) for m in messages[lead:]]
+    if all(text is not None for text in texts):  # the common request: no earlier assistant turns
+        return head + [t for text in texts for t in _user_message_tokens(text)] + assistant_start_tokens()
     conversation = Conversation.from_messages(messages[lead:])
     return head + harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT, config)
+
+
+def _plain_user_text(message: Message) -> str | None:
+    """The text of a user message that renders as `<|start|>user<|message|>TEXT<|end|>`, else None."""
+    if (message.author.role == Role.USER and message.author.name is None and message.channel is None
+            and message.recipient is None and message.content_type is None and len(message.content) == 1
+            and isinstance(message.content[0], TextContent)):
+        return message.content[0].text
+    return None
+
+
+def _user_message_tokens(text: str) -> list[int]:
+    """A plain user message rendered by hand, as openai-harmony renders it (its tests check
+    that), at the cost of the text's tokenisation alone: openai-harmony's render spends about
+    0.1 ms a call besides (CPU, 0.0.8), on the path to the first token."""
+    return [START, *encode_text("user"), MESSAGE, *encode_text(text), END]
 
 
 class PreambleTokens:
@@ -135,7 +155,7 @@ _preamble_tokens = PreambleTokens()
 
 
 def assistant_start_tokens() -> list[int]:
-    return [START] + harmony_encoding().encode("assistant", allowed_special=set())
+    return [START, *encode_text("assistant")]
 
 
 def tool_message(author: str, text: str) -> Message:

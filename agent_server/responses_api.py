@@ -84,6 +84,9 @@ async def create_response(request: Request) -> Response:
     prepared = await prepare(state, body, started)
     run = start_run(state, prepared)
     if body.stream:
+        # The run reaches the engine first (a few task switches, no I/O): the prompt's prefill
+        # then overlaps setting up the stream instead of following it.
+        await run.engine_started.wait()
         # A background response outlives its stream; a foreground one stops with its reader.
         return sse_response(
             (sdk_event(e) async for e in run.stream()),
@@ -329,7 +332,8 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
             events.lifecycle("response.queued")
             response.status = "in_progress"
         events.lifecycle("response.in_progress")
-        loop = AgentLoop(state.engine, prepared.task, events, sessions, state.metrics)
+        loop = AgentLoop(state.engine, prepared.task, events, sessions, state.metrics,
+                         on_engine_start=run.engine_started.set)
         run.work = asyncio.create_task(loop.run())
         await asyncio.wait({run.work})
         outcome = AgentOutcome(status="cancelled") if run.work.cancelled() else run.work.result()

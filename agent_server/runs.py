@@ -23,6 +23,8 @@ class ResponseRun:
         self.store = True  # False: never visible through GET (store=false)
         self.input_items: list[dict[str, Any]] = []
         self.snapshot: Any = None  # the live Response (ResponseEvents.response)
+        # Set once the agent loop has handed its first request to the engine, or the run ended.
+        self.engine_started = asyncio.Event()
         self._changed = asyncio.Event()
 
     def publish(self, event: Any) -> None:
@@ -32,6 +34,7 @@ class ResponseRun:
 
     def finished(self) -> None:
         self.done.set()
+        self.engine_started.set()
         self._changed.set()
 
     async def stream(self, starting_after: int = -1) -> AsyncIterator[Any]:

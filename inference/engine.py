@@ -635,9 +635,9 @@ class EngineDriver:
 
 class StreamingEngineClient:
     """The asyncio side that `AsyncEngine` and `EngineProcess` share: each request streams its
-    deltas through a queue of its own, one request id runs at a time, and leaving a stream early
-    aborts its request. Subclasses say how a request reaches the engine (`_open`) and how the
-    other commands do (`_submit`)."""
+    deltas through a queue of its own (`RequestStream`), one request id runs at a time, and
+    leaving a stream early aborts its request. Subclasses say how a request reaches the engine
+    (`_open`) and how the other commands do (`_submit`)."""
 
     max_model_len: int
     vocab_size: int
@@ -647,14 +647,14 @@ class StreamingEngineClient:
         self._stats: EngineStats | None = None  # as of the engine's last step this client has seen
         self._usage: CacheUsage | None = None
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        """Validate now (ValueError for a bad request, RuntimeError once the engine is gone), then
-        stream its deltas when iterated. Leaving the iteration early (client gone, task
-        cancelled) aborts the request."""
+    def generate(self, request: GenerationRequest) -> RequestStream:
+        """Validate now (ValueError for a bad request, RuntimeError once the engine is gone); the
+        request is sent at the stream's `open()` or first iteration. A stream never opened leaves
+        nothing behind."""
         self._check_serving()
         check_request(request, self.vocab_size, self.max_model_len)
         self._check_not_active(request.request_id)
-        return self._stream(request)
+        return RequestStream(self, request)
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -684,22 +684,66 @@ class StreamingEngineClient:
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already running")
 
-    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        # Registered on first iteration, so a stream that is never iterated leaves nothing behind.
-        self._check_not_active(request.request_id)
-        self._active.add(request.request_id)
-        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        self._open(request, queue)
-        done = False
+
+class RequestStream:
+    """One request's deltas from a `StreamingEngineClient` (the `DeltaStream` protocol): sent to
+    the engine at `open()` or at the first iteration. Leaving before the last delta (`aclose()`,
+    a cancelled wait, or dropping the stream) aborts the request."""
+
+    def __init__(self, client: StreamingEngineClient, request: GenerationRequest):
+        self._client = client
+        self.request = request
+        self._queue: asyncio.Queue[TokenDelta] | None = None
+        self._done = False
+
+    def open(self) -> None:
+        """Send the request now (on the running event loop). Idempotent."""
+        if self._queue is not None or self._done:
+            return
+        client, request_id = self._client, self.request.request_id
+        client._check_not_active(request_id)
+        client._active.add(request_id)
+        self._queue = asyncio.Queue()
         try:
-            while not done:
-                delta = await queue.get()
-                done = delta.finish_reason is not None
-                yield delta
-        finally:
-            self._active.discard(request.request_id)
-            if not done:
-                self._submit(("abort", request.request_id))
+            client._open(self.request, self._queue)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self._done:
+            raise StopAsyncIteration
+        self.open()
+        try:
+            delta = await self._queue.get()
+        except BaseException:  # cancelled while waiting: nobody reads the rest
+            self._abandon()
+            raise
+        if delta.finish_reason is not None:
+            self._done = True
+            self._client._active.discard(self.request.request_id)
+        return delta
+
+    async def aclose(self) -> None:
+        self._abandon()
+
+    def _abandon(self) -> None:
+        if self._queue is not None and not self._done:
+            self._client._active.discard(self.request.request_id)
+            self._client._submit(("abort", self.request.request_id))
+        self._done = True
+
+    def __del__(self) -> None:
+        # Opened, then dropped unfinished (a response that never started streaming): an async
+        # generator would have been closed by the event loop's finaliser; this is the same net.
+        if self._queue is not None and not self._done:
+            try:
+                self._abandon()
+            except Exception:  # interpreter shutdown, a closed pipe: nothing left to abort
+                pass
 
 
 class AsyncEngine(StreamingEngineClient):
@@ -828,4 +872,5 @@ def put_deltas(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
         queue.put_nowait(delta)
 
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineDriver", "LLMEngine", "SamplingParams", "StreamingEngineClient", "check_request"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineDriver", "LLMEngine", "RequestStream", "SamplingParams",
+           "StreamingEngineClient", "check_request"]

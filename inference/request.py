@@ -1,7 +1,7 @@
 """What callers hand the engine and what it hands back.
 
 These plain dataclasses are the whole contract between the serving layer (agent_server) and the
-engine: `Engine.generate(GenerationRequest)` yields `TokenDelta`s, `Engine.abort(request_id)` stops
+engine: `Engine.generate(GenerationRequest)` streams `TokenDelta`s, `Engine.abort(request_id)` stops
 one. Nothing here knows about HTTP, Harmony or tools.
 """
 
@@ -120,6 +120,19 @@ class EngineStats:
         return (self.spec_steps + self.spec_accepted_tokens) / self.spec_steps if self.spec_steps else 0.0
 
 
+class DeltaStream(Protocol):
+    """One request's deltas, as `EngineClient.generate` returns them. The request reaches the
+    engine at `open()` or at the first iteration, whichever comes first: a server opens it as
+    soon as the prompt is ready, so the engine prefills while the response is being set up.
+    Leaving early (`aclose()`, a cancelled wait) aborts the request."""
+
+    def open(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
+
+    async def aclose(self) -> None: ...
+
+
 class EngineClient(Protocol):
     """What the serving layer needs from an engine (the real one or a scripted fake)."""
 
@@ -127,7 +140,7 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]: ...
+    def generate(self, request: GenerationRequest) -> DeltaStream: ...
 
     def abort(self, request_id: str) -> None: ...
 

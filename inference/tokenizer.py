@@ -61,8 +61,10 @@ def harmony_encoding():
 
 
 def encode_text(text: str) -> list[int]:
-    """Plain text to token ids (special-token strings are encoded as text)."""
-    return harmony_encoding().encode(text, allowed_special=set())
+    """Plain text to token ids (special-token strings are encoded as text). With nothing
+    disallowed, openai-harmony skips its scan of the text for special-token strings, which
+    cost about 1.5 ms a call even for a short string (CPU, openai-harmony 0.0.8)."""
+    return harmony_encoding().encode(text, allowed_special=set(), disallowed_special=())
 
 
 def decode_tokens(token_ids: list[int]) -> str:

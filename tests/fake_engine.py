@@ -32,6 +32,32 @@ def harmony_tokens(text: str) -> list[int]:
     return harmony_encoding().encode(text, allowed_special="all")
 
 
+class ScriptedStream:
+    """An async generator of deltas as a `DeltaStream`: it starts at the first iteration, and
+    `open()` runs `on_open` (a wrapped real engine's own `open`) once."""
+
+    def __init__(self, deltas: AsyncIterator[TokenDelta], on_open: Callable[[], None] | None = None):
+        self.deltas = deltas
+        self.on_open = on_open
+        self.opened = False
+
+    def open(self) -> None:
+        if not self.opened:
+            self.opened = True
+            if self.on_open is not None:
+                self.on_open()
+
+    def __aiter__(self) -> "ScriptedStream":
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        self.open()
+        return await self.deltas.__anext__()
+
+    async def aclose(self) -> None:
+        await self.deltas.aclose()
+
+
 @dataclass
 class Call:
     """One generate() call as the engine saw it."""
@@ -94,14 +120,14 @@ class ScriptedEngine:
             best = max(best, n)
         return min(best, len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: GenerationRequest) -> ScriptedStream:
         if self.shut_down:
             raise RuntimeError("the engine is shut down")
         request.sampling.validate(self.vocab_size)
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt plus max_tokens is {total}, more than {self.max_model_len}")
-        return self._stream(request)
+        return ScriptedStream(self._stream(request))
 
     async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         cached = self._cached(request)
@@ -192,7 +218,7 @@ class TeacherForcedEngine:
     def running(self) -> int:
         return self.engine.stats().running
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: GenerationRequest) -> ScriptedStream:
         script = self.script.pop(0) if self.script else harmony_tokens(DEFAULT_TURN)
         script = script[: request.sampling.max_tokens]
         forced = GenerationRequest(
@@ -202,7 +228,8 @@ class TeacherForcedEngine:
             keep_alive=request.keep_alive,
             continue_from=request.continue_from,
         )
-        return self._stream(request, self.engine.generate(forced), script)
+        inner = self.engine.generate(forced)
+        return ScriptedStream(self._stream(request, inner, script), on_open=inner.open)
 
     async def _stream(self, request: GenerationRequest, inner: AsyncIterator[TokenDelta], script: list[int]):
         last = None

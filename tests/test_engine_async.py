@@ -95,6 +95,30 @@ async def test_bad_request_raises_before_streaming(engine):
     assert len(await collect(engine.generate(greedy("unused", [1, 2, 3], 2)))) == 2
 
 
+async def test_open_sends_the_request_before_the_first_read(engine):
+    """A server opens the stream as soon as the prompt is ready, so the engine prefills while the
+    response is set up: the engine works on an opened request nobody reads yet, the stream then
+    reads every delta, and a stream opened and dropped unread is aborted."""
+    decoded_before = engine.stats().tokens_decoded
+    stream = engine.generate(greedy("early", prompt(12, 6), 5))
+    stream.open()
+    stream.open()  # idempotent
+    with pytest.raises(ValueError, match="already running"):
+        engine.generate(greedy("early", [1, 2, 3], 2))
+    await engine.wait_idle()  # finished without a single read
+    assert engine.stats().tokens_decoded - decoded_before == 5
+    deltas = await collect(stream)
+    assert sum(len(d.token_ids) for d in deltas) == 5 and deltas[-1].finish_reason == "length"
+
+    dropped = engine.generate(greedy("dropped", prompt(13, 6), 400))
+    dropped.open()
+    del dropped  # a response that never started streaming
+    await engine.wait_idle()
+    assert engine.stats().running == 0 and engine.stats().pages_used == 0
+    assert engine.stats().tokens_decoded - decoded_before < 5 + 400
+    assert len(await collect(engine.generate(greedy("dropped", [1, 2, 3], 2)))) == 2  # its id is free
+
+
 async def test_abort_ends_the_stream_and_frees_pages(engine):
     stream = engine.generate(greedy("long", prompt(10, 9), 200))
     seen = []

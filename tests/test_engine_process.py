@@ -87,6 +87,9 @@ def test_the_server_reports_a_dead_engine_process(tmp_path, checkpoint):
             assert r.status_code == 503 and r.json()["status"] == "failed" and "exited" in r.json()["error"]
         r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        # A stream is refused before it starts: the request reaches the engine before the response.
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 3},
                        timeout=60)
         assert r.status_code == 200 and r.json()["status"] == "failed" and r.json()["error"]["code"] == "server_error"

@@ -157,6 +157,33 @@ def test_preamble_tokens_are_reused_only_for_the_same_preamble():
     assert len(cache._tokens) == 2 and -1 not in cache.get(preamble(configs[2]))
 
 
+def test_user_messages_rendered_by_hand_match_harmony():
+    """render_prompt writes plain user messages itself (openai-harmony's render costs 0.1 ms a call
+    besides tokenising): the tokens must be Harmony's, whatever the text holds, special-token
+    strings included; user messages with anything more go through openai-harmony."""
+    from openai_harmony import Author, Conversation, Message, RenderConversationConfig
+
+    def uncached(messages):
+        return harmony_encoding().render_conversation_for_completion(
+            Conversation.from_messages(messages), Role.ASSISTANT, RenderConversationConfig(auto_drop_analysis=True))
+
+    rng = random.Random(5)
+    pieces = ["", " ", "\n", "\n\n", "  x", "hello", " world", "<|start|>", "<|end|>", "<|message|>assistant",
+              "<|endoftext|>", "<|reserved_200100|>", "é", "日本語", "🙂", "\t", "123456", "user", "'s", "\r\n"]
+    texts = ["", "hi", "<|start|>user<|message|>x<|end|>", "a" * 3000, harmony_encoding().decode(
+        [rng.randrange(1000, 199000) for _ in range(256)])]
+    texts += ["".join(rng.choice(pieces) for _ in range(rng.randrange(1, 12))) for _ in range(200)]
+    config = PromptConfig(reasoning_effort="low")
+    for text in texts:
+        user = Message.from_role_and_content(Role.USER, text)
+        for messages in ([user], preamble(config) + [user], preamble(config) + [user, user]):
+            assert render_prompt(messages) == uncached(messages), repr(text)
+    named = Message.from_author_and_content(Author.new(Role.USER, "bob"), "hi")
+    for other in (named, Message.from_role_and_content(Role.USER, "hi").with_channel("final")):
+        messages = preamble(config) + [Message.from_role_and_content(Role.USER, "x"), other]
+        assert render_prompt(messages) == uncached(messages)
+
+
 def test_stop_strings_hold_back_only_possible_prefixes():
     m = StopStringMatcher(["END", "stop here"])
     out = m.feed("Hello E") + m.feed("N") + m.feed("x and s") + m.feed("top") + m.feed(" hereafter")
