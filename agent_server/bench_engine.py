@@ -28,9 +28,9 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from inference.config import GPT_OSS_SHAPES
 
@@ -38,6 +38,8 @@ from .bench_driver import add_load_arguments, check_load_arguments, drive
 from .bench_report import RequestResult, format_summary, json_safe, summarize
 from .bench_serve import add_target_arguments
 from .bench_workload import BenchRequest, add_workload_arguments, workload_from_args
+
+T = TypeVar("T")
 
 COMPARED = (
     ("output token throughput (tok/s)", lambda s: s["output_throughput"]),
@@ -165,6 +167,16 @@ async def loopback_server(engine) -> AsyncIterator[str]:
             await serving
 
 
+def run_serving_loop(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on the event loop `oss-agent serve` gets: uvicorn runs uvloop when it is
+    installed, so the loopback server measured here runs on the loop users' servers run on."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 async def engine_run(engine, args: argparse.Namespace, *, seed_offset: int = 0) -> dict[str, Any]:
     """The workload of `args` straight into the engine (after its warm-up requests): the summary."""
     bench = EngineBench(engine, ignore_eos=args.ignore_eos, temperature=args.temperature)
@@ -284,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
             await engine.shutdown()  # a no-op when --compare-http's server already shut it down
 
     try:
-        report = asyncio.run(measure())
+        report = run_serving_loop(measure())
     except RuntimeError as e:
         print(f"bench engine: {e}", file=sys.stderr)
         return 1

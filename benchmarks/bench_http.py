@@ -167,7 +167,7 @@ def main() -> int:
 
     where = "a process of its own" if isinstance(engine, EngineProcess) else "a thread of this process"
     progress(f"engine ready in {time.perf_counter() - start:.1f} s, running in {where}")
-    report = asyncio.run(measure(engine, runs, args.rounds))  # the server's shutdown stops the engine
+    report = bench_engine.run_serving_loop(measure(engine, runs, args.rounds))  # its server's shutdown stops the engine
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
