@@ -15,6 +15,7 @@ streaming (`bench serve`, in a process of its own), with other prompts of the sa
         mostly decode, and requests end at different times, so new ones join a running batch
         one by one. (With equal lengths, 64 requests ended and 64 new ones arrived together; the
         overhead read 4.8% and 18.1% in two rounds of the same code.)
+  c128  the same with 128 in flight (not a SPEC §3 target; the engine's batch-128 figure is).
 
 Each workload first runs one unmeasured wave (as many requests as it keeps in flight) into the
 engine, so that no measured run pays for compiling the kernels of a new batch shape; then
@@ -45,7 +46,8 @@ from agent_server import bench_engine  # noqa: E402
 from agent_server.bench_report import format_summary, json_safe  # noqa: E402
 
 # name: (user message tokens, output tokens, in flight, range ratio of both lengths)
-WORKLOADS = {"ttft": (256, 1, 1, 0.0), "c1": (1024, 256, 1, 0.0), "c64": (256, 512, 64, 0.5)}
+WORKLOADS = {"ttft": (256, 1, 1, 0.0), "c1": (1024, 256, 1, 0.0), "c64": (256, 512, 64, 0.5),
+             "c128": (256, 512, 128, 0.5)}
 
 
 def progress(msg: str) -> None:
@@ -104,7 +106,7 @@ def format_report(report: dict[str, Any], title: str) -> str:
         lines.append(f"| ttft | {r} | input tokens a request (with the chat template) | "
                      f"{run['engine']['total_input_tokens'] / max(run['engine']['completed'], 1):,.0f} | "
                      f"{run['http']['total_input_tokens'] / max(run['http']['completed'], 1):,.0f} | |")
-    for name in ("c1", "c64"):
+    for name in ("c1", "c64", "c128"):
         overheads = []
         for r, run in enumerate(report.get(name, []), 1):
             e, h = run["engine"], run["http"]
@@ -128,10 +130,11 @@ def format_report(report: dict[str, Any], title: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["20b", "120b"], default="20b")
-    ap.add_argument("--runs", default="ttft,c1,c64", help="workloads to run, comma-separated (ttft, c1, c64)")
+    ap.add_argument("--runs", default="ttft,c1,c64", help="workloads to run, comma-separated (ttft, c1, c64, c128)")
     ap.add_argument("--ttft-requests", type=int, default=40)
     ap.add_argument("--c1-requests", type=int, default=8)
     ap.add_argument("--c64-requests", type=int, default=256)
+    ap.add_argument("--c128-requests", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2, help="engine-then-HTTP rounds of each workload")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
     ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
@@ -157,7 +160,8 @@ def main() -> int:
     if args.temperature is not None:
         argv += ["--temperature", str(args.temperature)]
     base = parser.parse_args(argv)
-    requests = {"ttft": args.ttft_requests, "c1": args.c1_requests, "c64": args.c64_requests}
+    requests = {"ttft": args.ttft_requests, "c1": args.c1_requests, "c64": args.c64_requests,
+                "c128": args.c128_requests}
     runs = {name: workload_args(base, name, requests[name]) for name in names}
 
     progress(f"building the engine: gpt-oss-{args.model} shapes, random weights")
