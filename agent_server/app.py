@@ -59,23 +59,21 @@ EngineFactory = Callable[[], "EngineClient | Awaitable[EngineClient]"]
 ToolServersFactory = Callable[[], Awaitable[list[Any]]]
 
 
-def engine_failure(state: ServerState) -> str | None:
-    """Why the engine can no longer serve (an engine process that exited), or None."""
-    return getattr(state.engine, "failure", None)
+def engine_failed(state: ServerState) -> Response | None:
+    """503 with the reason once the engine can no longer serve (an engine process that exited)."""
+    failure = getattr(state.engine, "failure", None)
+    return JSONResponse({"status": "failed", "error": failure}, status_code=503) if failure else None
 
 
 async def health(request: Request) -> Response:
-    failure = engine_failure(request.app.state.server)
-    if failure:
-        return JSONResponse({"status": "failed", "error": failure}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    return engine_failed(request.app.state.server) or JSONResponse({"status": "ok"})
 
 
 async def ready(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    failure = engine_failure(state)
-    if failure:
-        return JSONResponse({"status": "failed", "error": failure}, status_code=503)
+    failed = engine_failed(state)
+    if failed is not None:
+        return failed
     if state.ready:
         return JSONResponse({"status": "ready", "model": state.config.model_name})
     error = state.extra.get("load_error")
