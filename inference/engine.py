@@ -694,6 +694,7 @@ class RequestStream:
         self._client = client
         self.request = request
         self._queue: asyncio.Queue[TokenDelta] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
 
     def open(self) -> None:
@@ -703,6 +704,7 @@ class RequestStream:
         client, request_id = self._client, self.request.request_id
         client._check_not_active(request_id)
         client._active.add(request_id)
+        self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         try:
             client._open(self.request, self._queue)
@@ -732,18 +734,25 @@ class RequestStream:
 
     def _abandon(self) -> None:
         if self._queue is not None and not self._done:
-            self._client._active.discard(self.request.request_id)
-            self._client._submit(("abort", self.request.request_id))
+            _abandon_request(self._client, self.request.request_id)
         self._done = True
 
     def __del__(self) -> None:
         # Opened, then dropped unfinished (a response that never started streaming): an async
         # generator would have been closed by the event loop's finaliser; this is the same net.
+        # The abort goes through the loop: a garbage collection can run this inside the client's
+        # own `_submit`, under the lock it would take.
         if self._queue is not None and not self._done:
             try:
-                self._abandon()
-            except Exception:  # interpreter shutdown, a closed pipe: nothing left to abort
+                self._loop.call_soon_threadsafe(_abandon_request, self._client, self.request.request_id)
+            except Exception:  # the loop is closed (shutdown): nothing is left to abort
                 pass
+
+
+def _abandon_request(client: StreamingEngineClient, request_id: str) -> None:
+    """Nobody reads this request's stream any more: free its id and stop it."""
+    client._active.discard(request_id)
+    client._submit(("abort", request_id))
 
 
 class AsyncEngine(StreamingEngineClient):
