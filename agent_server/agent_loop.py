@@ -112,7 +112,7 @@ class AgentLoop:
         except asyncio.CancelledError:
             self._close_open_item("incomplete")
             self.outcome.status = "cancelled"
-        except Exception as e:  # a bug or an engine failure: the response fails, the server lives on
+        except Exception:  # a bug or an engine failure: the response fails, the server lives on
             log.exception("response %s failed", self.task.response_id)
             self._close_open_item("incomplete")
             self.outcome.status, self.outcome.error = "failed", internal_error().message

@@ -33,7 +33,6 @@ the Harmony parser, and all but those first 48 through SSE one chunk each, as a 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 from urllib.parse import urlparse
@@ -27,6 +28,9 @@ from mcp.shared.exceptions import MCPError
 from openai_harmony import ToolDescription, ToolNamespaceConfig
 
 from .tool_server import ToolResult
+
+if sys.version_info < (3, 11):  # a builtin from 3.11; anyio brings the backport before
+    from exceptiongroup import BaseExceptionGroup
 
 logger = logging.getLogger(__name__)
 
