@@ -69,6 +69,44 @@ def test_metrics_move_as_requests_are_served(fake_server, fake_tools):
     assert "oss_agent_kv_cache_usage_ratio" in after
 
 
+def test_streams_reach_the_engine_before_the_response_starts(tmp_path):
+    """Chat and Responses streams hand the request to the engine before they send anything, so
+    the engine prefills while the stream is being set up (SPEC §3's first token through HTTP)."""
+    order: list[str] = []
+    engine = ScriptedEngine()
+    scripted_generate = engine.generate
+
+    def generate(request):
+        stream = scripted_generate(request)
+        stream.on_open = lambda: order.append("engine")
+        return stream
+
+    engine.generate = generate
+    app = make_app(lambda: engine, tmp_path / "responses.sqlite3")
+
+    class Recorder:  # the app, noting when each response starts
+        state = app.state
+
+        async def __call__(self, scope, receive, send):
+            async def recorded(message):
+                if message["type"] == "http.response.start" and scope["path"].startswith("/v1/"):
+                    order.append("response")
+                await send(message)
+
+            await app(scope, receive, recorded)
+
+    bodies = {"chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+              "responses": {"model": MODEL, "input": "hi", "stream": True}}
+    with LiveServer(Recorder()) as server:
+        for path, body in bodies.items():
+            order.clear()
+            with httpx.stream("POST", f"{server.url}/v1/{path}", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                text = "".join(r.iter_text())
+            assert "\"OK" in text  # the scripted answer streamed
+            assert order == ["engine", "response"], path
+
+
 def test_api_key_protects_everything_but_health(tmp_path):
     app = make_app(ScriptedEngine, tmp_path / "r.db", api_key="s3cret")
     with LiveServer(app, api_key="s3cret") as server:
