@@ -114,9 +114,8 @@ class ChoiceStream:
         self.generation.open()
 
     async def pieces(self) -> AsyncIterator[ChoicePiece]:
+        """The choice's pieces, once `start` has handed its request to the engine."""
         engine = self.state.engine
-        if self.generation is None:
-            self.start()
         stream = HarmonyStream()
         deltas = self.state.metrics.observe_generation(self.generation, self.started)
         finish, stop_token = None, None

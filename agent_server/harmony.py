@@ -99,7 +99,6 @@ def render_prompt(messages: list[Message]) -> list[int]:
     (`PreambleTokens`): most requests share them, and rendering them was a third of a request's
     rendering (two thirds with the browser and python tools described in the system message).
     """
-    config = RenderConversationConfig(auto_drop_analysis=True)
     lead = 0
     while lead < min(2, len(messages) - 1) and messages[lead].author.role in (Role.SYSTEM, Role.DEVELOPER):
         lead += 1
@@ -110,6 +109,7 @@ def render_prompt(messages: list[Message]) -> list[int]:
     if all(text is not None for text in texts):  # the common request: no earlier assistant turns
         return head + [t for text in texts for t in _user_message_tokens(text)] + assistant_start_tokens()
     conversation = Conversation.from_messages(messages[lead:])
+    config = RenderConversationConfig(auto_drop_analysis=True)
     return head + harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT, config)
 
 
