@@ -591,10 +591,18 @@ def _router_logits_kernel(
     k = tl.arange(0, BLOCK_H)
     k_ok = k < H
     wr = tl.load(wr_ptr + e[:, None] * H + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-    wait_for_previous(PDL)  # (the router weights are nobody's output)
+    cols = eb * SLICE + tl.arange(0, SLICE)  # this program's slice of h, for the GEMVs
+    ok = cols < H
+    if ADD_NORM:
+        norm_slice = tl.load(norm_ptr + cols, mask=ok, other=0.0)
+    wait_for_previous(PDL)  # (the router and norm weights are nobody's output)
+    # The slice is loaded again beside the row, not after the reductions: a slice of a register
+    # tensor is not expressible, and a reload there would be one more round trip in series.
     x = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0)
+    xs = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
     if ADD_NORM:
         x = residual_add(x, tl.load(delta_ptr + t * stride_d + k, mask=k_ok, other=0.0))
+        xs = residual_add(xs, tl.load(delta_ptr + t * stride_d + cols, mask=ok, other=0.0))
         if eb == 0:
             tl.store(res_ptr + t * H + k, x, mask=k_ok)
         rstd = rms_rstd(x, H, eps)
@@ -609,14 +617,8 @@ def _router_logits_kernel(
     c = ((k_exp + 127) << 23).to(tl.float32, bitcast=True)
     if eb == 0:
         tl.store(inv_scale_ptr + t, ((127 - k_exp) << 23).to(tl.float32, bitcast=True))
-    # This program's slice of h, for the GEMVs (recomputed from a reload: a slice of a register
-    # tensor is not expressible, and the row is in cache).
-    cols = eb * SLICE + tl.arange(0, SLICE)
-    ok = cols < H
-    xs = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
     if ADD_NORM:
-        xs = residual_add(xs, tl.load(delta_ptr + t * stride_d + cols, mask=ok, other=0.0))
-        xs = rms_scaled(xs, tl.load(norm_ptr + cols, mask=ok, other=0.0), rstd)
+        xs = rms_scaled(xs, norm_slice, rstd)
     tl.store(xh_ptr + t * k_pad + _permuted(cols), (xs.to(tl.float32) * c).to(tl.float16), mask=cols < k_pad)
     tl.store(out_ptr + t * H + cols, tl.zeros([SLICE], dtype=tl.float32), mask=ok)
 
