@@ -129,6 +129,8 @@ if triton is not None:
         # only K bound to mask is K itself (whose divisibility Triton knows, keeping loads wide).
         w_ptrs = W + rows_n.to(tl.int64)[:, None] * stride_wn + ks[None, :]
         x_ptrs = X + rows_m.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+        if HAS_BIAS and SPLIT == 1:  # a weight: read before the wait, not after the loop
+            bias = tl.load(B + rows_n, mask=n_ok, other=0.0).to(tl.float32)
         if DOT:
             wait_for_previous(PDL)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -158,7 +160,7 @@ if triton is not None:
             tl.store(ptrs, acc, mask=out_ok)
         else:
             if HAS_BIAS:
-                acc += tl.load(B + rows_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                acc += bias[None, :]
             ptrs = Y + rows_m[:, None] * stride_ym + rows_n[None, :]
             tl.store(ptrs, acc.to(Y.dtype.element_ty), mask=out_ok)
 

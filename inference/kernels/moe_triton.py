@@ -708,14 +708,17 @@ def _gemv_gate_up_kernel(
     rows = w_ptr + chunk * CHUNK + (r * 16)[:, None, None] + tl.arange(0, 8)[None, None, :]
     s_rows = s_ptr + chunk * (CHUNK // 16) + r[:, None]
     x_row = xh_ptr + token.to(tl.int64) * k_pad
+    # What the epilogue reads is loaded before the loop, so that it is not one more round trip
+    # after it.
+    inv_scale = tl.load(inv_scale_ptr + token)
+    gate_bias = tl.load(b_ptr + e * 2 * I + n)
+    up_bias = tl.load(b_ptr + e * 2 * I + I + n)
     acc = _gemv_loop(tl.zeros([2 * _GROUP, BLOCK_U, 2], dtype=tl.float32), rows, s_rows, x_row, num_tiles, CHUNK,
                      BLOCK_U, STAGES, ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [16]: gates, then ups
     gate_sum, up_sum = tl.split(tl.permute(tl.reshape(y, [2, _GROUP]), [1, 0]))
-    inv_scale = tl.load(inv_scale_ptr + token)
-    bias = b_ptr + e * 2 * I + n
-    gate = gate_sum * inv_scale + tl.load(bias)
-    up = up_sum * inv_scale + tl.load(bias + I)
+    gate = gate_sum * inv_scale + gate_bias
+    up = up_sum * inv_scale + up_bias
     act = _swiglu(gate, up, limit, alpha) * act_scale
     tl.store(act_ptr + pair * i_pad + _permuted(n), act.to(tl.float16))
 
@@ -746,11 +749,12 @@ def _gemv_down_kernel(
     CHUNK: tl.constexpr = _GROUP * 16
     rows = w_ptr + chunk * CHUNK + (r * 16)[:, None, None] + tl.arange(0, 8)[None, None, :]
     s_rows = s_ptr + chunk * (CHUNK // 16) + r[:, None]
+    bias = tl.load(b_ptr + e * H + n)  # a weight: read before the wait, not after the loop
     wait_for_previous(PDL)
     a_row = act_ptr + pair.to(tl.int64) * i_pad
     acc = _gemv_loop(tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32), rows, s_rows, a_row, num_tiles, CHUNK,
                      BLOCK_U, STAGES, ASM)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + tl.load(b_ptr + e * H + n)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + bias
     tl.atomic_add(out_ptr + token * H + n, gate * y, sem="relaxed")
 
 
@@ -833,6 +837,8 @@ def _grouped_gate_up_kernel(
     sg = s_ptr + chunk
     su = sg + _GROUP
     x_rows = x_ptr + token.to(tl.int64)[None, :] * stride_x + j[:, None]
+    gate_bias = tl.load(b_ptr + e * 2 * I + n, mask=n_ok, other=0.0)  # before the loop, not after it
+    up_bias = tl.load(b_ptr + e * 2 * I + I + n, mask=n_ok, other=0.0)
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for step in range(0, num_tiles, 2):  # two tiles a step: the scale words' bytes at constant shifts
@@ -852,8 +858,8 @@ def _grouped_gate_up_kernel(
             acc_g = tl.dot(g_hi, x_hi, acc_g)
             acc_u = tl.dot(u_lo, x_lo, acc_u)
             acc_u = tl.dot(u_hi, x_hi, acc_u)
-    gate = acc_g + tl.load(b_ptr + e * 2 * I + n, mask=n_ok, other=0.0)[:, None]
-    up = acc_u + tl.load(b_ptr + e * 2 * I + I + n, mask=n_ok, other=0.0)[:, None]
+    gate = acc_g + gate_bias[:, None]
+    up = acc_u + up_bias[:, None]
     act = _swiglu(gate, up, limit, alpha)
     dst = act_ptr + rows.to(tl.int64)[None, :] * I + n[:, None]
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=n_ok[:, None])
@@ -885,6 +891,8 @@ def _grouped_down_kernel(
     w_rows = w_ptr + chunk.to(tl.int64)[:, None] * 64 + j[None, :]
     s_words = s_ptr + chunk
     a_rows = act_ptr + rows.to(tl.int64)[None, :] * I + j[:, None]
+    gate = tl.load(gates_ptr + pair, mask=valid, other=0.0)  # the epilogue's reads, before the loop
+    bias = tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for step in range(0, num_tiles, 2):
         s_w = tl.load(s_words + (step // 2) * _GROUP, mask=n_ok, other=0)
@@ -898,8 +906,7 @@ def _grouped_down_kernel(
             w_lo, w_hi = _dequant_tile(w, s_w >> (16 * half), PACKED, LARGE_SCALES, OPERAND)
             acc = tl.dot(w_lo, a_lo, acc)
             acc = tl.dot(w_hi, a_hi, acc)
-    gate = tl.load(gates_ptr + pair, mask=valid, other=0.0)
-    y = (acc + tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)[:, None]) * gate[None, :]
+    y = (acc + bias[:, None]) * gate[None, :]
     token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
     tl.atomic_add(out_ptr + token[None, :] * H + n[:, None], y, mask=valid[None, :] & n_ok[:, None], sem="relaxed")
 

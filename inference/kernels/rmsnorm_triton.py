@@ -48,15 +48,15 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(X, Delta, W, Res, Out, H, stride_x, stride_d, eps, HAS_DELTA: tl.constexpr,
                              BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         ok = cols < H
+        w = tl.load(W + cols, mask=ok, other=0.0)  # a weight: read before the wait
+        wait_for_previous(PDL)
         x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
         if HAS_DELTA:
             x = residual_add(x, tl.load(Delta + row * stride_d + cols, mask=ok, other=0.0))
             tl.store(Res + row * H + cols, x, mask=ok)
-        w = tl.load(W + cols, mask=ok, other=0.0)
         tl.store(Out + row * H + cols, rms_scaled(x, w, rms_rstd(x, H, eps)), mask=ok)
 
     # The fused add + norm's math, also used where other kernels fold it in (the MoE router).
