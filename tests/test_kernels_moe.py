@@ -445,6 +445,72 @@ def test_triton_paths_match_reference(shape):
         _run_both_paths(w, torch.randn(t, hidden, device=DEVICE).to(DTYPE), top_k)
 
 
+def _top_k_probe_kernel():
+    """A kernel writing the decode GEMVs' top-k pick (`_top_k_slot`) for each token and slot
+    (built on first use, after the interpreter is set up; the kernel finds the function among
+    this module's globals, as Triton resolves names)."""
+    import triton
+    import triton.language as tl
+
+    globals().update(_top_k_slot=_kernels()._top_k_slot)
+
+    @triton.jit
+    def probe(logits, ids, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+        token = tl.program_id(0)
+        for slot in tl.static_range(TOP_K):
+            e, _ = _top_k_slot(logits, token, E, slot, TOP_K, BLOCK_E)  # noqa: F821
+            tl.store(ids + token * TOP_K + slot, e)
+
+    return probe
+
+
+@needs_triton
+@pytest.mark.parametrize("e_count, block_e", [(12, 16), (32, 32), (128, 128)])
+def test_triton_top_k_slot_ties_and_nan(e_count, block_e):
+    """The GEMVs' pick is the definition (largest logits, ties to the lowest id), ties included,
+    and a NaN row (a NaN hidden state) still gives real experts' ids: an id past the last expert
+    would make the GEMVs read past the weights (an illegal address ends the CUDA context)."""
+    top_k = 4
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randn(e_count, generator=gen) for _ in range(4)]
+    rows.append(torch.zeros(e_count))  # all tied: experts 0..3
+    rows.append(torch.randint(0, 3, (e_count,), generator=gen).float())  # many ties
+    tied = torch.randn(e_count, generator=gen)
+    tied[[e_count - 1, e_count - 3, 2]] = 9.0  # a tie for first, among ids out of order
+    rows.append(tied)
+    rows.append(torch.full((e_count,), float("nan")))
+    logits = torch.stack(rows).to(DEVICE)
+    ids = torch.full((len(rows), top_k), -1, dtype=torch.int32, device=DEVICE)
+    _top_k_probe_kernel()[(len(rows),)](logits, ids, e_count, TOP_K=top_k, BLOCK_E=block_e)
+    want = [sorted(range(e_count), key=lambda e, r=r: (-r[e].item(), e))[:top_k] for r in logits[:-1].cpu()]
+    assert ids.cpu().tolist()[:-1] == want
+    assert ((ids[-1] >= 0) & (ids[-1] < e_count)).all()
+
+
+@needs_triton
+def test_triton_grouped_routing_of_nan_logits_stays_in_range():
+    """The grouped path's top-k on a NaN token row: real experts' ids, counted as such (the
+    align kernel indexes its cursors and the sorted rows by them)."""
+    mt = _kernels()
+    import triton
+
+    t_count, e_count, top_k = 5, 12, 4
+    partial = torch.randn(1, t_count, e_count, device=DEVICE)
+    partial[0, 2] = float("nan")
+    ids = torch.full((t_count, top_k), -1, dtype=torch.int32, device=DEVICE)
+    gates = torch.empty(t_count, top_k, device=DEVICE)
+    counts = torch.zeros(e_count, dtype=torch.int32, device=DEVICE)
+    mt._route_top_k_kernel[(2,)](
+        partial, torch.zeros(e_count, device=DEVICE), ids, gates, counts, None, t_count, e_count, 1,
+        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=16, BLOCK_S=1, PDL=0,
+    )
+    assert ((ids >= 0) & (ids < e_count)).all()
+    assert torch.equal(counts.cpu(), torch.bincount(ids.flatten().long().cpu(), minlength=e_count).int())
+    want = partial[0].topk(top_k, dim=-1).indices
+    keep = torch.arange(t_count, device=DEVICE) != 2
+    assert torch.equal(ids[keep].long(), want[keep])
+
+
 @needs_triton
 def test_triton_decode_steps_of_two_tile_pairs():
     """gemv_block_u=4: a GEMV step spans two tile pairs; with an odd number of pairs (1 for

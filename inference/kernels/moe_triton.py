@@ -461,7 +461,9 @@ def _swiglu(gate, up, limit, alpha):
 
 @triton.jit
 def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Expert id and routing weight of `slot` in token's top-k (ties: lowest id first)."""
+    """Expert id and routing weight of `slot` in token's top-k (ties: lowest id first). NaN
+    logits pick no id (a NaN hidden state): the id is clamped to a real expert's, so that the
+    GEMVs never address past the weights."""
     e = tl.arange(0, BLOCK_E)
     row = tl.load(logits_ptr + token * E + e, mask=e < E, other=float("-inf"))
     first = tl.max(row, axis=0)
@@ -475,7 +477,7 @@ def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.con
         chosen = tl.where(slot == i, idx, chosen)
         chosen_logit = tl.where(slot == i, best, chosen_logit)
         row = tl.where(e == idx, float("-inf"), row)
-    return chosen, tl.exp(chosen_logit - first) / denom
+    return tl.minimum(chosen, E - 1), tl.exp(chosen_logit - first) / denom
 
 
 # ----------------------------------------------------------------------------- router
@@ -549,6 +551,7 @@ def _route_top_k_kernel(
     for i in tl.static_range(TOP_K):
         best = tl.max(logits, axis=1)
         idx = tl.min(tl.where(logits == best[:, None], e[None, :], BLOCK_E), axis=1)  # ties: lowest id
+        idx = tl.minimum(idx, E - 1)  # none (NaN logits): still a real expert, counted as such
         chosen = e[None, :] == idx[:, None]
         logits = tl.where(chosen, float("-inf"), logits)
         top_vals = tl.where(slot[None, :] == i, best[:, None], top_vals)
