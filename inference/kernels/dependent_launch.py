@@ -16,10 +16,11 @@ The rules every kernel taking a `PDL: tl.constexpr` follows:
 - after it, everything earlier in the stream is complete, as with ordinary launches.
 
 Which kernels launch as dependents is measured, not assumed (BENCHMARKS.md, "Programmatic
-dependent launch"): the decode GEMVs for qkv and o_proj (their first weight tile loaded before
-the wait), the MoE down GEMV (its expert picked and its bias read before the wait), the decode router and the add +
-RMSNorm kernel, decode attention's split combine, and up to 64 tokens the MoE's grouped path
-(router, top-k, align, the two grouped GEMMs). Decode attention and the MoE gate_up GEMV only let
+dependent launch"): the decode GEMVs for qkv and o_proj (their first weight tile and bias loaded
+before the wait), the MoE down GEMV (its expert picked and its bias read before the wait), the
+decode router and the add + RMSNorm kernel (their weights read before it), decode attention's
+split combine, and up to 64 tokens the MoE's grouped path (router, top-k, align, the two grouped
+GEMMs). Decode attention and the MoE gate_up GEMV only let
 their successor launch early: as dependents their waiting programs slowed the kernel before them
 (batch 1: 581 and 526 tok/s against 595 without; attention again 641-642 against 660-663 with its
 metadata, RoPE factors and sinks loaded before the wait, and 657 when the qkv GEMV let it launch
