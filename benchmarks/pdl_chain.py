@@ -9,19 +9,26 @@ A CUDA graph replays 24 "layers" of A -> B:
     thing, with nothing before the wait.
 It prints µs a layer for A alone, then for A -> B both ways, for B grids of 8 to 1,440 programs
 of 1 or 4 warps (1,440 one-warp programs is the MoE gate_up GEMV's grid at batch 1). The
-difference between the two B columns is what the wait saves or costs against a launch
-(BENCHMARKS.md, "Serial round trips out of the decode chain").
+difference between the two B columns is what the wait saves or costs against a launch, behind a
+long streaming kernel and with nothing placed before the wait (BENCHMARKS.md, "Serial round trips
+out of the decode chain"). Each cell is one timed window of 50 replays, the ordinary launch
+always timed just before the dependent one.
 
     python3 benchmarks/pdl_chain.py
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
-from inference.kernels.dependent_launch import TRIGGER, WAIT, wait_for_previous
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inference.kernels.dependent_launch import TRIGGER, WAIT, wait_for_previous  # noqa: E402
 
 LAYERS = 24
 REPLAYS = 50

@@ -447,7 +447,7 @@ def test_triton_paths_match_reference(shape):
 
 def _top_k_probe_kernel():
     """A kernel writing the decode GEMVs' top-k pick (`_top_k_slot`) for each token and slot
-    (built on first use, after the interpreter is set up; the kernel finds the function among
+    (built at each call, after the interpreter is set up; the kernel finds the function among
     this module's globals, as Triton resolves names)."""
     import triton
     import triton.language as tl
@@ -488,27 +488,37 @@ def test_triton_top_k_slot_ties_and_nan(e_count, block_e):
 
 
 @needs_triton
-def test_triton_grouped_routing_of_nan_logits_stays_in_range():
-    """The grouped path's top-k on a NaN token row: real experts' ids, counted as such (the
-    align kernel indexes its cursors and the sorted rows by them)."""
+@pytest.mark.parametrize("e_count, block_e", [(12, 16), (16, 16)])
+def test_triton_grouped_routing_ties_and_nan(e_count, block_e):
+    """The grouped path's top-k: ties to the lowest id, as the GEMVs' pick, and on a NaN token row
+    real experts' ids, counted as such (the align kernel indexes its cursors and the sorted rows
+    by them). BLOCK_E == E is the real models' case (32, 128): there a NaN row's maximum is NaN
+    itself and no logit equals it."""
     mt = _kernels()
     import triton
 
-    t_count, e_count, top_k = 5, 12, 4
-    partial = torch.randn(1, t_count, e_count, device=DEVICE)
-    partial[0, 2] = float("nan")
+    top_k = 4
+    gen = torch.Generator().manual_seed(6)
+    rows = [torch.randn(e_count, generator=gen) for _ in range(3)]
+    rows.append(torch.zeros(e_count))  # all tied: experts 0..3
+    rows.append(torch.randint(0, 3, (e_count,), generator=gen).float())  # many ties
+    tied = torch.randn(e_count, generator=gen)
+    tied[[e_count - 1, e_count - 3, 2]] = 9.0  # a tie for first, among ids out of order
+    rows.append(tied)
+    rows.append(torch.full((e_count,), float("nan")))
+    t_count = len(rows)
+    partial = torch.stack(rows)[None].to(DEVICE)  # one split
     ids = torch.full((t_count, top_k), -1, dtype=torch.int32, device=DEVICE)
     gates = torch.empty(t_count, top_k, device=DEVICE)
     counts = torch.zeros(e_count, dtype=torch.int32, device=DEVICE)
-    mt._route_top_k_kernel[(2,)](
+    mt._route_top_k_kernel[(triton.cdiv(t_count, 4),)](
         partial, torch.zeros(e_count, device=DEVICE), ids, gates, counts, None, t_count, e_count, 1,
-        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=16, BLOCK_S=1, PDL=0,
+        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=block_e, BLOCK_S=1, PDL=0,
     )
+    want = [sorted(range(e_count), key=lambda e, r=r: (-r[e].item(), e))[:top_k] for r in rows[:-1]]
+    assert ids.cpu().tolist()[:-1] == want
     assert ((ids >= 0) & (ids < e_count)).all()
     assert torch.equal(counts.cpu(), torch.bincount(ids.flatten().long().cpu(), minlength=e_count).int())
-    want = partial[0].topk(top_k, dim=-1).indices
-    keep = torch.arange(t_count, device=DEVICE) != 2
-    assert torch.equal(ids[keep].long(), want[keep])
 
 
 @needs_triton
