@@ -445,6 +445,21 @@ def test_triton_paths_match_reference(shape):
         _run_both_paths(w, torch.randn(t, hidden, device=DEVICE).to(DTYPE), top_k)
 
 
+def _routing_rows(e_count: int, seed: int) -> list[torch.Tensor]:
+    """Router logit rows for the top-k tests: random ones, then ties (all equal: experts 0..3;
+    many equal; a tie for first among ids out of order), and last an all-NaN row (a NaN hidden
+    state)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(e_count, generator=gen) for _ in range(3)]
+    rows.append(torch.zeros(e_count))
+    rows.append(torch.randint(0, 3, (e_count,), generator=gen).float())
+    tied = torch.randn(e_count, generator=gen)
+    tied[[e_count - 1, e_count - 3, 2]] = 9.0
+    rows.append(tied)
+    rows.append(torch.full((e_count,), float("nan")))
+    return rows
+
+
 def _top_k_probe_kernel():
     """A kernel writing the decode GEMVs' top-k pick (`_top_k_slot`) for each token and slot
     (built at each call, after the interpreter is set up; the kernel finds the function among
@@ -471,14 +486,7 @@ def test_triton_top_k_slot_ties_and_nan(e_count, block_e):
     and a NaN row (a NaN hidden state) still gives real experts' ids: an id past the last expert
     would make the GEMVs read past the weights (an illegal address ends the CUDA context)."""
     top_k = 4
-    gen = torch.Generator().manual_seed(5)
-    rows = [torch.randn(e_count, generator=gen) for _ in range(4)]
-    rows.append(torch.zeros(e_count))  # all tied: experts 0..3
-    rows.append(torch.randint(0, 3, (e_count,), generator=gen).float())  # many ties
-    tied = torch.randn(e_count, generator=gen)
-    tied[[e_count - 1, e_count - 3, 2]] = 9.0  # a tie for first, among ids out of order
-    rows.append(tied)
-    rows.append(torch.full((e_count,), float("nan")))
+    rows = _routing_rows(e_count, seed=5)
     logits = torch.stack(rows).to(DEVICE)
     ids = torch.full((len(rows), top_k), -1, dtype=torch.int32, device=DEVICE)
     _top_k_probe_kernel()[(len(rows),)](logits, ids, e_count, TOP_K=top_k, BLOCK_E=block_e)
@@ -498,14 +506,7 @@ def test_triton_grouped_routing_ties_and_nan(e_count, block_e):
     import triton
 
     top_k = 4
-    gen = torch.Generator().manual_seed(6)
-    rows = [torch.randn(e_count, generator=gen) for _ in range(3)]
-    rows.append(torch.zeros(e_count))  # all tied: experts 0..3
-    rows.append(torch.randint(0, 3, (e_count,), generator=gen).float())  # many ties
-    tied = torch.randn(e_count, generator=gen)
-    tied[[e_count - 1, e_count - 3, 2]] = 9.0  # a tie for first, among ids out of order
-    rows.append(tied)
-    rows.append(torch.full((e_count,), float("nan")))
+    rows = _routing_rows(e_count, seed=6)
     t_count = len(rows)
     partial = torch.stack(rows)[None].to(DEVICE)  # one split
     ids = torch.full((t_count, top_k), -1, dtype=torch.int32, device=DEVICE)
