@@ -596,7 +596,9 @@ def _router_logits_kernel(
     wr = tl.load(wr_ptr + e[:, None] * H + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
     cols = eb * SLICE + tl.arange(0, SLICE)  # this program's slice of h, for the GEMVs
     ok = cols < H
+    bias = tl.load(br_ptr + e, mask=e_ok, other=0.0)
     if ADD_NORM:
+        norm_row = tl.load(norm_ptr + k, mask=k_ok, other=0.0)
         norm_slice = tl.load(norm_ptr + cols, mask=ok, other=0.0)
     wait_for_previous(PDL)  # (the router and norm weights are nobody's output)
     # The slice is loaded again beside the row, not after the reductions: a slice of a register
@@ -609,10 +611,10 @@ def _router_logits_kernel(
         if eb == 0:
             tl.store(res_ptr + t * H + k, x, mask=k_ok)
         rstd = rms_rstd(x, H, eps)
-        h = rms_scaled(x, tl.load(norm_ptr + k, mask=k_ok, other=0.0), rstd).to(tl.float32)
+        h = rms_scaled(x, norm_row, rstd).to(tl.float32)
     else:
         h = x.to(tl.float32)
-    logits = tl.sum(wr.to(tl.float32) * h[None, :], axis=1) + tl.load(br_ptr + e, mask=e_ok, other=0.0)
+    logits = tl.sum(wr.to(tl.float32) * h[None, :], axis=1) + bias
     tl.store(logits_ptr + t * E + e, logits, mask=e_ok)
     # max |h| < 2^(f - 126) for its exponent field f, so c = 2^(141 - f) (clamped to normal floats).
     field = (tl.max(tl.abs(h), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
