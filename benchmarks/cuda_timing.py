@@ -24,6 +24,22 @@ def time_events(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def replay_window_seconds(graph: torch.cuda.CUDAGraph, replays: int, warmup: int) -> float:
+    """Seconds per replay of a captured graph: `warmup` replays, then one window of `replays`
+    back to back between two CUDA events (consecutive replays overlap as the engine's steps
+    do, where `time_events` syncs around each)."""
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays
+
+
 def time_graph_calls(run, rotations: int, calls: int) -> float:
     """Seconds per run(i), i = 0..calls-1, replayed from one CUDA graph. run(i) for i < rotations
     is warmed up outside the graph first (compiles, allocations); callers rotate over inputs

@@ -28,6 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cuda_timing import replay_window_seconds  # noqa: E402  (benchmarks/, the script's folder)
 from inference.kernels.dependent_launch import TRIGGER, WAIT, wait_for_previous  # noqa: E402
 
 LAYERS = 24
@@ -81,16 +82,7 @@ def chain_us(b_programs: int, b_warps: int, dependent: bool) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS / LAYERS
+    return replay_window_seconds(graph, REPLAYS, warmup=5) * 1e6 / LAYERS
 
 
 def main() -> None:
