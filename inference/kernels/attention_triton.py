@@ -8,8 +8,9 @@ Two launches cover every step:
   (flash-decoding); each split writes an unnormalised partial output with its running max and
   sum, and `_combine_kernel` merges the splits together with the sink logit.
   `decode_attention_with_new_kv` also folds in the step's RoPE and K/V cache write (otherwise
-  `rope_cache`'s own launch): each program rotates q, and the program owning the newest
-  position takes the new key and value from the projection and stores them in the cache.
+  `rope_cache`'s own launch): each program rotates q and the new key and takes the key into its
+  softmax masked, so that only the split owning the newest position counts it; that split also
+  stores the new key and value in the cache.
 * prefill/extend (a ragged batch of new tokens over cached plus new keys, causal): grid (query
   tile, KV head). A tile is BLOCK_T consecutive new tokens of one sequence times the G heads of
   one KV group, again packed as rows, so K/V blocks are shared by the group. Each program finds
@@ -116,9 +117,12 @@ def _decode_kernel(
     """One (sequence, KV head, split). With NEW_KV, q is not yet rotated and the step's new key
     and value (KNew, VNew: [B, Hkv, D], the projection's output) are not in the cache yet:
     the program rotates q and k by the token's position (`Positions`, table `CosSin`, as
-    `rope_cache` does), takes the new key into its softmax from registers, and the program
+    `rope_cache` does), takes the new key into its softmax from registers (masked out unless the
+    split ends at the newest position), and the program
     whose split ends at the newest position stores the rotated k and v at the token's slot
-    (`Slots`, -1: none). That is the RoPE + cache-write launch folded into attention.
+    (`Slots`, -1: none). That is the RoPE + cache-write launch folded into attention. Every
+    sequence has ctx >= 1 (graph padding included): with none, a masked-out new value that is not
+    finite would reach the output.
 
     The loads are ordered for a small batch, which waits on this kernel's chain of round trips
     rather than on its bytes: first all that the program's ids locate (context length, position,

@@ -18,7 +18,7 @@ The rules every kernel taking a `PDL: tl.constexpr` follows:
 Which kernels launch as dependents is measured, not assumed (BENCHMARKS.md, "Programmatic
 dependent launch"): the decode GEMVs for qkv and o_proj (their first weight tile and bias loaded
 before the wait), the MoE down GEMV (its expert picked and its bias read before the wait), the
-decode router and the add + RMSNorm kernel (the router's rows, the norm weight or its slice read
+decode router and the add + RMSNorm kernel (the router's rows and bias, the norm weight read
 before it), decode attention's
 split combine, and up to 64 tokens the MoE's grouped path (router, top-k, align, the two grouped
 GEMMs). Decode attention and the MoE gate_up GEMV only let
