@@ -117,10 +117,9 @@ def _decode_kernel(
     """One (sequence, KV head, split). With NEW_KV, q is not yet rotated and the step's new key
     and value (KNew, VNew: [B, Hkv, D], the projection's output) are not in the cache yet:
     the program rotates q and k by the token's position (`Positions`, table `CosSin`, as
-    `rope_cache` does), takes the new key into its softmax from registers (masked out unless the
-    split ends at the newest position), and the program
-    whose split ends at the newest position stores the rotated k and v at the token's slot
-    (`Slots`, -1: none). That is the RoPE + cache-write launch folded into attention. Every
+    `rope_cache` does) and takes the new key into its softmax from registers, masked out unless
+    its split ends at the newest position; that program also stores the rotated k and v at the
+    token's slot (`Slots`, -1: none). That is the RoPE + cache-write launch folded into attention. Every
     sequence has ctx >= 1 (graph padding included): with none, a masked-out new value that is not
     finite would reach the output.
 
