@@ -119,9 +119,9 @@ def _decode_kernel(
     the program rotates q and k by the token's position (`Positions`, table `CosSin`, as
     `rope_cache` does) and takes the new key into its softmax from registers, masked out unless
     its split ends at the newest position; that program also stores the rotated k and v at the
-    token's slot (`Slots`, -1: none). That is the RoPE + cache-write launch folded into attention. Every
-    sequence has ctx >= 1 (graph padding included): with none, a masked-out new value that is not
-    finite would reach the output.
+    token's slot (`Slots`, -1: none). That is the RoPE + cache-write launch folded into
+    attention. Every sequence has ctx >= 1 (graph padding included): with none, a masked-out new
+    value that is not finite would reach the output.
 
     The loads are ordered for a small batch, which waits on this kernel's chain of round trips
     rather than on its bytes: first all that the program's ids locate (context length, position,
