@@ -460,6 +460,11 @@ def _routing_rows(e_count: int, seed: int) -> list[torch.Tensor]:
     return rows
 
 
+def _top_k_by_definition(rows, top_k: int) -> list[list[int]]:
+    """Each row's top_k expert ids: largest logits first, ties to the lowest id."""
+    return [sorted(range(len(r)), key=lambda e, r=r: (-r[e].item(), e))[:top_k] for r in rows]
+
+
 def _top_k_probe_kernel():
     """A kernel writing the decode GEMVs' top-k pick (`_top_k_slot`) for each token and slot
     (built at each call, after the interpreter is set up; the kernel finds the function among
@@ -490,8 +495,7 @@ def test_triton_top_k_slot_ties_and_nan(e_count, block_e):
     logits = torch.stack(rows).to(DEVICE)
     ids = torch.full((len(rows), top_k), -1, dtype=torch.int32, device=DEVICE)
     _top_k_probe_kernel()[(len(rows),)](logits, ids, e_count, TOP_K=top_k, BLOCK_E=block_e)
-    want = [sorted(range(e_count), key=lambda e, r=r: (-r[e].item(), e))[:top_k] for r in logits[:-1].cpu()]
-    assert ids.cpu().tolist()[:-1] == want
+    assert ids.cpu().tolist()[:-1] == _top_k_by_definition(logits[:-1].cpu(), top_k)
     assert ((ids[-1] >= 0) & (ids[-1] < e_count)).all()
 
 
@@ -516,8 +520,7 @@ def test_triton_grouped_routing_ties_and_nan(e_count, block_e):
         partial, torch.zeros(e_count, device=DEVICE), ids, gates, counts, None, t_count, e_count, 1,
         TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=block_e, BLOCK_S=1, PDL=0,
     )
-    want = [sorted(range(e_count), key=lambda e, r=r: (-r[e].item(), e))[:top_k] for r in rows[:-1]]
-    assert ids.cpu().tolist()[:-1] == want
+    assert ids.cpu().tolist()[:-1] == _top_k_by_definition(rows[:-1], top_k)
     assert ((ids >= 0) & (ids < e_count)).all()
     assert torch.equal(counts.cpu(), torch.bincount(ids.flatten().long().cpu(), minlength=e_count).int())
 

@@ -148,9 +148,10 @@ def _decode_kernel(
         q_x, q_partner = _half_pair(q_ptrs, dims[None, :], row_ok[:, None], HALF)
         # The new key and value broadcast over q's rows, the shape the softmax takes them in (a
         # row converted to it would be loaded again, late); row 0 goes to the cache.
-        k_ptr = KNew + seq.to(tl.int64) * stride_kt + kv_head * stride_kh + rows[:, None] * 0
-        k_rows_x, k_rows_partner = _half_pair(k_ptr, dims[None, :], dims[None, :] < HEAD_DIM, HALF)
-        v_rows = tl.load(VNew + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + rows[:, None] * 0 + dims[None, :])
+        head_row = rows[:, None] * 0 + dims[None, :]  # [BLOCK_G, D] offsets: one head vector per row
+        k_ptr = KNew + seq.to(tl.int64) * stride_kt + kv_head * stride_kh
+        k_rows_x, k_rows_partner = _half_pair(k_ptr, head_row, dims[None, :] < HEAD_DIM, HALF)
+        v_rows = tl.load(VNew + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + head_row)
         v_rows = v_rows.to(V.dtype.element_ty)
         slot = tl.load(Slots + seq)
         # All of these are issued here: the compiler moves no load past a barrier, and without
@@ -201,8 +202,8 @@ def _decode_kernel(
         write = (rows[:, None] == row) & (dims[None, :] < HEAD_DIM)
         slot = tl.maximum(slot, 0)
         dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_off
-        tl.store(K + dst + rows[:, None] * 0 + dims[None, :], k_rows, mask=write)
-        tl.store(V + dst + rows[:, None] * 0 + dims[None, :], v_rows, mask=write)
+        tl.store(K + dst + head_row, k_rows, mask=write)
+        tl.store(V + dst + head_row, v_rows, mask=write)
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + (ctx - 1)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, start, full_end, q_pos, window,
                                    qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,

@@ -19,10 +19,9 @@ Which kernels launch as dependents is measured, not assumed (BENCHMARKS.md, "Pro
 dependent launch"): the decode GEMVs for qkv and o_proj (their first weight tile and bias loaded
 before the wait), the MoE down GEMV (its expert picked and its bias read before the wait), the
 decode router and the add + RMSNorm kernel (the router's rows and bias, the norm weight read
-before it), decode attention's
-split combine, and up to 64 tokens the MoE's grouped path (router, top-k, align, the two grouped
-GEMMs). Decode attention and the MoE gate_up GEMV only let
-their successor launch early: as dependents their waiting programs slowed the kernel before them
+before it), decode attention's split combine, and up to 64 tokens the MoE's grouped path (router,
+top-k, align, the two grouped GEMMs). Decode attention and the MoE gate_up GEMV only let their
+successor launch early: as dependents their waiting programs slowed the kernel before them
 (batch 1: 581 and 526 tok/s against 595 without; attention again 641-642 against 660-663 with its
 metadata, RoPE factors and sinks loaded before the wait, and 657 when the qkv GEMV let it launch
 only after its loop; on 2026-11-25 gate_up 609 and attention 634 against 657, attention with its
