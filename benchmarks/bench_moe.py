@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
-from cuda_timing import replay_window_seconds  # noqa: E402
+from cuda_timing import window_seconds  # noqa: E402
 from inference.moe import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
 from inference.moe_backend import TritonMoEBackend, model_output_dtype, select_moe_backend  # noqa: E402
 from inference.kernels.moe_triton import takes_decode_path  # noqa: E402
@@ -117,7 +117,7 @@ def time_graph(fn, iters: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         fn()
-    return replay_window_seconds(graph, iters, warmup=3)
+    return window_seconds(graph.replay, iters, warmup=3)
 
 
 def profile_kernels(fn, iters: int = 20, per_call: int = 1) -> list[tuple[str, float]]:

@@ -3,7 +3,11 @@ ceiling that SPEC §2's rooflines divide by."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from cuda_timing import window_seconds  # (benchmarks/, this module's folder)
 
 
 def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
@@ -11,14 +15,6 @@ def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
     n = int(gib * (1 << 30))
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / iters
+    seconds = window_seconds(functools.partial(dst.copy_, src), iters, warmup=3)
     del src, dst
     return 2 * n / seconds

@@ -24,20 +24,20 @@ def time_events(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def replay_window_seconds(graph: torch.cuda.CUDAGraph, replays: int, warmup: int) -> float:
-    """Seconds per replay of a captured graph: `warmup` replays, then one window of `replays`
-    back to back between two CUDA events (consecutive replays overlap as the engine's steps
-    do, where `time_events` syncs around each)."""
+def window_seconds(fn, reps: int, warmup: int) -> float:
+    """Seconds per fn(): `warmup` calls, then one window of `reps` calls back to back between two
+    CUDA events (consecutive calls overlap, as the engine's steps do, where `time_events` syncs
+    around each). fn is typically a captured graph's `replay`."""
     for _ in range(warmup):
-        graph.replay()
+        fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(replays):
-        graph.replay()
+    for _ in range(reps):
+        fn()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / replays
+    return start.elapsed_time(end) / 1e3 / reps
 
 
 def time_graph_calls(run, rotations: int, calls: int) -> float:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import replay_window_seconds  # noqa: E402  (benchmarks/, the script's folder)
+from cuda_timing import window_seconds  # noqa: E402  (benchmarks/, the script's folder)
 from inference.kernels.dependent_launch import TRIGGER, WAIT, wait_for_previous  # noqa: E402
 
 LAYERS = 24
@@ -82,7 +82,7 @@ def chain_us(b_programs: int, b_warps: int, dependent: bool) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return replay_window_seconds(graph, REPLAYS, warmup=5) * 1e6 / LAYERS
+    return window_seconds(graph.replay, REPLAYS, warmup=5) * 1e6 / LAYERS
 
 
 def main() -> None:
