@@ -447,8 +447,8 @@ def test_triton_paths_match_reference(shape):
 
 def _routing_rows(e_count: int, seed: int) -> list[torch.Tensor]:
     """Router logit rows for the top-k tests: random ones, then ties (all equal: experts 0..3;
-    many equal; a tie for first among ids out of order), and last an all-NaN row (a NaN hidden
-    state)."""
+    many equal; a tie for first among ids out of order; two finite logits and the rest -inf),
+    and last an all-NaN row (a NaN hidden state)."""
     gen = torch.Generator().manual_seed(seed)
     rows = [torch.randn(e_count, generator=gen) for _ in range(3)]
     rows.append(torch.zeros(e_count))
@@ -456,6 +456,11 @@ def _routing_rows(e_count: int, seed: int) -> list[torch.Tensor]:
     tied = torch.randn(e_count, generator=gen)
     tied[[e_count - 1, e_count - 3, 2]] = 9.0
     rows.append(tied)
+    # fewer finite logits than top_k (an overflowed hidden state): the rest tie at -inf, and a
+    # picked expert must not be picked again
+    infinite = torch.full((e_count,), float("-inf"))
+    infinite[[e_count - 2, 1]] = torch.tensor([0.5, 2.0])
+    rows.append(infinite)
     rows.append(torch.full((e_count,), float("nan")))
     return rows
 

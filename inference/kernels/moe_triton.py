@@ -470,13 +470,14 @@ def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.con
     denom = 0.0
     chosen = 0
     chosen_logit = 0.0
+    free = e < E  # experts not yet picked: a picked one is not picked again among -inf logits
     for i in tl.static_range(TOP_K):
-        best = tl.max(row, axis=0)
-        idx = tl.min(tl.where(row == best, e, BLOCK_E), axis=0)
+        best = tl.max(tl.where(free, row, float("-inf")), axis=0)
+        idx = tl.min(tl.where(free & (row == best), e, BLOCK_E), axis=0)
         denom += tl.exp(best - first)
         chosen = tl.where(slot == i, idx, chosen)
         chosen_logit = tl.where(slot == i, best, chosen_logit)
-        row = tl.where(e == idx, float("-inf"), row)
+        free = free & (e != idx)
     return tl.minimum(chosen, E - 1), tl.exp(chosen_logit - first) / denom
 
 
@@ -548,12 +549,13 @@ def _route_top_k_kernel(
     top_vals = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
     top_ids = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    free = tl.broadcast_to(e_ok[None, :], logits.shape)  # not yet picked (-inf logits tie, too)
     for i in tl.static_range(TOP_K):
-        best = tl.max(logits, axis=1)
-        idx = tl.min(tl.where(logits == best[:, None], e[None, :], BLOCK_E), axis=1)  # ties: lowest id
+        best = tl.max(tl.where(free, logits, float("-inf")), axis=1)
+        idx = tl.min(tl.where(free & (logits == best[:, None]), e[None, :], BLOCK_E), axis=1)  # ties: lowest id
         idx = tl.minimum(idx, E - 1)  # none (NaN logits): still a real expert, counted as such
         chosen = e[None, :] == idx[:, None]
-        logits = tl.where(chosen, float("-inf"), logits)
+        free = free & ~chosen
         top_vals = tl.where(slot[None, :] == i, best[:, None], top_vals)
         top_ids = tl.where(slot[None, :] == i, idx[:, None], top_ids)
         counts += tl.sum((chosen & t_ok[:, None]).to(tl.int32), axis=0)
