@@ -543,13 +543,12 @@ def _route_top_k_kernel(
     mask = (sp < splits)[:, None, None] & t_ok[None, :, None] & e_ok[None, None, :]
     logits = tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
     logits += tl.load(br_ptr + e, mask=e_ok, other=0.0)[None, :]
-    logits = tl.where(e_ok[None, :], logits, float("-inf"))
 
     slot = tl.arange(0, K_POW2)
     top_vals = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
     top_ids = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    free = tl.broadcast_to(e_ok[None, :], logits.shape)  # not yet picked (-inf logits tie, too)
+    free = tl.broadcast_to(e_ok[None, :], logits.shape)  # real experts not yet picked (-inf logits tie, too)
     for i in tl.static_range(TOP_K):
         best = tl.max(tl.where(free, logits, float("-inf")), axis=1)
         idx = tl.min(tl.where(free & (logits == best[:, None]), e[None, :], BLOCK_E), axis=1)  # ties: lowest id
