@@ -531,6 +531,31 @@ def test_triton_grouped_routing_ties_and_nan(e_count, block_e):
 
 
 @needs_triton
+def test_triton_decode_path_reads_only_what_it_wrote(monkeypatch):
+    """The GEMVs walk whole tile pairs, so with an odd tile count (K = 64, 192) they read
+    activations past H and I: the router and the gate_up programs past I must write zeros there.
+    Every float buffer the module allocates starts as NaN here, so a value read but never
+    written turns the output into NaN."""
+    mt = _kernels()
+
+    class NaNTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            t = torch.empty(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(mt, "torch", NaNTorch())
+    backend = triton_backend(mt.MoEKernelConfig(decode_max_pairs_per_expert=None))
+    for e_count, hidden, inter in ((4, 64, 192), (4, 192, 64)):
+        w = make_weights(e_count, hidden, inter, seed=8)
+        x = torch.randn(2, hidden, device=DEVICE).to(DTYPE)
+        assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), reference(x, w, 2), max(TOL, DECODE_TOL))
+
+
+@needs_triton
 def test_triton_decode_steps_of_two_tile_pairs():
     """gemv_block_u=4: a GEMV step spans two tile pairs; with an odd number of pairs (1 for
     K = 64, 3 for K = 320) the second pair of the last step lies past the row's chunks and is

@@ -671,7 +671,11 @@ def _gemv_step(acc, w_rows, s_rows, x_row, t0, num_tiles, CHUNK: tl.constexpr,
 def _gemv_loop(acc, w_rows, s_rows, x_row, num_tiles, CHUNK: tl.constexpr, BLOCK_U: tl.constexpr,
                STAGES: tl.constexpr, ASM: tl.constexpr):
     """acc += a GEMV over all num_tiles K tiles (`_gemv_step`'s arguments): the whole steps
-    unmasked, pipelined STAGES deep, then the partial last step, if any, masked."""
+    unmasked, pipelined STAGES deep, then the partial last step, if any, masked. The callers
+    pass the tiles of whole pairs (the layout's zero padding included, against activations
+    padded with zeros), so with 2-tile steps there is no partial step: one issued after the
+    pipeline has drained waits a whole memory round trip of its own, 0.4-0.6 us a GEMV at 45
+    tiles (H200, BENCHMARKS.md)."""
     full = num_tiles // BLOCK_U * BLOCK_U
     for t0 in tl.range(0, full, BLOCK_U, num_stages=STAGES):
         acc = _gemv_step(acc, w_rows, s_rows, x_row, t0, num_tiles, CHUNK, BLOCK_U, ASM, False)
@@ -1037,7 +1041,7 @@ def decode_router(x: torch.Tensor, router_weight: torch.Tensor, router_bias: tor
     x = x.contiguous()
     t_count, hidden = x.shape
     num_experts, dev = router_weight.shape[0], x.device
-    k_pad = triton.cdiv(hidden, 64) * 64
+    k_pad = triton.cdiv(hidden, 128) * 128  # whole tile pairs, zeros past H: see `_gemv_loop`
     logits = torch.empty(t_count, num_experts, dtype=torch.float32, device=dev)
     x_half = torch.empty(t_count, k_pad, dtype=torch.float16, device=dev)  # h * 2^k, permuted
     inv_scale = torch.empty(t_count, dtype=torch.float32, device=dev)
@@ -1082,7 +1086,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
 
     act_scale = gemv_activation_scale(swiglu_limit)
     if takes_decode_path(t_count, top_k, num_experts, cfg) and act_scale is not None and w.max_scale <= GEMV_MAX_SCALE:
-        i_pad = tiles2 * 64
+        i_pad = pairs2 * 128  # whole tile pairs, zeros past I (the gate_up programs past I write them)
         residual, logits, x_half, inv_scale = decode_router(x, w.router_weight, w.router_bias, out32, add_norm)
         k_pad = x_half.shape[1]
         act = torch.empty(pairs, i_pad, dtype=torch.float16, device=dev)  # * act_scale, permuted
