@@ -1095,11 +1095,11 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
                     num_warps=cfg.gemv_warps)
         _gemv_gate_up_kernel[(pairs, i_pad // ROW_GROUP)](
             x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, valid_tokens, inter, num_experts,
-            tiles1, pairs1, k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, **gemv,
+            2 * pairs1, pairs1, k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, **gemv,
             **pdl_options(dev, dependent=False),
         )
         _gemv_down_kernel[(pairs, hidden // ROW_GROUP)](
-            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, valid_tokens, hidden, num_experts, tiles2,
+            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, valid_tokens, hidden, num_experts, 2 * pairs2,
             pairs2, i_pad, 1.0 / act_scale, **gemv, **pdl_options(dev, dependent=True),
         )
         return residual, out32.to(out_dtype)  # no copy when float32 was asked for
