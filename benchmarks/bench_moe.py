@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
-from cuda_timing import window_seconds  # noqa: E402
+from cuda_timing import graph_replay_seconds  # noqa: E402
 from inference.moe import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
 from inference.moe_backend import TritonMoEBackend, model_output_dtype, select_moe_backend  # noqa: E402
 from inference.kernels.moe_triton import takes_decode_path  # noqa: E402
@@ -107,19 +107,6 @@ def expert_bytes(h: int, i: int) -> int:
     return weights // 2 + weights // 32 + (2 * i + h) * 4
 
 
-def time_graph(fn, iters: int) -> float:
-    """Seconds per call of `fn`, captured once in a CUDA graph and replayed `iters` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return window_seconds(graph.replay, iters, warmup=3)
-
-
 def profile_kernels(fn, iters: int = 20, per_call: int = 1) -> list[tuple[str, float]]:
     """Mean GPU microseconds of each kernel `fn` launches, per call divided by per_call (the
     layers one call runs)."""
@@ -149,7 +136,7 @@ def sweep_flashinfer_tactics(backend, forward, iters: int) -> tuple[list[int], f
         for index in range(start, start + MAX_TACTICS):
             backend.profile_ids = ids_for(index)
             try:
-                times[index] = time_graph(forward, iters)
+                times[index] = graph_replay_seconds(forward, iters)
             except Exception as exc:  # a tactic this build lacks, or one the shape refuses
                 if "Invalid gemm" in str(exc):
                     return times, index
@@ -288,7 +275,7 @@ def main() -> None:
                     label = f"{name} {path}" if len(names) > 1 else path
                     try:
                         forward = each_layer(bench, x, prepared[name], out_dtype=model_output_dtype(bench))
-                        seconds = time_graph(forward, args.iters) / args.layers
+                        seconds = graph_replay_seconds(forward, args.iters) / args.layers
                     except Exception as exc:  # a variant that does not compile must not end the sweep
                         print(f"| {model} | {t} | {label} | {variant or 'default'} | failed: {type(exc).__name__}: "
                               f"{str(exc)[:120]} |")

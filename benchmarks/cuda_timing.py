@@ -40,6 +40,20 @@ def window_seconds(fn, reps: int, warmup: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def graph_replay_seconds(fn, reps: int, warmup: int = 3) -> float:
+    """Seconds per fn(), captured once in a CUDA graph (after one call outside it, which
+    compiles) and replayed `reps` times back to back in one `window_seconds` window."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return window_seconds(graph.replay, reps, warmup)
+
+
 def time_graph_calls(run, rotations: int, calls: int) -> float:
     """Seconds per run(i), i = 0..calls-1, replayed from one CUDA graph. run(i) for i < rotations
     is warmed up outside the graph first (compiles, allocations); callers rotate over inputs

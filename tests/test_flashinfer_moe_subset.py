@@ -78,7 +78,7 @@ def test_tactic_sweep_finds_the_fastest_built_pair(monkeypatch):
             raise RuntimeError("this tactic was not compiled")
         return (gemm1_us[g1] + (gemm2_us[g2] if g2 != -1 else 10.0)) * 1e-6
 
-    monkeypatch.setattr(bench_moe, "time_graph", fake_time_graph)
+    monkeypatch.setattr(bench_moe, "graph_replay_seconds", fake_time_graph)
     ids, seconds, counts = bench_moe.sweep_flashinfer_tactics(backend, forward=None, iters=1)
     assert ids == [2, 8] and seconds == pytest.approx(37e-6)
     assert counts == "3/6 and 2/4 ran"
@@ -93,7 +93,7 @@ def test_tactic_sweep_reports_when_nothing_runs(monkeypatch):
         g1, _ = backend.profile_ids
         raise RuntimeError("Invalid gemm1 profile id" if g1 >= 3 else "not compiled")
 
-    monkeypatch.setattr(bench_moe, "time_graph", refuse)
+    monkeypatch.setattr(bench_moe, "graph_replay_seconds", refuse)
     with pytest.raises(RuntimeError, match="no GEMM1 tactic ran"):
         bench_moe.sweep_flashinfer_tactics(backend, forward=None, iters=1)
     assert backend.profile_ids is None
