@@ -7,6 +7,8 @@ import statistics
 
 import torch
 
+from inference.cuda_graphs import record_graph
+
 
 def time_events(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds of fn() over `reps` runs, timed with CUDA events."""
@@ -41,33 +43,19 @@ def window_seconds(fn, reps: int, warmup: int) -> float:
 
 
 def graph_replay_seconds(fn, reps: int, warmup: int = 3) -> float:
-    """Seconds per fn(), captured once in a CUDA graph (after one call outside it, which
-    compiles) and replayed `reps` times back to back in one `window_seconds` window."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
+    """Seconds per fn(), captured once in a CUDA graph the way the engine captures its steps
+    (`record_graph`, after one call outside it, which compiles) and replayed `reps` times back to
+    back in one `window_seconds` window."""
+    graph, _ = record_graph(fn, warmups=1)
     return window_seconds(graph.replay, reps, warmup)
 
 
 def time_graph_calls(run, rotations: int, calls: int) -> float:
-    """Seconds per run(i), i = 0..calls-1, replayed from one CUDA graph. run(i) for i < rotations
-    is warmed up outside the graph first (compiles, allocations); callers rotate over inputs
-    with `i % rotations`, so large shapes are not just timing L2."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(rotations):
-            run(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            run(i)
+    """Seconds per run(i), i = 0..calls-1, replayed from one CUDA graph (`record_graph`, after
+    one pass outside it: compiles, allocations), each replay timed alone with `time_events`.
+    Callers rotate over `rotations` inputs with `i % rotations`, so that large shapes are not
+    just timing L2."""
+    graph, _ = record_graph(lambda: [run(i) for i in range(calls)], warmups=1)
     seconds = time_events(graph.replay, reps=10) / calls
     del graph
     return seconds

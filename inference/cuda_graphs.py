@@ -49,7 +49,7 @@ class _Captured:
     context_lens: torch.Tensor  # [B] int32
     cu_seqlens_q: torch.Tensor  # [B+1] int32, fixed: Q per sequence (the graph reads it: keep it alive)
     block_tables: dict[str, torch.Tensor]  # [B, P] int32 per cache kind
-    graph: torch.cuda.CUDAGraph | None = None  # set by `_record`
+    graph: torch.cuda.CUDAGraph | None = None  # set by `record_graph`
     logits: torch.Tensor | None = None  # [B*Q, V] (prefill: [R, V], see `row`) float32, written by the graph
     aux: torch.Tensor | None = None  # [B*Q, A] aux layer outputs, written by the graph
     row: torch.Tensor | None = None  # prefill: [R] int64, the rows whose logits the graph returns
@@ -62,18 +62,21 @@ class _Captured:
                            self.valid_tokens)
 
 
-def _record(step, pool):
-    """Run `step` twice on a side stream (Triton compiles and autotunes there, outside the graph),
-    then capture it into a new graph sharing memory `pool`. Returns (graph, what `step` returned
-    during capture: the graph's output buffers)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
+def record_graph(step, pool=None, warmups: int = 2):
+    """Run `step` `warmups` times (Triton compiles and autotunes there, outside the graph), then
+    capture it into a new graph sharing memory `pool` (None: a pool of its own). Returns (graph,
+    what `step` returned during capture: the graph's output buffers). The benchmarks time their
+    graphs through this function too, so that they replay what the engine replays.
+
+    The warm-up runs on the current stream, not on a side stream as PyTorch's recipe has it (for
+    autograd and DDP state, which inference has none of). On an H200 the two gave the same engine
+    tok/s, but `benchmarks/pdl_chain.py`'s chain, warmed up on a side stream, replayed every
+    ordinary launch boundary 0.7 us slower and every dependent one 0.2 us slower, wherever it was
+    captured (BENCHMARKS.md)."""
+    for _ in range(warmups):
+        step()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool):  # (synchronises first)
         out = step()
     return graph, out
 
@@ -139,7 +142,7 @@ class DecodeGraphRunner:
         )
         meta = self._metadata(buf, b, q)
         self._warm_up_fill(buf, b, q)
-        buf.graph, (buf.logits, buf.aux) = _record(lambda: self._step(buf, meta), self.pool)
+        buf.graph, (buf.logits, buf.aux) = record_graph(lambda: self._step(buf, meta), self.pool)
         self.pool = buf.graph.pool()
         return buf
 
@@ -305,7 +308,7 @@ class PrefillGraphRunner:
     def capture(self) -> None:
         for q in sorted(self.buckets, reverse=True):  # largest first: the others reuse its pool
             buf = self.buffers(q)  # slots all -1: the warm-up steps write no K/V
-            buf.graph, buf.logits = _record(lambda: self.step(buf), self.pool)
+            buf.graph, buf.logits = record_graph(lambda: self.step(buf), self.pool)
             self.pool = buf.graph.pool()
             self.graphs[q] = buf
         log.info("captured step CUDA graphs", extra={"tokens": list(self.buckets), "sequences": self.max_seqs - 1})

@@ -230,28 +230,16 @@ class GptOssModel(nn.Module):
         tensor_parallel: a `TensorParallelGroup`; the model is then its rank's shard, and only
         that shard's bytes are read from the files.
         """
-        from .attention_backend import select_attention_backend
-        from .moe_backend import select_moe_backend
-
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         config = ModelConfig.from_file(model_dir)
         reader = CheckpointReader(model_dir, config)
         get = reader.get
         if tensor_parallel is not None:
             get = tensor_parallel.tensor_source(config, reader.get_slice, reader.get)
-        with torch.device("meta"):
-            model = cls(config, None, None, max_positions=max_positions, tp=tensor_parallel)
-        model.attention_backend = select_attention_backend(device, attention_backend)
-        model.moe_backend = select_moe_backend(device, moe_backend)
-        model.add_rms_norm = select_add_rms_norm(device)
-        model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
-        bar = progress and reader.total_bytes() >= (256 << 20)
-        load_weights(model, get, device, dtype, progress=bar)
-        use_decode_gemv(model)
+        model = cls._assemble(config, get, device, dtype, attention_backend, moe_backend, max_positions,
+                              tensor_parallel, progress=progress and reader.total_bytes() >= (256 << 20))
         if tensor_parallel is not None:
             tensor_parallel.bytes_read = get.bytes_read
-        return model.eval()
+        return model
 
     @classmethod
     def from_random(
@@ -274,6 +262,21 @@ class GptOssModel(nn.Module):
         With `tensor_parallel`, each rank makes every whole tensor (the same for one seed) and
         keeps its shard, so the ranks together hold the model a single device would.
         """
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        get = random_tensor_source(config, device, seed, decisive_routing)
+        if tensor_parallel is not None:
+            from .tensor_parallel import slice_of
+
+            get = tensor_parallel.tensor_source(config, slice_of(get), get)
+        return cls._assemble(config, get, device, dtype, attention_backend, moe_backend, max_positions,
+                             tensor_parallel, progress=False)
+
+    @classmethod
+    def _assemble(cls, config: ModelConfig, get, device, dtype, attention_backend, moe_backend, max_positions,
+                  tensor_parallel, progress: bool) -> "GptOssModel":
+        """The model of `config` on `device` with the weights `get(name)` returns (the arguments
+        as `from_pretrained` takes them): built on the meta device, backends chosen, weights
+        loaded and converted once for the kernels."""
         from .attention_backend import select_attention_backend
         from .moe_backend import select_moe_backend
 
@@ -285,12 +288,7 @@ class GptOssModel(nn.Module):
         model.moe_backend = select_moe_backend(device, moe_backend)
         model.add_rms_norm = select_add_rms_norm(device)
         model.cos_sin = cos_sin_table(config.rope, config.head_dim, model.max_positions, device)
-        get = random_tensor_source(config, device, seed, decisive_routing)
-        if tensor_parallel is not None:
-            from .tensor_parallel import slice_of
-
-            get = tensor_parallel.tensor_source(config, slice_of(get), get)
-        load_weights(model, get, device, dtype, progress=False)
+        load_weights(model, get, device, dtype, progress=progress)
         use_decode_gemv(model)
         return model.eval()
 
