@@ -100,6 +100,9 @@ class ChoiceStream:
         self.kind: str | None = None  # "reasoning" | "content" | "tool" | None between messages
         self.pending_logprobs: list[dict[str, Any]] = []  # tokens of the current message not yet emitted
         self.tool_calls = 0
+        # parallel_tool_calls=false: the choice ends with its first complete tool call.
+        self.one_call = req.parallel_tool_calls is False
+        self.calls_done = False
         self.finish: str | None = None
         self.generation: DeltaStream | None = None
 
@@ -129,7 +132,7 @@ class ChoiceStream:
                     if self.want_logprobs and delta.logprobs:
                         self.pending_logprobs.append(_logprob_entry(delta.logprobs[i], self.top_logprobs))
                     self._apply(stream.feed(token), piece)
-                    if self.stops.stopped:
+                    if self.stops.stopped or self.calls_done:
                         break
                 if delta.finish_reason is not None:
                     finish, stop_token = delta.finish_reason, delta.stop_token_id
@@ -139,6 +142,9 @@ class ChoiceStream:
                 if self.stops.stopped:
                     engine.abort(self.request.request_id)
                     finish = "stop_string"
+                elif self.calls_done and finish is None:
+                    engine.abort(self.request.request_id)
+                    finish = "tool_call"
                 if not piece.empty():
                     yield piece
                 if finish is not None:
@@ -192,6 +198,7 @@ class ChoiceStream:
             elif isinstance(event, MessageEnd):
                 if event.channel == "analysis":
                     self.usage.reasoning += event.num_tokens
+                self.calls_done = self.calls_done or (self.kind == "tool" and self.one_call)
                 self.kind, self.pending_logprobs = None, []
 
 

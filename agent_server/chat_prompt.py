@@ -54,6 +54,9 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
             messages.append(tool_message(f"functions.{name}", message.text()))
 
     tools = req.tools or []
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError("Function names in 'tools' must be unique.", param="tools")
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
         if not any(t.function.name == choice.function.name for t in tools):

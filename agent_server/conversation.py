@@ -17,9 +17,11 @@ from typing import Any
 from openai_harmony import Message, Role
 
 from schemas.responses import (
+    CodeInterpreterCallItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     LenientItem,
+    McpCallItem,
     MessageItem,
     ReasoningItem,
 )
@@ -81,16 +83,14 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
 
 def _replayed_call(item: LenientItem) -> list[Message]:
     """Our own built-in tool items, sent back by a client that manages its context."""
-    data = item.model_dump()
-    if item.type == "code_interpreter_call" and data.get("code"):
-        messages = [assistant_call("python", data["code"], channel="analysis", json_args=False)]
-        logs = "".join(o.get("logs", "") for o in data.get("outputs") or [] if isinstance(o, dict))
+    if isinstance(item, CodeInterpreterCallItem) and item.code:
+        messages = [assistant_call("python", item.code, channel="analysis", json_args=False)]
+        logs = "".join(o.logs or "" for o in item.outputs or [])
         return messages + [tool_message("python", logs)]
-    if item.type == "mcp_call" and data.get("name"):
-        namespace = data.get("server_label", "")
-        messages = [assistant_call(f"{namespace}.{data['name']}", data.get("arguments") or "{}")]
-        output = data.get("output") or json.dumps(data.get("error") or "")
-        return messages + [tool_message(f"{namespace}.{data['name']}", output)]
+    if isinstance(item, McpCallItem) and item.name:
+        recipient = f"{item.server_label or ''}.{item.name}"
+        messages = [assistant_call(recipient, item.arguments or "{}")]
+        return messages + [tool_message(recipient, item.output or json.dumps(item.error or ""))]
     # A web_search_call item carries no results: the search itself cannot be replayed.
     return []
 

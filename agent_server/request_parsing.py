@@ -2,14 +2,17 @@
 
 Before the schema sees a body it must be at most `max_bytes` long (read in chunks, so a huge
 upload is refused without being buffered), parse as a JSON object, nest at most
-`MAX_JSON_DEPTH` levels, hold only encodable text (no lone surrogates from `\\ud800` escapes)
-and integers that fit 64 bits, not exceed the per-field array limits, and not use a parameter
-this server knows but does not support (named, with the reason).
+`MAX_JSON_DEPTH` levels, hold only encodable text (no lone surrogates from `\\ud800` escapes),
+finite numbers (`1e400` parses as infinity) and integers that fit 64 bits, hold no text that
+would take long to tokenize (`tokenization_cost`), not exceed the per-field array limits, and
+not use a parameter this server knows but does not support (named, with the reason).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any, Mapping, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -21,6 +24,51 @@ Model = TypeVar("Model", bound=BaseModel)
 
 MAX_JSON_DEPTH = 100
 INT64 = 1 << 63
+
+# The tokenizer's byte-pair merge takes time quadratic in the length of each piece its regex
+# cuts the text into. Ordinary text makes short pieces, but a run of letters, of punctuation or
+# of white space is one piece however long: 32,000 'x' took 0.48 s and 64,000 bytes of 'e' with
+# an accent 1.5 s (openai-harmony 0.0.8, one CPU core), about 4.7e-10 s times the square of the
+# piece's bytes, holding the GIL and so the whole server. A body's runs may cost about 0.27 s.
+MAX_TOKENIZATION_COST = 24_000**2  # the sum of the runs' squared UTF-8 lengths
+MIN_RUN = 32  # shorter runs are ordinary text, linear in cost
+_RUNS = re.compile(r"[^\W\d_]+|(?:[^\w\s]|_)+|\s+")  # letters, punctuation, white space
+
+
+def _ascii_classes() -> bytes:
+    """A `bytes.translate` table: each ASCII byte -> its class in `_RUNS` (L, P, S; D digits)."""
+    table = bytearray(b"P" * 128)
+    for c in range(128):
+        ch = chr(c)
+        table[c] = ord("L" if ch.isalpha() else "D" if ch.isdigit() else "S" if ch.isspace() else "P")
+    return bytes(table) + b"P" * 128
+
+
+_ASCII_CLASSES = _ascii_classes()
+_ASCII_RUN_END = {c: re.compile(b"[^" + bytes([c]) + b"]") for c in b"LPS"}
+
+
+def tokenization_cost(text: str) -> int:
+    """An upper bound on the quadratic part of tokenizing `text`, in squared bytes: the sum over
+    its runs of MIN_RUN or more letters, punctuation or white-space characters (each at least as
+    long as the tokenizer's piece there) of their UTF-8 length squared."""
+    if len(text) < MIN_RUN:
+        return 0
+    if not text.isascii():
+        return sum(len(m.group().encode()) ** 2 for m in _RUNS.finditer(text) if m.end() - m.start() >= MIN_RUN)
+    # The same for ASCII at C speed (about 30 times faster): find each class's long runs as
+    # substrings of the text's class letters.
+    classes = text.encode("ascii").translate(_ASCII_CLASSES)
+    total = 0
+    for c, run_end in _ASCII_RUN_END.items():
+        probe = bytes([c]) * MIN_RUN
+        start = classes.find(probe)
+        while start >= 0:
+            end = run_end.search(classes, start)
+            stop = end.start() if end else len(classes)
+            total += (stop - start) ** 2
+            start = classes.find(probe, stop)
+    return total
 
 
 def too_large(max_bytes: int) -> APIError:
@@ -68,34 +116,57 @@ def _param(path: tuple) -> str:
 
 
 def check_json_values(body: Any) -> None:
-    """Depth, text and integer checks over a parsed body, without recursion."""
+    """Depth, text and number checks over a parsed body, without recursion."""
     stack: list[tuple[Any, tuple]] = [(body, ())]
+    long_texts: list[tuple[str, tuple]] = []
+    text_bytes = 0
     while stack:
         value, path = stack.pop()
         if len(path) > MAX_JSON_DEPTH:
             raise APIError(f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.",
                            param=_param(path[:1]) or None, code="invalid_json")
         if isinstance(value, str):
-            _check_text(value, path)
+            text_bytes += _check_text(value, path)
+            if len(value) >= MIN_RUN:
+                long_texts.append((value, path))
         elif isinstance(value, bool):
             continue
         elif isinstance(value, int):
             if not -INT64 <= value < INT64:
                 raise APIError(f"Invalid value for '{_param(path)}': integer out of the 64-bit range.",
                                param=_param(path), code="invalid_value")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise APIError(f"Invalid value for '{_param(path)}': number out of the 64-bit floating-point "
+                               "range.", param=_param(path), code="invalid_value")
         elif isinstance(value, dict):
             for key, item in value.items():
-                _check_text(key, path)
+                text_bytes += _check_text(key, path)
                 stack.append((item, (*path, key)))
         elif isinstance(value, list):
             stack.extend((item, (*path, i)) for i, item in enumerate(value))
+    if text_bytes**2 > MAX_TOKENIZATION_COST:  # (otherwise no runs can cost more)
+        _check_tokenization_cost(long_texts)
 
 
-def _check_text(text: str, path: tuple) -> None:
+def _check_tokenization_cost(texts: list[tuple[str, tuple]]) -> None:
+    cost = 0
+    for text, path in texts:
+        cost += tokenization_cost(text)
+        if cost > MAX_TOKENIZATION_COST:
+            raise APIError(f"Invalid value for '{_param(path)}': the request's text holds long runs of letters, "
+                           "punctuation or white space with no word boundary in them. Tokenizing such a run takes "
+                           "time that grows with the square of its length, so this server takes runs of about "
+                           f"{math.isqrt(MAX_TOKENIZATION_COST)} bytes in all.", param=_param(path) or None,
+                           code="invalid_value")
+
+
+def _check_text(text: str, path: tuple) -> int:
+    """The text's length in UTF-8 bytes, once it is known to encode."""
     if text.isascii():
-        return
+        return len(text)
     try:
-        text.encode("utf-8")
+        return len(text.encode("utf-8"))
     except UnicodeEncodeError:
         param = _param(path) or None
         where = f" in '{param}'" if param else ""

@@ -56,6 +56,8 @@ UNSUPPORTED = {
     "top_logprobs": "this server's Responses API does not return logprobs (Chat Completions does)",
 }
 
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")  # a response's statuses once it has ended
+
 TOOL_CHOICE_NOTES = {
     "required": "You must call one of the available tools before giving your final answer.",
 }
@@ -197,10 +199,13 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
 
 
 async def _previous(state: ServerState, response_id: str) -> StoredResponse:
-    run = state.runs.get(response_id)
-    if run is not None and run.store:
-        raise APIError(f"Previous response '{response_id}' is still in progress.", param="previous_response_id",
-                       code="previous_response_in_progress")
+    run = _live(state, response_id)
+    if run is not None:
+        if run.snapshot.status in TERMINAL:  # its last event is out, its record being stored
+            await run.done.wait()
+        else:
+            raise APIError(f"Previous response '{response_id}' is still in progress.",
+                           param="previous_response_id", code="previous_response_in_progress")
     record = await state.store.get(response_id)
     if record is None:
         raise not_found("Previous response", response_id, param="previous_response_id")
@@ -327,6 +332,8 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
     try:
         if req.background:  # stored at once, so it can be polled (and failed if we restart)
             await state.store.put(_record(prepared, run, []))
+            if run.deleted:  # deleted while that put ran: the delete may have come first
+                await state.store.delete(response.id)
         events.lifecycle("response.created")
         if req.background:
             events.lifecycle("response.queued")
@@ -334,9 +341,12 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
         events.lifecycle("response.in_progress")
         loop = AgentLoop(state.engine, prepared.task, events, sessions, state.metrics,
                          on_engine_start=run.engine_started.set)
-        run.work = asyncio.create_task(loop.run())
-        await asyncio.wait({run.work})
-        outcome = AgentOutcome(status="cancelled") if run.work.cancelled() else run.work.result()
+        if run.cancel_requested:  # cancelled before it started: the engine never sees it
+            outcome = AgentOutcome(status="cancelled")
+        else:
+            run.work = asyncio.create_task(loop.run())
+            await asyncio.wait({run.work})
+            outcome = AgentOutcome(status="cancelled") if run.work.cancelled() else run.work.result()
         if outcome.status == "incomplete":
             response.incomplete_details = SDKResponse.model_validate(
                 {**dump(response), "incomplete_details": {"reason": outcome.incomplete_reason}}
@@ -350,7 +360,7 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
             await state.store.put(_record(prepared, run, outcome.new_messages, outcome.function_calls))
     except Exception:
         log.exception("response %s could not be finished", response.id)
-        if response.status not in ("completed", "incomplete", "failed", "cancelled"):
+        if response.status not in TERMINAL:
             response.error = SDKResponse.model_validate(
                 {**dump(response), "error": {"code": "server_error", "message": "internal error"}}
             ).error
@@ -379,8 +389,10 @@ def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Mes
 
 
 def _live(state: ServerState, response_id: str) -> ResponseRun | None:
+    """The running response of that id, unless it is not stored or was deleted (it is still
+    winding down: its task stops generating, then ends without storing it)."""
     run = state.runs.get(response_id)
-    return run if run is not None and run.store else None
+    return run if run is not None and run.store and not run.deleted else None
 
 
 async def _stored(state: ServerState, response_id: str) -> StoredResponse:

@@ -20,6 +20,7 @@ class ResponseRun:
         self.task: asyncio.Task | None = None  # the whole run, storing included
         self.work: asyncio.Task | None = None  # the agent loop: what cancelling stops
         self.deleted = False  # deleted while running: do not store it when it ends
+        self.cancel_requested = False  # cancelled (or deleted) before or while the agent loop ran
         self.store = True  # False: never visible through GET (store=false)
         self.input_items: list[dict[str, Any]] = []
         self.snapshot: Any = None  # the live Response (ResponseEvents.response)
@@ -52,6 +53,9 @@ class ResponseRun:
             await changed.wait()
 
     def cancel(self) -> None:
+        """Stop generating. Before the agent loop has started (a background response is stored
+        first), the flag keeps it from starting."""
+        self.cancel_requested = True
         if self.work is not None and not self.work.done():
             self.work.cancel()
 

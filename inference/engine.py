@@ -325,7 +325,7 @@ class LLMEngine:
             keep_alive=request.keep_alive,
             continue_from=request.continue_from,
         )
-        if sampling.seed is not None and sampling.temperature > 0:
+        if sampling.seed is not None and not sampling.greedy:
             seq.generator = torch.Generator(device=self.model.device)
             seq.generator.manual_seed(sampling.seed)
         self.scheduler.add(seq)

@@ -72,7 +72,7 @@ class RejectionSampler(Sampler):
 
         accept = torch.zeros(len(row_params), dtype=torch.bool, device=device)
         sampled = torch.zeros_like(best)
-        sampled_seqs = [b for b, p in enumerate(params) if p.temperature > 0]
+        sampled_seqs = [b for b, p in enumerate(params) if not p.greedy]
         if sampled_seqs:
             row_list = [r for b in sampled_seqs for r in range(first[b], first[b + 1])]
             rows = torch.tensor(row_list, device=device)
@@ -107,13 +107,13 @@ class RejectionSampler(Sampler):
             out: list[int] = []
             for i, token in enumerate(d):
                 r = first[b] + i
-                keep = token == best_l[r] if p.temperature == 0 else accept_l[r]
+                keep = token == best_l[r] if p.greedy else accept_l[r]
                 if not keep:
                     break
                 out.append(token)
             kept = len(out)
             r = first[b] + kept
-            out.append(best_l[r] if p.temperature == 0 else sampled_l[r])
+            out.append(best_l[r] if p.greedy else sampled_l[r])
             tokens.append(out)
             num_accepted.append(kept)
         return VerifyOutput(tokens, num_accepted, self._emitted_logprobs(logits, tokens, params, first))

@@ -12,12 +12,16 @@ from typing import AsyncIterator, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+# Temperatures below this sample greedily, as 0 does: the limit they tend to. Far smaller ones
+# would not survive float32 (1e-45 rounds to 0, and logits / 1e-40 overflow).
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. Defaults mean plain greedy-free sampling at temperature 1."""
 
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0, say): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
     min_p: float = 0.0
@@ -29,6 +33,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     # Number of top alternatives to return with each sampled token's logprob; None: no logprobs.
     logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the field if a value is out of range."""

@@ -3,7 +3,7 @@
 Order of operations per row, all on the logits' device:
     logits += logit_bias
     logits -= frequency_penalty * count + presence_penalty * (count > 0)   (count: generated tokens)
-    temperature 0  -> argmax
+    temperature 0  -> argmax (and any below GREEDY_TEMPERATURE)
     otherwise      -> logits / temperature, keep the top_k, keep the smallest set with mass
                       >= top_p, drop tokens below min_p * p_max, sample
 Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which draws from p
@@ -84,7 +84,7 @@ class Sampler:
         device = logits.device
         processed = self._apply_bias_and_penalties(logits, params, output_ids)
         tokens = argmax_rows(processed)
-        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = to_device(sampled_rows, torch.long, device)
             temperature = to_device([params[i].temperature for i in sampled_rows], torch.float32, device)
@@ -137,7 +137,8 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             vocab = scaled.shape[-1]
             top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
-            top_p = to_device([p.top_p for p in params], torch.float32, device)
+            # At least float32's smallest normal: a top_p that rounds to 0 would drop the first token too.
+            top_p = to_device([max(p.top_p, 1.2e-38) for p in params], torch.float32, device)
             scaled = _top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):

@@ -213,7 +213,7 @@ class ChatCompletionRequest(StrictModel):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²" and "１" are digits to isdigit, not to int()
                 raise ValueError(f"key {key!r} is not a token id")
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias {bias} for token {key} is outside [-100, 100]")

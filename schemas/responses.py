@@ -78,8 +78,8 @@ class MessageItem(StrictModel):
 
 class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
-    call_id: str
-    name: str
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
     arguments: str
     id: str | None = None
     namespace: str | None = None
@@ -119,11 +119,33 @@ class ReasoningItem(StrictModel):
 
 
 class LenientItem(BaseModel):
-    """Output items of ours sent back as input (web search, code interpreter, MCP calls)."""
+    """Output items of ours sent back as input (web search, code interpreter, MCP calls): the
+    fields the server replays are typed (below), the rest pass through unchecked."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["web_search_call", "code_interpreter_call", "mcp_call", "mcp_list_tools"]
     id: str | None = None
+
+
+class CodeInterpreterOutput(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    logs: str | None = None
+
+
+class CodeInterpreterCallItem(LenientItem):
+    type: Literal["code_interpreter_call"]
+    code: str | None = None
+    outputs: list[CodeInterpreterOutput] | None = None
+
+
+class McpCallItem(LenientItem):
+    type: Literal["mcp_call"]
+    name: str | None = None
+    server_label: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+    error: str | None = None
 
 
 def _item_kind(value: Any) -> str:
@@ -139,8 +161,8 @@ InputItem = Annotated[
         Annotated[FunctionCallOutputItem, Tag("function_call_output")],
         Annotated[ReasoningItem, Tag("reasoning")],
         Annotated[LenientItem, Tag("web_search_call")],
-        Annotated[LenientItem, Tag("code_interpreter_call")],
-        Annotated[LenientItem, Tag("mcp_call")],
+        Annotated[CodeInterpreterCallItem, Tag("code_interpreter_call")],
+        Annotated[McpCallItem, Tag("mcp_call")],
         Annotated[LenientItem, Tag("mcp_list_tools")],
     ],
     Discriminator(_item_kind),

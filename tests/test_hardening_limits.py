@@ -10,11 +10,13 @@ scripted engine and on the real engine with the tiny model (same context length)
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import pytest
 
 from agent_server.chat_api import UNSUPPORTED as CHAT_UNSUPPORTED
+from agent_server.request_parsing import tokenization_cost
 from agent_server.responses_api import UNSUPPORTED as RESPONSES_UNSUPPORTED
 from tests.conftest import MODEL, LiveServer, build_tiny_engine, make_app
 from tests.fake_engine import ScriptedEngine
@@ -171,6 +173,16 @@ RESPONSES_INVALID = [
      "text.format.schema", "invalid_value"),
     ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "invalid_value"),
     ({"input": "hi", "include": ["everything"]}, "include[0]", "invalid_value"),
+    # Our own output items sent back: the fields the server replays are typed.
+    ({"input": [{"type": "code_interpreter_call", "id": "c", "code": 5}]}, "input[0].code", "invalid_type"),
+    ({"input": [{"type": "code_interpreter_call", "id": "c", "code": "x", "outputs": [{"type": "logs", "logs": 5}]}]},
+     "input[0].outputs[0].logs", "invalid_type"),
+    ({"input": [{"type": "mcp_call", "id": "m", "name": "n", "server_label": "x", "arguments": "{}",
+                 "output": {"a": 1}}]}, "input[0].output", "invalid_type"),
+    ({"input": [{"type": "mcp_call", "id": "m", "name": "n", "server_label": "x", "arguments": {"a": 1}}]},
+     "input[0].arguments", "invalid_type"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "", "arguments": "{}"}]}, "input[0].name",
+     "invalid_value"),
     ({}, "input", "missing_required_parameter"),
 ]
 CHAT_INVALID = [
@@ -182,6 +194,9 @@ CHAT_INVALID = [
     ({"messages": [USER], "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
     ({"messages": [USER], "logit_bias": {"hello": 1}}, "logit_bias", "invalid_value"),
     ({"messages": [USER], "logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
+    ({"messages": [USER], "logit_bias": {"\u00b2": 1}}, "logit_bias", "invalid_value"),  # a digit to isdigit()
+    ({"messages": [USER], "logit_bias": {"\uff11": 1}}, "logit_bias", "invalid_value"),  # a full-width 1
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools", None),
     ({"messages": [USER], "top_logprobs": 3}, "top_logprobs", None),
     ({"messages": [USER], "top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
@@ -277,3 +292,46 @@ def test_query_parameters_are_checked(server):
     error = error_of(server.http.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "x"}))
     assert error["param"] == "starting_after"
     error_of(server.http.get("/v1/responses/resp_missing"), 404)
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/responses", b'{"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", '
+     b'"parameters": {"type": "object", "x": 1e400}}]}', "tools[0].parameters.x"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+     b'"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"maximum": -1e999}}}}',
+     "response_format.json_schema.schema.maximum"),
+])
+def test_numbers_beyond_the_float_range(server, path, raw, param):
+    # json.loads reads 1e400 as infinity, which no JSON can carry on to the prompt.
+    error = error_of(server.http.post(path, content=raw))
+    assert (error["param"], error["code"]) == (param, "invalid_value")
+
+
+# --- text that would take long to tokenize -------------------------------------------------
+
+
+def test_tokenization_cost_counts_long_runs():
+    assert tokenization_cost("a" * 31) == 0 and tokenization_cost("ab cd " * 100) == 0
+    assert tokenization_cost("a" * 40) == tokenization_cost("_" * 40) == tokenization_cost(" \n" * 20) == 1600
+    assert tokenization_cost("\u00e9" * 40) == 80**2  # UTF-8 bytes
+    assert tokenization_cost("a" * 40 + "1" + "-" * 50 + "b" * 40) == 40**2 + 50**2 + 40**2
+    # The ASCII path (class letters searched as bytes) agrees with the regex over the same runs:
+    # a digit and a non-ASCII letter at the end send the same text down the regex path.
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("aZ_-. \n\t7") * rng.randint(1, 50) for _ in range(rng.randint(0, 8)))
+        assert tokenization_cost(text) == tokenization_cost(text + "7\u00e9"), repr(text)
+
+
+def test_text_that_would_tokenize_slowly_is_refused(server):
+    # One run of 30,000 letters would take about 0.4 s of tokenizing, with the server held up.
+    error = error_of(respond(server, input="x" * 30_000))
+    assert (error["param"], error["code"]) == ("input", "invalid_value") and "runs" in error["message"]
+    error = error_of(chat(server, messages=[{"role": "user", "content": "-" * 30_000}]))
+    assert error["param"] == "messages[0].content"
+    # Several shorter runs count together.
+    error = error_of(respond(server, input=[{"role": "user", "content": "y" * 15_000}] * 3))
+    assert error["code"] == "invalid_value" and error["param"].startswith("input[")
+    # A run within the limit, and ordinary text of any length, reach the prompt (and its limit).
+    for text in ("x" * 20_000, "word " * 8_000):
+        assert error_of(respond(server, input=text))["code"] == "context_length_exceeded"

@@ -37,6 +37,15 @@ def test_greedy_takes_the_argmax():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_vanishing_temperature_and_top_p_pick_the_argmax():
+    # 1e-45 rounds to 0 in float32 and 1e-40 overflows the scaled logits: both are as greedy as
+    # the limit they tend to, not garbage. A top_p that rounds to 0 keeps the first token.
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(2)) * 30
+    params = [SamplingParams(temperature=t) for t in (1e-45, 1e-40, 1e-6)]
+    params += [SamplingParams(top_p=p) for p in (1e-50, 1e-45, 1e-39)]
+    assert run(logits, params).token_ids == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])
 def test_samples_follow_the_tempered_distribution(temperature):
     logits = torch.linspace(4.0, -4.0, V)

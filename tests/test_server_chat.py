@@ -141,6 +141,17 @@ def test_several_tool_calls_streamed(fake_server):
     completion = client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS)
     assert [c.function.name for c in completion.choices[0].message.tool_calls] == ["get_weather", "get_time"]
 
+    # parallel_tool_calls=false: the choice ends with its first call, streamed or not.
+    engine.say(TWO_CALLS)
+    one = client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, parallel_tool_calls=False)
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+    assert one.choices[0].finish_reason == "tool_calls" and engine.calls[-1].finish_reason == "abort"
+    engine.say(TWO_CALLS)
+    _, choices = collect(client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, stream=True,
+                                                        parallel_tool_calls=False))
+    assert [c["name"] for c in choices[0]["calls"].values()] == ["get_weather"]
+    assert choices[0]["finish"] == "tool_calls"
+
 
 def test_sampling_options_reach_the_engine(fake_server):
     engine, client = fake_server.engine, fake_server.client()

@@ -7,6 +7,7 @@ random checkpoint, where the text is noise but every structural promise must sti
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -505,3 +506,50 @@ def test_tools_the_server_lacks_are_refused(tmp_path):
         with pytest.raises(openai.BadRequestError) as info:
             server.client().responses.create(model=MODEL, input="x", tools=[{"type": "web_search_preview"}])
     assert info.value.body["param"] == "tools[0]" and info.value.body["code"] == "tool_not_available"
+
+
+def slow_store_puts(server, seconds: float) -> None:
+    """Make every store write of `server` take `seconds` longer: the window in which a response
+    has published an event but not yet been stored."""
+    store = server.state.store
+    put = store.put
+
+    async def slow_put(record):
+        await asyncio.sleep(seconds)
+        await put(record)
+
+    store.put = slow_put
+
+
+def test_a_response_continues_as_soon_as_its_last_event_is_out(fake_server):
+    slow_store_puts(fake_server, 0.3)
+    client = fake_server.client()
+    with client.responses.create(model=MODEL, input="hi", stream=True) as stream:
+        last = [e for e in stream][-1]
+    assert last.type == "response.completed"
+    follow = client.responses.create(model=MODEL, input="more", previous_response_id=last.response.id)
+    assert follow.status == "completed"
+
+    queued = client.responses.create(model=MODEL, input="hi", background=True)
+    wait_for(lambda: client.responses.retrieve(queued.id).status == "completed")
+    assert client.responses.create(model=MODEL, input="more", previous_response_id=queued.id).status == "completed"
+
+
+def test_cancel_or_delete_before_a_background_response_starts(fake_server):
+    slow_store_puts(fake_server, 0.3)
+    engine, client = fake_server.engine, fake_server.client()
+    engine.token_delay = 0.01
+    engine.say(slow_turn(300))
+    queued = client.responses.create(model=MODEL, input="Write", background=True)
+    cancelled = client.responses.cancel(queued.id)  # while its first store write runs
+    assert cancelled.status == "cancelled" and not engine.calls
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+
+    queued = client.responses.create(model=MODEL, input="Write", background=True)
+    deleted = httpx.delete(f"{fake_server.url}/v1/responses/{queued.id}")
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    assert httpx.get(f"{fake_server.url}/v1/responses/{queued.id}").status_code == 404
+    wait_for(lambda: not fake_server.state.runs.runs)
+    time.sleep(0.4)  # past any store write still under way
+    assert httpx.get(f"{fake_server.url}/v1/responses/{queued.id}").status_code == 404
+    assert not engine.calls
