@@ -45,6 +45,7 @@ from .response_events import (
     ResponseEvents,
     WebSearchWriter,
 )
+from .tokenization_cost import fit_tokenization_budget
 from .tool_registry import ActiveTools, Route, ToolSessions
 
 log = logging.getLogger(__name__)
@@ -354,7 +355,8 @@ class AgentLoop:
             log.warning("tool %s failed: %s", call.recipient, e)
             return f"Error: {type(e).__name__}: {e}", False, {}
         details = getattr(result, "details", None) or {}
-        return result.text, not getattr(result, "is_error", False), details if isinstance(details, dict) else {}
+        ok = not getattr(result, "is_error", False)
+        return fit_tokenization_budget(result.text), ok, details if isinstance(details, dict) else {}
 
     def _set_usage(self) -> None:
         u = self.usage

@@ -12,64 +12,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any, Mapping, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from .errors import APIError, from_validation_error
+from .tokenization_cost import MAX_TOKENIZATION_COST, MIN_RUN, tokenization_cost
 
 Model = TypeVar("Model", bound=BaseModel)
 
 MAX_JSON_DEPTH = 100
 INT64 = 1 << 63
-
-# The tokenizer's byte-pair merge takes time quadratic in the length of each piece its regex
-# cuts the text into. Ordinary text makes short pieces, but a run of letters, of punctuation or
-# of white space is one piece however long: 32,000 'x' took 0.48 s and 64,000 bytes of 'e' with
-# an accent 1.5 s (openai-harmony 0.0.8, one CPU core), about 4.7e-10 s times the square of the
-# piece's bytes, holding the GIL and so the whole server. A body's runs may cost about 0.27 s.
-MAX_TOKENIZATION_COST = 24_000**2  # the sum of the runs' squared UTF-8 lengths
-MIN_RUN = 32  # shorter runs are ordinary text, linear in cost
-_RUNS = re.compile(r"[^\W\d_]+|(?:[^\w\s]|_)+|\s+")  # letters, punctuation, white space
-
-
-def _ascii_classes() -> bytes:
-    """A `bytes.translate` table: each ASCII byte -> its class in `_RUNS` (L, P, S; D digits)."""
-    table = bytearray(b"P" * 128)
-    for c in range(128):
-        ch = chr(c)
-        table[c] = ord("L" if ch.isalpha() else "D" if ch.isdigit() else "S" if ch.isspace() else "P")
-    return bytes(table) + b"P" * 128
-
-
-_ASCII_CLASSES = _ascii_classes()
-_ASCII_RUN_END = {c: re.compile(b"[^" + bytes([c]) + b"]") for c in b"LPS"}
-
-
-def tokenization_cost(text: str) -> int:
-    """An upper bound on the quadratic part of tokenizing `text`, in squared bytes: the sum over
-    its runs of MIN_RUN or more letters, punctuation or white-space characters (each at least as
-    long as the tokenizer's piece there) of their UTF-8 length squared."""
-    if len(text) < MIN_RUN:
-        return 0
-    if not text.isascii():
-        return sum(len(m.group().encode()) ** 2 for m in _RUNS.finditer(text) if m.end() - m.start() >= MIN_RUN)
-    # The same for ASCII at C speed (about 30 times faster): find each class's long runs as
-    # substrings of the text's class letters.
-    classes = text.encode("ascii").translate(_ASCII_CLASSES)
-    total = 0
-    for c, run_end in _ASCII_RUN_END.items():
-        probe = bytes([c]) * MIN_RUN
-        start = classes.find(probe)
-        while start >= 0:
-            end = run_end.search(classes, start)
-            stop = end.start() if end else len(classes)
-            total += (stop - start) ** 2
-            start = classes.find(probe, stop)
-    return total
-
 
 def too_large(max_bytes: int) -> APIError:
     return APIError(f"Request body is larger than {max_bytes} bytes.", status=413, code="request_too_large")

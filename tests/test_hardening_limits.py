@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from agent_server.chat_api import UNSUPPORTED as CHAT_UNSUPPORTED
-from agent_server.request_parsing import tokenization_cost
 from agent_server.responses_api import UNSUPPORTED as RESPONSES_UNSUPPORTED
+from agent_server.tokenization_cost import fit_tokenization_budget, tokenization_cost
 from tests.conftest import MODEL, LiveServer, build_tiny_engine, make_app
 from tests.fake_engine import ScriptedEngine
 
@@ -321,6 +321,14 @@ def test_tokenization_cost_counts_long_runs():
     for _ in range(2000):
         text = "".join(rng.choice("aZ_-. \n\t7") * rng.randint(1, 50) for _ in range(rng.randint(0, 8)))
         assert tokenization_cost(text) == tokenization_cost(text + "7\u00e9"), repr(text)
+
+
+def test_text_over_the_budget_is_cut_before_the_run_that_crosses_it():
+    text = "a b " + "x" * 100 + " c " + "y" * 100 + " d"
+    assert fit_tokenization_budget(text, budget=2 * 100**2) == text
+    cut = fit_tokenization_budget(text, budget=100**2 + 50**2)
+    assert cut == "a b " + "x" * 100 + " c \n[... 102 characters left out: a run of 100 characters with no word " \
+                  "boundary is too long to tokenize]"
 
 
 def test_text_that_would_tokenize_slowly_is_refused(server):

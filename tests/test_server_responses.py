@@ -232,6 +232,18 @@ def test_code_interpreter_call(tool_server, fake_tools):
     assert "<|start|>python to=assistant<|channel|>commentary<|message|>42\n<|end|>" in prompt_text(second)
 
 
+def test_tool_output_that_would_tokenize_slowly_is_cut_short(tool_server):
+    # 40,000 letters in one run would hold the server for about 0.75 s of tokenizing.
+    engine, client = tool_server.engine, tool_server.client()
+    engine.say("<|channel|>analysis to=python code<|message|>print('ok ' + 'x' * 40000)<|call|>",
+               "<|channel|>final<|message|>Done.<|return|>")
+    final = client.responses.create(model=MODEL, input="Go", include=["code_interpreter_call.outputs"],
+                                    tools=[{"type": "code_interpreter", "container": {"type": "auto"}}])
+    logs = final.output[0].outputs[0].logs
+    assert logs.startswith("ok \n[... 40001 characters left out: a run of 40000 characters") and final.output_text == "Done."
+    assert "x" * 32 not in prompt_text(engine.calls[1]) and "characters left out" in prompt_text(engine.calls[1])
+
+
 def test_mcp_tools_are_listed_and_called(tool_server, fake_tools):
     engine, client = tool_server.engine, tool_server.client()
     engine.say("<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|>",
