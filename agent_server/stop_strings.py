@@ -2,14 +2,32 @@
 
 Text is released as it streams except for a tail that could still grow into a stop string;
 once one appears, everything from it on is dropped and generation is stopped by the caller.
+That tail is tracked per stop string by a Knuth-Morris-Pratt automaton over the text streamed
+so far (its state: the longest suffix of the text that begins the stop string), so a token
+costs time linear in its own length, however long the stop strings are.
 """
 
 from __future__ import annotations
 
 
+def _failure(pattern: str) -> list[int]:
+    """fail[i]: the length of the longest proper prefix of pattern[: i + 1] that is also its suffix."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
 class StopStringMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
+        self.failures = [_failure(s) for s in self.stops]
+        self.states = [0] * len(self.stops)  # per stop: matched length at the end of the text so far
         self.held = ""
         self.stopped = False
 
@@ -22,12 +40,15 @@ class StopStringMatcher:
         if hits:
             self.stopped, self.held = True, ""
             return buffer[: min(hits)]
-        keep = 0  # longest suffix of the buffer that begins some stop string
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(buffer)), keep, -1):
-                if buffer.endswith(stop[:n]):
-                    keep = n
-                    break
+        for k, (stop, fail) in enumerate(zip(self.stops, self.failures)):
+            q = self.states[k]
+            for ch in text:
+                while q and stop[q] != ch:
+                    q = fail[q - 1]
+                if stop[q] == ch:
+                    q += 1  # < len(stop): a whole match would have been found above
+            self.states[k] = q
+        keep = max(self.states)  # the longest suffix that begins some stop string
         self.held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[: len(buffer) - keep]
 

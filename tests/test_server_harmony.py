@@ -192,6 +192,42 @@ def test_stop_strings_hold_back_only_possible_prefixes():
     assert m.feed("abc E") == "abc " and m.flush() == "E" and not m.stopped
 
 
+def _released_by_definition(stops: list[str], chunks: list[str]) -> tuple[str, bool]:
+    """What a stop-string matcher must release: all text before the first stop string found in a
+    chunk's view (held text + chunk), holding back each time the longest suffix that begins one."""
+    held, out = "", ""
+    for chunk in chunks:
+        buffer = held + chunk
+        hits = [i for i in (buffer.find(s) for s in stops) if i >= 0]
+        if hits:
+            return out + buffer[: min(hits)], True
+        keep = max((n for s in stops for n in range(1, len(s)) if buffer.endswith(s[:n])), default=0)
+        held, out = buffer[len(buffer) - keep:], out + buffer[: len(buffer) - keep]
+    return out + held, False
+
+
+def test_stop_strings_match_their_definition():
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        chunks = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 12))]
+        m = StopStringMatcher(stops)
+        out = "".join(m.feed(c) for c in chunks)
+        out += m.flush()
+        assert (out, m.stopped) == _released_by_definition(stops, chunks), (stops, chunks)
+
+
+@pytest.mark.timeout(60)
+def test_a_long_stop_string_costs_linear_time():
+    # Output that keeps matching a 40,000-character stop string: quadratic work a token would take hours.
+    stop = "ab" * 20_000
+    m = StopStringMatcher(["x" + stop, stop])  # the first never matches: every prefix length is tried
+    out = "".join(m.feed("ab") for _ in range(19_999))
+    assert out == "" and not m.stopped and len(m.held) == 39_998
+    assert m.feed("ac") == "ab" * 19_999 + "ac" and m.held == ""
+    assert m.feed("ab" * 20_000 + "!") == "" and m.stopped
+
+
 def test_citations_are_resolved_across_deltas():
     def resolve(mark):
         return "[src]", [{"url": "https://a.example", "title": "A", "start_index": 0, "end_index": 5}]
