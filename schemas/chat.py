@@ -119,11 +119,6 @@ class FunctionDefinition(StrictModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    @field_validator("parameters")
-    @classmethod
-    def _valid_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if value is None else check_json_schema(value)
-
 
 class ChatTool(StrictModel):
     type: Literal["function"]

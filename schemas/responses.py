@@ -179,11 +179,6 @@ class FunctionTool(StrictModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    @field_validator("parameters")
-    @classmethod
-    def _valid_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if value is None else check_json_schema(value)
-
 
 class WebSearchTool(StrictModel):
     type: Literal["web_search_preview", "web_search_preview_2025_03_11", "web_search"]
