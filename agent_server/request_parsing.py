@@ -96,6 +96,8 @@ def check_json_values(body: Any) -> None:
         elif isinstance(value, dict):
             for key, item in value.items():
                 text_bytes += _check_text(key, path)
+                if len(key) >= MIN_RUN:  # keys reach the prompt too (a function's parameter names)
+                    long_texts.append((key, path))
                 stack.append((item, (*path, key)))
         elif isinstance(value, list):
             stack.extend((item, (*path, i)) for i, item in enumerate(value))

@@ -358,6 +358,8 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
         events.finish(outcome.status)
         if req.store and not run.deleted:
             await state.store.put(_record(prepared, run, outcome.new_messages, outcome.function_calls))
+            if run.deleted:  # deleted while that put ran: the delete may have come first
+                await state.store.delete(response.id)
     except Exception:
         log.exception("response %s could not be finished", response.id)
         if response.status not in TERMINAL:

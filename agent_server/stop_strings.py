@@ -4,7 +4,8 @@ Text is released as it streams except for a tail that could still grow into a st
 once one appears, everything from it on is dropped and generation is stopped by the caller.
 That tail is tracked per stop string by a Knuth-Morris-Pratt automaton over the text streamed
 so far (its state: the longest suffix of the text that begins the stop string), so a token
-costs time linear in its own length, however long the stop strings are.
+costs time linear in the held tail and its own text, not in their product with the stop
+strings' lengths.
 """
 
 from __future__ import annotations

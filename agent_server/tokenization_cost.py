@@ -12,15 +12,34 @@ MAX_TOKENIZATION_COST are refused (`request_parsing`); tool output that would is
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Iterator
 
 MAX_TOKENIZATION_COST = 24_000**2  # squared UTF-8 bytes: about 0.27 s of tokenizing
 MIN_RUN = 32  # shorter runs are ordinary text, linear in cost
-_RUNS = re.compile(r"[^\W\d_]+|(?:[^\w\s]|_)+|\s+")  # letters, punctuation, white space
+
+
+def _marks() -> str:
+    """A regex character class body of the combining marks (Unicode category M), which Python's
+    `re` cannot name: they join the tokenizer's letter pieces and its punctuation pieces alike."""
+    ranges: list[tuple[int, int]] = []
+    for cp in [*range(0x20000), *range(0xE0000, 0xE1000)]:  # where the marks are
+        if unicodedata.category(chr(cp))[0] == "M":
+            if ranges and ranges[-1][1] == cp - 1:
+                ranges[-1] = (ranges[-1][0], cp)
+            else:
+                ranges.append((cp, cp))
+    return "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in ranges)
+
+
+# Runs at least as long as the tokenizer's pieces there: letters with marks, punctuation (marks
+# included: Python's \W holds them), white space. A mark may count in two runs: an upper bound.
+_RUNS = [re.compile(rf"(?:[^\W\d_]|[{_marks()}])+"), re.compile(r"(?:[^\w\s]|_)+"), re.compile(r"\s+")]
 
 
 def _ascii_classes() -> bytes:
-    """A `bytes.translate` table: each ASCII byte -> its class in `_RUNS` (L, P, S; D digits)."""
+    """A `bytes.translate` table: each ASCII byte -> its class in `_RUNS` (L, P, S; D digits;
+    ASCII has no marks)."""
     table = bytearray(128)
     for c in range(128):
         ch = chr(c)
@@ -39,9 +58,10 @@ def long_runs(text: str) -> Iterator[tuple[int, int, int]]:
     if len(text) < MIN_RUN:
         return
     if not text.isascii():
-        for m in _RUNS.finditer(text):
-            if m.end() - m.start() >= MIN_RUN:
-                yield m.start(), m.end(), len(m.group().encode("utf-8", "surrogatepass"))
+        for runs in _RUNS:
+            for m in runs.finditer(text):
+                if m.end() - m.start() >= MIN_RUN:
+                    yield m.start(), m.end(), len(m.group().encode("utf-8", "surrogatepass"))
         return
     # The same for ASCII at C speed (about 30 times faster): each class's long runs found as
     # substrings of the text's class letters.

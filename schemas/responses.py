@@ -145,7 +145,7 @@ class McpCallItem(LenientItem):
     server_label: str | None = None
     arguments: str | None = None
     output: str | None = None
-    error: str | None = None
+    error: str | dict[str, Any] | None = None  # ours: {"type": "mcp_tool_execution_error", "content": ...}
 
 
 def _item_kind(value: Any) -> str:

@@ -314,6 +314,9 @@ def test_tokenization_cost_counts_long_runs():
     assert tokenization_cost("a" * 31) == 0 and tokenization_cost("ab cd " * 100) == 0
     assert tokenization_cost("a" * 40) == tokenization_cost("_" * 40) == tokenization_cost(" \n" * 20) == 1600
     assert tokenization_cost("\u00e9" * 40) == 80**2  # UTF-8 bytes
+    # Combining marks join letter runs, as the tokenizer's letter pieces hold them (Thai vowel
+    # signs, decomposed accents).
+    assert tokenization_cost("\u0e01\u0e34" * 20) == 120**2 and tokenization_cost("e\u0301" * 20) == 60**2
     assert tokenization_cost("a" * 40 + "1" + "-" * 50 + "b" * 40) == 40**2 + 50**2 + 40**2
     # The ASCII path (class letters searched as bytes) agrees with the regex over the same runs:
     # a digit and a non-ASCII letter at the end send the same text down the regex path.
@@ -337,6 +340,12 @@ def test_text_that_would_tokenize_slowly_is_refused(server):
     assert (error["param"], error["code"]) == ("input", "invalid_value") and "runs" in error["message"]
     error = error_of(chat(server, messages=[{"role": "user", "content": "-" * 30_000}]))
     assert error["param"] == "messages[0].content"
+    error = error_of(respond(server, input="\u0e01\u0e34" * 5_000))  # 30 KB of Thai letters and vowel signs
+    assert error["param"] == "input"
+    # Keys reach the prompt too: a function's parameter names.
+    error = error_of(respond(server, input="hi", tools=[{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"p" * 30_000: {"type": "string"}}}}]))
+    assert error["param"] == "tools[0].parameters.properties"
     # Several shorter runs count together.
     error = error_of(respond(server, input=[{"role": "user", "content": "y" * 15_000}] * 3))
     assert error["code"] == "invalid_value" and error["param"].startswith("input[")

@@ -262,6 +262,13 @@ def test_mcp_tools_are_listed_and_called(tool_server, fake_tools):
     assert "response.mcp_list_tools.completed" in kinds and "response.mcp_call.failed" in kinds
     assert kinds.count("response.mcp_call.completed") == 1
     assert fake_tools["mcp"].calls[0] == ("weather.get_forecast", '{"city": "Oslo"}')
+    # The output sent back as input (a client managing its context) replays both calls, the
+    # failed one with its error object.
+    engine.say("<|channel|>final<|message|>Same.<|return|>")
+    replayed = client.responses.create(model=MODEL, store=False, input=[
+        {"role": "user", "content": "Weather?"}, *[item.model_dump(exclude_none=True) for item in final.output]])
+    assert replayed.output_text == "Same."
+    assert "No forecast for Atlantis." in prompt_text(engine.calls[-1])
     # The next response in the conversation does not list the tools again.
     engine.say("<|channel|>final<|message|>Still sunny.<|return|>")
     again = client.responses.create(model=MODEL, input="And now?", previous_response_id=final.id,
@@ -565,3 +572,14 @@ def test_cancel_or_delete_before_a_background_response_starts(fake_server):
     time.sleep(0.4)  # past any store write still under way
     assert httpx.get(f"{fake_server.url}/v1/responses/{queued.id}").status_code == 404
     assert not engine.calls
+
+
+def test_a_response_deleted_while_it_is_stored_stays_deleted(fake_server):
+    slow_store_puts(fake_server, 0.5)
+    client = fake_server.client()
+    with client.responses.create(model=MODEL, input="hi", stream=True) as stream:
+        done = next(e for e in stream if e.type == "response.completed")  # the stream ends once it is stored
+    deleted = httpx.delete(f"{fake_server.url}/v1/responses/{done.response.id}")  # during its final store write
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    wait_for(lambda: not fake_server.state.runs.runs)
+    assert httpx.get(f"{fake_server.url}/v1/responses/{done.response.id}").status_code == 404
