@@ -7,6 +7,7 @@ gpt-oss cannot take (images, files, audio) fail validation with a message naming
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
@@ -243,11 +244,18 @@ class TextFormatJsonObject(StrictModel):
     type: Literal["json_object"]
 
 
+MAX_SCHEMA_BYTES = 64 << 10  # jsonschema checks about 0.4 MB a second, on the event loop
+
+
 def check_json_schema(value: dict[str, Any]) -> dict[str, Any]:
-    """Reject a `schema` that is not a JSON Schema (draft 2020-12 meta-schema)."""
+    """Reject a `schema` that is not a JSON Schema (draft 2020-12 meta-schema), or is too large to
+    check quickly."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
+    size = len(json.dumps(value, ensure_ascii=False).encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the schema is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted")
     try:
         Draft202012Validator.check_schema(value)
     except SchemaError as e:

@@ -352,3 +352,17 @@ def test_text_that_would_tokenize_slowly_is_refused(server):
     # A run within the limit, and ordinary text of any length, reach the prompt (and its limit).
     for text in ("x" * 20_000, "word " * 8_000):
         assert error_of(respond(server, input=text))["code"] == "context_length_exceeded"
+
+
+def test_response_schemas_over_64_kb_are_refused(fake_server):
+    # jsonschema checks a schema against its meta-schema at about 0.4 MB a second, holding the server.
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 30}
+                                               for i in range(1200)}}
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={
+        "model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}})
+    error = error_of(r)
+    assert (error["param"], error["code"]) == ("text.format.schema", "invalid_value") and "bytes" in error["message"]
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [USER], "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema}}})
+    assert error_of(r)["param"] == "response_format.json_schema.schema"
