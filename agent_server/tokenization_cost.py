@@ -32,8 +32,8 @@ def _marks() -> str:
     return "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in ranges)
 
 
-# Runs at least as long as the tokenizer's pieces there: letters with marks, punctuation (marks
-# included: Python's \W holds them), white space. A mark may count in two runs: an upper bound.
+# Runs of letters with marks, of punctuation (marks included: Python's \W holds them), of white
+# space. A mark may count in two runs.
 _RUNS = [re.compile(rf"(?:[^\W\d_]|[{_marks()}])+"), re.compile(r"(?:[^\w\s]|_)+"), re.compile(r"\s+")]
 
 
@@ -53,8 +53,9 @@ _ASCII_RUN_END = {c: re.compile(b"[^" + bytes([c]) + b"]") for c in b"LPS"}
 
 def long_runs(text: str) -> Iterator[tuple[int, int, int]]:
     """(start, stop, UTF-8 bytes) of each run of MIN_RUN or more letters, punctuation or
-    white-space characters: each at least as long as the tokenizer's piece there. Not in order
-    of position."""
+    white-space characters, about as long as the tokenizer's piece there (a punctuation piece
+    also takes the line breaks after it; a letter piece breaks where lower case turns upper).
+    Not in order of position."""
     if len(text) < MIN_RUN:
         return
     if not text.isascii():
@@ -77,8 +78,8 @@ def long_runs(text: str) -> Iterator[tuple[int, int, int]]:
 
 
 def tokenization_cost(text: str) -> int:
-    """An upper bound on the quadratic part of tokenizing `text`, in squared bytes: the sum of
-    its long runs' squared UTF-8 lengths."""
+    """An estimate of the quadratic part of tokenizing `text`, in squared bytes: the sum of its
+    long runs' squared UTF-8 lengths."""
     return sum(size**2 for _, _, size in long_runs(text))
 
 
