@@ -25,6 +25,7 @@ Model = TypeVar("Model", bound=BaseModel)
 MAX_JSON_DEPTH = 100
 INT64 = 1 << 63
 
+
 def too_large(max_bytes: int) -> APIError:
     return APIError(f"Request body is larger than {max_bytes} bytes.", status=413, code="request_too_large")
 
