@@ -331,9 +331,7 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
     sessions = ToolSessions()
     try:
         if req.background:  # stored at once, so it can be polled (and failed if we restart)
-            await state.store.put(_record(prepared, run, []))
-            if run.deleted:  # deleted while that put ran: the delete may have come first
-                await state.store.delete(response.id)
+            await _store(state, run, _record(prepared, run, []))
         events.lifecycle("response.created")
         if req.background:
             events.lifecycle("response.queued")
@@ -357,9 +355,7 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
             ).error
         events.finish(outcome.status)
         if req.store and not run.deleted:
-            await state.store.put(_record(prepared, run, outcome.new_messages, outcome.function_calls))
-            if run.deleted:  # deleted while that put ran: the delete may have come first
-                await state.store.delete(response.id)
+            await _store(state, run, _record(prepared, run, outcome.new_messages, outcome.function_calls))
     except Exception:
         log.exception("response %s could not be finished", response.id)
         if response.status not in TERMINAL:
@@ -371,6 +367,14 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
         await sessions.close()
         run.finished()
         state.runs.remove(run.response_id)
+
+
+async def _store(state: ServerState, run: ResponseRun, record: StoredResponse) -> None:
+    """Store the run's record. A DELETE that came while the write ran may have found nothing to
+    delete yet: it wins all the same."""
+    await state.store.put(record)
+    if run.deleted:
+        await state.store.delete(record.id)
 
 
 def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Message],

@@ -28,8 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import window_seconds  # noqa: E402  (benchmarks/, the script's folder)
-from inference.cuda_graphs import record_graph  # noqa: E402
+from cuda_timing import graph_replay_seconds  # noqa: E402  (benchmarks/, the script's folder)
 from inference.kernels.dependent_launch import TRIGGER, WAIT, wait_for_previous  # noqa: E402
 
 LAYERS = 24
@@ -78,8 +77,7 @@ def chain_us(b_programs: int, b_warps: int, dependent: bool) -> float:
             else:
                 _tiny_kernel[(b_programs,)](tx, ty, PDL=TRIGGER, num_warps=b_warps)
 
-    graph, _ = record_graph(step, warmups=1)
-    return window_seconds(graph.replay, REPLAYS, warmup=5) * 1e6 / LAYERS
+    return graph_replay_seconds(step, REPLAYS, warmup=5) * 1e6 / LAYERS
 
 
 def main() -> None:
