@@ -99,6 +99,11 @@ class ChoiceStream:
         self.usage = ChoiceUsage()
         self.kind: str | None = None  # "reasoning" | "content" | "tool" | None between messages
         self.pending_logprobs: list[dict[str, Any]] = []  # tokens of the current message not yet emitted
+        # Content tokens' entries wait for their text: each is released once the stop strings
+        # have let out all of it (offsets in the content text fed to them, and let out so far).
+        self.held_logprobs: list[tuple[int, dict[str, Any]]] = []
+        self.content_fed = 0
+        self.content_out = 0
         self.tool_calls = 0
         # parallel_tool_calls=false: the choice ends with its first complete tool call.
         self.one_call = req.parallel_tool_calls is False
@@ -157,7 +162,7 @@ class ChoiceStream:
         last = ChoicePiece(self.index)
         if finish != "stop_string":
             self._apply(stream.finish(), last)
-            last.content += self.stops.flush()
+            self._emit_content(self.stops.flush(), last)
         if finish == "length":
             last.finish_reason = "length"
         elif self.tool_calls and (finish != "stop" or stop_token in (CALL, None)):
@@ -192,14 +197,26 @@ class ChoiceStream:
                 elif self.kind == "tool":
                     piece.tool_calls.append({"index": self.tool_calls - 1, "function": {"arguments": event.text}})
                 elif self.kind == "content" and not self.stops.stopped:
-                    piece.content += self.stops.feed(event.text)
-                    piece.logprobs += self.pending_logprobs
+                    self.content_fed += len(event.text)
+                    self.held_logprobs += [(self.content_fed, entry) for entry in self.pending_logprobs]
                     self.pending_logprobs = []
+                    self._emit_content(self.stops.feed(event.text), piece)
             elif isinstance(event, MessageEnd):
                 if event.channel == "analysis":
                     self.usage.reasoning += event.num_tokens
                 self.calls_done = self.calls_done or (self.kind == "tool" and self.one_call)
                 self.kind, self.pending_logprobs = None, []
+
+    def _emit_content(self, text: str, piece: ChoicePiece) -> None:
+        """Content the stop strings let out, with the entries of the tokens it completes (a token
+        a stop string cuts into keeps its entry back, as the tokens after it do)."""
+        piece.content += text
+        self.content_out += len(text)
+        done = 0
+        while done < len(self.held_logprobs) and self.held_logprobs[done][0] <= self.content_out:
+            done += 1
+        piece.logprobs += [entry for _, entry in self.held_logprobs[:done]]
+        del self.held_logprobs[:done]
 
 
 # --- the endpoint -------------------------------------------------------------------------
@@ -236,6 +253,12 @@ async def create_chat_completion(request: Request) -> Response:
                        status=404, param="model", code="model_not_found")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs=true.", param="top_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       param="stream_options")
+    if req.parallel_tool_calls is not None and not req.tools:
+        raise APIError("Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when 'tools' "
+                       "are specified.", param="parallel_tool_calls")
     prompt = chat_prompt(req)
     room = engine.max_model_len - len(prompt)
     if room <= 0:

@@ -41,8 +41,9 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
             reasoning = message.reasoning_content or message.reasoning
             if reasoning:
                 messages.append(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
-            if message.text():
-                messages.append(Message.from_role_and_content(Role.ASSISTANT, message.text()).with_channel("final"))
+            if message.text():  # beside tool calls, the text was a preamble: the commentary channel
+                channel = "commentary" if message.tool_calls else "final"
+                messages.append(Message.from_role_and_content(Role.ASSISTANT, message.text()).with_channel(channel))
             for call in message.tool_calls or []:
                 call_names[call.id] = call.function.name
                 messages.append(assistant_call(f"functions.{call.function.name}", call.function.arguments))
@@ -64,6 +65,8 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
                            param="tool_choice")
         instructions.append(f"You must call the function `{choice.function.name}`.")
     elif choice == "required":
+        if not tools:
+            raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
         instructions.append("You must call one of the available functions before giving your final answer.")
     functions = [] if choice == "none" else [
         ToolDescription.new(t.function.name, t.function.description or "", parameters=t.function.parameters)

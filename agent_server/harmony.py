@@ -34,7 +34,7 @@ from openai_harmony import (
 
 from inference.tokenizer import CALL, END, MESSAGE, RETURN, START, encode_text, harmony_encoding
 
-from .token_bytes import token_bytes
+from .token_bytes import is_special, token_bytes
 
 # Real headers ("<|channel|>commentary to=functions.name <|constrain|>json") are far shorter;
 # past this the output is not Harmony and is streamed as malformed text instead of buffered.
@@ -226,7 +226,8 @@ class HarmonyStream:
 
     `feed(token)` returns the events that token caused; `finish()` closes whatever is open.
     Every token fed belongs to exactly one message, so `MessageEnd.num_tokens` adds up to the
-    tokens generated (reasoning tokens are those of `analysis` messages).
+    tokens generated (reasoning tokens are those of `analysis` messages), but for a header the
+    turn ends in, which `finish` drops (`dropped_tokens`).
 
     Cost per token is O(1): the parser's `state` and `messages` serialise everything parsed so
     far, so the header/content position is followed from the token ids themselves (the parser
@@ -243,6 +244,7 @@ class HarmonyStream:
         self.raw_text = ""
         self.raw_error = ""
         self.raw_decoder = None
+        self.dropped_tokens = 0  # of a header the turn ended in (`finish`)
 
     # -- the normal path
 
@@ -291,6 +293,9 @@ class HarmonyStream:
             return self._end_raw(truncated=True)
         if not self.message_tokens:
             return []
+        if self._cut_header():  # nothing a client could read: dropped, not shown as markup
+            self.dropped_tokens, self.message_tokens = len(self.message_tokens), []
+            return []
         try:
             self.parser.process_eos()
         except HarmonyError as e:
@@ -298,6 +303,13 @@ class HarmonyStream:
         if self.in_content:
             return self._ended(self.parser.messages[-1], truncated=True)
         return self._start_raw("the turn ended inside a message header", ending=True)
+
+    def _cut_header(self) -> bool:
+        """The turn ends before this message's <|message|>, and what came is a header (it has a
+        Harmony token): the token limit or an abort cut the next message before any content."""
+        tokens = self.message_tokens
+        return (not self.in_content and self.started is None and any(is_special(t) for t in tokens)
+                and not any(t in (END, RETURN, CALL) for t in tokens))  # (an ended one is malformed)
 
     # -- recovery from malformed output
 
@@ -337,6 +349,8 @@ class HarmonyStream:
         self.raw.append(token)
         if close_on_stop and token in (END, RETURN, CALL):
             return self._end_raw()
+        if is_special(token):  # Harmony's markup is not the model's text
+            return []
         delta = self.raw_decoder.decode(token_bytes(token))
         self.raw_text += delta
         return [ContentDelta(delta)] if delta else []

@@ -133,7 +133,7 @@ def _check_text(text: str, path: tuple) -> int:
 
 def check_limits(body: Mapping[str, Any], max_items: Mapping[str, int], unsupported: Mapping[str, str]) -> None:
     for name, reason in unsupported.items():
-        if name in body:
+        if body.get(name) is not None:  # (an explicit null means "not given")
             raise APIError(f"Unsupported parameter: '{name}' is not supported by this server: {reason}.",
                            param=name, code="unsupported_parameter")
     for name, most in max_items.items():
@@ -154,6 +154,7 @@ async def read_request(
     """`max_items`: top-level array parameter -> most items; `unsupported`: parameter -> why."""
     body = parse_json_object(await read_body(request, max_bytes))
     check_limits(body, max_items or {}, unsupported or {})
+    body = {key: value for key, value in body.items() if value is not None or key not in (unsupported or {})}
     try:
         # Strict, as OpenAI is: "10" is not an integer and "yes" not a boolean.
         return schema.model_validate(body, strict=True)

@@ -72,6 +72,8 @@ class PreparedResponse:
     new_messages: list[Message]  # this request's input as Harmony messages
     input_items: list[dict[str, Any]]  # this request's input, as /input_items lists it
     function_calls: dict[str, str] = field(default_factory=dict)  # call_id -> name, whole chain
+    input_instructions: list[str] = field(default_factory=list)  # system/developer input, whole chain
+    mcp_listed: list[str] = field(default_factory=list)  # server labels listed, whole chain
 
 
 # --- create -------------------------------------------------------------------------------
@@ -137,18 +139,25 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
 
     history: list[Message] = []
     known_calls: dict[str, str] = {}
+    chain_instructions: list[str] = []
     listed_mcp: set[str] = set()
     if req.previous_response_id:
         previous = await _previous(state, req.previous_response_id)
         history = messages_from_json(previous.conversation)
         known_calls = dict(previous.function_calls)
-        listed_mcp = {o.get("server_label") for o in previous.response.get("output", [])
-                      if o.get("type") == "mcp_list_tools"}
+        chain_instructions = list(previous.input_instructions)
+        listed_mcp = set(previous.mcp_listed) | {o.get("server_label") for o in previous.response.get("output", [])
+                                                 if o.get("type") == "mcp_list_tools"}
 
+    items = req.input_items()
+    _check_item_ids(items)
+    if req.previous_response_id:
+        _check_calls_answered(previous, items)
     active = state.tools.select(req.tools, enabled=req.tool_choice != "none")
     notes = _tool_choice_notes(req)
-    converted = input_to_messages(req.input_items(), known_calls)
-    instructions = "\n\n".join(t for t in [req.instructions, *converted.instructions, *notes] if t)
+    converted = input_to_messages(items, known_calls)
+    input_instructions = chain_instructions + converted.instructions
+    instructions = "\n\n".join(t for t in [req.instructions, *input_instructions, *notes] if t)
     prompt_config = PromptConfig(
         reasoning_effort=req.effort,
         instructions=instructions or None,
@@ -193,8 +202,10 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         response=_initial_snapshot(req, response_id, instructions),
         history=history,
         new_messages=converted.messages,
-        input_items=listed_input_items(req.input_items()),
+        input_items=listed_input_items(items),
         function_calls={**known_calls, **converted.function_calls},
+        input_instructions=input_instructions,
+        mcp_listed=sorted(listed_mcp | {b.label for b in active.mcp.values()}),
     )
 
 
@@ -215,9 +226,30 @@ async def _previous(state: ServerState, response_id: str) -> StoredResponse:
     return record
 
 
+def _check_item_ids(items: list[Any]) -> None:
+    """Input item ids are unique, as OpenAI requires (`/input_items` pages by them)."""
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        item_id = getattr(item, "id", None)
+        if item_id in seen:
+            raise APIError(f"Duplicate item found with id {item_id}.", param=f"input[{i}].id")
+        if item_id:
+            seen.add(item_id)
+
+
+def _check_calls_answered(previous: StoredResponse, items: list[Any]) -> None:
+    """A response that ended in function calls continues with their outputs, as in OpenAI."""
+    answered = {item.call_id for item in items if isinstance(item, FunctionCallOutputItem)}
+    for output in previous.response.get("output", []):
+        if output.get("type") == "function_call" and output.get("call_id") not in answered:
+            raise APIError(f"No tool output found for function call {output.get('call_id')}.", param="input")
+
+
 def _tool_choice_notes(req: ResponseCreateRequest) -> list[str]:
     """Harmony has no forced tool calls; the choice becomes an instruction (and is checked)."""
     choice = req.tool_choice
+    if choice == "required" and not req.tools:
+        raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
     if isinstance(choice, str):
         return [TOOL_CHOICE_NOTES[choice]] if choice in TOOL_CHOICE_NOTES else []
     if isinstance(choice, ToolChoiceFunction):
@@ -226,6 +258,9 @@ def _tool_choice_notes(req: ResponseCreateRequest) -> list[str]:
                            param="tool_choice")
         return [f"You must call the function `{choice.name}`."]
     if isinstance(choice, ToolChoiceBuiltin):
+        if choice.type == "web_search":  # not a tool choice type (the SDK's Response cannot hold it)
+            raise APIError("Invalid value for 'tool_choice.type': 'web_search'; use 'web_search_preview', which "
+                           "chooses the web_search tool as well.", param="tool_choice.type", code="invalid_value")
         wanted = "code_interpreter" if choice.type == "code_interpreter" else "web_search"
         if not any(t.type.startswith(wanted) for t in req.tools):
             raise APIError(f"Tool choice '{choice.type}' is not in 'tools'.", param="tool_choice")
@@ -275,7 +310,8 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "tool_choice": tool_choice,
-        "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools],
+        # MCP headers (credentials, often) are neither echoed nor stored, as in OpenAI.
+        "tools": [t.model_dump(by_alias=True, exclude_none=True, exclude={"headers"}) for t in req.tools],
         "metadata": req.metadata or {},
         "user": req.user,
         "usage": None,
@@ -296,6 +332,9 @@ def listed_input_items(items: list[Any]) -> list[dict[str, Any]]:
             part = "output_text" if item.role == "assistant" else "input_text"
             if isinstance(item.content, str):
                 data["content"] = [{"type": part, "text": item.content}]
+            for content in data["content"]:
+                if content["type"] == "output_text":
+                    content.setdefault("annotations", [])  # (required of an output message's text)
             data.setdefault("id", new_id("msg"))
             data.setdefault("status", "completed")
             data["type"] = "message"
@@ -386,6 +425,8 @@ def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Mes
         input_items=prepared.input_items,
         conversation=messages_to_json(conversation),
         function_calls={**prepared.function_calls, **(new_calls or {})},
+        input_instructions=prepared.input_instructions,
+        mcp_listed=prepared.mcp_listed,
         events=[dump(e) for e in run.events] if prepared.request.background else None,
         created_at=prepared.response.created_at,
     )

@@ -26,6 +26,10 @@ class StoredResponse:
     # Harmony messages (Message.to_dict()) after this response, system/developer excluded.
     conversation: list[dict[str, Any]] = field(default_factory=list)
     function_calls: dict[str, str] = field(default_factory=dict)  # call_id -> function name, whole chain
+    # System/developer input messages of the whole chain: conversation items, unlike the
+    # `instructions` parameter, so later responses keep them (in the one developer message).
+    input_instructions: list[str] = field(default_factory=list)
+    mcp_listed: list[str] = field(default_factory=list)  # server labels whose tools the chain has listed
     events: list[dict[str, Any]] | None = None  # the SSE stream, kept for background responses
     created_at: float = field(default_factory=time.time)
 

@@ -31,5 +31,10 @@ def token_bytes(token_id: int) -> bytes:
     return harmony_encoding().decode([token_id]).encode()
 
 
+def is_special(token_id: int) -> bool:
+    """A Harmony special token (`<|start|>`, `<|channel|>`, ...): markup, not text."""
+    return token_id not in _vocabulary()
+
+
 def token_text(token_id: int) -> str:
     return token_bytes(token_id).decode("utf-8", errors="replace")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from .null_defaults import drop_nulls_with_defaults
 from .responses import check_json_schema
 
 
@@ -83,6 +84,11 @@ class AssistantMessage(StrictModel):
     reasoning: str | None = None
     refusal: str | None = None
     name: str | None = None
+    # Fields of the SDK's assistant message that clients send back as they got them: accepted
+    # and ignored (a deprecated `function_call` or an audio reply only as null).
+    annotations: list[dict[str, Any]] | None = None
+    function_call: None = None
+    audio: None = None
 
     def text(self) -> str:
         return _text_of(self.content)
@@ -201,6 +207,11 @@ class ChatCompletionRequest(StrictModel):
     # Not OpenAI's: keep generating past the end of the turn (<|return|>, <|call|>) until the token
     # limit, for benchmarks that need exact output lengths. vLLM and SGLang take the same field.
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        return drop_nulls_with_defaults(cls, data)
 
     @field_validator("stop")
     @classmethod

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+from .null_defaults import drop_nulls_with_defaults
 
 ReasoningEffort = Literal["low", "medium", "high"]
 # What `include` can ask for here ("reasoning.encrypted_content" is refused with a reason).
@@ -315,6 +317,11 @@ class ResponseCreateRequest(StrictModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        return drop_nulls_with_defaults(cls, data)
 
     @field_validator("metadata")
     @classmethod

@@ -179,6 +179,23 @@ def test_stop_strings_and_length(fake_server):
     _, choices = collect(client.chat.completions.create(model=MODEL, messages=HELLO, stop="thr", stream=True))
     assert choices[0]["content"] == "one two " and choices[0]["finish"] == "stop"
 
+    # Logprobs follow the text: the tokens a stop string cuts into, or that come after it, have none.
+    def spelled(entries) -> str:
+        return "".join(lp.token for lp in entries)
+
+    for stop in ("three", "o t", "e", "one two three four five"):
+        engine.say("<|channel|>final<|message|>one two three four five<|return|>")
+        cut = client.chat.completions.create(model=MODEL, messages=HELLO, stop=[stop], logprobs=True).choices[0]
+        assert cut.message.content.startswith(spelled(cut.logprobs.content)), stop
+        assert len(cut.message.content) - len(spelled(cut.logprobs.content)) < len(" three")
+        engine.say("<|channel|>final<|message|>one two three four five<|return|>")
+        _, streamed = collect(client.chat.completions.create(model=MODEL, messages=HELLO, stop=[stop],
+                                                            logprobs=True, stream=True))
+        assert spelled(streamed[0]["logprobs"]) == spelled(cut.logprobs.content), stop
+    engine.say("<|channel|>final<|message|>one two three four five<|return|>")
+    kept = client.chat.completions.create(model=MODEL, messages=HELLO, stop=["fiver"], logprobs=True).choices[0]
+    assert spelled(kept.logprobs.content) == kept.message.content == "one two three four five"
+
     engine.say(REASONED)
     short = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=9)
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 9
@@ -220,7 +237,40 @@ def test_bad_chat_requests(fake_server):
     assert error({"model": MODEL, "messages": HELLO, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}
                  )["param"] == "response_format.json_schema.schema"
+    assert error({"model": MODEL, "messages": HELLO, "tool_choice": "required"})["param"] == "tool_choice"
+    assert error({"model": MODEL, "messages": HELLO, "parallel_tool_calls": False})["param"] == "parallel_tool_calls"
+    assert error({"model": MODEL, "messages": HELLO, "stream_options": {"include_usage": True}}
+                 )["param"] == "stream_options"
     assert error({"model": "nope", "messages": HELLO}, 404)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("name", ["stream", "n", "logprobs", "tools", "frequency_penalty", "functions", "audio"])
+def test_an_explicit_null_means_not_given(fake_server, name):
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], name: None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_an_assistant_message_sent_back_as_it_came(fake_server):
+    # The SDK's message, dumped whole (nulls and all), then the tool result: the preamble beside
+    # the call goes back on the commentary channel, where the model wrote it.
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say("<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant" + ONE_CALL[
+        ONE_CALL.index("<|channel|>commentary"):])
+    message = client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS).choices[0].message
+    assert message.content == "Let me check." and message.tool_calls
+    engine.say(REASONED)
+    again = client.chat.completions.create(model=MODEL, tools=TOOLS, messages=[
+        *HELLO, message.model_dump(), {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "20C"}])
+    assert again.choices[0].message.content == "Hello, world!"
+    text = prompt_text(engine)
+    assert "<|channel|>commentary<|message|>Let me check.<|end|>" in text and "final<|message|>Let me" not in text
+    # A reply without calls stays a final answer.
+    engine.say(REASONED)
+    client.chat.completions.create(model=MODEL, messages=[*HELLO, {"role": "assistant", "content": "Hi!",
+                                                                   "function_call": None, "audio": None}, *HELLO])
+    assert "<|channel|>final<|message|>Hi!<|end|>" in prompt_text(engine)
 
 
 def test_json_schema_response_format_reaches_the_prompt(fake_server):

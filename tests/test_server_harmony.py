@@ -47,7 +47,7 @@ def parse(text_or_tokens):
         elif isinstance(e, MessageEnd):
             texts.append(current)
     assert texts == [e.text for e in ends]
-    assert sum(e.num_tokens for e in ends) == len(tokens)
+    assert sum(e.num_tokens for e in ends) + stream.dropped_tokens == len(tokens)
     return ends
 
 
@@ -72,6 +72,20 @@ def test_broken_header_recovers_its_text():
     ends = parse("<|channel|><|channel|>final<|message|>x<|return|>")
     assert len(ends) == 1 and ends[0].malformed
     assert "final" in ends[0].text and ends[0].text.endswith("x")
+
+
+def test_a_header_the_turn_ends_in_is_dropped_not_shown_as_markup():
+    # The token limit or an abort cut the next message inside its header: no item of markup.
+    ends = parse("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final")
+    assert [(e.channel, e.text) for e in ends] == [("analysis", "Think.")]
+    assert parse("<|channel|>") == [] and parse("<|start|>assistant<|channel|>commentary to=functions.f") == []
+
+
+def test_malformed_text_never_shows_harmony_markup():
+    ends = parse("garbage only<|return|>")  # a turn with no header at all: its text, not the stop token
+    assert [(e.text, bool(e.malformed)) for e in ends] == [("garbage only", True)]
+    ends = parse("<|channel|>final<|end|>")  # a header ended without content
+    assert len(ends) == 1 and ends[0].malformed and "<|" not in ends[0].text
 
 
 def test_text_without_header_is_streamed_once_the_header_is_too_long():

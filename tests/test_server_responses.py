@@ -168,6 +168,22 @@ def test_previous_response_id_continues_the_conversation(live_server):
     assert second.usage.input_tokens_details.cached_tokens > 0
 
 
+def test_developer_input_messages_stay_in_the_chain(fake_server):
+    # Unlike the `instructions` parameter, system and developer messages in `input` are items of
+    # the conversation: later responses in the chain keep them.
+    engine, client = fake_server.engine, fake_server.client()
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input=[
+        {"role": "developer", "content": "Always answer in French."}, {"role": "user", "content": "Hi"}])
+    assert "Always answer in French." in prompt_text(engine.calls[-1])
+    second = client.responses.create(model=MODEL, input=[{"role": "system", "content": "Use metric units."},
+                                                         {"role": "user", "content": "And now?"}],
+                                     previous_response_id=first.id)
+    client.responses.create(model=MODEL, input="Third", previous_response_id=second.id)
+    text = prompt_text(engine.calls[-1])
+    assert "Always answer in French." in text and "Use metric units." in text and "Be brief." not in text
+    assert text.count("<|start|>developer") == 1
+
+
 # --- built-in tools, the agent loop -----------------------------------------------------
 
 
@@ -274,6 +290,11 @@ def test_mcp_tools_are_listed_and_called(tool_server, fake_tools):
     again = client.responses.create(model=MODEL, input="And now?", previous_response_id=final.id,
                                     tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}])
     assert [item.type for item in again.output] == ["message"]
+    # ... nor the one after it: the listing is still in the chain's context.
+    engine.say("<|channel|>final<|message|>Sunny still.<|return|>")
+    third = client.responses.create(model=MODEL, input="Later?", previous_response_id=again.id,
+                                    tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}])
+    assert [item.type for item in third.output] == ["message"]
 
 
 def test_function_call_and_its_output(tool_server):
@@ -317,6 +338,17 @@ def test_limits_make_responses_incomplete_or_stop_tools(tool_server, fake_tools)
     short = client.responses.create(model=MODEL, input="Hi", max_output_tokens=5)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
     assert short.usage.output_tokens == 5 and short.output[0].status == "incomplete"
+    # Cut inside the final message's header: the reasoning, and no item of Harmony markup.
+    cut = len(harmony_tokens("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant"
+                             "<|channel|>final"))
+    engine.say(ANSWER)
+    events, cut_short = stream_events(client, model=MODEL, input="Hi", max_output_tokens=cut)
+    check_stream_invariants(events, cut_short)
+    assert cut_short.status == "incomplete" and cut_short.usage.output_tokens == cut
+    assert [o.type for o in cut_short.output] == ["reasoning"]
+    engine.say(ANSWER)
+    again = client.responses.create(model=MODEL, input="And?", previous_response_id=cut_short.id)
+    assert "<|channel|>final<|end|>" not in prompt_text(engine.calls[-1]) and again.status == "completed"
 
     engine.say(PYTHON, PYTHON, "<|channel|>final<|message|>Done.<|return|>")
     limited = client.responses.create(model=MODEL, input="Compute twice", max_tool_calls=1,
@@ -518,6 +550,76 @@ def test_bad_requests_get_openai_errors(fake_server):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input="x", max_output_tokens=0)
     assert info.value.body["param"] == "max_output_tokens"
+
+
+@pytest.mark.parametrize("name", ["store", "background", "stream", "parallel_tool_calls", "tools", "tool_choice",
+                                  "top_logprobs", "conversation", "prompt", "truncation"])
+def test_an_explicit_null_means_not_given(fake_server, name):
+    # The SDK sends None as null for the parameters it types Optional.
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "x", name: None})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "completed" and body["background"] is False
+    assert httpx.get(f"{fake_server.url}/v1/responses/{body['id']}").status_code == 200  # stored
+    assert body["parallel_tool_calls"] is True and body["tools"] == [] and body["tool_choice"] == "auto"
+    response = fake_server.client().responses.create(model=MODEL, input="x", store=None, parallel_tool_calls=None,
+                                                     background=None)
+    assert response.status == "completed" and response.parallel_tool_calls is True
+
+
+def test_requests_openai_refuses_are_refused(fake_server):
+    engine, client = fake_server.engine, fake_server.client()
+
+    def refused(body) -> dict:
+        r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, **body})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    # Duplicate input item ids: /input_items pages by id.
+    same = [{"type": "message", "role": "user", "content": f"m{i}", "id": "msg_same"} for i in range(3)]
+    assert refused({"input": same})["param"] == "input[1].id"
+    distinct = client.responses.create(model=MODEL, input=[{**m, "id": f"msg_{i}"} for i, m in enumerate(same)])
+    listed = [item.id for item in client.responses.input_items.list(distinct.id, limit=1, order="asc")]
+    assert listed == ["msg_0", "msg_1", "msg_2"]
+    # tool_choice "required" with no tools; a tool choice type the Response cannot hold.
+    assert refused({"input": "x", "tool_choice": "required"})["param"] == "tool_choice"
+    error = refused({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}})
+    assert error["param"] == "tool_choice.type" and "web_search_preview" in error["message"]
+    # A response that ended in function calls continues with their outputs.
+    engine.say(WEATHER_CALL)
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER_TOOL])
+    call = first.output[-1]
+    assert call.type == "function_call"
+    error = refused({"input": "hello", "previous_response_id": first.id, "tools": [WEATHER_TOOL]})
+    assert call.call_id in error["message"] and error["param"] == "input"
+    answered = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    assert answered.status == "completed"
+
+
+def test_listed_input_items_are_the_sdk_types_strictly(fake_server):
+    from openai.types.responses import ResponseItem
+    from pydantic import TypeAdapter
+
+    client = fake_server.client()
+    response = client.responses.create(model=MODEL, input=[
+        {"role": "assistant", "content": "Two"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Three", "annotations": []}]},
+        {"role": "user", "content": "x"}])
+    items = httpx.get(f"{fake_server.url}/v1/responses/{response.id}/input_items?order=asc").json()["data"]
+    for item in items:
+        TypeAdapter(ResponseItem).validate_python(item, strict=True)
+
+
+def test_mcp_headers_are_neither_echoed_nor_stored(fake_server):
+    secret = "Bearer sk-very-secret"
+    tool = {"type": "mcp", "server_label": "weather", "require_approval": "never", "headers": {"Authorization": secret}}
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "x", "tools": [tool]})
+    assert r.status_code == 200 and secret not in r.text
+    assert secret not in httpx.get(f"{fake_server.url}/v1/responses/{r.json()['id']}").text
+    store = fake_server.state.config.store_path
+    written = [f.read_bytes() for f in store.parent.glob(store.name + "*")]  # the database and its WAL
+    assert written and not any(secret.encode() in data for data in written)
 
 
 def test_tools_the_server_lacks_are_refused(tmp_path):
