@@ -122,6 +122,28 @@ def test_wrapping_and_link_stripping():
     assert wrap_lines("x" * 170 + "\n\nshort") == ["x" * 80, "x" * 80, "x" * 10, "", "short"]
     assert strip_links("see 【3†the docs†a.com】 and 【4†more】") == "see the docs and more"
     assert strip_links("ident】 tail and head 【7†cut") == " tail and head cut"
+    # A marker wrapped inside its domain keeps the line break: find's line numbers count lines.
+    assert strip_links("a 【1†ref†my-very-\nlong.org】 b\nc") == "a ref\n b\nc"
+
+
+def test_find_line_numbers_after_a_link_wrapped_in_its_domain():
+    html = ("<p>" + "x" * 60 + " <a href='https://my-very-long-subdomain.another-example.org/page'>ref</a>"
+            " tail</p><p>line one</p><p>NEEDLE here</p>")
+    page = page_from_html(html, "https://a.example.com/p")
+    assert any("【" in line and "】" not in line for line in page.lines)  # the marker is wrapped
+    actual = next(i for i, line in enumerate(page.lines) if "NEEDLE" in line)
+    assert find_in_page(page, "NEEDLE").result_lines == {0: actual}
+
+
+@pytest.mark.parametrize("html, text", [
+    ("<a href='https://e.com/story'><h3>Big headline</h3><p>Short summary</p></a><p>next</p>",
+     "### 【0†Big headline Short summary】\n\nnext"),
+    ("<p><a href='https://e.com/x'>first line<br>second line</a></p>", "【0†first line second line】"),
+    ("<ul><li><a href='https://e.com/y'>foo<b>bar</b></a></li></ul>", "  * 【0†foobar】"),
+    ("<li><a href='https://e.com/q'>A<h3>H</h3>B</a></li><p>after</p>", "  * 【0†A H B】\n\nafter"),
+])
+def test_blocks_inside_a_link_keep_its_words_apart(html, text):
+    assert html_to_text(html, "https://e.com/").text == text
 
 
 async def test_open_windows_scroll_and_cursors(session):
@@ -172,6 +194,9 @@ async def test_find_results_and_opening_them(session):
     assert page.kind == "find" and page.result_lines == {0: match_line}
     result = await call(session, "browser.open", id=0)
     assert f"**viewing lines [{match_line - 4} - " in result.text  # a little context above
+    # The source of a find page is that of the page searched (the find URL is made up).
+    result = await call(session, "browser.open", cursor=1, view_source=True)
+    assert not result.is_error and session.backend.fetched[-1] == LONG_PAGE_URL
 
     result = await call(session, "browser.find", pattern="zebra", cursor=0)
     assert "No `find` results for pattern: `zebra`" in result.text
@@ -187,6 +212,8 @@ async def test_find_results_and_opening_them(session):
     ("browser.search", "not json", "Invalid function arguments: not JSON"),
     ("browser.search", "[1, 2]", "expected a JSON object"),
     ("browser.open", '{"id": 1.5}', "`id` should be an integer"),
+    ("browser.open", '{"cursor": "--1"}', "`cursor` should be an integer"),
+    ("browser.search", '{"query": "q", "topn": "\u00b2"}', "`topn` should be an integer"),
     ("browser.fly", "{}", "Unknown function: browser.fly"),
     ("python", "{}", "Unknown function: python"),
 ])

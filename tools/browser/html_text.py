@@ -47,6 +47,7 @@ class _Converter(HTMLParser):
         self.title_parts: list[str] | None = None
         self.title = ""
         self.link: tuple[str, list[str]] | None = None  # href and the text inside the <a>
+        self.link_space = False  # a block broke the link's text: a space before its next text
         self.links: dict[int, str] = {}
         self.link_ids: dict[str, int] = {}
         self.images = 0
@@ -55,11 +56,20 @@ class _Converter(HTMLParser):
 
     # -- writing
 
+    def _in_link_text(self) -> bool:
+        return self.link is not None and bool(self.link[1])
+
     def _break(self, newlines: int) -> None:
+        if self._in_link_text():  # a link wrapping blocks (a card, a <br>): one line of link text
+            self.link_space = True
+            return
         self.pending_breaks = max(self.pending_breaks, newlines)
 
     def _write(self, text: str) -> None:
         if self.link is not None:
+            if self.link_space and self.link[1]:
+                self.link[1].append(" ")
+            self.link_space = False
             self.link[1].append(text)
             return
         if not self.pre_depth:
@@ -86,6 +96,12 @@ class _Converter(HTMLParser):
         if self.invisible_depth:
             return
         attributes = {k: v or "" for k, v in attrs}
+        prefix = self.prefix
+        self._start_block(tag, attributes)
+        if self._in_link_text():  # (a heading or list item inside a link: no prefix mid-line)
+            self.prefix = prefix
+
+    def _start_block(self, tag: str, attributes: dict[str, str]) -> None:
         if tag == "title":
             self.title_parts = []
         elif tag in HEADINGS:

@@ -81,7 +81,8 @@ def strip_links(text: str) -> str:
     """Replace link markers by their text (also markers cut at a line's start or end)."""
     text = PARTIAL_MARKER_AT_START.sub("", text)
     text = PARTIAL_MARKER_AT_END.sub(lambda m: m.group("text") or "", text)
-    return LINK_MARKER.sub(lambda m: m.group(2), text)
+    # A marker wrapped across lines keeps its line breaks (find's line numbers count them).
+    return LINK_MARKER.sub(lambda m: m.group(2) + "\n" * (m.group(0).count("\n") - m.group(2).count("\n")), text)
 
 
 def window_end(lines: list[str], loc: int, num_lines: int, view_tokens: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, Callable
 
 from ..tool_server import ToolResult
@@ -28,6 +29,7 @@ FUNCTIONS: dict[str, dict[str, Any]] = {
     "find": {"pattern": None, "cursor": -1},
 }
 INT_PARAMETERS = {"topn", "cursor", "loc", "num_lines"}
+INTEGER = re.compile(r"\s*-?[0-9]+\s*")  # ASCII digits: "²" or "--3" are no integers for int()
 
 
 def default_token_counter() -> Callable[[str], int]:
@@ -43,7 +45,7 @@ def _as_int(name: str, value: Any) -> int:
         raise ToolUsageError(f"`{name}` should be an integer, not `{value}`")
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    if isinstance(value, str) and INTEGER.fullmatch(value):
         return int(value)
     if isinstance(value, int):
         return value
@@ -76,7 +78,7 @@ def parse_arguments(function: str, arguments: str) -> dict[str, Any]:
         args[name] = _as_int(name, args[name])
     if function == "open":
         link = args["id"]
-        if isinstance(link, str) and link.strip().lstrip("-").isdigit():
+        if isinstance(link, str) and INTEGER.fullmatch(link):
             link = int(link)  # "3" means link 3: a URL is never just digits
         args["id"] = link if isinstance(link, str) else _as_int("id", link)
         flag = args["view_source"]
@@ -149,8 +151,8 @@ class BrowserSession:
                 if url is None:
                     raise ToolUsageError(f"Invalid link id `{id}`.")
                 target_line = current.result_lines.get(id)
-            else:
-                url = current.url
+            else:  # the page at the cursor; a find page's source is the page searched
+                url = current.source.url if current.kind == "find" and current.source else current.url
         if view_source:
             page = await self._fetch(url, view_source=True)
         elif current is not None and id < 0:
