@@ -137,22 +137,21 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         raise APIError("'reasoning.encrypted_content' is not supported: this server does not encrypt reasoning. "
                        "Keep responses stored and continue with previous_response_id instead.", param="include")
 
+    items = req.input_items()
+    _check_item_ids(items)
     history: list[Message] = []
     known_calls: dict[str, str] = {}
     chain_instructions: list[str] = []
     listed_mcp: set[str] = set()
     if req.previous_response_id:
         previous = await _previous(state, req.previous_response_id)
+        _check_calls_answered(previous, items)
         history = messages_from_json(previous.conversation)
         known_calls = dict(previous.function_calls)
         chain_instructions = list(previous.input_instructions)
         listed_mcp = set(previous.mcp_listed) | {o.get("server_label") for o in previous.response.get("output", [])
                                                  if o.get("type") == "mcp_list_tools"}
 
-    items = req.input_items()
-    _check_item_ids(items)
-    if req.previous_response_id:
-        _check_calls_answered(previous, items)
     active = state.tools.select(req.tools, enabled=req.tool_choice != "none")
     notes = _tool_choice_notes(req)
     converted = input_to_messages(items, known_calls)
@@ -314,6 +313,9 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
         "tools": [t.model_dump(by_alias=True, exclude_none=True, exclude={"headers"}) for t in req.tools],
         "metadata": req.metadata or {},
         "user": req.user,
+        "prompt_cache_key": req.prompt_cache_key,
+        "safety_identifier": req.safety_identifier,
+        "service_tier": "default",  # the processing actually used, whatever was asked for
         "usage": None,
         "truncation": req.truncation or "disabled",
     }

@@ -611,6 +611,15 @@ def test_listed_input_items_are_the_sdk_types_strictly(fake_server):
         TypeAdapter(ResponseItem).validate_python(item, strict=True)
 
 
+def test_request_identifiers_are_echoed(fake_server):
+    response = fake_server.client().responses.create(model=MODEL, input="x", prompt_cache_key="k1",
+                                                     safety_identifier="user-7", service_tier="flex")
+    assert (response.prompt_cache_key, response.safety_identifier) == ("k1", "user-7")
+    assert response.service_tier == "default"  # what processed it
+    stored = fake_server.client().responses.retrieve(response.id)
+    assert stored.prompt_cache_key == "k1" and stored.safety_identifier == "user-7"
+
+
 def test_mcp_headers_are_neither_echoed_nor_stored(fake_server):
     secret = "Bearer sk-very-secret"
     tool = {"type": "mcp", "server_label": "weather", "require_approval": "never", "headers": {"Authorization": secret}}
