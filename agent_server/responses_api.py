@@ -17,7 +17,7 @@ from typing import Any
 
 from openai.types.responses import Response as SDKResponse
 from openai_harmony import Message
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -26,6 +26,8 @@ from inference.request import SamplingParams
 from schemas.responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
+    InputItem,
+    ItemReference,
     MessageItem,
     ResponseCreateRequest,
     TextFormatJsonObject,
@@ -55,6 +57,8 @@ UNSUPPORTED = {
     "prompt": "there are no stored prompt templates here; send instructions and input",
     "top_logprobs": "this server's Responses API does not return logprobs (Chat Completions does)",
 }
+
+INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")  # a response's statuses once it has ended
 
@@ -137,7 +141,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         raise APIError("'reasoning.encrypted_content' is not supported: this server does not encrypt reasoning. "
                        "Keep responses stored and continue with previous_response_id instead.", param="include")
 
-    items = req.input_items()
+    items = await _resolve_references(state, req.input_items())
     _check_item_ids(items)
     history: list[Message] = []
     known_calls: dict[str, str] = {}
@@ -223,6 +227,22 @@ async def _previous(state: ServerState, response_id: str) -> StoredResponse:
         raise APIError(f"Previous response '{response_id}' has status '{record.status}' and cannot be continued.",
                        param="previous_response_id")
     return record
+
+
+async def _resolve_references(state: ServerState, items: list[Any]) -> list[Any]:
+    """`item_reference` items replaced by the stored items they name."""
+    resolved = []
+    for i, item in enumerate(items):
+        if isinstance(item, ItemReference):
+            found = await state.store.find_item(item.id)
+            if found is None:
+                raise not_found("Item", item.id, param=f"input[{i}].id")
+            try:
+                item = INPUT_ITEM.validate_python({k: v for k, v in found.items() if v is not None})
+            except ValidationError:
+                raise APIError(f"Item '{item.id}' cannot be given as input.", param=f"input[{i}].id") from None
+        resolved.append(item)
+    return resolved
 
 
 def _check_item_ids(items: list[Any]) -> None:

@@ -41,6 +41,9 @@ class StoredResponse:
 class ResponseStore(Protocol):
     async def get(self, response_id: str) -> StoredResponse | None: ...
 
+    async def find_item(self, item_id: str) -> dict[str, Any] | None:
+        """An input or output item of a stored response, by its id (`item_reference`)."""
+
     async def put(self, record: StoredResponse) -> None: ...
 
     async def delete(self, response_id: str) -> bool: ...
@@ -61,12 +64,17 @@ class SQLiteResponseStore:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, created_at REAL, record TEXT NOT NULL)"
             )
-        self._fail_interrupted()
+            # Which response holds each input and output item (`item_reference` finds them).
+            self._db.execute("CREATE TABLE IF NOT EXISTS items (id TEXT PRIMARY KEY, response_id TEXT NOT NULL)")
+            self._db.execute("CREATE INDEX IF NOT EXISTS items_by_response ON items (response_id)")
+        self._open_existing()
 
-    def _fail_interrupted(self) -> None:
-        """Responses still running when the server last stopped will never finish: say so."""
+    def _open_existing(self) -> None:
+        """Responses still running when the server last stopped will never finish: say so. A
+        store written before the item index existed has its items indexed."""
         with self._lock:
             rows = self._db.execute("SELECT record FROM responses").fetchall()
+            unindexed = self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM items)").fetchone()[0]
         for (raw,) in rows:
             record = StoredResponse(**json.loads(raw))
             if record.status in ("queued", "in_progress"):
@@ -74,6 +82,10 @@ class SQLiteResponseStore:
                 record.response["error"] = {"code": "server_error", "message": "The server stopped before this "
                                             "response finished."}
                 self._put(record)
+            elif unindexed:
+                with self._lock, self._db:
+                    self._db.executemany("INSERT OR REPLACE INTO items (id, response_id) VALUES (?, ?)",
+                                         [(item_id, record.id) for item_id in _item_ids(record)])
 
     def _put(self, record: StoredResponse) -> None:
         raw = json.dumps(asdict(record), separators=(",", ":"))
@@ -82,6 +94,9 @@ class SQLiteResponseStore:
                 "INSERT OR REPLACE INTO responses (id, created_at, record) VALUES (?, ?, ?)",
                 (record.id, record.created_at, raw),
             )
+            self._db.execute("DELETE FROM items WHERE response_id = ?", (record.id,))
+            self._db.executemany("INSERT OR REPLACE INTO items (id, response_id) VALUES (?, ?)",
+                                 [(item_id, record.id) for item_id in _item_ids(record)])
 
     def _get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -90,7 +105,16 @@ class SQLiteResponseStore:
 
     def _delete(self, response_id: str) -> bool:
         with self._lock, self._db:
+            self._db.execute("DELETE FROM items WHERE response_id = ?", (response_id,))
             return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+
+    def _find_item(self, item_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT response_id FROM items WHERE id = ?", (item_id,)).fetchone()
+        record = self._get(row[0]) if row else None
+        if record is None:
+            return None
+        return next((item for item in _items(record) if item.get("id") == item_id), None)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         return await asyncio.to_thread(self._get, response_id)
@@ -98,9 +122,21 @@ class SQLiteResponseStore:
     async def put(self, record: StoredResponse) -> None:
         await asyncio.to_thread(self._put, record)
 
+    async def find_item(self, item_id: str) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self._find_item, item_id)
+
     async def delete(self, response_id: str) -> bool:
         return await asyncio.to_thread(self._delete, response_id)
 
     async def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _items(record: StoredResponse) -> list[dict[str, Any]]:
+    """A record's input items, then its output items."""
+    return [*record.input_items, *record.response.get("output", [])]
+
+
+def _item_ids(record: StoredResponse) -> set[str]:
+    return {item["id"] for item in _items(record) if isinstance(item.get("id"), str)}

@@ -151,6 +151,13 @@ class McpCallItem(LenientItem):
     error: str | dict[str, Any] | None = None  # ours: {"type": "mcp_tool_execution_error", "content": ...}
 
 
+class ItemReference(StrictModel):
+    """An item of a stored response, by id: the server puts the item itself in its place."""
+
+    type: Literal["item_reference"]
+    id: str = Field(min_length=1)
+
+
 def _item_kind(value: Any) -> str:
     if isinstance(value, dict):
         return value.get("type", "message")
@@ -167,6 +174,7 @@ InputItem = Annotated[
         Annotated[CodeInterpreterCallItem, Tag("code_interpreter_call")],
         Annotated[McpCallItem, Tag("mcp_call")],
         Annotated[LenientItem, Tag("mcp_list_tools")],
+        Annotated[ItemReference, Tag("item_reference")],
     ],
     Discriminator(_item_kind),
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 
 import httpx
@@ -414,6 +415,51 @@ def test_stored_responses_survive_a_restart(tmp_path):
         assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
         second = client.responses.create(model=MODEL, input="Again", previous_response_id=first.id)
         assert "Hello! How can I help?" in prompt_text(engine.calls[0]) and second.output_text == "Welcome back."
+    # A store written before the item index existed gets one when it is opened.
+    with sqlite3.connect(store) as db:
+        db.execute("DROP TABLE items")
+    engine = ScriptedEngine().say(ANSWER)
+    with LiveServer(make_app(lambda: engine, store)) as server:
+        server.client().responses.create(model=MODEL, input=[{"type": "item_reference", "id": first.output[-1].id}])
+        assert "Hello! How can I help?" in prompt_text(engine.calls[0])
+
+
+def test_items_are_referenced_by_id(tool_server, fake_tools):
+    engine, client = tool_server.engine, tool_server.client()
+    engine.say(SEARCH, CITED)
+    searched = client.responses.create(model=MODEL, input=[{"role": "user", "content": "License?", "id": "msg_q"}],
+                                       tools=[{"type": "web_search_preview"}])
+    reasoning, search, answer = searched.output
+    engine.say(WEATHER_CALL)
+    called = client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER_TOOL])
+    call = called.output[-1]
+    # A context built from references (as the Vercel AI SDK and Codex send it) is the items themselves.
+    engine.say(ANSWER)
+    refs = [{"type": "item_reference", "id": i} for i in ("msg_q", reasoning.id, search.id, answer.id, call.id)]
+    referenced = client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
+        *refs, {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    text = prompt_text(engine.calls[-1])
+    for piece in ("License?", "I should look this up.", "Apache-2.0 licensed", "to=functions.get_weather", "Sunny"):
+        assert piece in text, piece
+    listed = client.responses.input_items.list(referenced.id, order="asc").data
+    assert [i.id for i in listed[:5]] == [r["id"] for r in refs] and listed[3].type == "message"
+
+    def refused(item_id, index=0) -> dict:
+        r = httpx.post(f"{tool_server.url}/v1/responses", json={"model": MODEL, "input": [
+            {"role": "user", "content": "x"}, {"type": "item_reference", "id": item_id}][1 - index:]})
+        assert r.status_code == 404, r.text
+        return r.json()["error"]
+
+    assert refused("msg_nowhere")["param"] == "input[0].id"
+    engine.say(ANSWER)
+    gone = client.responses.create(model=MODEL, input="Hi")
+    client.responses.delete(gone.id)
+    assert refused(gone.output[-1].id, index=1)["param"] == "input[1].id"  # deleted with its response
+    # The items referenced belong to the new response too: deleting the first leaves them there.
+    client.responses.delete(searched.id)
+    engine.say(ANSWER)
+    client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": answer.id}])
+    assert "Apache-2.0 licensed" in prompt_text(engine.calls[-1])
 
 
 def slow_turn(words: int) -> str:
