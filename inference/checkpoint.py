@@ -108,6 +108,9 @@ class CheckpointReader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index} is not a valid safetensors index: 'weight_map' must map "
+                                      "tensor names to shard file names")
             files = {name: self.model_dir / fname for name, fname in weight_map.items()}
             for path in set(files.values()):
                 if not path.is_file():

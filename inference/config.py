@@ -134,8 +134,8 @@ class ModelConfig:
             kwargs["num_experts_per_tok"] = _int(raw, "num_experts_per_tok")
         elif "experts_per_token" in raw:
             kwargs["num_experts_per_tok"] = _int(raw, "experts_per_token")
-        if "head_dim" not in raw and "hidden_size" in raw and "num_attention_heads" in raw:
-            kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+        if "head_dim" not in raw and "hidden_size" in raw and kwargs.get("num_attention_heads", 0) > 0:
+            kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]  # (0 heads: refused below)
         for name in ("rms_norm_eps", "swiglu_limit"):
             if name in raw:
                 kwargs[name] = _float(raw, name)

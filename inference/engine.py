@@ -692,7 +692,7 @@ class RequestStream:
     def __init__(self, client: StreamingEngineClient, request: GenerationRequest):
         self._client = client
         self.request = request
-        self._queue: asyncio.Queue[TokenDelta] | None = None
+        self._queue: DeltaQueue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
 
@@ -704,7 +704,7 @@ class RequestStream:
         client._check_not_active(request_id)
         client._active.add(request_id)
         self._loop = asyncio.get_running_loop()
-        self._queue = asyncio.Queue()
+        self._queue = DeltaQueue(client, request_id)
         try:
             client._open(self.request, self._queue)
         except BaseException:
@@ -733,7 +733,7 @@ class RequestStream:
 
     def _abandon(self) -> None:
         if self._queue is not None and not self._done:
-            _abandon_request(self._client, self.request.request_id)
+            _abandon_request(self._queue)
         self._done = True
 
     def __del__(self) -> None:
@@ -743,15 +743,38 @@ class RequestStream:
         # own `_submit`, under the lock it would take.
         if self._queue is not None and not self._done:
             try:
-                self._loop.call_soon_threadsafe(_abandon_request, self._client, self.request.request_id)
+                self._loop.call_soon_threadsafe(_abandon_request, self._queue)
             except Exception:  # the loop is closed (shutdown): nothing is left to abort
                 pass
 
 
-def _abandon_request(client: StreamingEngineClient, request_id: str) -> None:
-    """Nobody reads this request's stream any more: free its id and stop it."""
-    client._active.discard(request_id)
-    client._submit(("abort", request_id))
+class DeltaQueue(asyncio.Queue):
+    """One stream's deltas (filled on its event loop). The engine routes deltas by request id,
+    so a stream left early keeps its id taken until the request's last delta has come: a new
+    request with that id would otherwise receive the old one's abort."""
+
+    def __init__(self, client: StreamingEngineClient, request_id: str):
+        super().__init__()
+        self.client, self.request_id = client, request_id
+        self.ended = False  # the last delta has come
+        self.abandoned = False  # nobody reads the stream any more
+
+    def put_nowait(self, delta: TokenDelta) -> None:
+        super().put_nowait(delta)
+        if delta.finish_reason is not None:
+            self.ended = True
+            if self.abandoned:
+                self.client._active.discard(self.request_id)
+
+
+def _abandon_request(queue: DeltaQueue) -> None:
+    """Nobody reads this request's stream any more: stop the request; its id is free once the
+    engine has ended it."""
+    queue.abandoned = True
+    if queue.ended:
+        queue.client._active.discard(queue.request_id)
+    else:
+        queue.client._submit(("abort", queue.request_id))
 
 
 class AsyncEngine(StreamingEngineClient):
@@ -793,6 +816,9 @@ class AsyncEngine(StreamingEngineClient):
             raise RuntimeError("the engine is shut down")
 
     def _open(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
+        if self._stopping:  # the thread reads no more commands: end the stream as a stop would
+            queue.put_nowait(TokenDelta(request.request_id, [], finish_reason="abort"))
+            return
         self._submit(("add", request, asyncio.get_running_loop(), queue))
 
     async def wait_idle(self) -> None:

@@ -45,11 +45,13 @@ def test_real_20b_and_120b_shapes_parse():
         ({"quantization_config": {"quant_method": "gptq"}}, "quant_method"),
         ({"intermediate_size": 48}, "intermediate_size"),
         ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads"),  # (head_dim from the heads)
     ],
 )
 def test_bad_config_names_the_field(change, field):
     raw = hf_config_dict()
     raw.update(change)
+    raw = {k: v for k, v in raw.items() if v is not None}
     with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
         ModelConfig.from_dict(raw)
 
@@ -124,6 +126,14 @@ def test_shard_named_in_index_must_exist(tmp_path):
     sharded = write_tiny_checkpoint(tmp_path / "s", seed=3, shards=2)
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        reader(sharded)
+
+
+@pytest.mark.parametrize("weight_map", [["lm_head.weight"], None, {"lm_head.weight": 3}])
+def test_an_index_that_is_no_weight_map(tmp_path, weight_map):
+    sharded = write_tiny_checkpoint(tmp_path / "s", seed=3, shards=2)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="not a valid safetensors index"):
         reader(sharded)
 
 

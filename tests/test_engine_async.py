@@ -143,6 +143,37 @@ async def test_leaving_the_stream_early_aborts(engine):
     assert engine.stats().tokens_decoded - decoded_before < 200
 
 
+async def test_an_id_left_early_is_taken_until_its_abort_lands(engine, model):
+    # Deltas go by request id: a new request with the id of one still being aborted would get
+    # the old one's abort, then run with nobody reading it.
+    stream = engine.generate(greedy("same-id", prompt(15, 9), 200))
+    await stream.__anext__()
+    await stream.aclose()
+    with pytest.raises(ValueError, match="already running"):
+        engine.generate(greedy("same-id", [1], 1))
+    again = None
+    for _ in range(500):  # the abort's last delta frees the id
+        await asyncio.sleep(0.01)
+        try:
+            again = engine.generate(greedy("same-id", prompt(16, 7), 6))
+            break
+        except ValueError:
+            pass
+    assert again is not None
+    deltas = await asyncio.wait_for(collect(again), 30)
+    assert deltas[-1].finish_reason == "length"
+    assert [t for d in deltas for t in d.token_ids] == generate(model, prompt(16, 7), 6)
+    await engine.wait_idle()
+    assert engine.stats().running == 0 and engine.stats().pages_used == 0
+    # A stream that had its last delta before it was left frees the id at once.
+    done = engine.generate(greedy("finished", prompt(17, 5), 2))
+    await done.__anext__()
+    await engine.wait_idle()
+    await asyncio.sleep(0.05)  # (the last delta reaches the queue)
+    await done.aclose()
+    engine.generate(greedy("finished", [1], 1))
+
+
 async def test_keep_alive_then_continue_then_release(engine, model):
     first = prompt(12, 10)
     out0 = await collect(engine.generate(greedy("t0", first, 4, keep_alive=True)))
@@ -167,6 +198,14 @@ async def test_shutdown_aborts_running_requests(model):
     assert first.token_ids and rest[-1].finish_reason == "abort"
     with pytest.raises(RuntimeError):
         eng.generate(greedy("after", [1], 1))
+
+
+async def test_a_stream_first_read_after_shutdown_ends(model):
+    eng = AsyncEngine(LLMEngine(model, EngineConfig(page_size=4, num_pages=64)))
+    stream = eng.generate(greedy("late", prompt(18, 5), 4))  # validated, not sent yet
+    await eng.shutdown()
+    deltas = await asyncio.wait_for(collect(stream), 5)
+    assert deltas[-1].finish_reason == "abort"
 
 
 async def test_from_pretrained(checkpoint):
