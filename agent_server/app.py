@@ -8,8 +8,10 @@ loaded; until then model endpoints answer 503.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable
@@ -66,7 +68,11 @@ def engine_failed(state: ServerState) -> Response | None:
 
 
 async def health(request: Request) -> Response:
-    return engine_failed(request.app.state.server) or JSONResponse({"status": "ok"})
+    state: ServerState = request.app.state.server
+    error = state.extra.get("load_error")
+    if error:  # the server cannot serve: a restart (with a fixed configuration) is what helps
+        return JSONResponse({"status": "failed", "error": error}, status_code=503)
+    return engine_failed(state) or JSONResponse({"status": "ok"})
 
 
 async def ready(request: Request) -> Response:
@@ -165,25 +171,48 @@ def create_app(
     *,
     tool_servers: ToolServersFactory | None = None,
     store: ResponseStore | None = None,
+    on_load_error: Callable[[str], None] | None = None,
 ) -> Starlette:
-    """The ASGI app. `engine_factory` builds the engine (sync or async) at startup;
-    `tool_servers` starts the tool servers; `store` defaults to SQLite at config.store_path."""
+    """The ASGI app. `engine_factory` builds the engine (sync or async) at startup, a sync one
+    on a worker thread (the event loop answers /health meanwhile); `tool_servers` starts the
+    tool servers; `store` defaults to SQLite at config.store_path. `on_load_error(message)`: the
+    model or a tool server failed to start (the CLI exits); /health and /ready say so anyway."""
     state = ServerState(config=config, metrics=Metrics(lambda: state.engine))
+    built_on_thread: concurrent.futures.Future | None = None  # a sync factory's engine, once asked for
+
+    async def build_engine() -> EngineClient:
+        nonlocal built_on_thread
+        if inspect.iscoroutinefunction(engine_factory):
+            return await engine_factory()
+        built_on_thread = concurrent.futures.Future()
+        built_on_thread.set_running_or_notify_cancel()  # (so that a cancelled wait leaves it be)
+
+        def build(result: concurrent.futures.Future) -> None:
+            try:
+                result.set_result(engine_factory())
+            except BaseException as e:
+                result.set_exception(e)
+
+        threading.Thread(target=build, args=(built_on_thread,), name="oss-agent-load", daemon=True).start()
+        engine = await asyncio.wrap_future(built_on_thread)
+        return await engine if inspect.isawaitable(engine) else engine
 
     async def load() -> None:
         try:
             await asyncio.to_thread(warm_up)
             servers = await tool_servers() if tool_servers is not None else []
             state.tools = ToolRegistry(servers)
-            engine = engine_factory()
-            if inspect.isawaitable(engine):
-                engine = await engine
+            engine = await build_engine()
             state.engine = engine
             state.extra["loaded_at"] = time.time()
             log.info("serving %s (context %d tokens)", config.model_name, engine.max_model_len)
-        except Exception as e:  # reported by /ready; the process stays up to say so
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # reported by /health and /ready
             log.exception("startup failed")
             state.extra["load_error"] = f"{type(e).__name__}: {e}"
+            if on_load_error is not None:
+                on_load_error(state.extra["load_error"])
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -194,6 +223,16 @@ def create_app(
         finally:
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
+            if built_on_thread is not None and state.engine is None:
+                # Stopped while the model loaded: a thread cannot be cancelled, so the engine
+                # it builds is shut down once it is there (an engine process would outlive us).
+                log.info("waiting for the engine to finish loading, to shut it down")
+                try:
+                    built = await asyncio.to_thread(built_on_thread.result)
+                except Exception:
+                    built = None
+                if built is not None and not inspect.isawaitable(built):
+                    state.engine = built
             await drain_runs(state, config.shutdown_timeout)
             for server in state.tools.servers:
                 try:

@@ -283,7 +283,8 @@ async def benchmark(
     from .bench_server_metrics import server_view, settled_scrape
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_concurrency or len(requests))
-    async with httpx.AsyncClient(limits=limits, timeout=target.timeout) as client:
+    # (the key goes with every request, the /metrics scrapes included)
+    async with httpx.AsyncClient(limits=limits, timeout=target.timeout, headers=target.headers()) as client:
         if not target.model:
             target.model = await served_model(client, target)
         for req in warmup:

@@ -15,13 +15,14 @@ from pathlib import Path
 log = logging.getLogger("oss_agent")
 
 TINY_MODEL_NAME = "gpt-oss-tiny-random"
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("OSS_AGENT_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $OSS_AGENT_API_KEY)")
     parser.add_argument("--tool-server", action="append", default=[], metavar="SPEC",
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most items in a request's input (Responses) or messages (Chat Completions)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown before they are cancelled")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -105,6 +106,13 @@ def fraction(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:  # (the socket layer would take 70000 as 70000 - 65536)
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -129,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         model_dir = Path(args.model)
         name = args.served_model_name or model_dir.name
+        if not (model_dir / "config.json").is_file():
+            log.error("--model %s is not a Hugging Face checkpoint folder (no config.json there)", model_dir)
+            return 2
     else:
         from inference.tiny_checkpoint import default_tiny_checkpoint
 
@@ -164,9 +175,19 @@ def run(args: argparse.Namespace) -> int:
         max_input_items=args.max_input_items,
         shutdown_timeout=args.shutdown_timeout,
     )
-    app = create_app(config, build_engine, tool_servers=tool_servers)
+    failed: list[str] = []
+
+    def stop_on_load_error(message: str) -> None:  # a server that cannot serve exits, non-zero
+        failed.append(message)
+        server.should_exit = True
+
+    app = create_app(config, build_engine, tool_servers=tool_servers, on_load_error=stop_on_load_error)
     # Our access log (with request ids) replaces uvicorn's. On SIGTERM/SIGINT uvicorn stops
     # accepting, gives open connections the shutdown timeout, then the app drains its runs.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
+    server.run()
+    if failed:
+        log.error("exiting: startup failed: %s", failed[0])
+        return 1
     return 0

@@ -6,7 +6,12 @@ import json
 import re
 from typing import Any, AsyncIterator, Callable
 
-from sse_starlette.sse import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import AppStatus, EventSourceResponse, ServerSentEvent
+
+# sse-starlette ends every stream as soon as uvicorn is told to exit (SIGTERM): streams would not
+# get the --shutdown-timeout that other requests get. Uvicorn's graceful timeout bounds them.
+if hasattr(AppStatus, "disable_automatic_graceful_drain"):
+    AppStatus.disable_automatic_graceful_drain()
 
 
 def sse_response(

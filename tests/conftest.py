@@ -80,6 +80,40 @@ class LiveServer:
         self.stop()
 
 
+def serve_captured(argv: list[str]) -> dict:
+    """Run `oss-agent serve ARGV` up to the point of serving: what it would hand uvicorn (the
+    app and the server settings), with no server started and so no model loaded."""
+    import logging
+
+    import uvicorn
+
+    from agent_server.cli import build_parser
+    from agent_server.serve_command import run
+
+    captured: dict = {}
+
+    class CapturedServer:
+        def __init__(self, config):
+            captured.update(app=config.app, timeout_graceful_shutdown=config.timeout_graceful_shutdown,
+                            access_log=config.access_log, port=config.port)
+            self.should_exit = False
+
+        def run(self):
+            pass
+
+    root = logging.getLogger()
+    filters = {h: list(h.filters) for h in root.handlers}
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(uvicorn, "Server", CapturedServer)
+            assert run(build_parser().parse_args(["serve", *argv])) == 0
+        captured["log_filters"] = [f for h in root.handlers for f in h.filters]
+    finally:
+        for handler, kept in filters.items():  # (run adds its request-id filter to the root's handlers)
+            handler.filters[:] = kept
+    return captured
+
+
 def make_app(engine_factory, store_path: Path, *, tools=None, api_key: str | None = None, **config):
     from agent_server.app import create_app
     from agent_server.state import ServerConfig

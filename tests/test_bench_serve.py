@@ -307,3 +307,19 @@ def test_sse_lines_end_only_where_the_sse_format_ends_them():
 
     # U+2028, U+0085 and U+2029 stay inside the first event; CRLF, CR and a CR cut from its LF end lines.
     assert asyncio.run(read()) == ['{"a":"x\u2028y\x85z\u2029"}', "1\n2", "[DONE]"]
+
+
+def test_bench_serve_scrapes_the_metrics_with_the_api_key(tmp_path, capsys):
+    from tests.fake_engine import ScriptedEngine
+
+    engine = ScriptedEngine()
+    app = make_app(lambda: engine, tmp_path / "r.db", api_key="k3y")
+    with LiveServer(app, api_key="k3y") as server:
+        out = tmp_path / "serve.json"
+        rc = main(["bench", "serve", "--base-url", server.url, "--api-key", "k3y", "--num-prompts", "2",
+                   "--input-len", "16", "--output-len", "4", "--server-metrics", "--no-progress",
+                   "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "not available" not in printed
+    assert json.loads(out.read_text())["server_metrics"]["requests_by_status"] == {"200": 2}

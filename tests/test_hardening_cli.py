@@ -1,5 +1,5 @@
-"""`oss-agent serve` hardening flags reach the app and uvicorn (uvicorn.run is captured, so no
-server starts and no model loads: the engine is only built in the app's startup)."""
+"""`oss-agent serve` hardening flags reach the app and uvicorn (`serve_captured`: no server
+starts and no model loads, the engine is only built in the app's startup)."""
 
 from __future__ import annotations
 
@@ -9,33 +9,14 @@ import pytest
 
 from agent_server.cli import build_parser
 from agent_server.request_ids import RequestIdFilter
+from tests.conftest import serve_captured
 
 
-@pytest.fixture
-def served(monkeypatch):
-    import uvicorn
-
-    captured = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: captured.update(app=app, **kwargs))
-    root = logging.getLogger()
-    before = {h: list(h.filters) for h in root.handlers}
-    yield captured
-    for handler, filters in before.items():
-        handler.filters[:] = filters
-
-
-def serve(argv):
-    from agent_server.serve_command import run
-
-    args = build_parser().parse_args(["serve", *argv])
-    assert run(args) == 0
-    return args
-
-
-def test_hardening_flags(served, tiny_checkpoint, tmp_path):
-    serve(["--model", str(tiny_checkpoint), "--api-key", "k1", "--cors-origin", "https://a.example",
-           "--cors-origin", "https://b.example", "--max-request-bytes", "1000", "--max-input-items", "7",
-           "--shutdown-timeout", "4.5", "--store", str(tmp_path / "r.db")])
+def test_hardening_flags(tiny_checkpoint, tmp_path):
+    served = serve_captured([
+        "--model", str(tiny_checkpoint), "--api-key", "k1", "--cors-origin", "https://a.example", "--cors-origin",
+        "https://b.example", "--max-request-bytes", "1000", "--max-input-items", "7", "--shutdown-timeout", "4.5",
+        "--store", str(tmp_path / "r.db")])
     config = served["app"].state.server.config
     assert config.api_key == "k1"
     assert config.cors_origins == ["https://a.example", "https://b.example"]
@@ -43,25 +24,63 @@ def test_hardening_flags(served, tiny_checkpoint, tmp_path):
     # uvicorn gives open connections the same deadline, and our access log (with request ids)
     # replaces its own.
     assert served["timeout_graceful_shutdown"] == 4.5 and served["access_log"] is False
-    assert any(isinstance(f, RequestIdFilter) for h in logging.getLogger().handlers for f in h.filters)
+    assert any(isinstance(f, RequestIdFilter) for f in served["log_filters"])
 
 
-def test_defaults_are_safe(served, tiny_checkpoint, tmp_path, monkeypatch):
+def test_defaults_are_safe(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.delenv("OSS_AGENT_API_KEY", raising=False)
-    serve(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db")])
+    served = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db")])
     config = served["app"].state.server.config
     assert config.api_key is None and config.cors_origins == []  # CORS off unless configured
     assert config.max_request_bytes > 0 and config.max_input_items > 0 and config.shutdown_timeout > 0
 
 
-def test_api_key_from_the_environment(served, tiny_checkpoint, tmp_path, monkeypatch):
+def test_api_key_from_the_environment(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("OSS_AGENT_API_KEY", "from-env")
-    serve(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db")])
+    served = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db")])
     assert served["app"].state.server.config.api_key == "from-env"
 
 
-def test_listening_beyond_loopback_without_a_key_warns(served, tiny_checkpoint, tmp_path, monkeypatch, caplog):
+def test_listening_beyond_loopback_without_a_key_warns(tiny_checkpoint, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("OSS_AGENT_API_KEY", raising=False)
     with caplog.at_level(logging.WARNING, logger="oss_agent"):
-        serve(["--model", str(tiny_checkpoint), "--host", "0.0.0.0", "--store", str(tmp_path / "r.db")])
+        serve_captured(["--model", str(tiny_checkpoint), "--host", "0.0.0.0", "--store", str(tmp_path / "r.db")])
     assert any("without --api-key" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("flags", [["--port", "70000"], ["--port", "-1"], ["--log-level", "verbose"]])
+def test_bad_flags_are_argument_errors(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", *flags])
+    assert exit_info.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_a_model_folder_without_a_config_is_refused_at_once(tmp_path, caplog, monkeypatch):
+    import uvicorn
+
+    from agent_server.serve_command import run
+
+    monkeypatch.setattr(uvicorn, "Server", None)  # refused before a server is made
+    with caplog.at_level(logging.ERROR, logger="oss_agent"):
+        assert run(build_parser().parse_args(["serve", "--model", str(tmp_path / "nowhere")])) == 2
+    assert "no config.json" in caplog.text
+
+
+def test_a_server_whose_model_fails_to_load_exits_non_zero(tmp_path, caplog):
+    # A real uvicorn run (port 0): the load fails, the process does not stay up serving 503s.
+    import json
+
+    from agent_server.serve_command import run
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--port", "0", "--store",
+                                      str(tmp_path / "r.db"), "--log-level", "warning"])
+    root = logging.getLogger()
+    before = {h: list(h.filters) for h in root.handlers}
+    try:
+        with caplog.at_level(logging.ERROR):
+            assert run(args) == 1
+    finally:
+        for handler, filters in before.items():
+            handler.filters[:] = filters
+    assert "model_type" in caplog.text

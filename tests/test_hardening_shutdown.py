@@ -148,3 +148,31 @@ def test_shutdown_on_the_real_engine_stores_every_response(tmp_path, tiny_checkp
     assert all(records[r["id"]]["status"] == r["status"] for r in short)
     stats = engine.stats()
     assert stats.running == stats.waiting == 0 and stats.pages_used == 0
+
+
+def test_a_stream_finishing_within_the_grace_period_finishes_after_sigterm(tmp_path):
+    # What a SIGTERM does to uvicorn (sse-starlette hooks the same handler): a stream that
+    # needs less than the grace period ends with its last event, not cut off.
+    import signal
+
+    from sse_starlette.sse import AppStatus
+
+    engine = ScriptedEngine(token_delay=TOKEN_DELAY)
+    engine.say(paced_turn)
+    server = LiveServer(make_app(lambda: engine, tmp_path / "r.db", shutdown_timeout=DRAIN)).start()
+    server.server.config.timeout_graceful_shutdown = 5.0
+    kinds: list[str] = []
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/responses", timeout=30,
+                          json={"model": MODEL, "input": "please be medium", "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    kinds.append(line[6:].strip())
+                    if len(kinds) == 1:
+                        server.server.handle_exit(signal.SIGTERM, None)
+        server.thread.join(timeout=20)
+    finally:
+        AppStatus.should_exit = False  # (process-wide in sse-starlette: set by a drain it did)
+        server.stop()
+    assert kinds[-1] == "response.completed", kinds[-3:]
+    assert not server.thread.is_alive()

@@ -294,6 +294,40 @@ def test_python_mcp_and_function_steps_and_sending_a_function_output(fake_server
     assert page.turn(1).locator(".answer").inner_text() == "It is 21 °C in Paris."
 
 
+def test_a_message_typed_instead_of_a_function_output_goes_on(fake_server, page):
+    # The server continues a response that ended in calls only with their outputs: a typed
+    # message goes with them (a note for an empty box), so the chat does not wedge on 400s.
+    engine = fake_server.engine
+    engine.say(WEATHER_CALL)
+    page.open(fake_server)
+    page.page.click("#settings-button")
+    page.page.fill("#settings-tools", json.dumps([WEATHER_TOOL]))
+    page.page.click("#settings-save")
+    page.send("Weather in Paris?")
+    page.finished(0)
+    engine.say(final("Hello!"), final("Hello again!"))
+    page.send("Never mind, just say hello.")
+    page.finished(1)
+    page.send("Hello?")
+    page.finished(2)
+    first = fake_server.client().responses.retrieve(page.turn(0).get_attribute("data-response-id"))
+    assert page.sent[1]["input"] == [
+        {"type": "function_call_output", "call_id": first.output[-1].call_id,
+         "output": "(no output: the user wrote a message instead)"},
+        {"role": "user", "content": "Never mind, just say hello."}]
+    assert page.sent[2]["input"] == "Hello?"
+    assert page.turn(2).locator(".answer").inner_text() == "Hello again!"
+
+
+def test_the_pages_own_citation_marks_in_the_text_stay_text(fake_server, page):
+    fake_server.engine.say(final("Plain text with \ue0007\ue001 inside, and more after it."))
+    page.open(fake_server)
+    page.send("Say something.")
+    page.finished(0)
+    answer = page.turn(0).locator(".answer").inner_text()
+    assert "more after it" in answer and "\ue000" not in answer
+
+
 def test_stop_ends_the_generation_and_the_chat_goes_on(fake_server, page):
     engine = fake_server.engine
     engine.say(final("Ready."))

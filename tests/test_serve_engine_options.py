@@ -1,5 +1,5 @@
 """`oss-agent serve` engine flags (--gpu-memory-utilization, --num-pages, --max-num-seqs) reach
-the engine's `EngineConfig`. uvicorn.run is captured; the captured app is then served for real,
+the engine's `EngineConfig`. uvicorn is not started; the app serve makes is then served for real,
 so its startup builds the engine from the flags on the tiny checkpoint."""
 
 from __future__ import annotations
@@ -7,29 +7,19 @@ from __future__ import annotations
 import pytest
 
 from agent_server.cli import build_parser
-from tests.conftest import LiveServer
-
-
-@pytest.fixture
-def captured(monkeypatch):
-    import uvicorn
-
-    apps = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.update(app=app))
-    return apps
+from tests.conftest import LiveServer, serve_captured
 
 
 def serve(argv):
-    from agent_server.serve_command import run
+    """The app `oss-agent serve ARGV` would serve."""
+    return serve_captured(argv)["app"]
 
-    assert run(build_parser().parse_args(["serve", *argv])) == 0
 
-
-def test_engine_flags_reach_the_engine_config(captured, tiny_checkpoint, tmp_path):
-    serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"),
-           "--gpu-memory-utilization", "0.55", "--num-pages", "96", "--max-num-seqs", "8",
-           "--engine-option", "num_pages=500", "--engine-option", "enforce_eager=True"])
-    with LiveServer(captured["app"]) as server:
+def test_engine_flags_reach_the_engine_config(tiny_checkpoint, tmp_path):
+    app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"),
+                 "--gpu-memory-utilization", "0.55", "--num-pages", "96", "--max-num-seqs", "8",
+                 "--engine-option", "num_pages=500", "--engine-option", "enforce_eager=True"])
+    with LiveServer(app) as server:
         engine = server.engine.engine  # AsyncEngine -> LLMEngine
         config = engine.config
         assert (config.gpu_memory_utilization, config.num_pages, config.max_num_seqs) == (0.55, 96, 8)
@@ -38,11 +28,11 @@ def test_engine_flags_reach_the_engine_config(captured, tiny_checkpoint, tmp_pat
         assert engine.scheduler.max_num_seqs == 8
 
 
-def test_engine_flags_default_to_the_engine_defaults(captured, tiny_checkpoint, tmp_path):
+def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
     from inference.engine import EngineConfig
 
-    serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
-    with LiveServer(captured["app"]) as server:
+    app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
+    with LiveServer(app) as server:
         config = server.engine.engine.config
         assert (config.gpu_memory_utilization, config.num_pages, config.max_num_seqs) == (
             EngineConfig.gpu_memory_utilization, None, EngineConfig.max_num_seqs)
@@ -57,23 +47,23 @@ def test_bad_engine_flags_are_refused_by_name(flag, value, capsys):
     assert info.value.code == 2 and flag in capsys.readouterr().err
 
 
-def test_engine_process_flag_serves_the_same_engine_in_a_child_process(captured, tiny_checkpoint, tmp_path):
+def test_engine_process_flag_serves_the_same_engine_in_a_child_process(tiny_checkpoint, tmp_path):
     import os
 
     from inference.engine import AsyncEngine
     from inference.engine_process import EngineProcess
 
-    serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"), "--engine-process",
-           "--num-pages", "96", "--max-model-len", "256"])
-    with LiveServer(captured["app"]) as server:
+    app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"), "--engine-process",
+                 "--num-pages", "96", "--max-model-len", "256"])
+    with LiveServer(app) as server:
         engine = server.engine
         assert isinstance(engine, EngineProcess) and engine.pid != os.getpid()
         assert engine.stats().pages_total == 96 and engine.max_model_len == 256
         reply = server.client().chat.completions.create(
             model=engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert reply.usage.completion_tokens == 4
-    serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
-    with LiveServer(captured["app"]) as server:  # on CPU the default is the engine thread
+    app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
+    with LiveServer(app) as server:  # on CPU the default is the engine thread
         assert isinstance(server.engine, AsyncEngine)
 
 

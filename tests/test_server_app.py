@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import httpx
 import openai
@@ -158,3 +159,65 @@ def test_cli_has_serve_and_generate():
 
     assert engine_options(args) == {"num_pages": 64}
     assert build_parser().parse_args(["generate", "hello"]).command == "generate"
+
+
+def test_health_answers_while_the_model_loads_and_fails_when_it_cannot(tmp_path):
+    # The engine is built on a worker thread: the event loop answers meanwhile.
+    import threading
+
+    from tests.fake_engine import ScriptedEngine
+
+    release = threading.Event()
+
+    def slow_factory():
+        release.wait(20)
+        return ScriptedEngine()
+
+    server = LiveServer(make_app(slow_factory, tmp_path / "a.db"))
+    server.thread.start()
+    try:
+        while not server.server.started:
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{server.server.servers[0].sockets[0].getsockname()[1]}"
+        assert httpx.get(f"{url}/health", timeout=2).json() == {"status": "ok"}
+        assert httpx.get(f"{url}/ready", timeout=2).json()["status"] == "loading"
+        release.set()
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/ready", timeout=2).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        release.set()
+        server.stop()
+
+    # Stopped while it loads: the engine the thread goes on to build is shut down, not leaked.
+    release.clear()
+    built = []
+
+    def factory_stopped_midway():
+        release.wait(20)
+        built.append(ScriptedEngine())
+        return built[-1]
+
+    midway = LiveServer(make_app(factory_stopped_midway, tmp_path / "c.db"))
+    midway.thread.start()
+    while not midway.server.started:
+        time.sleep(0.01)
+    midway.server.should_exit = True
+    time.sleep(0.3)
+    assert midway.thread.is_alive()  # waiting for the load to end
+    release.set()
+    midway.thread.join(timeout=20)
+    assert not midway.thread.is_alive() and built and built[0].shut_down
+
+    def broken_factory():
+        raise RuntimeError("no such model")
+
+    broken = LiveServer(make_app(broken_factory, tmp_path / "b.db"))
+    try:
+        with pytest.raises(RuntimeError, match="failed to start"):
+            broken.start()
+        health = httpx.get(f"{broken.url}/health", timeout=2)  # a liveness probe restarts it
+        assert health.status_code == 503 and "no such model" in health.json()["error"]
+    finally:
+        broken.stop()

@@ -133,6 +133,11 @@ async def test_caller_giving_up_mid_cell_leaves_nothing_running(sandbox):
     assert processes_mentioning(scratch_name) == []
     result = await sandbox.execute("'fresh'")
     assert result.tool_text().startswith("'fresh'") and "new one" in result.note
+    # The next call at once, before the killed worker is reaped: it runs, in a new session.
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(sandbox.execute("while True: pass"), 0.5)
+    result = await sandbox.execute("'again'")
+    assert result.tool_text().startswith("'again'") and "new one" in result.note
 
 
 async def test_fork_bomb_is_contained(sandbox, isolation):

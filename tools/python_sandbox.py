@@ -213,6 +213,7 @@ class PythonSandbox:
         self.scratch_dir: str | None = None
         self.report: IsolationReport | None = None
         self._process: asyncio.subprocess.Process | None = None
+        self._killed = False  # killed mid-cell by a cancelled call: the next call starts anew
         self._stdout = _StreamCapture(self._capture_bytes)
         self._stderr = _StreamCapture(self._capture_bytes)
         self._pumps: list[asyncio.Task] = []
@@ -225,7 +226,8 @@ class PythonSandbox:
 
     @property
     def running(self) -> bool:
-        return self._process is not None and self._process.returncode is None
+        # (a worker killed mid-cell may not be reaped yet: its returncode can still be None)
+        return self._process is not None and self._process.returncode is None and not self._killed
 
     async def start(self) -> IsolationReport:
         """Start the worker (if not running) and return what confinement it achieved."""
@@ -248,6 +250,7 @@ class PythonSandbox:
 
     async def _spawn_once(self) -> None:
         await self._stop_process()
+        self._killed = False
         if self.scratch_dir is None:
             self.scratch_dir = tempfile.mkdtemp(prefix="oss-agent-python-", dir=self.scratch_root)
         hello = secrets.token_hex(16)
@@ -323,8 +326,10 @@ class PythonSandbox:
             try:
                 result = await self._run_cell(code)
             except asyncio.CancelledError:
-                # The caller gave up mid-cell: don't leave a cell running into the next call.
+                # The caller gave up mid-cell: don't leave a cell running into the next call,
+                # which starts a new session (the kill is reaped there).
                 self._kill_now()
+                self._killed = True
                 raise
             if restarted:
                 result.note = " ".join(filter(None, [restarted, result.note]))

@@ -179,6 +179,7 @@ const conversation = {
   previousResponseId: null, // the last response that can be continued (completed or incomplete)
   controller: null,
   turn: null,
+  takeOutputs: null, // while the last turn's function calls wait: their outputs as input items
 };
 
 function setBusy(busy) {
@@ -282,16 +283,31 @@ function offerFunctionOutputs(turn) {
   const bar = el("div", "function-bar");
   bar.appendChild(button);
   turn.items.appendChild(bar);
-  button.addEventListener("click", () => {
-    if (conversation.controller) return;
-    const outputs = calls.map(({ item, view }) => ({ item, view, output: view.outputBox.value }));
+  // The server continues a response only with its calls' outputs: a message typed instead of
+  // them goes with whatever the boxes hold (a note when empty), so the chat never wedges.
+  conversation.takeOutputs = (fallback) => {
+    conversation.takeOutputs = null;
+    const outputs = calls.map(({ item, view }) => ({ item, view, output: view.outputBox.value || fallback }));
     bar.remove();
     for (const { view, output } of outputs) view.setOutput(output);
+    return outputs;
+  };
+  button.addEventListener("click", () => {
+    if (conversation.controller || !conversation.takeOutputs) return;
+    const outputs = conversation.takeOutputs("");
     send(outputs.map(({ item, output }) => ({ type: "function_call_output", call_id: item.call_id, output })), {
       label: outputs.map(({ item, output }) => `${item.name} → ${output}`).join("\n"),
       labelClass: "tool-output",
     });
   });
+}
+
+/** A typed message: after unanswered function calls, it goes with their outputs. */
+function sendMessage(text) {
+  if (!conversation.takeOutputs) return send(text);
+  const outputs = conversation.takeOutputs("(no output: the user wrote a message instead)");
+  const items = outputs.map(({ item, output }) => ({ type: "function_call_output", call_id: item.call_id, output }));
+  return send([...items, { role: "user", content: text }], { label: text });
 }
 
 function stop() {
@@ -301,6 +317,7 @@ function stop() {
 function newChat() {
   stop();
   conversation.previousResponseId = null;
+  conversation.takeOutputs = null;
   for (const turn of [...ui.log.querySelectorAll(".turn")]) turn.remove();
   ui.empty.hidden = false;
   ui.input.focus();
@@ -319,7 +336,7 @@ ui.form.addEventListener("submit", (event) => {
   if (!text || conversation.controller) return;
   ui.input.value = "";
   autosize();
-  send(text);
+  sendMessage(text);
 });
 ui.input.addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {

@@ -139,7 +139,9 @@ class MessageView {
       .map((a, n) => ({ ...a, n }))
       .filter((a) => a && a.type === "url_citation" && Number.isInteger(a.start_index) && a.end_index >= a.start_index)
       .sort((a, b) => a.start_index - b.start_index);
-    const chars = Array.from(this.text);
+    // The marker characters are the page's own: in the text (the model may write them, or quote
+    // a page that has them) they would fake a citation, so they go. One for one: offsets hold.
+    const chars = Array.from(this.text).map((c) => (c === CITE_OPEN || c === CITE_CLOSE ? "\uFFFD" : c));
     let out = "";
     let last = 0;
     for (const a of citations) {
@@ -153,7 +155,7 @@ class MessageView {
   render() {
     const started = performance.now();
     const annotations = this.annotations;
-    const label = (n) => annotations[n].title || hostOf(annotations[n].url);
+    const label = (n) => annotations[n]?.title || hostOf(annotations[n]?.url || "");
     const fragment = renderMarkdown(this.marked(), {
       citation: (n) => {
         const link = externalLink(annotations[n].url, label(n));
