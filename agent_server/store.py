@@ -64,9 +64,11 @@ class SQLiteResponseStore:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, created_at REAL, record TEXT NOT NULL)"
             )
-            # Which response holds each input and output item (`item_reference` finds them).
-            self._db.execute("CREATE TABLE IF NOT EXISTS items (id TEXT PRIMARY KEY, response_id TEXT NOT NULL)")
-            self._db.execute("CREATE INDEX IF NOT EXISTS items_by_response ON items (response_id)")
+            # Which responses hold each input and output item (`item_reference` finds them); an
+            # item given again as input, by reference or whole, is in several.
+            self._db.execute("CREATE TABLE IF NOT EXISTS response_items (id TEXT NOT NULL, response_id TEXT NOT NULL, "
+                             "PRIMARY KEY (id, response_id))")
+            self._db.execute("CREATE INDEX IF NOT EXISTS response_items_by_response ON response_items (response_id)")
         self._open_existing()
 
     def _open_existing(self) -> None:
@@ -74,7 +76,7 @@ class SQLiteResponseStore:
         store written before the item index existed has its items indexed."""
         with self._lock:
             rows = self._db.execute("SELECT record FROM responses").fetchall()
-            unindexed = self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM items)").fetchone()[0]
+            unindexed = self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM response_items)").fetchone()[0]
         for (raw,) in rows:
             record = StoredResponse(**json.loads(raw))
             if record.status in ("queued", "in_progress"):
@@ -84,8 +86,7 @@ class SQLiteResponseStore:
                 self._put(record)
             elif unindexed:
                 with self._lock, self._db:
-                    self._db.executemany("INSERT OR REPLACE INTO items (id, response_id) VALUES (?, ?)",
-                                         [(item_id, record.id) for item_id in _item_ids(record)])
+                    self._index(record)
 
     def _put(self, record: StoredResponse) -> None:
         raw = json.dumps(asdict(record), separators=(",", ":"))
@@ -94,9 +95,12 @@ class SQLiteResponseStore:
                 "INSERT OR REPLACE INTO responses (id, created_at, record) VALUES (?, ?, ?)",
                 (record.id, record.created_at, raw),
             )
-            self._db.execute("DELETE FROM items WHERE response_id = ?", (record.id,))
-            self._db.executemany("INSERT OR REPLACE INTO items (id, response_id) VALUES (?, ?)",
-                                 [(item_id, record.id) for item_id in _item_ids(record)])
+            self._db.execute("DELETE FROM response_items WHERE response_id = ?", (record.id,))
+            self._index(record)
+
+    def _index(self, record: StoredResponse) -> None:
+        self._db.executemany("INSERT OR IGNORE INTO response_items (id, response_id) VALUES (?, ?)",
+                             [(item_id, record.id) for item_id in _item_ids(record)])
 
     def _get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -105,16 +109,18 @@ class SQLiteResponseStore:
 
     def _delete(self, response_id: str) -> bool:
         with self._lock, self._db:
-            self._db.execute("DELETE FROM items WHERE response_id = ?", (response_id,))
+            self._db.execute("DELETE FROM response_items WHERE response_id = ?", (response_id,))
             return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
 
     def _find_item(self, item_id: str) -> dict[str, Any] | None:
         with self._lock:
-            row = self._db.execute("SELECT response_id FROM items WHERE id = ?", (item_id,)).fetchone()
-        record = self._get(row[0]) if row else None
-        if record is None:
-            return None
-        return next((item for item in _items(record) if item.get("id") == item_id), None)
+            rows = self._db.execute("SELECT response_id FROM response_items WHERE id = ?", (item_id,)).fetchall()
+        for (response_id,) in rows:
+            record = self._get(response_id)
+            found = next((item for item in _items(record) if item.get("id") == item_id), None) if record else None
+            if found is not None:
+                return found
+        return None
 
     async def get(self, response_id: str) -> StoredResponse | None:
         return await asyncio.to_thread(self._get, response_id)

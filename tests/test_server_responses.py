@@ -417,7 +417,7 @@ def test_stored_responses_survive_a_restart(tmp_path):
         assert "Hello! How can I help?" in prompt_text(engine.calls[0]) and second.output_text == "Welcome back."
     # A store written before the item index existed gets one when it is opened.
     with sqlite3.connect(store) as db:
-        db.execute("DROP TABLE items")
+        db.execute("DROP TABLE response_items")
     engine = ScriptedEngine().say(ANSWER)
     with LiveServer(make_app(lambda: engine, store)) as server:
         server.client().responses.create(model=MODEL, input=[{"type": "item_reference", "id": first.output[-1].id}])
@@ -455,7 +455,13 @@ def test_items_are_referenced_by_id(tool_server, fake_tools):
     gone = client.responses.create(model=MODEL, input="Hi")
     client.responses.delete(gone.id)
     assert refused(gone.output[-1].id, index=1)["param"] == "input[1].id"  # deleted with its response
-    # The items referenced belong to the new response too: deleting the first leaves them there.
+    # The items referenced belong to the new response too: deleting either leaves the other's.
+    engine.say(ANSWER)
+    again = client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": answer.id}])
+    client.responses.delete(again.id)
+    engine.say(ANSWER)
+    client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": answer.id}])
+    assert "Apache-2.0 licensed" in prompt_text(engine.calls[-1])
     client.responses.delete(searched.id)
     engine.say(ANSWER)
     client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": answer.id}])
