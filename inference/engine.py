@@ -707,8 +707,9 @@ class RequestStream:
         self._queue = DeltaQueue(client, request_id)
         try:
             client._open(self.request, self._queue)
-        except BaseException:
-            self._abandon()
+        except BaseException:  # not sent: nothing to abort, and the id is free again
+            client._active.discard(request_id)
+            self._done = True
             raise
 
     def __aiter__(self) -> RequestStream:
