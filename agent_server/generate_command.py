@@ -10,12 +10,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .serve_command import positive_int
+
+
+def temperature(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 2:  # (the APIs' range)
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2, got {text}")
+    return value
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the user's message")
     parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--max-tokens", type=positive_int, default=256)
+    parser.add_argument("--temperature", type=temperature, default=0.0, help="0 means greedy (at most 2)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default="medium")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

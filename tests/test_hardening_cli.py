@@ -48,11 +48,13 @@ def test_listening_beyond_loopback_without_a_key_warns(tiny_checkpoint, tmp_path
     assert any("without --api-key" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("flags", [["--port", "70000"], ["--port", "-1"], ["--log-level", "verbose"]])
-def test_bad_flags_are_argument_errors(flags, capsys):
+@pytest.mark.parametrize("argv", [["serve", "--port", "70000"], ["serve", "--port", "-1"],
+                                  ["serve", "--log-level", "verbose"], ["generate", "hi", "--max-tokens", "0"],
+                                  ["generate", "hi", "--temperature", "-1"]])
+def test_bad_flags_are_argument_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(["serve", *flags])
-    assert exit_info.value.code == 2 and flags[0] in capsys.readouterr().err
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2 and argv[-2] in capsys.readouterr().err
 
 
 def test_a_model_folder_without_a_config_is_refused_at_once(tmp_path, caplog, monkeypatch):
