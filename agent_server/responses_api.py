@@ -47,7 +47,7 @@ from .runs import ResponseRun
 from .sse import sdk_event, sse_response
 from .state import ServerState
 from .store import StoredResponse
-from .tool_registry import ToolSessions
+from .tool_registry import ActiveTools, ToolSessions
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
 
     active = state.tools.select(req.tools, enabled=req.tool_choice != "none")
     notes = _tool_choice_notes(req)
+    _check_mcp_choice(req, active)
     converted = input_to_messages(items, known_calls)
     input_instructions = chain_instructions + converted.instructions
     instructions = "\n\n".join(t for t in [req.instructions, *input_instructions, *notes] if t)
@@ -262,6 +263,17 @@ def _check_calls_answered(previous: StoredResponse, items: list[Any]) -> None:
     for output in previous.response.get("output", []):
         if output.get("type") == "function_call" and output.get("call_id") not in answered:
             raise APIError(f"No tool output found for function call {output.get('call_id')}.", param="input")
+
+
+def _check_mcp_choice(req: ResponseCreateRequest, active: ActiveTools) -> None:
+    """A tool choice naming an MCP tool names one its server has (and `allowed_tools` keeps)."""
+    choice = req.tool_choice
+    if not isinstance(choice, ToolChoiceMcp) or not choice.name:
+        return
+    for binding in active.mcp.values():
+        if binding.label == choice.server_label and not any(t.name == choice.name for t in binding.namespace.tools):
+            raise APIError(f"Tool choice '{choice.name}' is not a tool of the '{choice.server_label}' server.",
+                           param="tool_choice.name")
 
 
 def _tool_choice_notes(req: ResponseCreateRequest) -> list[str]:

@@ -106,6 +106,18 @@ def fraction(text: str) -> float:
     return value
 
 
+def python_limits(tool_timeout: float):
+    """The python tool's limits under `--tool-timeout`: a cell is interrupted (its session kept)
+    before the server gives up on the call (which ends the session), and the model is told so."""
+    from dataclasses import replace
+
+    from tools.python_sandbox import SandboxLimits
+
+    limits = SandboxLimits()
+    before_the_cancel = tool_timeout - limits.interrupt_grace_seconds - 1.0
+    return replace(limits, wall_seconds=min(limits.wall_seconds, max(1.0, before_the_cancel)))
+
+
 def port_number(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:  # (the socket layer would take 70000 as 70000 - 65536)
@@ -161,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
         async def tool_servers():
             from tools.tool_server import start_tool_servers
 
-            return await start_tool_servers(args.tool_server, search_dir=args.search_dir,
-                                            exa_api_key=args.exa_api_key)
+            return await start_tool_servers(args.tool_server, search_dir=args.search_dir, exa_api_key=args.exa_api_key,
+                                            python_limits=python_limits(args.tool_timeout))
 
     config = ServerConfig(
         model_name=name,

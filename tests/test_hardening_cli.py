@@ -86,3 +86,14 @@ def test_a_server_whose_model_fails_to_load_exits_non_zero(tmp_path, caplog):
         for handler, filters in before.items():
             handler.filters[:] = filters
     assert "model_type" in caplog.text
+
+
+def test_python_cells_stop_before_the_tool_timeout():
+    # The sandbox interrupts a cell (its session kept) before the server cancels the call (which
+    # ends the session), and the tool's description tells the model that limit.
+    from agent_server.serve_command import python_limits
+
+    assert python_limits(300.0).wall_seconds == 60.0  # the sandbox's own limit
+    short = python_limits(10.0)
+    assert short.wall_seconds + short.interrupt_grace_seconds < 10.0
+    assert python_limits(0.5).wall_seconds == 1.0

@@ -637,6 +637,13 @@ def test_requests_openai_refuses_are_refused(fake_server):
     assert refused({"input": "x", "tool_choice": "required"})["param"] == "tool_choice"
     error = refused({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}})
     assert error["param"] == "tool_choice.type" and "web_search_preview" in error["message"]
+    mcp = {"type": "mcp", "server_label": "weather", "require_approval": "never"}
+    error = refused({"input": "x", "tools": [mcp], "tool_choice": {"type": "mcp", "server_label": "weather",
+                                                                  "name": "get_horoscope"}})
+    assert error["param"] == "tool_choice.name" and "get_horoscope" in error["message"]
+    chosen = client.responses.create(model=MODEL, input="x", tools=[mcp], tool_choice={
+        "type": "mcp", "server_label": "weather", "name": "get_forecast"})
+    assert "`get_forecast` of the `weather` server" in prompt_text(engine.calls[-1]) and chosen.status == "completed"
     # A response that ended in function calls continues with their outputs.
     engine.say(WEATHER_CALL)
     first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER_TOOL])
