@@ -32,7 +32,7 @@ from .request_parsing import read_request
 from .sse import data_only, sse_response
 from .state import ServerState
 from .stop_strings import StopStringMatcher
-from .token_bytes import token_bytes
+from .token_bytes import is_special, token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class ChoiceStream:
                 piece = ChoicePiece(self.index)
                 for i, token in enumerate(delta.token_ids):
                     self.usage.completion += 1
-                    if self.want_logprobs and delta.logprobs:
+                    if self.want_logprobs and delta.logprobs and not is_special(token):  # (markup: no text)
                         self.pending_logprobs.append(_logprob_entry(delta.logprobs[i], self.top_logprobs))
                     self._apply(stream.feed(token), piece)
                     if self.stops.stopped or self.calls_done:

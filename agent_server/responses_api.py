@@ -258,10 +258,12 @@ def _check_item_ids(items: list[Any]) -> None:
 
 
 def _check_calls_answered(previous: StoredResponse, items: list[Any]) -> None:
-    """A response that ended in function calls continues with their outputs, as in OpenAI."""
+    """A response that ended in function calls continues with their outputs, as in OpenAI (not
+    a call the token limit cut short: nobody can run that)."""
     answered = {item.call_id for item in items if isinstance(item, FunctionCallOutputItem)}
     for output in previous.response.get("output", []):
-        if output.get("type") == "function_call" and output.get("call_id") not in answered:
+        if (output.get("type") == "function_call" and output.get("status") == "completed"
+                and output.get("call_id") not in answered):
             raise APIError(f"No tool output found for function call {output.get('call_id')}.", param="input")
 
 

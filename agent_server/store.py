@@ -114,7 +114,9 @@ class SQLiteResponseStore:
 
     def _find_item(self, item_id: str) -> dict[str, Any] | None:
         with self._lock:
-            rows = self._db.execute("SELECT response_id FROM response_items WHERE id = ?", (item_id,)).fetchall()
+            rows = self._db.execute(  # the newest response holding it first
+                "SELECT i.response_id FROM response_items i JOIN responses r ON r.id = i.response_id "
+                "WHERE i.id = ? ORDER BY r.created_at DESC", (item_id,)).fetchall()
         for (response_id,) in rows:
             record = self._get(response_id)
             found = next((item for item in _items(record) if item.get("id") == item_id), None) if record else None

@@ -319,6 +319,30 @@ def test_a_message_typed_instead_of_a_function_output_goes_on(fake_server, page)
     assert page.turn(2).locator(".answer").inner_text() == "Hello again!"
 
 
+def test_outputs_that_did_not_get_through_go_with_the_next_message(fake_server, page):
+    engine = fake_server.engine
+    engine.say(WEATHER_CALL)
+    page.open(fake_server)
+    page.page.click("#settings-button")
+    page.page.fill("#settings-tools", json.dumps([WEATHER_TOOL]))
+    page.page.click("#settings-save")
+    page.send("Weather in Paris?")
+    page.finished(0)
+    page.turn(0).locator("textarea.function-output").fill("21 °C")
+    page.page.route("**/v1/responses", lambda route: route.abort())  # the outputs' request fails
+    page.turn(0).locator(".function-bar button").click()
+    page.finished(1, "failed")
+    page.page.unroute("**/v1/responses")
+    page.errors.clear()  # (Chromium logs the aborted request)
+    engine.say(final("It is 21 °C."))
+    page.send("So?")
+    page.finished(2)
+    call_id = fake_server.client().responses.retrieve(page.turn(0).get_attribute("data-response-id")).output[-1].call_id
+    assert page.sent[-1]["input"] == [{"type": "function_call_output", "call_id": call_id, "output": "21 °C"},
+                                      {"role": "user", "content": "So?"}]
+    assert page.turn(2).locator(".answer").inner_text() == "It is 21 °C."
+
+
 def test_the_pages_own_citation_marks_in_the_text_stay_text(fake_server, page):
     fake_server.engine.say(final("Plain text with \ue0007\ue001 inside, and more after it."))
     page.open(fake_server)

@@ -173,7 +173,10 @@ def test_stop_strings_and_length(fake_server):
     engine.say("<|channel|>final<|message|>one two three four five<|return|>")
     stopped = client.chat.completions.create(model=MODEL, messages=HELLO, stop=["three"])
     assert stopped.choices[0].message.content == "one two " and stopped.choices[0].finish_reason == "stop"
-    assert engine.calls[-1].finish_reason == "abort"  # generation stopped at the stop string
+    deadline = time.monotonic() + 10  # generation is stopped at the stop string (the abort lands after the reply)
+    while engine.calls[-1].finish_reason != "abort":
+        assert time.monotonic() < deadline, engine.calls[-1].finish_reason
+        time.sleep(0.01)
 
     engine.say("<|channel|>final<|message|>one two three four five<|return|>")
     _, choices = collect(client.chat.completions.create(model=MODEL, messages=HELLO, stop="thr", stream=True))
@@ -195,6 +198,11 @@ def test_stop_strings_and_length(fake_server):
     engine.say("<|channel|>final<|message|>one two three four five<|return|>")
     kept = client.chat.completions.create(model=MODEL, messages=HELLO, stop=["fiver"], logprobs=True).choices[0]
     assert spelled(kept.logprobs.content) == kept.message.content == "one two three four five"
+    # Malformed output shows no Harmony markup, and its logprobs spell no markup either.
+    engine.say("<|channel|>final" + " word" * 60 + "<|message|>hi<|return|>")
+    malformed = client.chat.completions.create(model=MODEL, messages=HELLO, logprobs=True).choices[0]
+    assert "<|" not in malformed.message.content
+    assert spelled(malformed.logprobs.content) == malformed.message.content
 
     engine.say(REASONED)
     short = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=9)

@@ -451,6 +451,13 @@ def test_items_are_referenced_by_id(tool_server, fake_tools):
         return r.json()["error"]
 
     assert refused("msg_nowhere")["param"] == "input[0].id"
+    # An id several responses hold (a client that keeps an edited message's id): the newest.
+    for n in range(4):
+        engine.say(ANSWER)
+        client.responses.create(model=MODEL, input=[{"role": "user", "content": f"version {n}", "id": "msg_edit"}])
+    engine.say(ANSWER)
+    client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": "msg_edit"}])
+    assert "version 3" in prompt_text(engine.calls[-1])
     engine.say(ANSWER)
     gone = client.responses.create(model=MODEL, input="Hi")
     client.responses.delete(gone.id)
@@ -654,6 +661,14 @@ def test_requests_openai_refuses_are_refused(fake_server):
     answered = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL], input=[
         {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
     assert answered.status == "completed"
+    # A call the token limit cut short needs no output: nobody could run it.
+    engine.say(WEATHER_CALL)
+    cut = client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER_TOOL], max_output_tokens=12)
+    assert cut.status == "incomplete" and cut.output[-1].type == "function_call"
+    assert cut.output[-1].status == "incomplete"
+    engine.say(ANSWER)
+    assert client.responses.create(model=MODEL, input="Go on.", previous_response_id=cut.id,
+                                   tools=[WEATHER_TOOL]).status == "completed"
 
 
 def test_listed_input_items_are_the_sdk_types_strictly(fake_server):

@@ -179,7 +179,9 @@ const conversation = {
   previousResponseId: null, // the last response that can be continued (completed or incomplete)
   controller: null,
   turn: null,
-  takeOutputs: null, // while the last turn's function calls wait: their outputs as input items
+  // The function calls the response at previousResponseId ended in: until a response answers
+  // them, every request sends their outputs (the server continues such a response only so).
+  pendingCalls: [],
 };
 
 function setBusy(busy) {
@@ -266,6 +268,7 @@ async function send(input, { label, labelClass } = {}) {
     setBusy(false);
     if (turn.response && ["completed", "incomplete"].includes(turn.state)) {
       conversation.previousResponseId = turn.response.id;
+      conversation.pendingCalls = [];
     }
     offerFunctionOutputs(turn);
     followStream(nearBottom());
@@ -283,31 +286,33 @@ function offerFunctionOutputs(turn) {
   const bar = el("div", "function-bar");
   bar.appendChild(button);
   turn.items.appendChild(bar);
-  // The server continues a response only with its calls' outputs: a message typed instead of
-  // them goes with whatever the boxes hold (a note when empty), so the chat never wedges.
-  conversation.takeOutputs = (fallback) => {
-    conversation.takeOutputs = null;
-    const outputs = calls.map(({ item, view }) => ({ item, view, output: view.outputBox.value || fallback }));
-    bar.remove();
-    for (const { view, output } of outputs) view.setOutput(output);
-    return outputs;
-  };
+  conversation.pendingCalls = calls;
   button.addEventListener("click", () => {
-    if (conversation.controller || !conversation.takeOutputs) return;
-    const outputs = conversation.takeOutputs("");
-    send(outputs.map(({ item, output }) => ({ type: "function_call_output", call_id: item.call_id, output })), {
-      label: outputs.map(({ item, output }) => `${item.name} → ${output}`).join("\n"),
+    if (conversation.controller) return;
+    const outputs = pendingOutputs("");
+    bar.remove();
+    send(outputs, {
+      label: conversation.pendingCalls.map(({ item }, i) => `${item.name} → ${outputs[i].output}`).join("\n"),
       labelClass: "tool-output",
     });
   });
 }
 
-/** A typed message: after unanswered function calls, it goes with their outputs. */
+/** The pending calls' outputs as input items: what their boxes hold (or `fallback`), shown as sent. */
+function pendingOutputs(fallback) {
+  return conversation.pendingCalls.map(({ item, view }) => {
+    const output = view.outputBox ? view.outputBox.value || fallback : view.output;
+    if (view.outputBox) view.setOutput(output);
+    return { type: "function_call_output", call_id: item.call_id, output };
+  });
+}
+
+/** A typed message; after unanswered function calls, it goes with their outputs. */
 function sendMessage(text) {
-  if (!conversation.takeOutputs) return send(text);
-  const outputs = conversation.takeOutputs("(no output: the user wrote a message instead)");
-  const items = outputs.map(({ item, output }) => ({ type: "function_call_output", call_id: item.call_id, output }));
-  return send([...items, { role: "user", content: text }], { label: text });
+  if (!conversation.pendingCalls.length) return send(text);
+  const outputs = pendingOutputs("(no output: the user wrote a message instead)");
+  for (const bar of ui.log.querySelectorAll(".function-bar")) bar.remove();
+  return send([...outputs, { role: "user", content: text }], { label: text });
 }
 
 function stop() {
@@ -317,7 +322,7 @@ function stop() {
 function newChat() {
   stop();
   conversation.previousResponseId = null;
-  conversation.takeOutputs = null;
+  conversation.pendingCalls = [];
   for (const turn of [...ui.log.querySelectorAll(".turn")]) turn.remove();
   ui.empty.hidden = false;
   ui.input.focus();
