@@ -294,9 +294,8 @@ def test_python_mcp_and_function_steps_and_sending_a_function_output(fake_server
     assert page.turn(1).locator(".answer").inner_text() == "It is 21 °C in Paris."
 
 
-def test_a_message_typed_instead_of_a_function_output_goes_on(fake_server, page):
-    # The server continues a response that ended in calls only with their outputs: a typed
-    # message goes with them (a note for an empty box), so the chat does not wedge on 400s.
+def ask_for_the_weather(fake_server, page) -> ScriptedEngine:
+    """A chat whose first turn ends in a get_weather call, left waiting for its output."""
     engine = fake_server.engine
     engine.say(WEATHER_CALL)
     page.open(fake_server)
@@ -305,6 +304,13 @@ def test_a_message_typed_instead_of_a_function_output_goes_on(fake_server, page)
     page.page.click("#settings-save")
     page.send("Weather in Paris?")
     page.finished(0)
+    return engine
+
+
+def test_a_message_typed_instead_of_a_function_output_goes_on(fake_server, page):
+    # The server continues a response that ended in calls only with their outputs: a typed
+    # message goes with them (a note for an empty box), so the chat does not wedge on 400s.
+    engine = ask_for_the_weather(fake_server, page)
     engine.say(final("Hello!"), final("Hello again!"))
     page.send("Never mind, just say hello.")
     page.finished(1)
@@ -320,14 +326,7 @@ def test_a_message_typed_instead_of_a_function_output_goes_on(fake_server, page)
 
 
 def test_outputs_that_did_not_get_through_go_with_the_next_message(fake_server, page):
-    engine = fake_server.engine
-    engine.say(WEATHER_CALL)
-    page.open(fake_server)
-    page.page.click("#settings-button")
-    page.page.fill("#settings-tools", json.dumps([WEATHER_TOOL]))
-    page.page.click("#settings-save")
-    page.send("Weather in Paris?")
-    page.finished(0)
+    engine = ask_for_the_weather(fake_server, page)
     page.turn(0).locator("textarea.function-output").fill("21 °C")
     page.page.route("**/v1/responses", lambda route: route.abort())  # the outputs' request fails
     page.turn(0).locator(".function-bar button").click()
