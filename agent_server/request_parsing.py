@@ -5,7 +5,8 @@ upload is refused without being buffered), parse as a JSON object, nest at most
 `MAX_JSON_DEPTH` levels, hold only encodable text (no lone surrogates from `\\ud800` escapes),
 finite numbers (`1e400` parses as infinity) and integers that fit 64 bits, hold no text that
 would take long to tokenize (`tokenization_cost`), not exceed the per-field array limits, and
-not use a parameter this server knows but does not support (named, with the reason).
+not use a parameter this server knows but does not support (named, with the reason). An
+explicit null stands for a parameter not given (`without_null_defaults`).
 """
 
 from __future__ import annotations
@@ -131,9 +132,25 @@ def _check_text(text: str, path: tuple) -> int:
                        "escape).", param=param, code="invalid_value") from None
 
 
+def without_null_defaults(body: dict[str, Any], schema: type[BaseModel],
+                          unsupported: Mapping[str, str]) -> dict[str, Any]:
+    """An explicit null means "not given": the OpenAI SDKs send None as null for the parameters
+    they type Optional, and so do proxies and other clients. Those nulls are dropped for the
+    parameters refused as unsupported and for those whose default is not null (`store`,
+    `stream`, `n`), which then take their default instead of failing their type check."""
+    fields = schema.model_fields
+
+    def not_given(key: str) -> bool:
+        field = fields.get(key)
+        return key in unsupported or (field is not None and not field.is_required()
+                                      and field.get_default(call_default_factory=True) is not None)
+
+    return {key: value for key, value in body.items() if value is not None or not not_given(key)}
+
+
 def check_limits(body: Mapping[str, Any], max_items: Mapping[str, int], unsupported: Mapping[str, str]) -> None:
     for name, reason in unsupported.items():
-        if body.get(name) is not None:  # (an explicit null means "not given")
+        if name in body:
             raise APIError(f"Unsupported parameter: '{name}' is not supported by this server: {reason}.",
                            param=name, code="unsupported_parameter")
     for name, most in max_items.items():
@@ -152,9 +169,8 @@ async def read_request(
     unsupported: Mapping[str, str] | None = None,
 ) -> Model:
     """`max_items`: top-level array parameter -> most items; `unsupported`: parameter -> why."""
-    body = parse_json_object(await read_body(request, max_bytes))
+    body = without_null_defaults(parse_json_object(await read_body(request, max_bytes)), schema, unsupported or {})
     check_limits(body, max_items or {}, unsupported or {})
-    body = {key: value for key, value in body.items() if value is not None or key not in (unsupported or {})}
     try:
         # Strict, as OpenAI is: "10" is not an integer and "yes" not a boolean.
         return schema.model_validate(body, strict=True)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from .null_defaults import drop_nulls_with_defaults
 from .responses import check_json_schema
 
 
@@ -207,11 +206,6 @@ class ChatCompletionRequest(StrictModel):
     # Not OpenAI's: keep generating past the end of the turn (<|return|>, <|call|>) until the token
     # limit, for benchmarks that need exact output lengths. vLLM and SGLang take the same field.
     ignore_eos: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        return drop_nulls_with_defaults(cls, data)
 
     @field_validator("stop")
     @classmethod

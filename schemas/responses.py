@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
-
-from .null_defaults import drop_nulls_with_defaults
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 ReasoningEffort = Literal["low", "medium", "high"]
 # What `include` can ask for here ("reasoning.encrypted_content" is refused with a reason).
@@ -325,11 +323,6 @@ class ResponseCreateRequest(StrictModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        return drop_nulls_with_defaults(cls, data)
 
     @field_validator("metadata")
     @classmethod
