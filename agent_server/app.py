@@ -8,10 +8,8 @@ loaded; until then model endpoints answer 503.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
-import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable
@@ -178,23 +176,14 @@ def create_app(
     tool servers; `store` defaults to SQLite at config.store_path. `on_load_error(message)`: the
     model or a tool server failed to start (the CLI exits); /health and /ready say so anyway."""
     state = ServerState(config=config, metrics=Metrics(lambda: state.engine))
-    built_on_thread: concurrent.futures.Future | None = None  # a sync factory's engine, once asked for
+    building: asyncio.Future | None = None  # a sync factory's build on a worker thread, once begun
 
     async def build_engine() -> EngineClient:
-        nonlocal built_on_thread
+        nonlocal building
         if inspect.iscoroutinefunction(engine_factory):
             return await engine_factory()
-        built_on_thread = concurrent.futures.Future()
-        built_on_thread.set_running_or_notify_cancel()  # (so that a cancelled wait leaves it be)
-
-        def build(result: concurrent.futures.Future) -> None:
-            try:
-                result.set_result(engine_factory())
-            except BaseException as e:
-                result.set_exception(e)
-
-        threading.Thread(target=build, args=(built_on_thread,), name="oss-agent-load", daemon=True).start()
-        engine = await asyncio.wrap_future(built_on_thread)
+        building = asyncio.ensure_future(asyncio.to_thread(engine_factory))
+        engine = await asyncio.shield(building)  # (a thread cannot be cancelled: see the lifespan)
         return await engine if inspect.isawaitable(engine) else engine
 
     async def load() -> None:
@@ -223,15 +212,12 @@ def create_app(
         finally:
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
-            if built_on_thread is not None and state.engine is None:
+            if building is not None and state.engine is None:
                 # Stopped while the model loaded: a thread cannot be cancelled, so the engine
                 # it builds is shut down once it is there (an engine process would outlive us).
                 log.info("waiting for the engine to finish loading, to shut it down")
-                try:
-                    built = await asyncio.to_thread(built_on_thread.result)
-                except Exception:
-                    built = None
-                if built is not None and not inspect.isawaitable(built):
+                built = (await asyncio.gather(building, return_exceptions=True))[0]
+                if not isinstance(built, BaseException) and not inspect.isawaitable(built):
                     state.engine = built
             await drain_runs(state, config.shutdown_timeout)
             for server in state.tools.servers:
