@@ -18,6 +18,8 @@ from typing import Any, Mapping, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from schemas.responses import MAX_REQUEST_SCHEMA_BYTES, SCHEMA_BUDGET
+
 from .errors import APIError, from_validation_error
 from .tokenization_cost import MAX_TOKENIZATION_COST, MIN_RUN, tokenization_cost
 
@@ -172,7 +174,8 @@ async def read_request(
     body = without_null_defaults(parse_json_object(await read_body(request, max_bytes)), schema, unsupported or {})
     check_limits(body, max_items or {}, unsupported or {})
     try:
-        # Strict, as OpenAI is: "10" is not an integer and "yes" not a boolean.
-        return schema.model_validate(body, strict=True)
+        # Strict, as OpenAI is: "10" is not an integer and "yes" not a boolean. The context
+        # bounds the time its JSON Schema checks take (`check_json_schema`).
+        return schema.model_validate(body, strict=True, context={SCHEMA_BUDGET: MAX_REQUEST_SCHEMA_BYTES})
     except ValidationError as e:
         raise from_validation_error(e, body) from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from .responses import check_json_schema
 
@@ -124,6 +124,11 @@ class FunctionDefinition(StrictModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _valid_parameters(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        return None if value is None else check_json_schema(value, info)
+
 
 class ChatTool(StrictModel):
     type: Literal["function"]
@@ -161,8 +166,8 @@ class JsonSchemaSpec(StrictModel):
 
     @field_validator("schema_")
     @classmethod
-    def _valid_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return check_json_schema(value)
+    def _valid_schema(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        return check_json_schema(value, info)
 
 
 class ResponseFormatJsonSchema(StrictModel):

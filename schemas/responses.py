@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 ReasoningEffort = Literal["low", "medium", "high"]
 # What `include` can ask for here ("reasoning.encrypted_content" is refused with a reason).
@@ -181,12 +181,47 @@ InputItem = Annotated[
 # --- tools ----------------------------------------------------------------------------------
 
 
+MAX_SCHEMA_BYTES = 64 << 10  # jsonschema checks about 0.35 MB a second, on the event loop
+# ... and all of a request's schemas together (function parameters, the response format): 128
+# tools of 64 KB would hold the server for 20 s.
+MAX_REQUEST_SCHEMA_BYTES = 256 << 10
+SCHEMA_BUDGET = "schema_bytes_left"  # the validation context's key for what is left of that
+
+
+def check_json_schema(value: dict[str, Any], info: ValidationInfo | None = None) -> dict[str, Any]:
+    """Reject a `schema` that is not a JSON Schema (draft 2020-12 meta-schema), or is too large to
+    check quickly: over MAX_SCHEMA_BYTES, or past what is left of the request's budget when
+    the validation context holds one (`SCHEMA_BUDGET`, counted down here)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    size = len(json.dumps(value, ensure_ascii=False).encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the schema is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted")
+    context = info.context if info is not None else None
+    if context is not None and SCHEMA_BUDGET in context:
+        context[SCHEMA_BUDGET] -= size
+        if context[SCHEMA_BUDGET] < 0:
+            raise ValueError(f"the request's schemas are more than {MAX_REQUEST_SCHEMA_BYTES} bytes of JSON in all "
+                             "(function parameters and response format)")
+    try:
+        Draft202012Validator.check_schema(value)
+    except SchemaError as e:
+        raise ValueError(f"not a valid JSON Schema: {e.message}") from None
+    return value
+
+
 class FunctionTool(StrictModel):
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid_parameters(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        return None if value is None else check_json_schema(value, info)
 
 
 class WebSearchTool(StrictModel):
@@ -252,25 +287,6 @@ class TextFormatJsonObject(StrictModel):
     type: Literal["json_object"]
 
 
-MAX_SCHEMA_BYTES = 64 << 10  # jsonschema checks about 0.4 MB a second, on the event loop
-
-
-def check_json_schema(value: dict[str, Any]) -> dict[str, Any]:
-    """Reject a `schema` that is not a JSON Schema (draft 2020-12 meta-schema), or is too large to
-    check quickly."""
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError
-
-    size = len(json.dumps(value, ensure_ascii=False).encode())
-    if size > MAX_SCHEMA_BYTES:
-        raise ValueError(f"the schema is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted")
-    try:
-        Draft202012Validator.check_schema(value)
-    except SchemaError as e:
-        raise ValueError(f"not a valid JSON Schema: {e.message}") from None
-    return value
-
-
 class TextFormatJsonSchema(StrictModel):
     type: Literal["json_schema"]
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
@@ -282,8 +298,8 @@ class TextFormatJsonSchema(StrictModel):
 
     @field_validator("schema_")
     @classmethod
-    def _valid_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return check_json_schema(value)
+    def _valid_schema(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        return check_json_schema(value, info)
 
 
 TextFormat = Annotated[Union[TextFormatText, TextFormatJsonObject, TextFormatJsonSchema], Field(discriminator="type")]

@@ -171,6 +171,8 @@ RESPONSES_INVALID = [
     ({"input": "hi", "tools": [{"type": "file_search"}]}, "tools[0]", "invalid_value"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
      "text.format.schema", "invalid_value"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": 5}}]},
+     "tools[0].parameters", "invalid_value"),
     ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "invalid_value"),
     ({"input": "hi", "include": ["everything"]}, "include[0]", "invalid_value"),
     # Our own output items sent back: the fields the server replays are typed.
@@ -203,6 +205,9 @@ CHAT_INVALID = [
     ({"messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages[0].extra", "unknown_parameter"),
     ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
      "tools[0].function.parameters", "invalid_type"),
+    ({"messages": [USER], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "required": "city"}}}]},
+     "tools[0].function.parameters", "invalid_value"),
 ]
 
 
@@ -352,6 +357,24 @@ def test_text_that_would_tokenize_slowly_is_refused(server):
     # A run within the limit, and ordinary text of any length, reach the prompt (and its limit).
     for text in ("x" * 20_000, "word " * 8_000):
         assert error_of(respond(server, input=text))["code"] == "context_length_exceeded"
+
+
+def test_a_requests_schemas_together_are_bounded(fake_server):
+    # Each schema is under 64 KB, but 5 tools of 60 KB would be more than 0.8 s of jsonschema.
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 30}
+                                               for i in range(800)}}
+    tools = [{"type": "function", "name": f"f{i}", "parameters": schema} for i in range(5)]
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools})
+    error = error_of(r)
+    assert (error["param"], error["code"]) == ("tools[4].parameters", "invalid_value") and "in all" in error["message"]
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [USER], "tools": [{"type": "function", "function": {
+            "name": t["name"], "parameters": schema}} for t in tools[:4]],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert error_of(r)["param"] == "response_format.json_schema.schema"
+    # Four of them pass the schema checks (and reach the prompt, which they overfill).
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools[:4]})
+    assert error_of(r)["code"] == "context_length_exceeded"
 
 
 def test_response_schemas_over_64_kb_are_refused(fake_server):
