@@ -124,6 +124,20 @@ async def test_loop_that_ignores_interrupts_is_killed(sandbox):
     assert (await sandbox.execute("1 + 1")).tool_text() == "2"
 
 
+async def test_output_before_a_kill_or_crash_reaches_the_model(sandbox):
+    # stdout is a pipe: block-buffered, it would hold the prints of a cell that is then killed
+    # (or crashes) and lose them, and show a child process's output before earlier prints.
+    code = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "print('progress 1')\ntime.sleep(100)")
+    result = await sandbox.execute(code)
+    assert result.status == "timeout" and "restarted" in result.note
+    assert result.stdout == "progress 1\n"
+    result = await sandbox.execute("import os\nprint('last words')\nos._exit(3)")
+    assert result.status == "crashed" and result.stdout == "last words\n"
+    result = await sandbox.execute("import subprocess\nprint('first')\nsubprocess.run(['echo', 'second'])\nNone")
+    assert result.stdout == "first\nsecond\n"
+
+
 async def test_caller_giving_up_mid_cell_leaves_nothing_running(sandbox):
     await sandbox.start()
     scratch_name = os.path.basename(sandbox.scratch_dir)

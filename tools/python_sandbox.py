@@ -270,8 +270,10 @@ class PythonSandbox:
                 "max_open_files": self.limits.max_open_files,
             },
         }
+        # -u: unbuffered stdout, so what a cell printed is in the pipe even if the worker is then
+        # killed or crashes, and in order with what its child processes write.
         self._process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", str(WORKER_SCRIPT), json.dumps(config),
+            sys.executable, "-I", "-u", str(WORKER_SCRIPT), json.dumps(config),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=sandbox_environment(self.scratch_dir),
             cwd=self.scratch_dir, start_new_session=True, close_fds=True,

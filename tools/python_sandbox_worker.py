@@ -1,6 +1,6 @@
 """The process side of the Python tool's sandbox: confines itself, then runs cells like a notebook.
 
-Started by `tools.python_sandbox` as `python -I <this file> <config json>` with a scrubbed
+Started by `tools.python_sandbox` as `python -I -u <this file> <config json>` with a scrubbed
 environment, stdin/stdout/stderr on pipes, in its own session. It imports only the standard
 library (`-I` keeps the package, the working directory and PYTHON* variables out of `sys.path`).
 
