@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
             from tools.tool_server import start_tool_servers
 
             return await start_tool_servers(args.tool_server, search_dir=args.search_dir, exa_api_key=args.exa_api_key,
-                                            python_limits=python_limits(args.tool_timeout))
+                                            python_limits=python_limits(args.tool_timeout),
+                                            mcp_timeout=args.tool_timeout)
 
     config = ServerConfig(
         model_name=name,

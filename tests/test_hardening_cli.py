@@ -97,3 +97,29 @@ def test_python_cells_stop_before_the_tool_timeout():
     short = python_limits(10.0)
     assert short.wall_seconds + short.interrupt_grace_seconds < 10.0
     assert python_limits(0.5).wall_seconds == 1.0
+
+
+def test_mcp_calls_get_the_tool_timeout(tiny_checkpoint, tmp_path, monkeypatch):
+    # `--tool-timeout` bounds every tool call the agent loop makes, MCP ones included: an MCP
+    # tool must not be cut off at the client's own 60 s default under `--tool-timeout 300`.
+    import asyncio
+
+    import agent_server.app
+    import tools.tool_server
+
+    factories, started = [], {}
+
+    def fake_create_app(config, engine_factory, *, tool_servers=None, **kwargs):
+        factories.append(tool_servers)
+        return object()
+
+    async def fake_start_tool_servers(specs, **options):
+        started.update(options)
+        return []
+
+    monkeypatch.setattr(agent_server.app, "create_app", fake_create_app)
+    monkeypatch.setattr(tools.tool_server, "start_tool_servers", fake_start_tool_servers)
+    serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"),
+                    "--tool-server", "127.0.0.1:9", "--tool-timeout", "300"])
+    asyncio.run(factories[0]())
+    assert started["mcp_timeout"] == 300.0
