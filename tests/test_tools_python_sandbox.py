@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -193,6 +194,17 @@ async def test_output_is_capped():
         result = await box.execute("print('y' * 2_000_000)\nprint('tail marker')")
         assert len(result.stdout) < 1100
         assert "characters omitted" in result.stdout and result.stdout.endswith("tail marker\n")
+    finally:
+        await box.close()
+
+
+async def test_omitted_output_is_counted_in_characters():
+    # The note counts characters, as the model reads them, not UTF-8 bytes.
+    box = PythonSandbox(SandboxLimits(wall_seconds=10, max_output_chars=1000))
+    try:
+        result = await box.execute("print('\u00e9' * 200_000)\nprint('\u6587' * 100_000)")
+        omitted = int(re.search(r"about (\d+) characters omitted", result.stdout).group(1))
+        assert abs(omitted - (300_002 - 1000)) < 100
     finally:
         await box.close()
 

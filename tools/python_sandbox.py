@@ -39,6 +39,7 @@ DATA_MOUNT_HINT = "/mnt/data"
 # The throwaway uids a root server runs sessions under, one per session.
 SANDBOX_UID_RANGE = (1_900_000_000, 2_000_000_000)
 READ_CHUNK = 65536
+UTF8_CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
 
 
 @dataclass
@@ -105,7 +106,7 @@ class ExecutionResult:
 
 class _StreamCapture:
     """Collects one output stream of the worker up to its end-of-cell marker, keeping the first
-    and last `limit // 2` bytes and counting what it drops in between."""
+    and last `limit // 2` bytes and counting the characters it drops in between."""
 
     def __init__(self, limit_bytes: int):
         self.limit = limit_bytes
@@ -146,8 +147,10 @@ class _StreamCapture:
         self.head += data[:room]
         self.tail += data[room:]
         if len(self.tail) > half:
-            self.dropped += len(self.tail) - half
-            del self.tail[: len(self.tail) - half]
+            cut = len(self.tail) - half
+            # Count characters, not bytes: UTF-8 continuation bytes start no character.
+            self.dropped += len(self.tail[:cut].translate(None, UTF8_CONTINUATION_BYTES))
+            del self.tail[:cut]
 
     def text(self, max_chars: int) -> str:
         head = self.head.decode("utf-8", "replace")
