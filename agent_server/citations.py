@@ -59,6 +59,7 @@ class CitationStreamer:
         self.resolve = resolve
         self.pending = ""  # an open mark waiting for its 】
         self.last_url: str | None = None  # the last link's URL, while only whitespace followed it
+        self.after_space = False  # the text released so far ends in whitespace
 
     def feed(self, text: str) -> list[CitedChunk]:
         if self.resolve is None:
@@ -74,6 +75,12 @@ class CitationStreamer:
                         plain = ""
                     chunk = self._resolved(self.pending)
                     self.pending = ""
+                    if chunk.citations and chunk.text.startswith(" ") and self.after_space:
+                        # The resolver saw the mark alone, so it put a space before the link;
+                        # the text before it already ends in one.
+                        chunk = CitedChunk(chunk.text[1:], [
+                            Citation(c.url, c.title, c.start_index - 1, c.end_index - 1)
+                            for c in chunk.citations])
                     if len(chunk.citations) == 1 and chunk.citations[0].url == self.last_url:
                         continue  # the same source cited again right away
                     if chunk.citations:
@@ -81,13 +88,17 @@ class CitationStreamer:
                     elif chunk.text.strip():
                         self.last_url = None
                     chunks.append(chunk)
+                    if chunk.text:
+                        self.after_space = chunk.text[-1].isspace()
                 elif len(self.pending) > MAX_MARK_CHARS:
                     plain += self.pending
                     self.pending = ""
+                    self.after_space = char.isspace()
             elif char == OPEN:
                 self.pending = char
             else:
                 plain += char
+                self.after_space = char.isspace()
                 if not char.isspace():
                     self.last_url = None
         if plain:

@@ -279,6 +279,25 @@ def test_citations_merge_repeats_and_drop_an_unfinished_mark_at_the_end():
     assert run(["Done 【not a cite"]) == ("Done 【not a cite", [])
 
 
+def test_streamed_citations_match_the_browsers_spacing():
+    # The browser's resolver puts a space before a link unless the text before it ends in one;
+    # streamed one mark at a time it cannot see that text, so the streamer must not double it.
+    from tests.test_tools_browser import pages_for_citations
+    from tools.browser.citations import resolve_citations
+
+    pages = pages_for_citations()
+    for answer in ["Fact 【1†L2】 and more", "Fact【1†L2】 and more", "A 【0†L4】 B\n【0†L6】【0†L7】"]:
+        streamer = CitationStreamer(lambda mark: resolve_citations(mark, pages))
+        chunks = [c for char in answer for c in streamer.feed(char)] + streamer.flush()
+        text, spans = "", []
+        for chunk in chunks:
+            spans += [(len(text) + c.start_index, len(text) + c.end_index) for c in chunk.citations]
+            text += chunk.text
+        expected, annotations = resolve_citations(answer, pages)
+        assert text == expected
+        assert spans == [(a["start_index"], a["end_index"]) for a in annotations]
+
+
 def test_validation_errors_name_the_parameter():
     from pydantic import ValidationError
 
