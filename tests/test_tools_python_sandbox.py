@@ -139,6 +139,17 @@ async def test_output_before_a_kill_or_crash_reaches_the_model(sandbox):
     assert result.stdout == "first\nsecond\n"
 
 
+async def test_files_stay_writable_after_the_session_restarts(sandbox):
+    # The scratch directory outlives a restart; its files must stay the new session's to change.
+    await sandbox.execute("import os\nos.makedirs('out')\nopen('out/notes.txt', 'w').write('one')")
+    result = await sandbox.execute("import os\nos._exit(1)")
+    assert result.status == "crashed"
+    result = await sandbox.execute("open('out/notes.txt', 'a').write('two')\n"
+                                   "open('out/more.txt', 'w').write('three')\nNone")
+    assert result.status == "ok" and "new one" in result.note, result.tool_text()
+    assert (Path(sandbox.scratch_dir) / "out" / "notes.txt").read_text() == "onetwo"
+
+
 async def test_caller_giving_up_mid_cell_leaves_nothing_running(sandbox):
     await sandbox.start()
     scratch_name = os.path.basename(sandbox.scratch_dir)

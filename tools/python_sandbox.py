@@ -214,6 +214,9 @@ class PythonSandbox:
         self.use_landlock = use_landlock
         self.use_seccomp = use_seccomp
         self.scratch_dir: str | None = None
+        # A root server runs the session under this uid, the same after a restart: the files the
+        # last worker left in the scratch directory are the next one's.
+        self.sandbox_uid = random.randrange(*SANDBOX_UID_RANGE)
         self.report: IsolationReport | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._killed = False  # killed mid-cell by a cancelled call: the next call starts anew
@@ -261,7 +264,7 @@ class PythonSandbox:
             "nonce": hello,
             "scratch": os.path.realpath(self.scratch_dir),
             "python_paths": python_paths(),
-            "sandbox_uid": random.randrange(*SANDBOX_UID_RANGE),
+            "sandbox_uid": self.sandbox_uid,
             "use_namespaces": self.use_namespaces,
             "use_landlock": self.use_landlock,
             "use_seccomp": self.use_seccomp,
