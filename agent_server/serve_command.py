@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
                              "steps under (default: on with CUDA, off on CPU)")
     parser.add_argument("--tool-timeout", type=float, default=300.0, help="seconds a built-in tool call may take")
+    parser.add_argument("--python-timeout", type=float, metavar="SECONDS",
+                        help="seconds a python cell may run before it is interrupted, its session kept (default: "
+                             "60, or less to end before --tool-timeout)")
     parser.add_argument("--cors-origin", action="append", default=[],
                         help="allow this browser origin (CORS, off by default); repeatable, '*' for any")
     parser.add_argument("--max-request-bytes", type=int, default=32 << 20, help="largest request body accepted")
@@ -106,16 +110,23 @@ def fraction(text: str) -> float:
     return value
 
 
-def python_limits(tool_timeout: float):
+def python_limits(tool_timeout: float, cell_seconds: float | None = None):
     """The python tool's limits under `--tool-timeout`: a cell is interrupted (its session kept)
-    before the server gives up on the call (which ends the session), and the model is told so."""
+    before the server gives up on the call (which ends the session), and the model is told so.
+    cell_seconds: `--python-timeout`; None: the sandbox's default, shortened to fit. A given
+    value that does not fit is a ValueError. A session's CPU time allows 5 cells of that length."""
     from dataclasses import replace
 
     from tools.python_sandbox import SandboxLimits
 
     limits = SandboxLimits()
     before_the_cancel = tool_timeout - limits.interrupt_grace_seconds - 1.0
-    return replace(limits, wall_seconds=min(limits.wall_seconds, max(1.0, before_the_cancel)))
+    if cell_seconds is None:
+        return replace(limits, wall_seconds=min(limits.wall_seconds, max(1.0, before_the_cancel)))
+    if not 1.0 <= cell_seconds <= before_the_cancel:
+        raise ValueError(f"--python-timeout must be between 1 and {before_the_cancel:g} seconds (--tool-timeout "
+                         f"minus {tool_timeout - before_the_cancel:g}), got {cell_seconds:g}")
+    return replace(limits, wall_seconds=cell_seconds, cpu_seconds=max(limits.cpu_seconds, 5 * math.ceil(cell_seconds)))
 
 
 def port_number(text: str) -> int:
@@ -159,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
         name = args.served_model_name or TINY_MODEL_NAME
         log.warning("No --model given: serving a tiny checkpoint with random weights from %s. Everything works, "
                     "but the text it writes is noise.", model_dir)
+    try:
+        cell_limits = python_limits(args.tool_timeout, args.python_timeout)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     options = engine_options(args)
 
     def build_engine():
@@ -174,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
             from tools.tool_server import start_tool_servers
 
             return await start_tool_servers(args.tool_server, search_dir=args.search_dir, exa_api_key=args.exa_api_key,
-                                            python_limits=python_limits(args.tool_timeout),
+                                            python_limits=cell_limits,
                                             mcp_timeout=args.tool_timeout)
 
     config = ServerConfig(

@@ -99,9 +99,21 @@ def test_python_cells_stop_before_the_tool_timeout():
     assert python_limits(0.5).wall_seconds == 1.0
 
 
-def test_mcp_calls_get_the_tool_timeout(tiny_checkpoint, tmp_path, monkeypatch):
+def test_python_timeout_sets_the_cell_limit_within_the_tool_timeout():
+    from agent_server.serve_command import python_limits
+
+    long = python_limits(900.0, 600.0)
+    assert long.wall_seconds == 600.0 and long.cpu_seconds >= 5 * 600  # several such cells a session
+    assert python_limits(300.0, 10.0).wall_seconds == 10.0
+    for tool_timeout, cell in ((300.0, 600.0), (300.0, 298.0), (300.0, 0.5)):
+        with pytest.raises(ValueError, match="--python-timeout"):
+            python_limits(tool_timeout, cell)
+
+
+def test_tool_timeouts_reach_the_tool_servers(tiny_checkpoint, tmp_path, monkeypatch):
     # `--tool-timeout` bounds every tool call the agent loop makes, MCP ones included: an MCP
-    # tool must not be cut off at the client's own 60 s default under `--tool-timeout 300`.
+    # tool must not be cut off at the client's own 60 s default under `--tool-timeout 300`; and
+    # `--python-timeout` lengthens a python cell past the sandbox's default 60 s.
     import asyncio
 
     import agent_server.app
@@ -120,6 +132,11 @@ def test_mcp_calls_get_the_tool_timeout(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(agent_server.app, "create_app", fake_create_app)
     monkeypatch.setattr(tools.tool_server, "start_tool_servers", fake_start_tool_servers)
     serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"),
-                    "--tool-server", "127.0.0.1:9", "--tool-timeout", "300"])
+                    "--tool-server", "127.0.0.1:9", "--tool-timeout", "900", "--python-timeout", "600"])
     asyncio.run(factories[0]())
-    assert started["mcp_timeout"] == 300.0
+    assert started["mcp_timeout"] == 900.0 and started["python_limits"].wall_seconds == 600.0
+    # A cell limit that does not fit under the call's is refused before anything starts.
+    from agent_server.cli import build_parser
+    from agent_server.serve_command import run
+
+    assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--python-timeout", "600"])) == 2
