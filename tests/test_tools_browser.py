@@ -208,6 +208,8 @@ async def test_find_results_and_opening_them(session):
     ("browser.open", "{}", "No pages to access!"),
     ("browser.find", '{"pattern": "a"}', "No pages to access!"),
     ("browser.search", '{"topn": 3}', "browser.search needs `query`"),
+    ("browser.search", '{"query": "  "}', "browser.search needs a non-empty `query`"),
+    ("browser.find", '{"pattern": ""}', "browser.find needs a non-empty `pattern`"),
     ("browser.search", '{"query": "q", "colour": "red"}', "Unknown argument(s) for browser.search: colour"),
     ("browser.search", "not json", "Invalid function arguments: not JSON"),
     ("browser.search", "[1, 2]", "expected a JSON object"),

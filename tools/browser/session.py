@@ -86,6 +86,8 @@ def parse_arguments(function: str, arguments: str) -> dict[str, Any]:
     if function in ("search", "find"):
         key = "query" if function == "search" else "pattern"
         args[key] = str(args[key])
+        if not args[key].strip():  # (find would match every line, a search engine nothing)
+            raise ToolUsageError(f"browser.{function} needs a non-empty `{key}`")
     return args
 
 
