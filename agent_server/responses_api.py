@@ -78,6 +78,7 @@ class PreparedResponse:
     function_calls: dict[str, str] = field(default_factory=dict)  # call_id -> name, whole chain
     input_instructions: list[str] = field(default_factory=list)  # system/developer input, whole chain
     mcp_listed: list[str] = field(default_factory=list)  # server labels listed, whole chain
+    chain_item_ids: list[str] = field(default_factory=list)  # item ids of the earlier responses of the chain
 
 
 # --- create -------------------------------------------------------------------------------
@@ -147,8 +148,11 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     known_calls: dict[str, str] = {}
     chain_instructions: list[str] = []
     listed_mcp: set[str] = set()
+    chain_ids: list[str] = []
     if req.previous_response_id:
         previous = await _previous(state, req.previous_response_id)
+        chain_ids = _chain_item_ids(previous)
+        _check_not_in_chain(items, set(chain_ids))
         _check_calls_answered(previous, items)
         history = messages_from_json(previous.conversation)
         known_calls = dict(previous.function_calls)
@@ -210,6 +214,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         function_calls={**known_calls, **converted.function_calls},
         input_instructions=input_instructions,
         mcp_listed=sorted(listed_mcp | {b.label for b in active.mcp.values()}),
+        chain_item_ids=chain_ids,
     )
 
 
@@ -255,6 +260,26 @@ def _check_item_ids(items: list[Any]) -> None:
             raise APIError(f"Duplicate item found with id {item_id}.", param=f"input[{i}].id")
         if item_id:
             seen.add(item_id)
+
+
+def _chain_item_ids(record: StoredResponse) -> list[str]:
+    """Ids of every input and output item of the chain ending in `record` (a record stored
+    before chains kept them gives its own items)."""
+    ids = list(record.chain_item_ids)
+    for item in [*record.input_items, *record.response.get("output", [])]:
+        if isinstance(item.get("id"), str) and item["id"] not in ids:
+            ids.append(item["id"])
+    return ids
+
+
+def _check_not_in_chain(items: list[Any], chain_ids: set[str]) -> None:
+    """An item the previous_response_id chain already holds is not given again, as in OpenAI
+    (the model would see it twice)."""
+    for i, item in enumerate(items):
+        item_id = getattr(item, "id", None)
+        if item_id and item_id in chain_ids:
+            raise APIError(f"Duplicate item found with id {item_id}. Remove duplicate items from your input "
+                           "and try again.", param=f"input[{i}].id")
 
 
 def _check_calls_answered(previous: StoredResponse, items: list[Any]) -> None:
@@ -463,6 +488,7 @@ def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Mes
         function_calls={**prepared.function_calls, **(new_calls or {})},
         input_instructions=prepared.input_instructions,
         mcp_listed=prepared.mcp_listed,
+        chain_item_ids=prepared.chain_item_ids,
         events=[dump(e) for e in run.events] if prepared.request.background else None,
         created_at=prepared.response.created_at,
     )

@@ -30,6 +30,9 @@ class StoredResponse:
     # `instructions` parameter, so later responses keep them (in the one developer message).
     input_instructions: list[str] = field(default_factory=list)
     mcp_listed: list[str] = field(default_factory=list)  # server labels whose tools the chain has listed
+    # Ids of the input and output items of the earlier responses of the chain (with this
+    # record's own items, what a response continuing it may not be given again, as in OpenAI).
+    chain_item_ids: list[str] = field(default_factory=list)
     events: list[dict[str, Any]] | None = None  # the SSE stream, kept for background responses
     created_at: float = field(default_factory=time.time)
 

@@ -768,3 +768,34 @@ def test_a_response_deleted_while_it_is_stored_stays_deleted(fake_server):
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
     wait_for(lambda: not fake_server.state.runs.runs)
     assert httpx.get(f"{fake_server.url}/v1/responses/{done.response.id}").status_code == 404
+
+
+def test_items_already_in_the_previous_chain_are_refused_as_duplicates(fake_server):
+    # OpenAI: "Duplicate item found with id ..." when an item of the previous_response_id chain is
+    # sent again (whole, or by item_reference); the model must not see it twice.
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say(WEATHER_CALL)
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER_TOOL])
+    call = first.output[-1]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
+
+    def refused(items) -> dict:
+        r = httpx.post(f"{fake_server.url}/v1/responses", json={
+            "model": MODEL, "previous_response_id": first.id, "tools": [WEATHER_TOOL], "input": items})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    resent = [o.model_dump(mode="json", exclude_none=True) for o in first.output]
+    error = refused([*resent, output])
+    assert call.id in error["message"] or resent[0]["id"] in error["message"]
+    assert error["param"].startswith("input[")
+    assert refused([{"type": "item_reference", "id": call.id}, output])["param"] == "input[0].id"
+    engine.say(ANSWER)
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL],
+                                     input=[output])
+    assert prompt_text(engine.calls[-1]).count("to=functions.get_weather") == 1
+    # Further down the chain too (the first response's input item and call).
+    first_input = client.responses.input_items.list(first.id).data[0]
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={
+        "model": MODEL, "previous_response_id": second.id, "input": [{"type": "item_reference", "id": first_input.id}]})
+    assert r.status_code == 400 and first_input.id in r.json()["error"]["message"]
