@@ -42,7 +42,7 @@ from .conversation import input_to_messages, messages_from_json, messages_to_jso
 from .errors import APIError, from_validation_error, not_found
 from .harmony import PromptConfig, preamble, render_prompt
 from .request_parsing import read_request
-from .response_events import ResponseEvents, dump, new_id
+from .response_events import TERMINAL_EVENT, ResponseEvents, dump, new_id
 from .runs import ResponseRun
 from .sse import sdk_event, sse_response
 from .state import ServerState
@@ -61,6 +61,7 @@ UNSUPPORTED = {
 INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")  # a response's statuses once it has ended
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 TOOL_CHOICE_NOTES = {
     "required": "You must call one of the available tools before giving your final answer.",
@@ -543,9 +544,18 @@ async def retrieve_response(request: Request) -> Response:
         raise APIError("Only background responses can be streamed again; this one was not created with "
                        "background=true.", param="stream")
 
+    events = record.events
+    if not events or events[-1].get("type") not in TERMINAL_EVENTS:
+        # The server stopped while it ran (the record was then marked failed): what it streamed
+        # was not kept, but a stream still ends with the response's terminal event.
+        status = record.status if record.status in TERMINAL else "failed"
+        events = [*events, {"type": TERMINAL_EVENT[status], "response": record.response,
+                            "sequence_number": max(len(events), starting_after + 1)}]
+
     async def replay():
-        for event in record.events[starting_after + 1:]:
-            yield sdk_event(event)
+        for event in events:
+            if event["sequence_number"] > starting_after:
+                yield sdk_event(event)
 
     return sse_response(replay(), ping_seconds=state.config.sse_ping_seconds)
 

@@ -799,3 +799,29 @@ def test_items_already_in_the_previous_chain_are_refused_as_duplicates(fake_serv
     r = httpx.post(f"{fake_server.url}/v1/responses", json={
         "model": MODEL, "previous_response_id": second.id, "input": [{"type": "item_reference", "id": first_input.id}]})
     assert r.status_code == 400 and first_input.id in r.json()["error"]["message"]
+
+
+def test_a_background_stream_cut_by_a_restart_still_ends(tmp_path):
+    # The server stopped while a background response ran: its stored stream has no terminal event.
+    # Resuming it must still end with one (the SDK and OpenAI's streams always do), not just stop.
+    store = tmp_path / "responses.sqlite3"
+    engine = ScriptedEngine(token_delay=0.02).say(slow_turn(500))
+    server = LiveServer(make_app(lambda: engine, store, shutdown_timeout=0.1)).start()
+    try:
+        queued = server.client().responses.create(model=MODEL, input="Write", background=True)
+        wait_for(lambda: engine.calls and len(engine.calls[-1].generated) > 3)
+        with sqlite3.connect(store) as db:  # what a crash leaves: the record as first stored
+            assert json.loads(db.execute("SELECT record FROM responses").fetchone()[0])["response"]["status"] == "queued"
+            crashed = tmp_path / "crashed.sqlite3"
+            with sqlite3.connect(crashed) as copy:
+                db.backup(copy)
+    finally:
+        server.stop()
+    with LiveServer(make_app(ScriptedEngine, crashed)) as server:
+        client = server.client()
+        assert client.responses.retrieve(queued.id).status == "failed"
+        for starting_after in (-1, 5):
+            events = list(client.responses.retrieve(queued.id, stream=True, starting_after=starting_after))
+            assert events and events[-1].type == "response.failed", events
+            assert events[-1].response.status == "failed" and events[-1].response.error.code == "server_error"
+            assert events[-1].sequence_number > starting_after
