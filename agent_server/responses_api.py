@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openai.types.responses import Response as SDKResponse
-from openai_harmony import Message
+from openai_harmony import Message, Role
 from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -175,7 +175,10 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         response_format=_response_format(req),
         conversation_start_date=datetime.date.today().isoformat(),
     )
-    prompt = render_prompt(preamble(prompt_config) + history + converted.messages)
+    head, conversation = preamble(prompt_config), history + converted.messages
+    prompt = render_prompt(head + conversation)
+    if req.truncation == "auto" and not _fits(prompt, engine.max_model_len, req.max_output_tokens):
+        prompt = _truncated(head, conversation, engine.max_model_len, req.max_output_tokens) or prompt
     if len(prompt) >= engine.max_model_len:
         raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens.",
                        param="input", code="context_length_exceeded")
@@ -217,6 +220,27 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         mcp_listed=sorted(listed_mcp | {b.label for b in active.mcp.values()}),
         chain_item_ids=chain_ids,
     )
+
+
+def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
+    return len(prompt) < max_model_len and (max_output_tokens is None or len(prompt) + max_output_tokens <= max_model_len)
+
+
+def _truncated(head: list[Message], conversation: list[Message], max_model_len: int,
+               max_output_tokens: int | None) -> list[int] | None:
+    """truncation="auto": the prompt without the fewest oldest conversation messages that makes it
+    fit (it starts at a user message), or None when even the last user message on does not fit.
+    The stored conversation keeps them all."""
+    starts = [i for i, m in enumerate(conversation) if i > 0 and m.author.role == Role.USER]
+    best, low, high = None, 0, len(starts) - 1
+    while low <= high:  # the prompt shrinks as the cut moves later: search for the earliest that fits
+        middle = (low + high) // 2
+        prompt = render_prompt(head + conversation[starts[middle]:])
+        if _fits(prompt, max_model_len, max_output_tokens):
+            best, high = prompt, middle - 1
+        else:
+            low = middle + 1
+    return best
 
 
 async def _previous(state: ServerState, response_id: str) -> StoredResponse:

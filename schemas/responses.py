@@ -335,7 +335,8 @@ class ResponseCreateRequest(StrictModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[Includable] | None = None
-    truncation: Literal["disabled"] | None = None  # inputs longer than the context get a 400
+    # "disabled" (default): an input longer than the context gets a 400; "auto": the oldest items go.
+    truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None

@@ -825,3 +825,25 @@ def test_a_background_stream_cut_by_a_restart_still_ends(tmp_path):
             assert events and events[-1].type == "response.failed", events
             assert events[-1].response.status == "failed" and events[-1].response.error.code == "server_error"
             assert events[-1].sequence_number > starting_after
+
+
+def test_truncation_auto_drops_the_oldest_items_to_fit(tmp_path):
+    # OpenAI: truncation="auto" drops items from the beginning of the conversation when the input
+    # exceeds the context window; "disabled" (the default) fails with a 400.
+    engine = ScriptedEngine(max_model_len=320)
+    with LiveServer(make_app(lambda: engine, tmp_path / "r.db")) as server:
+        client = server.client()
+        engine.say("<|channel|>final<|message|>Noted.<|return|>")
+        first = client.responses.create(model=MODEL, input="alpha " * 120)
+        long_turn = dict(model=MODEL, input="omega " * 120, previous_response_id=first.id)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(**long_turn)
+        assert info.value.body["code"] == "context_length_exceeded"
+        engine.say("<|channel|>final<|message|>Fine.<|return|>")
+        cut = client.responses.create(**long_turn, truncation="auto", max_output_tokens=16)
+        assert cut.status == "completed" and cut.truncation == "auto" and cut.output_text == "Fine."
+        prompt = prompt_text(engine.calls[-1])
+        assert "alpha" not in prompt and "omega" in prompt and prompt.endswith("<|start|>assistant")
+        assert client.responses.retrieve(cut.id).truncation == "auto"
+        with pytest.raises(openai.BadRequestError):  # the newest input alone does not fit
+            client.responses.create(model=MODEL, input="omega " * 400, truncation="auto")
