@@ -72,31 +72,52 @@ class SQLiteResponseStore:
             self._db.execute("CREATE TABLE IF NOT EXISTS response_items (id TEXT NOT NULL, response_id TEXT NOT NULL, "
                              "PRIMARY KEY (id, response_id))")
             self._db.execute("CREATE INDEX IF NOT EXISTS response_items_by_response ON response_items (response_id)")
+            # The status, beside the record: startup finds the unfinished responses without reading
+            # every record (a store written before the column existed gets it filled in once).
+            if "status" not in [row[1] for row in self._db.execute("PRAGMA table_info(responses)")]:
+                self._db.execute("ALTER TABLE responses ADD COLUMN status TEXT")
+            self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_status ON responses (status)")
+        self._fill_in_statuses()
         self._open_existing()
+
+    def _fill_in_statuses(self) -> None:
+        """The status column of records stored before it existed, record by record (in Python, not
+        with SQLite's json_extract, which older SQLite builds lack)."""
+        with self._lock:
+            ids = [row[0] for row in self._db.execute("SELECT id FROM responses WHERE status IS NULL")]
+        for response_id in ids:
+            with self._lock, self._db:
+                row = self._db.execute("SELECT record FROM responses WHERE id = ?", (response_id,)).fetchone()
+                status = json.loads(row[0]).get("response", {}).get("status") if row else None
+                self._db.execute("UPDATE responses SET status = ? WHERE id = ?", (status or "unknown", response_id))
 
     def _open_existing(self) -> None:
         """Responses still running when the server last stopped will never finish: say so. A
         store written before the item index existed has its items indexed."""
-        with self._lock:
-            rows = self._db.execute("SELECT record FROM responses").fetchall()
+        with self._lock:  # (by the status column: the store is not loaded, nor parsed, whole)
+            rows = self._db.execute("SELECT record FROM responses WHERE status IN ('queued', 'in_progress')").fetchall()
             unindexed = self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM response_items)").fetchone()[0]
         for (raw,) in rows:
             record = StoredResponse(**json.loads(raw))
-            if record.status in ("queued", "in_progress"):
-                record.response["status"] = "failed"
-                record.response["error"] = {"code": "server_error", "message": "The server stopped before this "
-                                            "response finished."}
-                self._put(record)
-            elif unindexed:
-                with self._lock, self._db:
-                    self._index(record)
+            record.response["status"] = "failed"
+            record.response["error"] = {"code": "server_error", "message": "The server stopped before this "
+                                        "response finished."}
+            self._put(record)
+        if unindexed:  # once, record by record
+            with self._lock:
+                ids = [row[0] for row in self._db.execute("SELECT id FROM responses").fetchall()]
+            for response_id in ids:
+                record = self._get(response_id)
+                if record is not None:
+                    with self._lock, self._db:
+                        self._index(record)
 
     def _put(self, record: StoredResponse) -> None:
         raw = json.dumps(asdict(record), separators=(",", ":"))
         with self._lock, self._db:
             self._db.execute(
-                "INSERT OR REPLACE INTO responses (id, created_at, record) VALUES (?, ?, ?)",
-                (record.id, record.created_at, raw),
+                "INSERT OR REPLACE INTO responses (id, created_at, record, status) VALUES (?, ?, ?, ?)",
+                (record.id, record.created_at, raw, record.status),
             )
             self._db.execute("DELETE FROM response_items WHERE response_id = ?", (record.id,))
             self._index(record)

@@ -847,3 +847,51 @@ def test_truncation_auto_drops_the_oldest_items_to_fit(tmp_path):
         assert client.responses.retrieve(cut.id).truncation == "auto"
         with pytest.raises(openai.BadRequestError):  # the newest input alone does not fit
             client.responses.create(model=MODEL, input="omega " * 400, truncation="auto")
+
+
+def test_opening_the_store_reads_only_unfinished_responses(tmp_path, monkeypatch):
+    # Startup marks responses that were running as failed. It must not load and parse every
+    # record (whole event logs of background responses included): startup time and memory would
+    # grow with the store, without bound.
+    import agent_server.store as store_module
+    from agent_server.store import SQLiteResponseStore, StoredResponse
+
+    path = tmp_path / "responses.sqlite3"
+    store = SQLiteResponseStore(path)
+    for i in range(20):
+        store._put(StoredResponse(id=f"resp_done{i}", response={"id": f"resp_done{i}", "status": "completed",
+                                                               "output": [{"id": f"msg_{i}", "type": "message"}]},
+                                  input_items=[], events=[{"type": "response.created", "sequence_number": 0}]))
+    store._put(StoredResponse(id="resp_running", response={"id": "resp_running", "status": "in_progress",
+                                                           "output": []}, input_items=[], events=[]))
+    asyncio.run(store.close())
+    parsed = []
+    loads = json.loads
+    monkeypatch.setattr(store_module.json, "loads", lambda raw, *a, **k: parsed.append(raw) or loads(raw, *a, **k))
+    reopened = SQLiteResponseStore(path)
+    assert len(parsed) == 1  # the running one only
+    monkeypatch.undo()
+    assert asyncio.run(reopened.get("resp_running")).status == "failed"
+    assert asyncio.run(reopened.get("resp_done3")).status == "completed"
+    assert asyncio.run(reopened.find_item("msg_3"))["id"] == "msg_3"
+    asyncio.run(reopened.close())
+
+
+def test_a_store_from_before_the_status_column_is_migrated(tmp_path):
+    # The old table: no status column. Opening it fills the column in (its running response is
+    # then marked failed, as any left running), and new writes keep it.
+    from agent_server.store import SQLiteResponseStore
+
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, created_at REAL, record TEXT NOT NULL)")
+        for rid, status in (("resp_old_done", "completed"), ("resp_old_running", "in_progress")):
+            record = {"id": rid, "response": {"id": rid, "status": status, "output": []}, "input_items": []}
+            db.execute("INSERT INTO responses VALUES (?, 0, ?)", (rid, json.dumps(record)))
+    store = SQLiteResponseStore(path)
+    assert asyncio.run(store.get("resp_old_running")).status == "failed"
+    assert asyncio.run(store.get("resp_old_done")).status == "completed"
+    asyncio.run(store.close())
+    with sqlite3.connect(path) as db:
+        assert dict(db.execute("SELECT id, status FROM responses")) == {
+            "resp_old_done": "completed", "resp_old_running": "failed"}
