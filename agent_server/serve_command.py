@@ -129,6 +129,17 @@ def python_limits(tool_timeout: float, cell_seconds: float | None = None):
     return replace(limits, wall_seconds=cell_seconds, cpu_seconds=max(limits.cpu_seconds, 5 * math.ceil(cell_seconds)))
 
 
+def default_model_name(model_dir: Path) -> str:
+    """The id clients use when --served-model-name is not given: the folder's name, with `.`
+    and `..` resolved (`--model .` is served under the folder's name, not ""), and a Hugging
+    Face cache snapshot (`.../models--openai--gpt-oss-20b/snapshots/<commit>`) named after its
+    repository, not the commit hash. (os.path.abspath: a symlinked folder keeps its own name.)"""
+    path = Path(os.path.abspath(model_dir))
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.split("--")[-1]
+    return path.name or str(path)
+
+
 def port_number(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:  # (the socket layer would take 70000 as 70000 - 65536)
@@ -159,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
                     args.host)
     if args.model:
         model_dir = Path(args.model)
-        name = args.served_model_name or model_dir.name
+        name = args.served_model_name or default_model_name(model_dir)
         if not (model_dir / "config.json").is_file():
             log.error("--model %s is not a Hugging Face checkpoint folder (no config.json there)", model_dir)
             return 2

@@ -140,3 +140,19 @@ def test_tool_timeouts_reach_the_tool_servers(tiny_checkpoint, tmp_path, monkeyp
     from agent_server.serve_command import run
 
     assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--python-timeout", "600"])) == 2
+
+
+@pytest.mark.parametrize("where", [".", "./", "snapshot"])
+def test_the_default_served_name_is_the_models_name(where, tmp_path, monkeypatch):
+    # `--model .` from inside the checkpoint folder, or a Hugging Face cache snapshot
+    # (.../models--openai--gpt-oss-20b/snapshots/<commit>): served as "gpt-oss-20b", not "" or
+    # the commit hash.
+    folder = tmp_path / "gpt-oss-20b"
+    if where == "snapshot":
+        folder = tmp_path / "hub" / "models--openai--gpt-oss-20b" / "snapshots" / ("d666cf3b" * 5)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    monkeypatch.chdir(folder)
+    model = str(folder) if where == "snapshot" else where
+    served = serve_captured(["--model", model, "--store", str(tmp_path / "r.db")])
+    assert served["app"].state.server.config.model_name == "gpt-oss-20b"
