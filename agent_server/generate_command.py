@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .serve_command import positive_int
 
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from inference.tiny_checkpoint import default_tiny_checkpoint
     from inference.tokenizer import ASSISTANT_STOP_TOKENS, harmony_encoding
 
-    model_dir = args.model or default_tiny_checkpoint()
+    model_dir = Path(args.model).expanduser() if args.model else default_tiny_checkpoint()
     model = GptOssModel.from_pretrained(model_dir, device=args.device)
     encoding = harmony_encoding()
     effort = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("Listening on %s without --api-key: anyone who can reach this port can use the model.",
                     args.host)
     if args.model:
-        model_dir = Path(args.model)
+        model_dir = Path(args.model).expanduser()  # (the shell leaves `--model=~/...` alone)
         name = args.served_model_name or default_model_name(model_dir)
         if not (model_dir / "config.json").is_file():
             log.error("--model %s is not a Hugging Face checkpoint folder (no config.json there)", model_dir)

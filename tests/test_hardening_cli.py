@@ -156,3 +156,16 @@ def test_the_default_served_name_is_the_models_name(where, tmp_path, monkeypatch
     model = str(folder) if where == "snapshot" else where
     served = serve_captured(["--model", model, "--store", str(tmp_path / "r.db")])
     assert served["app"].state.server.config.model_name == "gpt-oss-20b"
+
+
+def test_a_model_path_with_a_tilde_is_the_home_folder(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    # `--model=~/models/gpt-oss-20b` (or a quoted path): the shell leaves the "~" alone.
+    import shutil
+
+    from agent_server.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_checkpoint, tmp_path / "gpt-oss-20b")
+    served = serve_captured(["--model=~/gpt-oss-20b", "--store", str(tmp_path / "r.db")])
+    assert served["app"].state.server.config.model_name == "gpt-oss-20b"
+    assert main(["generate", "--model=~/gpt-oss-20b", "--max-tokens", "1", "--device", "cpu", "hi"]) == 0
