@@ -42,14 +42,22 @@ def run(args: argparse.Namespace) -> int:
         SystemContent,
     )
 
+    from inference.checkpoint import CheckpointError
+    from inference.config import ConfigError
     from inference.model import GptOssModel
     from inference.single_sequence import generate
     from inference.tiny_checkpoint import default_tiny_checkpoint
-    from inference.tokenizer import ASSISTANT_STOP_TOKENS, harmony_encoding
+    from inference.tokenizer import ASSISTANT_STOP_TOKENS, VocabularyError, harmony_encoding
 
     model_dir = Path(args.model).expanduser() if args.model else default_tiny_checkpoint()
-    model = GptOssModel.from_pretrained(model_dir, device=args.device)
-    encoding = harmony_encoding()
+    try:  # a bad folder or file is the user's to fix: say which, no traceback
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"--model {model_dir} is not a Hugging Face checkpoint folder (no config.json there)")
+        model = GptOssModel.from_pretrained(model_dir, device=args.device)
+        encoding = harmony_encoding()
+    except (ConfigError, CheckpointError, VocabularyError) as e:
+        print(f"oss-agent generate: error: {e}", file=sys.stderr)
+        return 2
     effort = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
     system = SystemContent.new().with_reasoning_effort(effort[args.reasoning_effort])
     conversation = Conversation.from_messages(

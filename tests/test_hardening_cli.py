@@ -169,3 +169,22 @@ def test_a_model_path_with_a_tilde_is_the_home_folder(tiny_checkpoint, tmp_path,
     served = serve_captured(["--model=~/gpt-oss-20b", "--store", str(tmp_path / "r.db")])
     assert served["app"].state.server.config.model_name == "gpt-oss-20b"
     assert main(["generate", "--model=~/gpt-oss-20b", "--max-tokens", "1", "--device", "cpu", "hi"]) == 0
+
+
+@pytest.mark.parametrize("problem", ["no folder", "no weights", "corrupt shard"])
+def test_generate_reports_a_bad_model_folder_without_a_traceback(problem, tiny_checkpoint, tmp_path, capsys):
+    import shutil
+
+    from agent_server.cli import main
+
+    folder = tmp_path / "model"
+    if problem != "no folder":
+        shutil.copytree(tiny_checkpoint, folder)
+        weights = folder / "model.safetensors"
+        if problem == "no weights":
+            weights.unlink()
+        else:
+            weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["generate", "--model", str(folder), "--device", "cpu", "hi"]) != 0  # raised nothing
+    err = capsys.readouterr().err
+    assert str(folder) in err and "Traceback" not in err
