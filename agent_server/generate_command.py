@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         SystemContent,
     )
 
-    from inference.checkpoint import CheckpointError
+    from inference.checkpoint import CheckpointError, checkpoint_folder_problem
     from inference.config import ConfigError
     from inference.model import GptOssModel
     from inference.single_sequence import generate
@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model).expanduser() if args.model else default_tiny_checkpoint()
     try:  # a bad folder or file is the user's to fix: say which, no traceback
-        if not (model_dir / "config.json").is_file():
-            raise ConfigError(f"--model {model_dir} is not a Hugging Face checkpoint folder (no config.json there)")
+        if checkpoint_folder_problem(model_dir):
+            raise ConfigError(checkpoint_folder_problem(model_dir))
         model = GptOssModel.from_pretrained(model_dir, device=args.device)
         encoding = harmony_encoding()
     except (ConfigError, CheckpointError, VocabularyError) as e:

@@ -171,8 +171,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         model_dir = Path(args.model).expanduser()  # (the shell leaves `--model=~/...` alone)
         name = args.served_model_name or default_model_name(model_dir)
-        if not (model_dir / "config.json").is_file():
-            log.error("--model %s is not a Hugging Face checkpoint folder (no config.json there)", model_dir)
+        from inference.checkpoint import checkpoint_folder_problem
+
+        problem = checkpoint_folder_problem(model_dir)
+        if problem:
+            log.error("%s", problem)
             return 2
     else:
         from inference.tiny_checkpoint import default_tiny_checkpoint

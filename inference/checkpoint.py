@@ -23,6 +23,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated, or holds an unexpected tensor."""
 
 
+def checkpoint_folder_problem(model_dir: str | Path) -> str | None:
+    """Why `model_dir` is not a Hugging Face checkpoint folder (no config.json), or None."""
+    model_dir = Path(model_dir)
+    if (model_dir / "config.json").is_file():
+        return None
+    message = f"--model {model_dir} is not a Hugging Face checkpoint folder (no config.json there)"
+    if (model_dir / "original" / "config.json").is_file():
+        message += ("; it holds only original/, the reference layout this server does not read: download the "
+                    "whole repository (config.json, model-*.safetensors), not just --include \"original/*\"")
+    return message
+
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -96,6 +108,12 @@ class CheckpointReader:
         self.specs = expected_tensors(config)
         self.location = self._locate_tensors()
         missing = [name for name in self.specs if name not in self.location]
+        if missing and any(name == "embedding.weight" or name.startswith("block.") for name in self.location):
+            raise CheckpointError(
+                f"checkpoint {self.model_dir} is in the original gpt-oss layout (the repository's original/ "
+                f"folder, tensors such as 'embedding.weight', 'block.0.attn.qkv.weight'); this server reads "
+                f"the Hugging Face layout: point it at the folder with config.json and model-*.safetensors "
+                f"(download the repository without --include \"original/*\")")
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise CheckpointError(f"checkpoint {self.model_dir} is missing tensor '{missing[0]}'{more}")

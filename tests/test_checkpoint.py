@@ -147,3 +147,19 @@ def test_index_that_lies_about_a_tensor(tmp_path):
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="lm_head.weight"):
         reader(sharded).get(name)
+
+
+def test_the_original_reference_layout_is_named(tmp_path):
+    # openai/gpt-oss-*'s `original/` folder (what `hf download ... --include "original/*"` fetches)
+    # holds the reference implementation's tensors, not the Hugging Face ones: say so and where
+    # to point instead, not "missing tensor 'model.embed_tokens.weight' (and 36 more)".
+    folder = tmp_path / "gpt-oss-20b" / "original"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_experts": 4, "experts_per_token": 2,
+                                                    "hidden_size": 64, "intermediate_size": 64, "head_dim": 16,
+                                                    "num_attention_heads": 4, "num_key_value_heads": 2}))
+    save_file({"embedding.weight": torch.zeros(8, 64, dtype=torch.bfloat16),
+               "block.0.attn.sinks": torch.zeros(4)}, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="original") as error:
+        reader(folder)
+    assert "model.embed_tokens.weight" not in str(error.value)

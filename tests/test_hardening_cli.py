@@ -188,3 +188,18 @@ def test_generate_reports_a_bad_model_folder_without_a_traceback(problem, tiny_c
     assert main(["generate", "--model", str(folder), "--device", "cpu", "hi"]) != 0  # raised nothing
     err = capsys.readouterr().err
     assert str(folder) in err and "Traceback" not in err
+
+
+def test_a_folder_holding_only_the_original_layout_is_explained(tmp_path, caplog, monkeypatch):
+    # `hf download openai/gpt-oss-20b --include "original/*" --local-dir gpt-oss-20b` (as
+    # gpt-oss's own README has it) leaves gpt-oss-20b/original/ and no config.json above it.
+    import uvicorn
+
+    from agent_server.serve_command import run
+
+    (tmp_path / "gpt-oss-20b" / "original").mkdir(parents=True)
+    (tmp_path / "gpt-oss-20b" / "original" / "config.json").write_text("{}")
+    monkeypatch.setattr(uvicorn, "Server", None)
+    with caplog.at_level(logging.ERROR, logger="oss_agent"):
+        assert run(build_parser().parse_args(["serve", "--model", str(tmp_path / "gpt-oss-20b")])) == 2
+    assert "original/" in caplog.text and "no config.json" in caplog.text
