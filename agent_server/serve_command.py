@@ -189,6 +189,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
+    from tools.tool_server import split_specs
+
+    if args.search_dir and not {"demo", "browser"} & set(split_specs(args.tool_server)):
+        log.error("--search-dir is the browser tool's backend, and no browser was asked for: add "
+                  "--tool-server browser (or --tool-server demo, the browser and python)")
+        return 2
     options = engine_options(args)
 
     def build_engine():

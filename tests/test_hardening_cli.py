@@ -203,3 +203,20 @@ def test_a_folder_holding_only_the_original_layout_is_explained(tmp_path, caplog
     with caplog.at_level(logging.ERROR, logger="oss_agent"):
         assert run(build_parser().parse_args(["serve", "--model", str(tmp_path / "gpt-oss-20b")])) == 2
     assert "original/" in caplog.text and "no config.json" in caplog.text
+
+
+def test_a_search_dir_without_a_browser_is_refused(tiny_checkpoint, tmp_path, caplog, monkeypatch):
+    # The README lists --search-dir as the browser's backend; with no browser tool server it did
+    # nothing, and web_search_preview requests were refused as if it had not been given.
+    import uvicorn
+
+    from agent_server.serve_command import run
+
+    monkeypatch.setattr(uvicorn, "Server", None)
+    with caplog.at_level(logging.ERROR, logger="oss_agent"):
+        assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--search-dir",
+                                              str(tmp_path)])) == 2
+    assert "--tool-server" in caplog.text
+    served = serve_captured(["--model", str(tiny_checkpoint), "--search-dir", str(tmp_path), "--tool-server", "demo",
+                             "--store", str(tmp_path / "r.db")])
+    assert served["app"] is not None
