@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exa-api-key", default=os.environ.get("EXA_API_KEY"), help="Exa key for web search")
     parser.add_argument("--store", type=Path, help="SQLite file for stored responses")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--max-model-len", type=int, help="context length to serve (default: the engine's)")
+    parser.add_argument("--max-model-len", type=positive_int, help="context length to serve (default: the engine's)")
     parser.add_argument("--gpu-memory-utilization", type=fraction, metavar="FRACTION",
                         help="share of GPU memory the engine may use; the KV cache gets what the model and one "
                              "step leave of it (default: 0.9)")
@@ -55,16 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
                              "steps under (default: on with CUDA, off on CPU)")
-    parser.add_argument("--tool-timeout", type=float, default=300.0, help="seconds a built-in tool call may take")
+    parser.add_argument("--tool-timeout", type=positive_float, default=300.0, help="seconds a built-in tool call may take")
     parser.add_argument("--python-timeout", type=float, metavar="SECONDS",
                         help="seconds a python cell may run before it is interrupted, its session kept (default: "
                              "60, or less to end before --tool-timeout)")
     parser.add_argument("--cors-origin", action="append", default=[],
                         help="allow this browser origin (CORS, off by default); repeatable, '*' for any")
-    parser.add_argument("--max-request-bytes", type=int, default=32 << 20, help="largest request body accepted")
-    parser.add_argument("--max-input-items", type=int, default=2048,
+    parser.add_argument("--max-request-bytes", type=positive_int, default=32 << 20, help="largest request body accepted")
+    parser.add_argument("--max-input-items", type=positive_int, default=2048,
                         help="most items in a request's input (Responses) or messages (Chat Completions)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+    parser.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown before they are cancelled")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
 
@@ -86,6 +86,10 @@ def engine_options(args: argparse.Namespace) -> dict:
                  "draft_model", "tensor_parallel_size", "async_scheduling"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    if args.speculative is None and (args.draft_model or args.num_draft_tokens is not None):
+        raise SystemExit("--draft-model and --num-draft-tokens take effect only with --speculative ngram|eagle3")
+    if args.speculative == "ngram" and args.draft_model:
+        raise SystemExit("--draft-model is for --speculative eagle3 (ngram drafts from the prompt, with no model)")
     if options.get("speculative") == "eagle3" and not options.get("draft_model"):
         raise SystemExit("--speculative eagle3 needs --draft-model DIR (an EAGLE-3 draft checkpoint)")
     return options
@@ -144,6 +148,20 @@ def port_number(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:  # (the socket layer would take 70000 as 70000 - 65536)
         raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

@@ -220,3 +220,22 @@ def test_a_search_dir_without_a_browser_is_refused(tiny_checkpoint, tmp_path, ca
     served = serve_captured(["--model", str(tiny_checkpoint), "--search-dir", str(tmp_path), "--tool-server", "demo",
                              "--store", str(tmp_path / "r.db")])
     assert served["app"] is not None
+
+
+@pytest.mark.parametrize("argv", [["--max-model-len", "0"], ["--max-request-bytes", "0"], ["--max-input-items", "0"],
+                                  ["--tool-timeout", "0"], ["--tool-timeout", "-1"], ["--shutdown-timeout", "-1"]])
+def test_serve_settings_that_cannot_work_are_argument_errors(argv, capsys):
+    # (--max-model-len 0 was silently the default; --max-request-bytes 0 refused every request)
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", *argv])
+    assert exit_info.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--draft-model", "/models/eagle3"], ["--num-draft-tokens", "3"],
+                                  ["--speculative", "ngram", "--draft-model", "/models/eagle3"]])
+def test_draft_flags_without_their_drafter_are_refused(argv):
+    # They did nothing: no drafter ran, and nothing said so.
+    from agent_server.serve_command import engine_options
+
+    with pytest.raises(SystemExit, match="--speculative"):
+        engine_options(build_parser().parse_args(["serve", *argv]))
