@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(config, build_engine, tool_servers=tool_servers, on_load_error=stop_on_load_error)
     # Our access log (with request ids) replaces uvicorn's. On SIGTERM/SIGINT uvicorn stops
     # accepting, gives open connections the shutdown timeout, then the app drains its runs.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
     server.run()
     if failed:

@@ -239,3 +239,20 @@ def test_draft_flags_without_their_drafter_are_refused(argv):
 
     with pytest.raises(SystemExit, match="--speculative"):
         engine_options(build_parser().parse_args(["serve", *argv]))
+
+
+def test_uvicorns_own_log_lines_have_the_servers_format(tmp_path):
+    # One format for every line (time, level, logger, request id): uvicorn's start-up lines and
+    # its errors were written in its own ("INFO:     Started server process ...").
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # fails to load: exits
+    result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tmp_path), "--port", "0",
+                             "--store", str(tmp_path / "r.db")], capture_output=True, text=True, timeout=300,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [line for line in result.stderr.splitlines() if "Started server process" in line or "Shutting down" in line]
+    assert lines and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO \S+ \[-\] ", line) for line in lines)
