@@ -51,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model).expanduser() if args.model else default_tiny_checkpoint()
     try:  # a bad folder or file is the user's to fix: say which, no traceback
-        if checkpoint_folder_problem(model_dir):
-            raise ConfigError(checkpoint_folder_problem(model_dir))
+        problem = checkpoint_folder_problem(model_dir)
+        if problem:
+            raise ConfigError(f"--model {problem}")
         model = GptOssModel.from_pretrained(model_dir, device=args.device)
         encoding = harmony_encoding()
     except (ConfigError, CheckpointError, VocabularyError) as e:

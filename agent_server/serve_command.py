@@ -86,9 +86,10 @@ def engine_options(args: argparse.Namespace) -> dict:
                  "draft_model", "tensor_parallel_size", "async_scheduling"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    if args.speculative is None and (args.draft_model or args.num_draft_tokens is not None):
+    drafter = options.get("speculative")  # (the flag, or --engine-option speculative=...)
+    if drafter is None and (args.draft_model or args.num_draft_tokens is not None):
         raise SystemExit("--draft-model and --num-draft-tokens take effect only with --speculative ngram|eagle3")
-    if args.speculative == "ngram" and args.draft_model:
+    if drafter == "ngram" and args.draft_model:
         raise SystemExit("--draft-model is for --speculative eagle3 (ngram drafts from the prompt, with no model)")
     if options.get("speculative") == "eagle3" and not options.get("draft_model"):
         raise SystemExit("--speculative eagle3 needs --draft-model DIR (an EAGLE-3 draft checkpoint)")
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
         problem = checkpoint_folder_problem(model_dir)
         if problem:
-            log.error("%s", problem)
+            log.error("--model %s", problem)
             return 2
     else:
         from inference.tiny_checkpoint import default_tiny_checkpoint

@@ -28,7 +28,7 @@ def checkpoint_folder_problem(model_dir: str | Path) -> str | None:
     model_dir = Path(model_dir)
     if (model_dir / "config.json").is_file():
         return None
-    message = f"--model {model_dir} is not a Hugging Face checkpoint folder (no config.json there)"
+    message = f"{model_dir} is not a Hugging Face checkpoint folder (no config.json there)"
     if (model_dir / "original" / "config.json").is_file():
         message += ("; it holds only original/, the reference layout this server does not read: download the "
                     "whole repository (config.json, model-*.safetensors), not just --include \"original/*\"")

@@ -239,6 +239,9 @@ def test_draft_flags_without_their_drafter_are_refused(argv):
 
     with pytest.raises(SystemExit, match="--speculative"):
         engine_options(build_parser().parse_args(["serve", *argv]))
+    # A drafter chosen through --engine-option counts.
+    args = build_parser().parse_args(["serve", "--engine-option", "speculative=ngram", "--num-draft-tokens", "3"])
+    assert engine_options(args)["num_draft_tokens"] == 3
 
 
 def test_uvicorns_own_log_lines_have_the_servers_format(tmp_path):
