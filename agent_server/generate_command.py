@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         SystemContent,
     )
 
+    import torch
+
     from inference.checkpoint import CheckpointError, checkpoint_folder_problem
     from inference.config import ConfigError
     from inference.model import GptOssModel
@@ -54,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         problem = checkpoint_folder_problem(model_dir)
         if problem:
             raise ConfigError(f"--model {problem}")
+        if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {args.device}: this machine has no CUDA device torch can use")
         model = GptOssModel.from_pretrained(model_dir, device=args.device)
         encoding = harmony_encoding()
     except (ConfigError, CheckpointError, VocabularyError) as e:

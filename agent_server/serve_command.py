@@ -214,6 +214,13 @@ def run(args: argparse.Namespace) -> int:
         log.error("--search-dir is the browser tool's backend, and no browser was asked for: add "
                   "--tool-server browser (or --tool-server demo, the browser and python)")
         return 2
+    search_dir = Path(args.search_dir).expanduser() if args.search_dir else None
+    if search_dir is not None and not search_dir.is_dir():
+        log.error("--search-dir %s is not a folder", args.search_dir)
+        return 2
+    if args.store and Path(args.store).expanduser().is_dir():
+        log.error("--store %s is a folder; give the path of the SQLite file to keep responses in", args.store)
+        return 2
     options = engine_options(args)
 
     def build_engine():
@@ -228,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         async def tool_servers():
             from tools.tool_server import start_tool_servers
 
-            return await start_tool_servers(args.tool_server, search_dir=args.search_dir, exa_api_key=args.exa_api_key,
+            return await start_tool_servers(args.tool_server, search_dir=search_dir, exa_api_key=args.exa_api_key,
                                             python_limits=cell_limits,
                                             mcp_timeout=args.tool_timeout)
 
@@ -236,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=name,
         aliases=[str(model_dir)],
         api_key=args.api_key,
-        store_path=args.store or default_store_path(),
+        store_path=Path(args.store).expanduser() if args.store else default_store_path(),
         tool_timeout=args.tool_timeout,
         cors_origins=args.cors_origin,
         max_request_bytes=args.max_request_bytes,

@@ -171,6 +171,16 @@ def test_a_model_path_with_a_tilde_is_the_home_folder(tiny_checkpoint, tmp_path,
     assert main(["generate", "--model=~/gpt-oss-20b", "--max-tokens", "1", "--device", "cpu", "hi"]) == 0
 
 
+def test_generate_on_cuda_without_cuda_is_an_error(tiny_checkpoint, capsys, monkeypatch):
+    import torch
+
+    from agent_server.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "--model", str(tiny_checkpoint), "--device", "cuda", "hi"]) == 2
+    assert "--device cuda" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("problem", ["no folder", "no weights", "corrupt shard"])
 def test_generate_reports_a_bad_model_folder_without_a_traceback(problem, tiny_checkpoint, tmp_path, capsys):
     import shutil
@@ -220,6 +230,22 @@ def test_a_search_dir_without_a_browser_is_refused(tiny_checkpoint, tmp_path, ca
     served = serve_captured(["--model", str(tiny_checkpoint), "--search-dir", str(tmp_path), "--tool-server", "demo",
                              "--store", str(tmp_path / "r.db")])
     assert served["app"] is not None
+
+
+@pytest.mark.parametrize("flag, path, complaint", [("--search-dir", "nowhere", "not a folder"),
+                                                   ("--store", ".", "is a folder")])
+def test_paths_that_cannot_work_are_named(flag, path, complaint, tiny_checkpoint, tmp_path, caplog, monkeypatch):
+    # (a missing --search-dir was a traceback when the browser started; a folder as --store was
+    # SQLite's "unable to open database file", naming no path)
+    import uvicorn
+
+    from agent_server.serve_command import run
+
+    monkeypatch.setattr(uvicorn, "Server", None)
+    with caplog.at_level(logging.ERROR, logger="oss_agent"):
+        assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--tool-server", "demo",
+                                              flag, str(tmp_path / path)])) == 2
+    assert flag in caplog.text and complaint in caplog.text
 
 
 @pytest.mark.parametrize("argv", [["--max-model-len", "0"], ["--max-request-bytes", "0"], ["--max-input-items", "0"],
