@@ -157,6 +157,10 @@ class LLMEngine:
         self.model_name = model_name
         self.vocab_size = c.vocab_size
         self.max_model_len = min(config.max_model_len or c.max_position_embeddings, model.max_positions)
+        if self.max_model_len > c.max_position_embeddings:  # (RoPE still runs, past what it was trained on)
+            log.warning("max_model_len %d is beyond the %d positions the model's config.json gives "
+                        "(max_position_embeddings); output quality past them is not known",
+                        self.max_model_len, c.max_position_embeddings)
         self.page_size = config.page_size
         has_sliding = any(c.is_sliding(i) for i in range(c.num_hidden_layers))
         dtype, device = model.dtype, model.device

@@ -8,6 +8,8 @@ full), sliding window 8; page size 4 so prompts cross many pages and the window.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -304,3 +306,15 @@ def test_default_sizing_on_cpu(model):
     assert usage.sliding_pages_total == 2 * (4 * 4 + 4)
     k, v = eng.kv_caches[0]
     assert k.shape == (usage.sliding_pages_total, 16, 2, 16) and v.dtype == torch.float32
+
+
+def test_a_context_past_the_models_positions_is_served_with_a_warning(tmp_path, caplog):
+    path = write_tiny_checkpoint(tmp_path, seed=0)  # max_position_embeddings 4096
+    longer = GptOssModel.from_pretrained(path, device="cpu", max_positions=5000)
+    with caplog.at_level(logging.WARNING, logger="inference.engine"):
+        eng = engine(longer, max_model_len=5000, num_pages=1300)
+    assert eng.max_model_len == 5000 and "beyond the 4096 positions" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="inference.engine"):
+        engine(longer, max_model_len=4096, num_pages=1100)
+    assert "beyond" not in caplog.text
