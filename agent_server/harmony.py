@@ -74,7 +74,8 @@ def developer_message(config: PromptConfig) -> Message | None:
         section = f"# Response Formats\n\n## {fmt['name']}\n\n"
         if fmt.get("description"):
             section += f"// {fmt['description']}\n"
-        section += json.dumps(fmt["schema"], separators=(",", ":"))
+        if fmt.get("schema") is not None:
+            section += json.dumps(fmt["schema"], separators=(",", ":"))
         instructions = f"{instructions}\n\n{section}" if instructions else section
     if not instructions and not config.function_tools:
         return None

@@ -160,14 +160,15 @@ class ResponseFormatJsonObject(StrictModel):
 class JsonSchemaSpec(StrictModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
-    schema_: dict[str, Any] = Field(alias="schema")
+    # Optional in OpenAI's Chat Completions (unlike the Responses API's text.format).
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     description: str | None = None
     strict: bool | None = None
 
     @field_validator("schema_")
     @classmethod
-    def _valid_schema(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        return check_json_schema(value, info)
+    def _valid_schema(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        return None if value is None else check_json_schema(value, info)
 
 
 class ResponseFormatJsonSchema(StrictModel):

@@ -291,6 +291,16 @@ def test_json_schema_response_format_reaches_the_prompt(fake_server):
     assert "# Response Formats\n\n## math\n\n" + json.dumps(schema, separators=(",", ":")) in prompt_text(engine)
 
 
+def test_json_schema_response_format_without_a_schema(fake_server):
+    # OpenAI's `json_schema` needs only `name`: `schema` (and `description`, `strict`) are optional.
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say('<|channel|>final<|message|>{"answer": 4}<|return|>')
+    completion = client.chat.completions.create(model=MODEL, messages=HELLO, response_format={
+        "type": "json_schema", "json_schema": {"name": "anything", "description": "Any JSON value."}})
+    assert json.loads(completion.choices[0].message.content) == {"answer": 4}
+    assert "# Response Formats\n\n## anything\n\n// Any JSON value.\n" in prompt_text(engine)
+
+
 def test_client_disconnect_stops_generation(fake_server):
     engine = fake_server.engine
     engine.token_delay = 0.02
