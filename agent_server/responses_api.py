@@ -61,7 +61,6 @@ UNSUPPORTED = {
 INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")  # a response's statuses once it has ended
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 TOOL_CHOICE_NOTES = {
     "required": "You must call one of the available tools before giving your final answer.",
@@ -223,7 +222,8 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
 
 
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
-    return len(prompt) < max_model_len and (max_output_tokens is None or len(prompt) + max_output_tokens <= max_model_len)
+    return len(prompt) < max_model_len and (max_output_tokens is None
+                                            or len(prompt) + max_output_tokens <= max_model_len)
 
 
 def _truncated(head: list[Message], conversation: list[Message], max_model_len: int,
@@ -290,11 +290,11 @@ def _check_item_ids(items: list[Any]) -> None:
 def _chain_item_ids(record: StoredResponse) -> list[str]:
     """Ids of every input and output item of the chain ending in `record` (a record stored
     before chains kept them gives its own items)."""
-    ids = list(record.chain_item_ids)
+    ids = dict.fromkeys(record.chain_item_ids)  # (ordered, and a long chain's lookups stay O(1))
     for item in [*record.input_items, *record.response.get("output", [])]:
-        if isinstance(item.get("id"), str) and item["id"] not in ids:
-            ids.append(item["id"])
-    return ids
+        if isinstance(item.get("id"), str):
+            ids.setdefault(item["id"])
+    return list(ids)
 
 
 def _check_not_in_chain(items: list[Any], chain_ids: set[str]) -> None:
@@ -569,7 +569,7 @@ async def retrieve_response(request: Request) -> Response:
                        "background=true.", param="stream")
 
     events = record.events
-    if not events or events[-1].get("type") not in TERMINAL_EVENTS:
+    if not events or events[-1].get("type") not in TERMINAL_EVENT.values():
         # The server stopped while it ran (the record was then marked failed): what it streamed
         # was not kept, but a stream still ends with the response's terminal event.
         status = record.status if record.status in TERMINAL else "failed"

@@ -55,13 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
                              "steps under (default: on with CUDA, off on CPU)")
-    parser.add_argument("--tool-timeout", type=positive_float, default=300.0, help="seconds a built-in tool call may take")
+    parser.add_argument("--tool-timeout", type=positive_float, default=300.0,
+                        help="seconds a built-in tool call may take")
     parser.add_argument("--python-timeout", type=float, metavar="SECONDS",
                         help="seconds a python cell may run before it is interrupted, its session kept (default: "
                              "60, or less to end before --tool-timeout)")
     parser.add_argument("--cors-origin", action="append", default=[],
                         help="allow this browser origin (CORS, off by default); repeatable, '*' for any")
-    parser.add_argument("--max-request-bytes", type=positive_int, default=32 << 20, help="largest request body accepted")
+    parser.add_argument("--max-request-bytes", type=positive_int, default=32 << 20,
+                        help="largest request body accepted")
     parser.add_argument("--max-input-items", type=positive_int, default=2048,
                         help="most items in a request's input (Responses) or messages (Chat Completions)")
     parser.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
@@ -91,7 +93,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         raise SystemExit("--draft-model and --num-draft-tokens take effect only with --speculative ngram|eagle3")
     if drafter == "ngram" and args.draft_model:
         raise SystemExit("--draft-model is for --speculative eagle3 (ngram drafts from the prompt, with no model)")
-    if options.get("speculative") == "eagle3" and not options.get("draft_model"):
+    if drafter == "eagle3" and not options.get("draft_model"):
         raise SystemExit("--speculative eagle3 needs --draft-model DIR (an EAGLE-3 draft checkpoint)")
     return options
 
@@ -259,8 +261,10 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(config, build_engine, tool_servers=tool_servers, on_load_error=stop_on_load_error)
     # Our access log (with request ids) replaces uvicorn's. On SIGTERM/SIGINT uvicorn stops
     # accepting, gives open connections the shutdown timeout, then the app drains its runs.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
+    # log_config=None: uvicorn's own lines go through the root handler, in the server's format.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           log_config=None, access_log=False,
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
     server.run()
     if failed:
         log.error("exiting: startup failed: %s", failed[0])

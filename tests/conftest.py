@@ -80,6 +80,15 @@ class LiveServer:
         self.stop()
 
 
+def wait_for(predicate, timeout: float = 20.0) -> None:
+    """Poll `predicate` until it holds (an assertion error after `timeout` seconds): for what a
+    server does after its reply, such as an engine request's abort landing."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def serve_captured(argv: list[str]) -> dict:
     """Run `oss-agent serve ARGV` up to the point of serving: what it would hand uvicorn (the
     app and the server settings), with no server started and so no model loaded."""

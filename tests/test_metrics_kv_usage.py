@@ -12,13 +12,12 @@ import asyncio
 import math
 import re
 import threading
-import time
 
 import httpx
 import pytest
 from openai_harmony import ToolNamespaceConfig
 
-from tests.conftest import MODEL, LiveServer, build_tiny_engine, make_app
+from tests.conftest import MODEL, LiveServer, build_tiny_engine, make_app, wait_for
 from tests.fake_engine import TeacherForcedEngine
 from tests.test_server_responses import PYTHON
 from tools.tool_server import ToolResult
@@ -68,13 +67,6 @@ def scrape(url: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert match, f"{name} is not exported"
     return float(match.group(1))
-
-
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_kv_usage_gauge_follows_the_pages_a_request_holds(tmp_path, tiny_checkpoint):

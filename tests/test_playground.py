@@ -13,12 +13,12 @@ import json
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests import conftest
 from tests.conftest import MODEL, LiveServer, make_app
 from tests.fake_engine import ScriptedEngine
 
@@ -48,11 +48,8 @@ def final(text: str, reasoning: str | None = None) -> str:
     return f"{head}<|channel|>final<|message|>{text}<|return|>"
 
 
-def wait_for(predicate, timeout: float = 45.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+def wait_for(predicate, timeout: float = 45.0) -> None:  # (a browser is slower than the tests' default)
+    conftest.wait_for(predicate, timeout)
 
 
 def prompt_text(call) -> str:

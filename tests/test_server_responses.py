@@ -18,7 +18,7 @@ import pytest
 
 from agent_server.harmony import continuation_tokens, tool_message
 from inference.tokenizer import harmony_encoding
-from tests.conftest import MODEL, LiveServer, make_app
+from tests.conftest import MODEL, LiveServer, make_app, wait_for
 from tests.fake_engine import ScriptedEngine, harmony_tokens
 
 ANSWER = ("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final"
@@ -477,13 +477,6 @@ def test_items_are_referenced_by_id(tool_server, fake_tools):
 
 def slow_turn(words: int) -> str:
     return "<|channel|>final<|message|>" + " word" * words + "<|return|>"
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_background_responses_poll_resume_and_cancel(fake_server):
