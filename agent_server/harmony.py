@@ -109,9 +109,35 @@ def render_prompt(messages: list[Message]) -> list[int]:
     texts = [_plain_user_text(m) for m in messages[lead:]]
     if all(text is not None for text in texts):  # the common request: no earlier assistant turns
         return head + [t for text in texts for t in _user_message_tokens(text)] + assistant_start_tokens()
-    conversation = Conversation.from_messages(messages[lead:])
+    conversation = Conversation.from_messages(_without_finished_analysis(messages[lead:]))
     config = RenderConversationConfig(auto_drop_analysis=True)
     return head + harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT, config)
+
+
+def _without_finished_analysis(messages: list[Message]) -> list[Message]:
+    """The messages without the analysis of every turn that ended in a final answer (those before
+    the last final message), and without the answers of the tool calls dropped with it.
+
+    openai-harmony's `auto_drop_analysis` only drops analysis before the *first* final message,
+    and keeps the tool messages answering a dropped analysis-channel call (browser, python):
+    the model would read tool answers nobody asked for."""
+    last_final = max((i for i, m in enumerate(messages) if m.author.role == Role.ASSISTANT
+                      and m.channel == "final"), default=-1)
+    kept: list[Message] = []
+    unanswered: list[str] = []  # recipients of dropped calls, whose answers go too
+    for i, message in enumerate(messages):
+        role = message.author.role
+        if i < last_final and role == Role.ASSISTANT and message.channel == "analysis":
+            if message.recipient:
+                unanswered.append(message.recipient)
+            continue
+        if role == Role.TOOL and message.author.name in unanswered:
+            unanswered.remove(message.author.name)
+            continue
+        if role != Role.TOOL and not (role == Role.ASSISTANT and message.recipient):
+            unanswered = []  # an answer comes right after its calls
+        kept.append(message)
+    return kept
 
 
 def _plain_user_text(message: Message) -> str | None:

@@ -169,6 +169,26 @@ def test_previous_response_id_continues_the_conversation(live_server):
     assert second.usage.input_tokens_details.cached_tokens > 0
 
 
+def test_continuing_drops_finished_tool_steps_with_their_results(fake_server):
+    """A turn that ended in a final answer loses its chain of thought in later prompts; a built-in
+    tool call on the analysis channel goes with it, and so must the tool's answer (a tool message
+    with no call before it is not Harmony the model was trained on). Every finished turn, not
+    only the first."""
+    engine, client = fake_server.engine, fake_server.client()
+    browser = [{"type": "web_search_preview"}]
+    engine.say(SEARCH, CITED)
+    first = client.responses.create(model=MODEL, input="What license does gpt-oss use?", tools=browser)
+    engine.say(ANSWER)
+    second = client.responses.create(model=MODEL, input="Thanks!", previous_response_id=first.id, tools=browser)
+    text = prompt_text(engine.calls[-1])
+    assert "gpt-oss is Apache-2.0 licensed" in text and "I should look this up." not in text
+    assert "to=browser.search" not in text and "<|start|>browser.search to=assistant" not in text
+    engine.say(ANSWER)
+    client.responses.create(model=MODEL, input="Bye.", previous_response_id=second.id, tools=browser)
+    text = prompt_text(engine.calls[-1])
+    assert "Hello! How can I help?" in text and "The user greets me." not in text
+
+
 def test_developer_input_messages_stay_in_the_chain(fake_server):
     # Unlike the `instructions` parameter, system and developer messages in `input` are items of
     # the conversation: later responses in the chain keep them.
