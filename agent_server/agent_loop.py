@@ -30,6 +30,7 @@ from openai_harmony import Message
 
 from inference.request import EngineClient, GenerationRequest, SamplingParams
 from inference.tokenizer import CALL, RETURN
+from tools.browser.citations import resolve_citations
 
 from .citations import CitationStreamer
 from .errors import internal_error
@@ -251,7 +252,12 @@ class AgentLoop:
             self.writer = MessageWriter(self.events, phase=phase)
             if start.channel == "final":
                 session = self.sessions.opened(self.task.tools.browser)
-                self.citations = CitationStreamer(session.resolve_citations if session is not None else None)
+                if session is not None:
+                    self.citations = CitationStreamer(session.resolve_citations)
+                elif self.task.tools.browser is not None:  # marks of pages this response never opened
+                    self.citations = CitationStreamer(lambda text: resolve_citations(text, []))
+                else:
+                    self.citations = CitationStreamer(None)
 
     def _delta(self, text: str) -> None:
         if isinstance(self.writer, MessageWriter) and self.citations is not None:

@@ -247,6 +247,21 @@ def test_web_search_then_answer_with_citations(tool_server, fake_tools):
     assert tool_text.closed and second.request.request_id in engine.released
 
 
+def test_citation_marks_never_reach_the_user_when_nothing_was_browsed(fake_server):
+    """A later turn answers from what an earlier response found, citing it the way it did there,
+    without browsing again: its marks cannot be resolved (this response opened no page) and are
+    removed, never shown raw."""
+    engine, client = fake_server.engine, fake_server.client()
+    browser = [{"type": "web_search_preview"}]
+    engine.say(SEARCH, CITED)
+    first = client.responses.create(model=MODEL, input="What license does gpt-oss use?", tools=browser)
+    engine.say("<|channel|>final<|message|>Yes: Apache-2.0 【0†L1-L2】.<|return|>")
+    events, second = stream_events(client, model=MODEL, input="Sure?", previous_response_id=first.id,
+                                   tools=browser)
+    check_stream_invariants(events, second)
+    assert second.output_text == "Yes: Apache-2.0 ." and not second.output[0].content[0].annotations
+
+
 def test_code_interpreter_call(tool_server, fake_tools):
     engine, client = tool_server.engine, tool_server.client()
     engine.say(PYTHON, "<|channel|>final<|message|>6 times 7 is 42.<|return|>")
