@@ -156,9 +156,13 @@ class AgentLoop:
                 self._close_open_item("incomplete")  # (a call the model did not end with <|call|>)
                 self.outcome.status = "completed"
                 return
+            functions = any(c.route.kind == "function" for c in self.calls)
             tool_messages = [await self._run_tool(call) for call in builtin]
             self.calls = []
             self.outcome.new_messages += tool_messages
+            if functions:  # the client runs those: the model must not answer before it has
+                self.outcome.status = "completed"
+                return
             # The next turn continues the same sequence: the engine prefills the tool answers only.
             tokens = tokens + generated + continuation_tokens(tool_messages)
             turn += 1

@@ -368,6 +368,25 @@ def test_function_call_and_its_output(tool_server):
         "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|><|start|>assistant")
 
 
+def test_a_turn_with_a_function_call_and_a_builtin_call_ends_for_the_client(fake_server):
+    """The model chains a client function call and a python call in one turn: the server runs
+    python, then the response ends so that the client can run its function (the model has not
+    seen its output). It does not answer on, leaving a completed function_call nobody answered."""
+    engine, client = fake_server.engine, fake_server.client()
+    tools = [WEATHER_TOOL, {"type": "code_interpreter", "container": {"type": "auto"}}]
+    engine.say(WEATHER_CALL.replace("<|call|>", "<|end|>") + "<|start|>assistant" + PYTHON)
+    first = client.responses.create(model=MODEL, input="Weather in Paris, and 6*7?", tools=tools)
+    assert [item.type for item in first.output] == ["function_call", "code_interpreter_call"]
+    assert first.output[1].status == "completed" and len(engine.calls) == 1
+    engine.say("<|channel|>final<|message|>21°C, and 42.<|return|>")
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=tools, input=[
+        {"type": "function_call_output", "call_id": first.output[0].call_id, "output": "21"}])
+    assert second.output_text == "21°C, and 42."
+    assert prompt_text(engine.calls[-1]).endswith(
+        "<|start|>python to=assistant<|channel|>commentary<|message|>42\n<|end|>"
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|><|start|>assistant")
+
+
 def test_limits_make_responses_incomplete_or_stop_tools(tool_server, fake_tools):
     engine, client = tool_server.engine, tool_server.client()
     engine.say(ANSWER)
