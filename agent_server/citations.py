@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tools.browser.citations import UNFINISHED_AT_END
+from tools.browser.citations import PUNCTUATION_AFTER_A_MARK, UNFINISHED_AT_END
 
 OPEN, CLOSE = "【", "】"
 MAX_MARK_CHARS = 64  # a longer "mark" is just text that happens to contain 【
@@ -55,9 +55,16 @@ def as_citation(annotation: Any) -> Citation | None:
 
 
 class CitationStreamer:
+    """Feeds an answer's deltas through the browser's resolver, one mark at a time, so that the
+    streamed text and annotations equal what resolving the whole answer at once gives. Spaces
+    are held until the next character: a link the resolver writes brings its own space, and an
+    unresolvable mark takes the spaces before it when punctuation or the end follows it."""
+
     def __init__(self, resolve: Callable[[str], tuple[str, list[Any]]] | None):
         self.resolve = resolve
         self.pending = ""  # an open mark waiting for its 】
+        self.held = ""  # spaces after the released text, not released yet
+        self.after_removed_mark = False  # an unresolvable mark was removed right after `held`
         self.last_url: str | None = None  # the last link's URL, while only whitespace followed it
         self.after_space = False  # the text released so far ends in whitespace
 
@@ -75,29 +82,41 @@ class CitationStreamer:
                         plain = ""
                     chunk = self._resolved(self.pending)
                     self.pending = ""
-                    if chunk.citations and chunk.text.startswith(" ") and self.after_space:
+                    if len(chunk.citations) == 1 and chunk.citations[0].url == self.last_url:
+                        self.held = ""  # the same source cited again right away: it, and the space before it, go
+                        continue
+                    if not chunk.text:  # an unresolvable mark, removed
+                        self.after_removed_mark = True
+                        continue
+                    if chunk.citations and chunk.text.startswith(" ") and (self.held or self.after_space):
                         # The resolver saw the mark alone, so it put a space before the link;
                         # the text before it already ends in one.
                         chunk = CitedChunk(chunk.text[1:], [
                             Citation(c.url, c.title, c.start_index - 1, c.end_index - 1)
                             for c in chunk.citations])
-                    if len(chunk.citations) == 1 and chunk.citations[0].url == self.last_url:
-                        continue  # the same source cited again right away
+                    if self.held:
+                        chunks.append(CitedChunk(self._release_held()))
                     if chunk.citations:
                         self.last_url = chunk.citations[-1].url
                     elif chunk.text.strip():
                         self.last_url = None
                     chunks.append(chunk)
-                    if chunk.text:
-                        self.after_space = chunk.text[-1].isspace()
+                    self.after_space = chunk.text[-1].isspace()
                 elif len(self.pending) > MAX_MARK_CHARS:
-                    plain += self.pending
+                    plain += self._release_held() + self.pending
                     self.pending = ""
                     self.after_space = char.isspace()
             elif char == OPEN:
                 self.pending = char
             else:
-                plain += char
+                if self.after_removed_mark:
+                    if char.isspace() or char in PUNCTUATION_AFTER_A_MARK:
+                        self.held = ""  # "fact 【9†L1】." -> "fact.", as the resolver writes it
+                    self.after_removed_mark = False
+                if char == " ":
+                    self.held += char
+                    continue
+                plain += self._release_held() + char
                 self.after_space = char.isspace()
                 if not char.isspace():
                     self.last_url = None
@@ -108,8 +127,16 @@ class CitationStreamer:
     def flush(self) -> list[CitedChunk]:
         rest, self.pending = self.pending, ""
         if self.resolve is not None and UNFINISHED_AT_END.fullmatch(rest):
-            return []  # the answer ended inside a citation mark
-        return [CitedChunk(rest)] if rest else []
+            rest = ""  # the answer ended inside a citation mark
+        held = "" if self.after_removed_mark else self._release_held()
+        self.held = ""
+        return [CitedChunk(held + rest)] if held + rest else []
+
+    def _release_held(self) -> str:
+        held, self.held = self.held, ""
+        if held:
+            self.after_space = True
+        return held
 
     def _resolved(self, mark: str) -> CitedChunk:
         try:

@@ -269,8 +269,9 @@ def test_citations_merge_repeats_and_drop_an_unfinished_mark_at_the_end():
         chunks = [c for piece in pieces for c in streamer.feed(piece)] + streamer.flush()
         return "".join(c.text for c in chunks), [c.citations[0].url for c in chunks if c.citations]
 
-    # Same URL twice in a row (only whitespace between): one link. Text or another URL between: kept.
-    assert run(["A 【3†L1】 【3", "†L4】. B 【3†L2】"]) == ("A [src] . B [src]", ["https://a.example"] * 2)
+    # Same URL twice in a row (only whitespace between): one link, the space before the repeat
+    # gone with it. Text or another URL between: kept.
+    assert run(["A 【3†L1】 【3", "†L4】. B 【3†L2】"]) == ("A [src]. B [src]", ["https://a.example"] * 2)
     assert run(["A 【3†L1】【4†L2】【3†L3】"]) == ("A [src][src][src]", ["https://a.example", "https://b.example",
                                                                     "https://a.example"])
     # The answer ends inside a mark: removed; a 【 that is no citation stays.
@@ -280,13 +281,17 @@ def test_citations_merge_repeats_and_drop_an_unfinished_mark_at_the_end():
 
 
 def test_streamed_citations_match_the_browsers_spacing():
-    # The browser's resolver puts a space before a link unless the text before it ends in one;
-    # streamed one mark at a time it cannot see that text, so the streamer must not double it.
+    # The browser's resolver puts a space before a link unless the text before it ends in one,
+    # and an unresolvable mark takes the spaces before it; streamed one mark at a time it cannot
+    # see the text around a mark, so the streamer holds spaces back until it can tell.
     from tests.test_tools_browser import pages_for_citations
     from tools.browser.citations import resolve_citations
 
     pages = pages_for_citations()
-    for answer in ["Fact 【1†L2】 and more", "Fact【1†L2】 and more", "A 【0†L4】 B\n【0†L6】【0†L7】"]:
+    for answer in ["Fact 【1†L2】 and more", "Fact【1†L2】 and more", "A 【0†L4】 B\n【0†L6】【0†L7】",
+                   # unresolvable marks take the spaces before them when punctuation, a space or the end follows
+                   "fact 【9†L1】.", "fact 【9†L1】 more", "fact  【9†L1】more", "end 【9†L1】", "end 【9†L1】 ",
+                   "A 【0†L4】 【0†L4】 B", "two  spaces kept", "trailing spaces kept  ", "x 【9†L1】\ny"]:
         streamer = CitationStreamer(lambda mark: resolve_citations(mark, pages))
         chunks = [c for char in answer for c in streamer.feed(char)] + streamer.flush()
         text, spans = "", []

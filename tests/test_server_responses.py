@@ -259,7 +259,7 @@ def test_citation_marks_never_reach_the_user_when_nothing_was_browsed(fake_serve
     events, second = stream_events(client, model=MODEL, input="Sure?", previous_response_id=first.id,
                                    tools=browser)
     check_stream_invariants(events, second)
-    assert second.output_text == "Yes: Apache-2.0 ." and not second.output[0].content[0].annotations
+    assert second.output_text == "Yes: Apache-2.0." and not second.output[0].content[0].annotations
 
 
 def test_code_interpreter_call(tool_server, fake_tools):

@@ -30,6 +30,7 @@ from .page import LINK_MARKER, Page, domain_of
 CITATION = re.compile(r"【(\d+)†([^】]*)】")
 LINE_RANGE = re.compile(r"^\s*L(\d+)(?:\s*[-–]\s*L?(\d+))?\s*$")
 UNFINISHED_AT_END = re.compile(r"【\d*(?:†[^】]*)?$")
+PUNCTUATION_AFTER_A_MARK = ".,;:!?)"  # an unresolvable mark before these takes the spaces before it too
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def resolve_citations(text: str, pages: Sequence[Page]) -> tuple[str, list[dict]
         if source is None:
             emit(between)
             following = text[last_end : last_end + 1]
-            if not following or following.isspace() or following in ".,;:!?)":
+            if not following or following.isspace() or following in PUNCTUATION_AFTER_A_MARK:
                 drop_trailing_spaces()  # "fact 【9†L1】." -> "fact."
             continue
         if previous == (source, length) and not between.strip():
