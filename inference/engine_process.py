@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import queue
 import signal
 import threading
 import traceback
@@ -301,6 +302,7 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
                            "usage": engine.cache_usage()}))
     driver = EngineDriver(engine)
     applied = 0
+    commands = _CommandReader(commands)
     try:
         while True:
             applied, stop = _engine_pass(driver, commands, events, applied)
@@ -314,6 +316,43 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
         events.send(("stopped",))
     except OSError:
         pass
+
+
+class _CommandReader:
+    """The command pipe, read by a thread of its own so that it never stays full. The engine
+    process reads commands only between steps and may itself wait on the events pipe (its
+    sends block while the server has not read them); a server event loop that found the
+    command pipe full would wait in `send` and never read those events: both would wait
+    forever. `recv` and `poll` as a `Connection`'s; EOFError once the pipe has closed."""
+
+    _CLOSED = object()
+
+    def __init__(self, conn):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._next = None  # a command taken off the queue by `poll`
+        threading.Thread(target=self._read, args=(conn,), name="engine-commands", daemon=True).start()
+
+    def _read(self, conn) -> None:
+        try:
+            while True:
+                self._queue.put(conn.recv())
+        except (EOFError, OSError):
+            self._queue.put(self._CLOSED)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        if self._next is None:
+            try:
+                self._next = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return False
+        return True
+
+    def recv(self):
+        item, self._next = (self._next if self._next is not None else self._queue.get()), None
+        if item is self._CLOSED:
+            self._next = item  # every later call says so too
+            raise EOFError
+        return item
 
 
 def _engine_pass(driver: EngineDriver, commands, events, applied: int) -> tuple[int, bool]:

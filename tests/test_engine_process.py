@@ -93,3 +93,40 @@ def test_the_server_reports_a_dead_engine_process(tmp_path, checkpoint):
         r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 3},
                        timeout=60)
         assert r.status_code == 200 and r.json()["status"] == "failed" and r.json()["error"]["code"] == "server_error"
+
+
+async def test_a_busy_event_loop_sending_long_prompts_does_not_deadlock_with_the_engine(checkpoint):
+    """The engine process sends its events while the server's loop is busy (the events pipe
+    fills and the engine process waits on it), and the loop then sends more than the command
+    pipe holds (long prompts): the engine process must still read them, or the loop waits in
+    `send` forever and never reads the events the engine process waits to send."""
+    import threading
+
+    from inference.request import GenerationRequest, SamplingParams
+
+    options = {"device": "cpu", "page_size": 16, "num_pages": 1024, "max_model_len": 8192,
+               "max_num_batched_tokens": 256}
+    eng = EngineProcess(EngineSpec(model_dir=str(checkpoint), options=options))
+    chatty = [eng.generate(GenerationRequest(f"c{i}", prompt(i, 4), SamplingParams(temperature=0, max_tokens=4000,
+                                                                                   logprobs=20)))
+              for i in range(32)]
+    for stream in chatty:
+        stream.open()
+    await asyncio.sleep(0.5)
+    time.sleep(3)  # the loop is busy (rendering, parsing): it reads no events meanwhile
+    killed = threading.Event()
+
+    def watchdog():  # a deadlock never ends by itself: kill the engine process to get the loop back
+        if not done.wait(30):
+            killed.set()
+            os.kill(eng.pid, signal.SIGKILL)
+
+    done = threading.Event()
+    threading.Thread(target=watchdog, daemon=True).start()
+    long = [eng.generate(greedy(f"long{i}", prompt(100 + i, 8000), 1)) for i in range(40)]  # about 1.6 MB
+    for stream in long:
+        stream.open()
+    done.set()
+    assert not killed.is_set(), "the event loop waited in send() on a full command pipe"
+    await eng.shutdown()
+    assert eng._process.exitcode == 0
