@@ -356,6 +356,12 @@ class LLMEngine:
         """Whether a launched step's tokens are still to be read (by the next `step()`)."""
         return self._inflight is not None
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can no longer run a step (a tensor-parallel worker exited), or None."""
+        workers = self.runner.workers
+        return workers.failure if workers is not None else None
+
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (no step may be running). Idempotent."""
         workers, self.runner.workers = self.runner.workers, None
@@ -816,9 +822,18 @@ class AsyncEngine(StreamingEngineClient):
 
     # -- EngineClient --------------------------------------------------------------------------
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can no longer serve (a tensor-parallel worker exited), or None. The
+        server reports it on /health and /ready."""
+        return None if self._stopping else self.engine.failure
+
     def _check_serving(self) -> None:
         if self._stopping:
             raise RuntimeError("the engine is shut down")
+        failure = self.failure
+        if failure:
+            raise RuntimeError(failure)
 
     def _open(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
         if self._stopping:  # the thread reads no more commands: end the stream as a stop would

@@ -206,7 +206,7 @@ class EngineProcess(StreamingEngineClient):
             while self._events.poll():
                 message = self._events.recv()
                 if message[0] == "stopped":
-                    self._end()
+                    self._end(message[1])
                     return
                 _, deltas, stats, usage, applied, idle = message
                 self._stats, self._usage = stats, usage  # first: a consumer handed its last delta reads stats that count it
@@ -217,8 +217,9 @@ class EngineProcess(StreamingEngineClient):
         except (EOFError, OSError):  # the engine process is gone
             self._end()
 
-    def _end(self) -> None:
-        """The engine process is gone (stopped, or died): end every open stream. Idempotent."""
+    def _end(self, cause: str | None = None) -> None:
+        """The engine process is gone (stopped, or died; `cause`: why it stopped by itself): end
+        every open stream. Idempotent."""
         with self._lock:
             if self._ended is not None:
                 return
@@ -227,8 +228,8 @@ class EngineProcess(StreamingEngineClient):
             loop.remove_reader(self._events.fileno())
         if not self._stopping:
             self._process.join(1)  # it died: its exit code, for the streams and the log
-        reason = (f"the engine process exited (code {self._process.exitcode})" if not self._stopping
-                  else "the engine was shut down")
+        reason = ("the engine was shut down" if self._stopping
+                  else cause or f"the engine process exited (code {self._process.exitcode})")
         with self._lock:
             self._ended = reason
             sinks, self._sinks = self._sinks, {}
@@ -302,18 +303,23 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
                            "usage": engine.cache_usage()}))
     driver = EngineDriver(engine)
     applied = 0
+    failure = None
     commands = _CommandReader(commands)
     try:
         while True:
             applied, stop = _engine_pass(driver, commands, events, applied)
             if stop:
                 break
+            failure = engine.failure
+            if failure:  # no step can run any more (a tensor-parallel worker exited): the server is told
+                log.error("%s; the engine process stops", failure)
+                break
     except (EOFError, OSError):  # the server process is gone (its end of a pipe closed)
         log.warning("the server process is gone; the engine process stops")
     finally:
         engine.close()
     try:
-        events.send(("stopped",))
+        events.send(("stopped", failure))
     except OSError:
         pass
 

@@ -466,6 +466,16 @@ class WorkerProcesses:
             payloads.append(payload)
         return payloads
 
+    @property
+    def failure(self) -> str | None:
+        """Why the group can no longer run steps (a worker exited), or None. Once closed: None."""
+        if not self._finalizer.alive:
+            return None
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                return f"tensor-parallel rank {rank} has exited (code {proc.exitcode})"
+        return None
+
     def send(self, message) -> None:
         for conn in self.conns:
             conn.send(message)

@@ -9,6 +9,7 @@ reorders sums) and greedy generation token for token.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import random
@@ -292,3 +293,43 @@ def test_serve_flag_reaches_the_engine_config():
     assert "tensor_parallel_size" not in engine_options(parser.parse_args([]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--tensor-parallel-size", "0"])
+
+
+async def test_a_dead_worker_fails_the_engine_where_the_server_sees_it(checkpoint, tmp_path):
+    """A worker that exits leaves an engine that can run no step: every request would fail. The
+    engine says so (`failure`, what /health and /ready report), new requests are refused, and in
+    an engine process the process stops, so its streams end and the server sees it gone."""
+    from inference.engine_process import EngineProcess, EngineSpec
+    from tests.engine_runs import collect
+
+    engine = AsyncEngine(LLMEngine.from_pretrained(checkpoint, tensor_parallel_size=2, **OPTIONS))
+    try:
+        assert engine.failure is None
+        os.kill(engine.engine.runner.workers.pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while engine.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "rank 1" in (engine.failure or "")
+        with pytest.raises(RuntimeError, match="rank 1"):
+            engine.generate(GenerationRequest("r", prompt(5, 6), SamplingParams(temperature=0, max_tokens=4)))
+    finally:
+        await engine.shutdown()
+    assert engine.failure is None  # shut down on purpose
+
+    process = EngineProcess(EngineSpec(model_dir=str(checkpoint), options={**OPTIONS, "tensor_parallel_size": 2}))
+    try:
+        first = await collect(process.generate(GenerationRequest("a", prompt(6, 6),
+                                                                 SamplingParams(temperature=0, max_tokens=3))))
+        assert first[-1].finish_reason == "length"
+        worker = [p for p in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+        os.kill(int(worker[0]), signal.SIGKILL)
+        time.sleep(0.5)
+        last = await asyncio.wait_for(collect(process.generate(GenerationRequest(
+            "b", prompt(7, 6), SamplingParams(temperature=0, max_tokens=3)))), 60)
+        assert last[-1].finish_reason == "error"
+        deadline = time.monotonic() + 30
+        while process.failure is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert "rank 1" in (process.failure or "")
+    finally:
+        await process.shutdown()
