@@ -285,3 +285,18 @@ def test_uvicorns_own_log_lines_have_the_servers_format(tmp_path):
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [line for line in result.stderr.splitlines() if "Started server process" in line or "Shutting down" in line]
     assert lines and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO \S+ \[-\] ", line) for line in lines)
+
+
+def test_every_flag_the_readme_names_exists():
+    # The README's serving table and `oss-agent serve` lines name flags; a renamed or dropped flag
+    # must not leave it promising one that `serve` refuses.
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("### Serving options", 1)[1].split("\n#", 1)[0]
+    serve_lines = "\n".join(re.findall(r"oss-agent serve[^\n]*", readme))
+    flags = set(re.findall(r"--[a-z][a-z0-9-]*", table + serve_lines))
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    known = {option for action in serve._actions for option in action.option_strings}
+    assert len(flags) > 15 and flags <= known, flags - known
