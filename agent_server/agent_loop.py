@@ -283,10 +283,12 @@ class AgentLoop:
         self.writer, self.route, self.citations = None, None, None
         if end.channel == "analysis":
             self.usage["reasoning"] += end.num_tokens
-        self.outcome.new_messages.append(end.to_message())
+        bad = end.malformed is not None or (route is not None and route.kind == "unknown")
+        if not (end.recipient and (end.truncated or bad)):
+            # A call cut short or to no tool is never answered: later prompts leave it out.
+            self.outcome.new_messages.append(end.to_message())
         if writer is None:
             return
-        bad = end.malformed is not None or (route is not None and route.kind == "unknown")
         if bad:
             log.warning("malformed model output in %s: %s", self.task.response_id,
                         end.malformed or f"unknown recipient {end.recipient!r}")

@@ -387,6 +387,26 @@ def test_a_turn_with_a_function_call_and_a_builtin_call_ends_for_the_client(fake
         "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|><|start|>assistant")
 
 
+def test_a_call_nobody_answered_is_not_replayed(fake_server):
+    """A call the token limit cut short, or one to a tool that does not exist, never gets an
+    answer: continuing the chain must not show the model a call with no tool message after it
+    (a cut call even ends in <|call|> as if complete)."""
+    engine, client = fake_server.engine, fake_server.client()
+    engine.say("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant" + WEATHER_CALL)
+    cut = client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER_TOOL], max_output_tokens=22)
+    assert cut.status == "incomplete" and cut.output[-1].type == "function_call"
+    engine.say(ANSWER)
+    client.responses.create(model=MODEL, input="Go on.", previous_response_id=cut.id, tools=[WEATHER_TOOL])
+    text = prompt_text(engine.calls[-1])
+    assert "Need weather." in text and "to=functions.get_weather" not in text
+    engine.say("<|channel|>analysis to=container.exec <|constrain|>json<|message|>{\"cmd\": \"ls\"}<|call|>")
+    unknown = client.responses.create(model=MODEL, input="List files.")
+    assert unknown.output[-1].status == "incomplete"
+    engine.say(ANSWER)
+    client.responses.create(model=MODEL, input="Go on.", previous_response_id=unknown.id)
+    assert "to=container.exec" not in prompt_text(engine.calls[-1])
+
+
 def test_limits_make_responses_incomplete_or_stop_tools(tool_server, fake_tools):
     engine, client = tool_server.engine, tool_server.client()
     engine.say(ANSWER)
