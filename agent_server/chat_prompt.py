@@ -32,7 +32,11 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
     instructions: list[str] = []
     messages: list[Message] = []
     call_names: dict[str, str] = {}
+    pending: dict[str, str] = {}  # calls of the last assistant message that no tool message answered yet
+    pending_at = -1
     for i, message in enumerate(req.messages):
+        if pending and not isinstance(message, ToolMessage):
+            _unanswered(pending, pending_at)
         if isinstance(message, SystemMessage):
             instructions.append(message.text())
         elif isinstance(message, UserMessage):
@@ -45,14 +49,21 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
                 channel = "commentary" if message.tool_calls else "final"
                 messages.append(Message.from_role_and_content(Role.ASSISTANT, message.text()).with_channel(channel))
             for call in message.tool_calls or []:
-                call_names[call.id] = call.function.name
+                call_names[call.id] = pending[call.id] = call.function.name
                 messages.append(assistant_call(f"functions.{call.function.name}", call.function.arguments))
+            pending_at = i
         elif isinstance(message, ToolMessage):
-            name = call_names.get(message.tool_call_id)
+            name = pending.pop(message.tool_call_id, None)
             if name is None:
+                if message.tool_call_id in call_names:  # answered already, or not by the messages right after it
+                    raise APIError("Messages with role 'tool' must be a response to a preceding message with "
+                                   f"'tool_calls': tool call '{message.tool_call_id}' has been answered.",
+                                   param=f"messages[{i}].tool_call_id")
                 raise APIError(f"No assistant tool call has id '{message.tool_call_id}'.",
                                param=f"messages[{i}].tool_call_id")
             messages.append(tool_message(f"functions.{name}", message.text()))
+    if pending:
+        _unanswered(pending, pending_at)
 
     tools = req.tools or []
     names = [t.function.name for t in tools]
@@ -80,6 +91,13 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
         conversation_start_date=datetime.date.today().isoformat(),
     )
     return render_prompt(preamble(config) + messages)
+
+
+def _unanswered(pending: dict[str, str], index: int) -> None:
+    """OpenAI's error for tool calls that the tool messages right after them do not all answer."""
+    raise APIError("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+                   f"'tool_call_id'. The following tool_call_ids did not have response messages: "
+                   f"{', '.join(pending)}", param=f"messages[{index}]")
 
 
 def _response_format(req: ChatCompletionRequest) -> dict | None:

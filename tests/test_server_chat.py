@@ -250,6 +250,35 @@ def test_bad_chat_requests(fake_server):
     assert error({"model": "nope", "messages": HELLO}, 404)["code"] == "model_not_found"
 
 
+def test_tool_calls_and_their_results_pair_up(fake_server):
+    """As in OpenAI, every tool call of an assistant message is answered by the tool messages right
+    after it, and a tool message answers a call of the assistant message before it: otherwise the
+    prompt would show the model a call with no result, or a result with no call before it."""
+    url = f"{fake_server.url}/v1/chat/completions"
+    calls = [{"id": i, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}
+             for i in ("a", "b")]
+
+    def error(messages):
+        r = httpx.post(url, json={"model": MODEL, "tools": TOOLS, "messages": messages})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    unanswered = error([*HELLO, {"role": "assistant", "tool_calls": calls},
+                        {"role": "tool", "tool_call_id": "a", "content": "sun"}, *HELLO])
+    assert "did not have response messages: b" in unanswered["message"] and unanswered["param"] == "messages[1]"
+    late = error([*HELLO, {"role": "assistant", "tool_calls": calls[:1]}, *HELLO,
+                  {"role": "tool", "tool_call_id": "a", "content": "sun"}])
+    assert late["param"] == "messages[1]"
+    twice = error([*HELLO, {"role": "assistant", "tool_calls": calls[:1]},
+                   {"role": "tool", "tool_call_id": "a", "content": "sun"},
+                   {"role": "tool", "tool_call_id": "a", "content": "sun"}])
+    assert twice["param"] == "messages[3].tool_call_id"
+    ok = httpx.post(url, json={"model": MODEL, "tools": TOOLS, "messages": [
+        *HELLO, {"role": "assistant", "tool_calls": calls}, {"role": "tool", "tool_call_id": "b", "content": "rain"},
+        {"role": "tool", "tool_call_id": "a", "content": "sun"}]})
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize("name", ["stream", "n", "logprobs", "tools", "frequency_penalty", "functions", "audio"])
 def test_an_explicit_null_means_not_given(fake_server, name):
     r = httpx.post(f"{fake_server.url}/v1/chat/completions",
