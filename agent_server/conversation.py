@@ -48,6 +48,7 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
     """Convert validated input items. `known_calls` maps call ids of earlier responses in the
     chain to function names. APIError names the offending item."""
     out = ConvertedInput()
+    unanswered: dict[str, tuple[FunctionCallItem, Message]] = {}  # function calls of this input, no output yet
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             text = item.text()
@@ -70,14 +71,21 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
         elif isinstance(item, FunctionCallItem):
             out.function_calls[item.call_id] = item.name
             out.messages.append(assistant_call(f"functions.{item.name}", item.arguments))
+            unanswered[item.call_id] = (item, out.messages[-1])
         elif isinstance(item, FunctionCallOutputItem):
             name = out.function_calls.get(item.call_id) or known_calls.get(item.call_id)
             if name is None:
                 raise APIError(f"No tool call found for function call output with call_id {item.call_id}.",
                                param=f"input[{i}].call_id")
             out.messages.append(tool_message(f"functions.{name}", item.text()))
+            unanswered.pop(item.call_id, None)
         elif isinstance(item, LenientItem):
             out.messages += _replayed_call(item)
+    for call_id, (item, message) in unanswered.items():
+        if item.status in ("incomplete", "in_progress"):  # cut short (the token limit): nobody could run it
+            out.messages = [m for m in out.messages if m is not message]
+        else:  # the model would read a call with no result after it
+            raise APIError(f"No tool output found for function call {call_id}.", param="input")
     return out
 
 

@@ -472,6 +472,21 @@ def test_tool_choice_required_and_named_become_instructions(fake_server):
     assert "You must" not in prompt_text(engine.calls[-1])
 
 
+def test_function_call_items_come_with_their_outputs(fake_server):
+    """As in OpenAI, a function_call in the input needs its function_call_output: the model would
+    read a call with no result. One the token limit cut short (incomplete) needs none and is left
+    out of the prompt."""
+    engine, client = fake_server.engine, fake_server.client()
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'}
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "tools": [WEATHER_TOOL], "input": [
+        {"role": "user", "content": "Weather?"}, call, {"role": "user", "content": "Never mind."}]})
+    assert r.status_code == 400 and "call_1" in r.json()["error"]["message"]
+    client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
+        {"role": "user", "content": "Weather?"}, {**call, "arguments": '{"ci', "status": "incomplete"},
+        {"role": "user", "content": "Go on."}])
+    assert "to=functions.get_weather" not in prompt_text(engine.calls[-1])
+
+
 def test_prior_reasoning_items_are_analysis_messages(fake_server):
     engine, client = fake_server.engine, fake_server.client()
     reasoning = {"type": "reasoning", "id": "rs_1", "summary": [],
