@@ -34,6 +34,7 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
     call_names: dict[str, str] = {}
     pending: dict[str, str] = {}  # calls of the last assistant message that no tool message answered yet
     pending_at = -1
+    answers: dict[str, Message | None] = {}  # tool messages of the pending calls, by call id
     for i, message in enumerate(req.messages):
         if pending and not isinstance(message, ToolMessage):
             _unanswered(pending, pending_at)
@@ -50,6 +51,7 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
                 messages.append(Message.from_role_and_content(Role.ASSISTANT, message.text()).with_channel(channel))
             for call in message.tool_calls or []:
                 call_names[call.id] = pending[call.id] = call.function.name
+                answers[call.id] = None
                 messages.append(assistant_call(f"functions.{call.function.name}", call.function.arguments))
             pending_at = i
         elif isinstance(message, ToolMessage):
@@ -61,7 +63,10 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
                                    param=f"messages[{i}].tool_call_id")
                 raise APIError(f"No assistant tool call has id '{message.tool_call_id}'.",
                                param=f"messages[{i}].tool_call_id")
-            messages.append(tool_message(f"functions.{name}", message.text()))
+            answers[message.tool_call_id] = tool_message(f"functions.{name}", message.text())
+            if not pending:  # Harmony has no call ids: the results follow in the order of their calls
+                messages += answers.values()
+                answers = {}
     if pending:
         _unanswered(pending, pending_at)
 

@@ -267,16 +267,28 @@ def test_tool_calls_and_their_results_pair_up(fake_server):
                         {"role": "tool", "tool_call_id": "a", "content": "sun"}, *HELLO])
     assert "did not have response messages: b" in unanswered["message"] and unanswered["param"] == "messages[1]"
     late = error([*HELLO, {"role": "assistant", "tool_calls": calls[:1]}, *HELLO,
-                  {"role": "tool", "tool_call_id": "a", "content": "sun"}])
+                  {"role": "tool", "tool_call_id": "a", "content": "SUN_A"}])
     assert late["param"] == "messages[1]"
     twice = error([*HELLO, {"role": "assistant", "tool_calls": calls[:1]},
                    {"role": "tool", "tool_call_id": "a", "content": "sun"},
-                   {"role": "tool", "tool_call_id": "a", "content": "sun"}])
+                   {"role": "tool", "tool_call_id": "a", "content": "SUN_A"}])
     assert twice["param"] == "messages[3].tool_call_id"
     ok = httpx.post(url, json={"model": MODEL, "tools": TOOLS, "messages": [
-        *HELLO, {"role": "assistant", "tool_calls": calls}, {"role": "tool", "tool_call_id": "b", "content": "rain"},
+        *HELLO, {"role": "assistant", "tool_calls": calls}, {"role": "tool", "tool_call_id": "b", "content": "RAIN_B"},
         {"role": "tool", "tool_call_id": "a", "content": "sun"}]})
     assert ok.status_code == 200, ok.text
+
+
+def test_tool_results_follow_the_order_of_their_calls(fake_server):
+    # Harmony has no call ids: the model pairs results with calls by their order.
+    engine, client = fake_server.engine, fake_server.client()
+    calls = [{"id": i, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+             for i, c in (("a", "Paris"), ("b", "Rome"))]
+    client.chat.completions.create(model=MODEL, tools=TOOLS, messages=[
+        *HELLO, {"role": "assistant", "tool_calls": calls}, {"role": "tool", "tool_call_id": "b", "content": "RAIN_B"},
+        {"role": "tool", "tool_call_id": "a", "content": "SUN_A"}])
+    text = prompt_text(engine)
+    assert text.index('"Paris"') < text.index('"Rome"') < text.index("SUN_A") < text.index("RAIN_B")
 
 
 @pytest.mark.parametrize("name", ["stream", "n", "logprobs", "tools", "frequency_penalty", "functions", "audio"])
