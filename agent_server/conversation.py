@@ -49,6 +49,11 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
     chain to function names. APIError names the offending item."""
     out = ConvertedInput()
     unanswered: dict[str, tuple[FunctionCallItem, Message]] = {}  # function calls of this input, no output yet
+    outputs_run: list[tuple[int, Message]] = []  # consecutive function_call_outputs, by their call's place
+
+    def call_order(call_id: str) -> int:
+        calls = [*known_calls, *(c for c in out.function_calls if c not in known_calls)]
+        return calls.index(call_id)
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             text = item.text()
@@ -79,6 +84,10 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
                                param=f"input[{i}].call_id")
             out.messages.append(tool_message(f"functions.{name}", item.text()))
             unanswered.pop(item.call_id, None)
+            outputs_run.append((call_order(item.call_id), out.messages[-1]))
+            if not isinstance(items[i + 1] if i + 1 < len(items) else None, FunctionCallOutputItem):
+                _in_call_order(out.messages, outputs_run)
+                outputs_run = []
         elif isinstance(item, LenientItem):
             out.messages += _replayed_call(item)
     for call_id, (item, message) in unanswered.items():
@@ -87,6 +96,13 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
         else:  # the model would read a call with no result after it
             raise APIError(f"No tool output found for function call {call_id}.", param="input")
     return out
+
+
+def _in_call_order(messages: list[Message], run: list[tuple[int, Message]]) -> None:
+    """Put a run of function outputs (the last len(run) messages) in the order of their calls:
+    Harmony has no call ids, so the model pairs results with calls by their order."""
+    if len(run) > 1:
+        messages[-len(run):] = [message for _, message in sorted(run, key=lambda entry: entry[0])]
 
 
 def _replayed_call(item: LenientItem) -> list[Message]:

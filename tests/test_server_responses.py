@@ -963,3 +963,29 @@ def test_a_store_from_before_the_status_column_is_migrated(tmp_path):
     with sqlite3.connect(path) as db:
         assert dict(db.execute("SELECT id, status FROM responses")) == {
             "resp_old_done": "completed", "resp_old_running": "failed"}
+
+
+def test_function_outputs_follow_the_order_of_their_calls(fake_server):
+    # Harmony has no call ids: the model pairs results with calls by their order, so outputs sent
+    # back in another order go into the prompt in the calls' order.
+    engine, client = fake_server.engine, fake_server.client()
+    rome = WEATHER_CALL.replace("Paris", "Rome")
+    engine.say(WEATHER_CALL.replace("<|call|>", "<|end|>") + "<|start|>assistant" + rome)
+    first = client.responses.create(model=MODEL, input="Weather in Paris and Rome?", tools=[WEATHER_TOOL])
+    paris, rome_call = first.output
+    engine.say(ANSWER)
+    client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL], input=[
+        {"type": "function_call_output", "call_id": rome_call.call_id, "output": "RAIN_ROME"},
+        {"type": "function_call_output", "call_id": paris.call_id, "output": "SUN_PARIS"}])
+    text = prompt_text(engine.calls[-1])
+    assert text.index('"Paris"') < text.index('"Rome"') < text.index("SUN_PARIS") < text.index("RAIN_ROME")
+    # The same when the client sends the whole context itself.
+    engine.say(ANSWER)
+    calls = [p.model_dump(mode="json", exclude_none=True) for p in (paris, rome_call)]
+    client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
+        {"role": "user", "content": "Weather?"}, *[{k: c[k] for k in ("type", "call_id", "name", "arguments")}
+                                                    for c in calls],
+        {"type": "function_call_output", "call_id": rome_call.call_id, "output": "RAIN_ROME"},
+        {"type": "function_call_output", "call_id": paris.call_id, "output": "SUN_PARIS"}])
+    text = prompt_text(engine.calls[-1])
+    assert text.index('"Paris"') < text.index('"Rome"') < text.index("SUN_PARIS") < text.index("RAIN_ROME")
