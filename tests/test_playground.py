@@ -457,3 +457,19 @@ def test_smoke_on_the_tiny_real_engine(tiny_engine_server, page):
     out_tokens = int(re.search(r"(\d+) out", meta).group(1))
     assert 0 < out_tokens <= 12 and page.turn(0).locator(".error-box").count() == 0
     page.screenshot("tiny-engine")
+
+
+def test_code_in_a_numbered_list_keeps_its_indentation(fake_server, page):
+    # A fenced block under "1. " is indented by the item's content (3 columns): the code shown
+    # (and copied) must not keep a stray leading space, which breaks pasted Python.
+    code = "def f():\n    return 1"
+    indented = "\n".join(f"   {line}" for line in code.split("\n"))
+    fake_server.engine.say(final(f"1. Define it:\n   ```python\n{indented}\n   ```\n2. Call it.\n\n"
+                                 f"10. Later:\n    ```python\n    x = 1\n    ```"))
+    page.open(fake_server)
+    page.send("Show me a function.")
+    page.finished(0)
+    blocks = page.turn(0).locator(".answer pre code")
+    assert blocks.nth(0).evaluate("c => c.textContent") == code
+    assert blocks.nth(1).evaluate("c => c.textContent") == "x = 1"
+    assert page.turn(0).locator(".answer ol > li").count() == 3

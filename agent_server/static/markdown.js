@@ -171,11 +171,13 @@ function renderList(lines, start, parent, ctx) {
   let i = start;
   const items = [];
   let sawBlank = false;
+  let contentIndent = baseIndent + 2; // where the current item's text starts ("1. " is 3 wide)
   while (i < lines.length) {
     const line = lines[i];
     const m = line.match(LIST_ITEM);
     if (m && indentOf(line) <= baseIndent + 1 && /\d/.test(m[2]) === ordered) {
       items.push([m[3]]);
+      contentIndent = m[3] ? line.length - m[3].length : m[1].length + m[2].length + 1;
       i++;
       continue;
     }
@@ -190,7 +192,7 @@ function renderList(lines, start, parent, ctx) {
     }
     if (indentOf(line) > baseIndent) {
       // Continuation or nested content of the current item, dedented relative to it.
-      items[items.length - 1].push(line.replace(new RegExp(`^\\s{0,${baseIndent + 2}}`), ""));
+      items[items.length - 1].push(line.replace(new RegExp(`^\\s{0,${contentIndent}}`), ""));
       i++;
       continue;
     }
