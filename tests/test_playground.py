@@ -473,3 +473,29 @@ def test_code_in_a_numbered_list_keeps_its_indentation(fake_server, page):
     assert blocks.nth(0).evaluate("c => c.textContent") == code
     assert blocks.nth(1).evaluate("c => c.textContent") == "x = 1"
     assert page.turn(0).locator(".answer ol > li").count() == 3
+
+
+def test_copy_works_when_the_page_is_served_over_plain_http(fake_server, browser):
+    # A GPU box on the LAN is reached as http://host:port/: not a secure context, so
+    # navigator.clipboard is undefined there. The code block's Copy button must still copy.
+    fake_server.engine.say(final("```bash\necho hi\n```"))
+    port = fake_server.url.rsplit(":", 1)[1]
+    lan = browser.browser_type.launch(executable_path=chromium_executable(),
+                                      args=CHROMIUM_ARGS + ["--host-resolver-rules=MAP gpu-box.test 127.0.0.1"])
+    try:
+        view = lan.new_page()
+        view.set_default_timeout(TIMEOUT_MS)
+        view.goto(f"http://gpu-box.test:{port}/")
+        view.wait_for_selector("body[data-ready=true]")
+        assert view.evaluate("isSecureContext") is False
+        view.evaluate("() => document.addEventListener('copy', e => {"
+                      " window.__copied = e.target.value ?? String(getSelection()); })")
+        view.fill("#input", "A command?")
+        view.press("#input", "Enter")
+        view.wait_for_function("() => document.querySelector('.turn.assistant')?.dataset.state === 'completed'")
+        view.click(".code-copy")
+        wait_for(lambda: view.inner_text(".code-copy") != "Copy", timeout=5)
+        assert view.inner_text(".code-copy") == "Copied"
+        assert view.evaluate("window.__copied") == "echo hi"
+    finally:
+        lan.close()

@@ -141,11 +141,9 @@ function codeBlock(code, language, ctx) {
   const copy = el("button", "code-copy", "Copy");
   copy.type = "button";
   const plain = code.replace(CITE_MARK, (_, n) => ctx.citationText(Number(n)));
-  copy.addEventListener("click", () => {
-    navigator.clipboard?.writeText(plain).then(() => {
-      copy.textContent = "Copied";
-      setTimeout(() => { copy.textContent = "Copy"; }, 1200);
-    }, () => {});
+  copy.addEventListener("click", async () => {
+    copy.textContent = (await copyText(plain)) ? "Copied" : "Copy failed";
+    setTimeout(() => { copy.textContent = "Copy"; }, 1200);
   });
   bar.appendChild(copy);
   wrapper.appendChild(bar);
@@ -155,6 +153,37 @@ function codeBlock(code, language, ctx) {
   pre.appendChild(codeEl);
   wrapper.appendChild(pre);
   return wrapper;
+}
+
+/** Put `text` on the clipboard. navigator.clipboard exists only in a secure context (https or
+ * localhost); a server reached over plain http on the LAN gets the selection-and-copy fallback. */
+async function copyText(text) {
+  try {
+    if (navigator.clipboard) {
+      await navigator.clipboard.writeText(text);
+      return true;
+    }
+  } catch {
+    // denied: fall back
+  }
+  const focused = document.activeElement;
+  const area = document.createElement("textarea");
+  area.value = text;
+  area.readOnly = true;
+  area.style.position = "fixed";
+  area.style.top = "0";
+  area.style.opacity = "0";
+  document.body.appendChild(area);
+  area.select();
+  let ok = false;
+  try {
+    ok = document.execCommand("copy");
+  } catch {
+    ok = false;
+  }
+  area.remove();
+  focused?.focus?.();
+  return ok;
 }
 
 function indentOf(line) {
