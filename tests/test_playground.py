@@ -499,3 +499,23 @@ def test_copy_works_when_the_page_is_served_over_plain_http(fake_server, browser
         assert view.evaluate("window.__copied") == "echo hi"
     finally:
         lan.close()
+
+
+def test_escape_that_closes_a_dialog_does_not_stop_the_generation(fake_server, page):
+    engine = fake_server.engine
+    engine.token_delay = 0.01
+    engine.say(final(" word" * 150))
+    page.open(fake_server)
+    page.send("Write a long essay.")
+    page.page.wait_for_function("() => document.querySelector('.answer')?.textContent.length > 20")
+    page.page.click("#settings-button")
+    page.page.keyboard.press("Escape")  # closes Settings; it is not a Stop
+    assert not page.page.locator("#settings-dialog").evaluate("d => d.open")
+    page.finished(0)
+    assert page.turn(0).locator(".answer").inner_text().count("word") == 150
+    # With no dialog open, Esc still stops.
+    engine.say(final(" word" * 400))
+    page.send("Again.")
+    page.page.wait_for_function("() => document.querySelectorAll('.answer')[1]?.textContent.length > 20")
+    page.page.keyboard.press("Escape")
+    page.finished(1, "stopped")

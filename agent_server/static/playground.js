@@ -360,7 +360,8 @@ for (const chip of document.querySelectorAll("[data-suggestion]")) {
   });
 }
 document.addEventListener("keydown", (event) => {
-  if (event.key === "Escape" && conversation.controller) stop();
+  // An Esc that closes a dialog (Settings, the key prompt) is that dialog's, not a Stop.
+  if (event.key === "Escape" && conversation.controller && !document.querySelector("dialog[open]")) stop();
 });
 
 setBusy(false);
