@@ -519,3 +519,18 @@ def test_escape_that_closes_a_dialog_does_not_stop_the_generation(fake_server, p
     page.page.wait_for_function("() => document.querySelectorAll('.answer')[1]?.textContent.length > 20")
     page.page.keyboard.press("Escape")
     page.finished(1, "stopped")
+
+
+def test_a_finished_mcp_tool_listing_is_not_shown_as_stopped(fake_server, page):
+    # An mcp_list_tools item has no status field: its output_item.done is what says it finished.
+    fake_server.engine.say(final("Ready."))
+    page.open(fake_server)
+    page.page.click("#settings-button")
+    page.page.fill("#settings-tools", json.dumps([MCP_TOOL]))
+    page.page.click("#settings-save")
+    page.send("What can you do?")
+    page.finished(0)
+    listing = page.turn(0).locator(".step[data-type=mcp_list_tools]")
+    assert listing.locator(".step-title").inner_text() == "Listed 1 tool on weather"
+    assert listing.get_attribute("data-state") == "done"
+    assert listing.locator(".step-status").inner_text() == ""

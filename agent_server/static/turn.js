@@ -391,7 +391,9 @@ export class AssistantTurn {
       }
       case "response.output_item.done": {
         const view = this.view(event.output_index);
-        if (view instanceof StepView) view.update(event.item);
+        // An item without a status (mcp_list_tools) is finished once it is done: failed if it has an error.
+        const item = event.item.status ? event.item : { ...event.item, status: event.item.error ? "failed" : "completed" };
+        if (view instanceof StepView) view.update(item);
         else view?.done(event.item);
         break;
       }
