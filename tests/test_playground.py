@@ -534,3 +534,15 @@ def test_a_finished_mcp_tool_listing_is_not_shown_as_stopped(fake_server, page):
     assert listing.locator(".step-title").inner_text() == "Listed 1 tool on weather"
     assert listing.get_attribute("data-state") == "done"
     assert listing.locator(".step-status").inner_text() == ""
+
+
+def test_python_star_args_are_not_turned_into_italics(fake_server, page):
+    # "*args and **kwargs": the ** before kwargs follows a space, so it cannot close the *.
+    fake_server.engine.say(final("Call f(*args, **kwargs). Pass *args and **kwargs through. Keep *this* and **that** styled."))
+    page.open(fake_server)
+    page.send("How do I forward arguments?")
+    page.finished(0)
+    answer = page.turn(0).locator(".answer")
+    assert answer.inner_text() == "Call f(*args, **kwargs). Pass *args and **kwargs through. Keep this and that styled."
+    assert answer.locator("em").all_inner_texts() == ["this"]
+    assert answer.locator("strong").all_inner_texts() == ["that"]

@@ -320,23 +320,28 @@ function renderTable(lines, start, parent, ctx) {
 const LINK = /^\[((?:[^\[\]\\]|\\.){0,1000})\]\(\s*<?([^\s<>()]*(?:\([^\s<>()]*\)[^\s<>()]*)*)>?(?:\s+"[^"]*")?\s*\)/;
 const BARE_URL = /^https?:\/\/[^\s<>"'`\uE000\uE001]+/;
 
-/** Where the closing `delimiter` of an emphasis span opened at `from` is, or -1. */
+/** Where the closing `delimiter` of an emphasis span opened at `from` is, or -1. A closer must
+ * follow a non-space (in "*args and **kwargs" nothing closes the "*"), and an opener met on the
+ * way takes the next closer ("*a *b* c*" nests), as in CommonMark. */
 function closing(text, delimiter, from) {
   let k = from;
+  let depth = 0;
   while ((k = text.indexOf(delimiter, k)) !== -1) {
-    if (k > from && !/\s/.test(text[k - 1]) && text[k - 1] !== "\\") {
-      if (delimiter === "_" || delimiter === "__") {
-        const after = text[k + delimiter.length];
-        if (after !== undefined && /\w/.test(after)) {
-          k += delimiter.length;
-          continue;
-        }
-      }
-      if (delimiter === "*" && text[k + 1] === "*") { // `**` belongs to a strong span
-        k += 2;
+    if (delimiter === "*" && text[k + 1] === "*") { // a `**` run belongs to strong spans
+      while (text[k] === "*") k++;
+      continue;
+    }
+    const before = text[k - 1];
+    const after = text[k + delimiter.length];
+    if (k > from && !/\s/.test(before) && before !== "\\") {
+      if ((delimiter === "_" || delimiter === "__") && after !== undefined && /\w/.test(after)) {
+        k += delimiter.length;
         continue;
       }
-      return k;
+      if (depth === 0) return k;
+      depth--;
+    } else if (after !== undefined && !/\s/.test(after) && !(delimiter[0] === "_" && /\w/.test(before ?? ""))) {
+      depth++; // an opener of the same kind: the next closer is its own
     }
     k += delimiter.length;
   }
