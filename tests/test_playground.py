@@ -546,3 +546,15 @@ def test_python_star_args_are_not_turned_into_italics(fake_server, page):
     assert answer.inner_text() == "Call f(*args, **kwargs). Pass *args and **kwargs through. Keep this and that styled."
     assert answer.locator("em").all_inner_texts() == ["this"]
     assert answer.locator("strong").all_inner_texts() == ["that"]
+
+
+def test_a_heading_that_ends_in_a_hash_keeps_it(fake_server, page):
+    # Only a run of #s after a space closes an ATX heading: "C#" is a word.
+    fake_server.engine.say(final("## Why C#\n\ntext\n\n### F# ###\n\n# Closed #"))
+    page.open(fake_server)
+    page.send("Compare languages.")
+    page.finished(0)
+    answer = page.turn(0).locator(".answer")
+    assert answer.locator("h2").inner_text() == "Why C#"
+    assert answer.locator("h3").inner_text() == "F#"
+    assert answer.locator("h1").inner_text() == "Closed"
