@@ -558,3 +558,18 @@ def test_a_heading_that_ends_in_a_hash_keeps_it(fake_server, page):
     assert answer.locator("h2").inner_text() == "Why C#"
     assert answer.locator("h3").inner_text() == "F#"
     assert answer.locator("h1").inner_text() == "Closed"
+
+
+def test_a_bare_url_with_parentheses_links_whole(fake_server, page):
+    # Wikipedia's URLs end in "(...)": only an unmatched ")" (or final punctuation) is not the URL's.
+    fake_server.engine.say(final("See https://en.wikipedia.org/wiki/Python_(programming_language). "
+                                 "(Also: https://example.org/a.)"))
+    page.open(fake_server)
+    page.send("Where can I read about Python?")
+    page.finished(0)
+    links = page.turn(0).locator(".answer a")
+    assert links.evaluate_all("links => links.map(a => [a.href, a.textContent])") == [
+        ["https://en.wikipedia.org/wiki/Python_(programming_language)",
+         "https://en.wikipedia.org/wiki/Python_(programming_language)"],
+        ["https://example.org/a", "https://example.org/a"]]
+    assert page.turn(0).locator(".answer").inner_text().endswith("_language). (Also: https://example.org/a.)")

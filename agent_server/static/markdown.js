@@ -445,7 +445,14 @@ function renderInline(text, parent, ctx) {
     if ((c === "h" || c === "H") && (i === 0 || !/[\w/]/.test(text[i - 1]))) {
       const m = rest.match(BARE_URL);
       if (m) {
-        let url = m[0].replace(/[.,;:!?)\]]+$/, "");
+        // Trailing punctuation is the sentence's; a ")" too, unless it closes a "(" in the URL.
+        let url = m[0];
+        for (;;) {
+          const last = url[url.length - 1];
+          if (/[.,;:!?\]]/.test(last)) url = url.slice(0, -1);
+          else if (last === ")" && url.split(")").length > url.split("(").length) url = url.slice(0, -1);
+          else break;
+        }
         const href = safeUrl(url);
         if (href) {
           flush();
