@@ -573,3 +573,29 @@ def test_a_bare_url_with_parentheses_links_whole(fake_server, page):
          "https://en.wikipedia.org/wiki/Python_(programming_language)"],
         ["https://example.org/a", "https://example.org/a"]]
     assert page.turn(0).locator(".answer").inner_text().endswith("_language). (Also: https://example.org/a.)")
+
+
+def test_an_answer_that_finished_is_not_stopped_while_the_server_tidies_up(fake_server, page, monkeypatch):
+    # After response.completed the server still closes the turn's tool sessions and stores it
+    # before the stream ends. The answer is complete: the page takes the next message at once,
+    # and an Esc / Stop then must not mark it stopped and drop it from the conversation.
+    import asyncio
+
+    from tests import fake_tools
+
+    async def slow_close(self):
+        await asyncio.sleep(4)
+
+    monkeypatch.setattr(fake_tools.FakePythonSession, "close", slow_close)
+    engine = fake_server.engine
+    engine.say(PYTHON, final("It is 42."))
+    page.open(fake_server)
+    page.page.check("#tool-python")
+    page.send("What is 6*7?")
+    page.page.wait_for_function("() => document.querySelector('.turn.assistant')?.dataset.state === 'completed'")
+    page.page.keyboard.press("Escape")
+    page.finished(0)
+    engine.say(final("Nothing more."))
+    page.send("Anything else?")
+    page.finished(1)
+    assert page.sent[1]["previous_response_id"] == page.turn(0).get_attribute("data-response-id")

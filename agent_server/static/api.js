@@ -64,6 +64,8 @@ export async function* serverSentEvents(response) {
       }
     }
   } finally {
+    // Left early (the response ended, or the page stopped reading): let the connection go.
+    await reader.cancel().catch(() => {});
     reader.releaseLock();
   }
 }

@@ -258,10 +258,15 @@ async function send(input, { label, labelClass } = {}) {
       const stick = nearBottom();
       turn.handle(event);
       followStream(stick);
+      // The response has ended: the server may still be closing tool sessions and storing it
+      // before it closes the stream, but the page need not wait (nor can a Stop undo it).
+      if (turn.state !== "streaming") break;
     }
     if (turn.state === "streaming") turn.fail("The connection closed before the response finished.");
   } catch (e) {
-    if (controller.signal.aborted) turn.stop();
+    if (controller.signal.aborted) {
+      if (turn.state === "streaming") turn.stop();
+    }
     else turn.fail(`Request failed: ${e.message || e}`);
   } finally {
     conversation.controller = null;
