@@ -599,3 +599,12 @@ def test_an_answer_that_finished_is_not_stopped_while_the_server_tidies_up(fake_
     page.send("Anything else?")
     page.finished(1)
     assert page.sent[1]["previous_response_id"] == page.turn(0).get_attribute("data-response-id")
+
+
+def test_the_dialogs_are_named_for_assistive_technology(fake_server, page):
+    page.open(fake_server)
+    page.page.click("#settings-button")
+    assert page.page.get_by_role("dialog", name="Settings").is_visible()
+    page.page.keyboard.press("Escape")
+    assert page.page.locator("#key-dialog").get_attribute("aria-labelledby") == "key-title"
+    assert page.page.inner_text("#key-title") == "API key"
