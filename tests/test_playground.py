@@ -111,6 +111,12 @@ class Page:
         self.page.fill("#input", text)
         self.page.press("#input", "Enter")
 
+    def use_tools(self, tools: list[dict]) -> None:
+        """Settings: the extra tools (function and MCP) sent with each request."""
+        self.page.click("#settings-button")
+        self.page.fill("#settings-tools", json.dumps(tools))
+        self.page.click("#settings-save")
+
     def turn(self, n: int):
         return self.page.locator(".turn.assistant").nth(n)
 
@@ -296,9 +302,7 @@ def ask_for_the_weather(fake_server, page) -> ScriptedEngine:
     engine = fake_server.engine
     engine.say(WEATHER_CALL)
     page.open(fake_server)
-    page.page.click("#settings-button")
-    page.page.fill("#settings-tools", json.dumps([WEATHER_TOOL]))
-    page.page.click("#settings-save")
+    page.use_tools([WEATHER_TOOL])
     page.send("Weather in Paris?")
     page.finished(0)
     return engine
@@ -525,9 +529,7 @@ def test_a_finished_mcp_tool_listing_is_not_shown_as_stopped(fake_server, page):
     # An mcp_list_tools item has no status field: its output_item.done is what says it finished.
     fake_server.engine.say(final("Ready."))
     page.open(fake_server)
-    page.page.click("#settings-button")
-    page.page.fill("#settings-tools", json.dumps([MCP_TOOL]))
-    page.page.click("#settings-save")
+    page.use_tools([MCP_TOOL])
     page.send("What can you do?")
     page.finished(0)
     listing = page.turn(0).locator(".step[data-type=mcp_list_tools]")
@@ -536,43 +538,31 @@ def test_a_finished_mcp_tool_listing_is_not_shown_as_stopped(fake_server, page):
     assert listing.locator(".step-status").inner_text() == ""
 
 
-def test_python_star_args_are_not_turned_into_italics(fake_server, page):
+def test_markdown_edge_cases_render_as_written(fake_server, page):
     # "*args and **kwargs": the ** before kwargs follows a space, so it cannot close the *.
-    fake_server.engine.say(final("Call f(*args, **kwargs). Pass *args and **kwargs through. Keep *this* and **that** styled."))
+    # Only a run of #s after a space closes an ATX heading: "C#" is a word. Wikipedia's URLs end
+    # in "(...)": only an unmatched ")" (or final punctuation) is not the URL's.
+    fake_server.engine.say(final(
+        "Call f(*args, **kwargs). Pass *args and **kwargs through. Keep *this* and **that** styled.\n\n"
+        "## Why C#\n\ntext\n\n### F# ###\n\n# Closed #\n\n"
+        "See https://en.wikipedia.org/wiki/Python_(programming_language). (Also: https://example.org/a.)"))
     page.open(fake_server)
-    page.send("How do I forward arguments?")
+    page.send("Show me some Markdown.")
     page.finished(0)
     answer = page.turn(0).locator(".answer")
-    assert answer.inner_text() == "Call f(*args, **kwargs). Pass *args and **kwargs through. Keep this and that styled."
-    assert answer.locator("em").all_inner_texts() == ["this"]
-    assert answer.locator("strong").all_inner_texts() == ["that"]
-
-
-def test_a_heading_that_ends_in_a_hash_keeps_it(fake_server, page):
-    # Only a run of #s after a space closes an ATX heading: "C#" is a word.
-    fake_server.engine.say(final("## Why C#\n\ntext\n\n### F# ###\n\n# Closed #"))
-    page.open(fake_server)
-    page.send("Compare languages.")
-    page.finished(0)
-    answer = page.turn(0).locator(".answer")
+    first = answer.locator("p").first
+    assert first.inner_text() == "Call f(*args, **kwargs). Pass *args and **kwargs through. Keep this and that styled."
+    assert first.locator("em").all_inner_texts() == ["this"]
+    assert first.locator("strong").all_inner_texts() == ["that"]
     assert answer.locator("h2").inner_text() == "Why C#"
     assert answer.locator("h3").inner_text() == "F#"
     assert answer.locator("h1").inner_text() == "Closed"
-
-
-def test_a_bare_url_with_parentheses_links_whole(fake_server, page):
-    # Wikipedia's URLs end in "(...)": only an unmatched ")" (or final punctuation) is not the URL's.
-    fake_server.engine.say(final("See https://en.wikipedia.org/wiki/Python_(programming_language). "
-                                 "(Also: https://example.org/a.)"))
-    page.open(fake_server)
-    page.send("Where can I read about Python?")
-    page.finished(0)
-    links = page.turn(0).locator(".answer a")
+    links = answer.locator("a")
     assert links.evaluate_all("links => links.map(a => [a.href, a.textContent])") == [
         ["https://en.wikipedia.org/wiki/Python_(programming_language)",
          "https://en.wikipedia.org/wiki/Python_(programming_language)"],
         ["https://example.org/a", "https://example.org/a"]]
-    assert page.turn(0).locator(".answer").inner_text().endswith("_language). (Also: https://example.org/a.)")
+    assert answer.inner_text().endswith("_language). (Also: https://example.org/a.)")
 
 
 def test_an_answer_that_finished_is_not_stopped_while_the_server_tidies_up(fake_server, page, monkeypatch):
