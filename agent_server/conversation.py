@@ -50,10 +50,7 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
     out = ConvertedInput()
     unanswered: dict[str, tuple[FunctionCallItem, Message]] = {}  # function calls of this input, no output yet
     outputs_run: list[tuple[int, Message]] = []  # consecutive function_call_outputs, by their call's place
-
-    def call_order(call_id: str) -> int:
-        calls = [*known_calls, *(c for c in out.function_calls if c not in known_calls)]
-        return calls.index(call_id)
+    call_order = {call_id: n for n, call_id in enumerate(known_calls)}  # and this input's calls after them
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             text = item.text()
@@ -75,6 +72,7 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
                 out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("analysis"))
         elif isinstance(item, FunctionCallItem):
             out.function_calls[item.call_id] = item.name
+            call_order.setdefault(item.call_id, len(call_order))
             out.messages.append(assistant_call(f"functions.{item.name}", item.arguments))
             unanswered[item.call_id] = (item, out.messages[-1])
         elif isinstance(item, FunctionCallOutputItem):
@@ -84,7 +82,7 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
                                param=f"input[{i}].call_id")
             out.messages.append(tool_message(f"functions.{name}", item.text()))
             unanswered.pop(item.call_id, None)
-            outputs_run.append((call_order(item.call_id), out.messages[-1]))
+            outputs_run.append((call_order[item.call_id], out.messages[-1]))
             if not isinstance(items[i + 1] if i + 1 < len(items) else None, FunctionCallOutputItem):
                 _in_call_order(out.messages, outputs_run)
                 outputs_run = []

@@ -13,7 +13,7 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from openai.types.responses import Response as SDKResponse
 from openai_harmony import Message, Role
@@ -152,7 +152,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     if req.previous_response_id:
         previous = await _previous(state, req.previous_response_id)
         chain_ids = _chain_item_ids(previous)
-        _check_not_in_chain(items, set(chain_ids))
+        _check_item_ids(items, chain_ids)
         _check_calls_answered(previous, items)
         history = messages_from_json(previous.conversation)
         known_calls = dict(previous.function_calls)
@@ -276,13 +276,16 @@ async def _resolve_references(state: ServerState, items: list[Any]) -> list[Any]
     return resolved
 
 
-def _check_item_ids(items: list[Any]) -> None:
-    """Input item ids are unique, as OpenAI requires (`/input_items` pages by them)."""
-    seen: set[str] = set()
+def _check_item_ids(items: list[Any], earlier: Iterable[str] = ()) -> None:
+    """Input item ids are unique, and none is one of the `earlier` items (the previous_response_id
+    chain's), as OpenAI requires: `/input_items` pages by them, and the model would see an item
+    twice."""
+    seen = set(earlier)
     for i, item in enumerate(items):
         item_id = getattr(item, "id", None)
         if item_id in seen:
-            raise APIError(f"Duplicate item found with id {item_id}.", param=f"input[{i}].id")
+            raise APIError(f"Duplicate item found with id {item_id}. Remove duplicate items from your input and "
+                           "try again.", param=f"input[{i}].id")
         if item_id:
             seen.add(item_id)
 
@@ -295,16 +298,6 @@ def _chain_item_ids(record: StoredResponse) -> list[str]:
         if isinstance(item.get("id"), str):
             ids.setdefault(item["id"])
     return list(ids)
-
-
-def _check_not_in_chain(items: list[Any], chain_ids: set[str]) -> None:
-    """An item the previous_response_id chain already holds is not given again, as in OpenAI
-    (the model would see it twice)."""
-    for i, item in enumerate(items):
-        item_id = getattr(item, "id", None)
-        if item_id and item_id in chain_ids:
-            raise APIError(f"Duplicate item found with id {item_id}. Remove duplicate items from your input "
-                           "and try again.", param=f"input[{i}].id")
 
 
 def _check_calls_answered(previous: StoredResponse, items: list[Any]) -> None:

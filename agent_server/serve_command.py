@@ -220,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     if search_dir is not None and not search_dir.is_dir():
         log.error("--search-dir %s is not a folder", args.search_dir)
         return 2
-    if args.store and Path(args.store).expanduser().is_dir():
+    store_path = Path(args.store).expanduser() if args.store else default_store_path()
+    if args.store and store_path.is_dir():
         log.error("--store %s is a folder; give the path of the SQLite file to keep responses in", args.store)
         return 2
     options = engine_options(args)
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=name,
         aliases=[str(model_dir)],
         api_key=args.api_key,
-        store_path=Path(args.store).expanduser() if args.store else default_store_path(),
+        store_path=store_path,
         tool_timeout=args.tool_timeout,
         cors_origins=args.cors_origin,
         max_request_bytes=args.max_request_bytes,

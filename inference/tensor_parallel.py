@@ -469,8 +469,9 @@ class WorkerProcesses:
     @property
     def failure(self) -> str | None:
         """Why the group can no longer run steps (a worker exited), or None. Once closed: None."""
-        if not self._finalizer.alive:
-            return None
+        return self._dead_rank() if self._finalizer.alive else None
+
+    def _dead_rank(self) -> str | None:
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
                 return f"tensor-parallel rank {rank} has exited (code {proc.exitcode})"
@@ -482,10 +483,11 @@ class WorkerProcesses:
 
     def send_step(self, plan) -> None:
         """Hand every worker the step rank 0 is about to run (they run it alongside)."""
+        dead = self._dead_rank()
+        if dead:
+            raise RuntimeError(dead)
         payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
-            if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} has exited (code {proc.exitcode})")
+        for conn in self.conns:
             conn.send_bytes(payload)
 
     def close(self, runner=None) -> None:
