@@ -24,14 +24,16 @@ from starlette.routing import Route
 
 from inference.request import EngineClient
 
-from . import chat_api, playground, responses_api
-from .auth import ApiKeyMiddleware
-from .errors import APIError, UnexpectedErrorMiddleware, internal_error, not_found
-from .metrics import Metrics, MetricsMiddleware
-from .request_ids import RequestIdMiddleware, current_request_id, new_request_id
-from .state import ServerConfig, ServerState
-from .store import ResponseStore, SQLiteResponseStore
-from .tool_registry import ToolRegistry
+from agent_server import playground
+from agent_server.chat import routes as chat_routes
+from agent_server.responses import routes as responses_routes
+from agent_server.auth import ApiKeyMiddleware
+from agent_server.errors import APIError, UnexpectedErrorMiddleware, internal_error, not_found
+from agent_server.metrics import Metrics, MetricsMiddleware
+from agent_server.request_ids import RequestIdMiddleware, current_request_id, new_request_id
+from agent_server.state import ServerConfig, ServerState
+from agent_server.store import ResponseStore, SQLiteResponseStore
+from agent_server.agent.tool_registry import ToolRegistry
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,8 @@ def warm_up() -> None:
 
     from inference.tokenizer import harmony_encoding
 
-    from . import response_events
-    from .token_bytes import token_bytes
+    from agent_server.responses import events as response_events
+    from agent_server.token_bytes import token_bytes
 
     harmony_encoding()
     token_bytes(0)
@@ -235,8 +237,8 @@ def create_app(
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
-        *responses_api.routes,
-        *chat_api.routes,
+        *responses_routes.routes,
+        *chat_routes.routes,
         *playground.routes,
     ]
     middleware = [Middleware(RequestIdMiddleware), Middleware(UnexpectedErrorMiddleware),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from .errors import APIError
+from agent_server.errors import APIError
 
 PUBLIC_PATHS = frozenset({"/health", "/"})
 PUBLIC_PREFIXES = ("/static/",)

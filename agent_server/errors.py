@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from .request_ids import current_request_id
+from agent_server.request_ids import current_request_id
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from openai_harmony import (
 
 from inference.tokenizer import CALL, END, MESSAGE, RETURN, START, encode_text, harmony_encoding
 
-from .token_bytes import is_special, token_bytes
+from agent_server.token_bytes import is_special, token_bytes
 
 # Real headers ("<|channel|>commentary to=functions.name <|constrain|>json") are far shorter;
 # past this the output is not Harmony and is streamed as malformed text instead of buffered.

@@ -20,8 +20,8 @@ from starlette.requests import ClientDisconnect, Request
 
 from schemas.responses import MAX_REQUEST_SCHEMA_BYTES, SCHEMA_BUDGET
 
-from .errors import APIError, from_validation_error
-from .tokenization_cost import MAX_TOKENIZATION_COST, MIN_RUN, tokenization_cost
+from agent_server.errors import APIError, from_validation_error
+from agent_server.tokenization_cost import MAX_TOKENIZATION_COST, MIN_RUN, tokenization_cost
 
 Model = TypeVar("Model", bound=BaseModel)
 

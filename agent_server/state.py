@@ -8,10 +8,10 @@ from typing import Any
 
 from inference.request import EngineClient
 
-from .metrics import Metrics
-from .runs import RunRegistry
-from .store import ResponseStore
-from .tool_registry import ToolRegistry
+from agent_server.metrics import Metrics
+from agent_server.responses.runs import RunRegistry
+from agent_server.store import ResponseStore
+from agent_server.agent.tool_registry import ToolRegistry
 
 
 def default_store_path() -> Path:

@@ -10,7 +10,7 @@ exactly: 4 * D per visible (query, key, head)).
 Decode is timed as the engine runs it, inside a CUDA graph (one replay = many calls), rotating
 over several block tables so small shapes do not just measure L2.
 
-`--flashinfer fa2,fa3` times flashinfer's paged sink-attention kernels (`inference/attention_flashinfer.py`)
+`--flashinfer fa2,fa3` times flashinfer's paged sink-attention kernels (`inference/ops/attention/flashinfer.py`)
 on the same shapes beside the Triton ones: device time from graph replays of already planned
 calls, plus flashinfer's per-step host planning (`plan us`), which the engine pays once per step
 and attention kind, outside any graph. Usage:
@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from cuda_timing import time_events, time_graph, time_graph_calls  # noqa: E402
-from inference.attention import AttentionMetadata  # noqa: E402
+from inference.ops.attention.reference import AttentionMetadata  # noqa: E402
 from inference.kernels import attention_triton as at  # noqa: E402
-from inference.kernels.rope_cache import rope_and_write_kv_triton  # noqa: E402
+from inference.ops.attention.rope_cache import rope_and_write_kv_triton  # noqa: E402
 
 HQ, HKV, D, PAGE, WINDOW = 64, 8, 64, 16, 128
 DEV = torch.device("cuda")
@@ -109,7 +109,7 @@ def bench_decode(pool: KVPool, batch: int, context: int, window, cfg: at.DecodeC
 
 
 def flashinfer_attention(kernel: str, workspace=None):
-    from inference.attention_flashinfer import FlashInferAttention
+    from inference.ops.attention.flashinfer import FlashInferAttention
 
     return FlashInferAttention(DEV, kernel, workspace=workspace)
 
@@ -259,7 +259,7 @@ def main() -> None:
     fi_kernels = [k for k in args.flashinfer.split(",") if k]
     workspace = None
     if fi_kernels:
-        from inference.attention_flashinfer import WORKSPACE_BYTES
+        from inference.ops.attention.flashinfer import WORKSPACE_BYTES
 
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
 

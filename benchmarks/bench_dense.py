@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from cuda_timing import time_graph_calls  # noqa: E402
-from inference.decode_linear import GEMV_MAX_TOKENS  # noqa: E402
-from inference.kernels.multiprocessors import multiprocessors  # noqa: E402
-from inference.kernels.linear_triton import (  # noqa: E402
+from inference.ops.linear.backend import GEMV_MAX_TOKENS  # noqa: E402
+from inference.ops.multiprocessors import multiprocessors  # noqa: E402
+from inference.ops.linear.triton import (  # noqa: E402
     LinearConfig, linear_config, linear_reference, linear_triton,
 )
 

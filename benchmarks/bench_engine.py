@@ -26,7 +26,7 @@ find. A third row replays the plain run's own output as drafts: what a perfect d
 
 With --async-scheduling the script instead times decode through the whole engine at each batch
 size (every sequence at `--context` tokens, greedy), with async scheduling off and on
-(`inference/async_scheduling.py`), beside the CUDA-graph replay alone. Host µs per step is the
+(`inference/scheduling/async_scheduling.py`), beside the CUDA-graph replay alone. Host µs per step is the
 engine thread's time per step outside waiting for sampled ids (the device's share): with the
 overlap on, it is hidden as long as it stays below the graph's own step time.
 """
@@ -43,13 +43,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.attention import AttentionMetadata  # noqa: E402
-from inference.speculative import DraftContext  # noqa: E402
+from inference.ops.attention.reference import AttentionMetadata  # noqa: E402
+from inference.spec_decode.drafters import DraftContext  # noqa: E402
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from inference.config import GPT_OSS_SHAPES, ModelConfig  # noqa: E402
-from inference.cuda_graphs import DecodeGraphRunner  # noqa: E402
-from inference.model import GptOssModel  # noqa: E402
-from inference.tiny_checkpoint import hf_config_dict  # noqa: E402
+from inference.runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from inference.model.gpt_oss import GptOssModel  # noqa: E402
+from inference.model.tiny_checkpoint import hf_config_dict  # noqa: E402
 
 
 
@@ -220,7 +220,7 @@ def bench_speculative(model, args) -> dict:
     """Batch-1 engine decode on a repetitive prompt: plain, with the drafter, with replayed drafts."""
     import random
 
-    from inference.engine import EngineConfig, LLMEngine
+    from inference.engine.core import EngineConfig, LLMEngine
     from inference.request import GenerationRequest, SamplingParams
 
     def sync() -> None:
@@ -234,7 +234,7 @@ def bench_speculative(model, args) -> dict:
     max_len = len(prompt) + args.spec_tokens + 64
     draft_model = args.draft_model
     if args.speculative == "eagle3" and draft_model is None:
-        from inference.eagle3 import write_random_eagle3_checkpoint
+        from inference.spec_decode.eagle3 import write_random_eagle3_checkpoint
 
         draft_model = str(write_random_eagle3_checkpoint(Path("/tmp/oss-agent-bench-eagle3"), model.config,
                                                          draft_token_ids=sorted(words), draft_vocab_size=len(words)))
@@ -298,7 +298,7 @@ def decode_pages_per_seq(args) -> int:
 
 def decode_engine(model, args, max_seqs: int):
     """An engine with async scheduling for `max_seqs` sequences of `decode_max_len(args)` tokens."""
-    from inference.engine import EngineConfig, LLMEngine
+    from inference.engine.core import EngineConfig, LLMEngine
 
     # StaticBatch (the graph-replay row) lays every sequence's pages out in both pools alike.
     pages = max_seqs * decode_pages_per_seq(args) + 8

@@ -41,8 +41,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent_server import bench_engine  # noqa: E402
-from agent_server.bench_report import format_summary, json_safe  # noqa: E402
+from agent_server.bench import engine as bench_engine  # noqa: E402
+from agent_server.bench.report import format_summary, json_safe  # noqa: E402
 
 # name: (user message tokens, output tokens, in flight, range ratio of both lengths)
 WORKLOADS = {"ttft": (256, 1, 1, 0.0), "c1": (1024, 256, 1, 0.0), "c64": (256, 512, 64, 0.5),
@@ -166,7 +166,7 @@ def main() -> int:
     progress(f"building the engine: gpt-oss-{args.model} shapes, random weights")
     start = time.perf_counter()
     engine = bench_engine.build_engine(base)
-    from inference.engine_process import EngineProcess
+    from inference.engine.process import EngineProcess
 
     where = "a process of its own" if isinstance(engine, EngineProcess) else "a thread of this process"
     progress(f"engine ready in {time.perf_counter() - start:.1f} s, running in {where}")

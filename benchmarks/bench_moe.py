@@ -22,7 +22,7 @@ of its 53 MB at batch 1 still in the 50 MB L2), and its first kernel overlaps th
 flashinfer's own autotuner needs more of its JIT modules than the fused MoE (it fails on a
 machine with only that one); `--flashinfer-tactics` times its tactics by index instead: every
 GEMM1 tactic with GEMM2's default, then every GEMM2 tactic with the fastest GEMM1. Tactics a
-build lacks (see `benchmarks/flashinfer_moe_subset.py`) fail before launching and are skipped.
+build lacks (see `experiments/flashinfer_moe_subset.py`) fail before launching and are skipped.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from cuda_timing import graph_replay_seconds  # noqa: E402
-from inference.moe import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
-from inference.moe_backend import TritonMoEBackend, model_output_dtype, select_moe_backend  # noqa: E402
-from inference.kernels.moe_triton import takes_decode_path  # noqa: E402
+from inference.ops.moe.reference import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
+from inference.ops.moe.backend import TritonMoEBackend, model_output_dtype, select_moe_backend  # noqa: E402
+from inference.ops.moe.triton import takes_decode_path  # noqa: E402
 
 HIDDEN = INTERMEDIATE = 2880
 TOP_K = 4
@@ -82,7 +82,7 @@ def progress(msg: str) -> None:
 
 
 def random_layer(num_experts: int, seed: int = 0) -> MoEWeights:
-    """Random MXFP4 experts (scales 2^-10..2^-6, like `inference.model.random_tensor_source`)."""
+    """Random MXFP4 experts (scales 2^-10..2^-6, like `inference.model.gpt_oss.random_tensor_source`)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     h, i, e = HIDDEN, INTERMEDIATE, num_experts
 
@@ -200,13 +200,14 @@ def main() -> None:
     ap.add_argument("--flashinfer-tactics", action="store_true",
                     help="also time flashinfer's GEMM tactics one by one and report the fastest pair")
     ap.add_argument("--flashinfer-module", metavar="PATH",
-                    help="a fused_moe_90 library built by flashinfer_moe_subset.py, used instead of flashinfer's "
+                    help="a fused_moe_90 library built by experiments/flashinfer_moe_subset.py, used instead of flashinfer's "
                          "JIT module (its other JIT modules are then not built either: torch routes)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA GPU")
     names = args.backends.split(",")
     if args.flashinfer_module:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
         from flashinfer_moe_subset import use_prebuilt
 
         use_prebuilt(args.flashinfer_module)

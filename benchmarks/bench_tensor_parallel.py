@@ -1,7 +1,7 @@
 """Tensor-parallel decode speed and agreement: gpt-oss shapes, random weights, 1 vs N GPUs.
 
 For each tensor-parallel size the engine is built on random weights of the real shapes (the
-same seed, so every size runs the same model; `inference/tensor_parallel.py` spawns one process
+same seed, so every size runs the same model; `inference/engine/executor.py` spawns one process
 per extra GPU), then, through the whole engine (scheduler, CUDA-graph decode, all-reduces,
 logits all-gather, greedy sampling on rank 0):
   * decode tok/s at each batch size, every sequence `--prompt` tokens in, timed over `--steps`
@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference.config import GPT_OSS_SHAPES, ModelConfig  # noqa: E402
-from inference.engine import EngineConfig, LLMEngine  # noqa: E402
+from inference.engine.core import EngineConfig, LLMEngine  # noqa: E402
 from inference.request import GenerationRequest, SamplingParams  # noqa: E402
-from inference.tensor_parallel import ModelSource, start_engine  # noqa: E402
-from inference.tiny_checkpoint import hf_config_dict  # noqa: E402
+from inference.engine.executor import ModelSource, start_engine  # noqa: E402
+from inference.model.tiny_checkpoint import hf_config_dict  # noqa: E402
 
 
 

@@ -7,7 +7,7 @@ import statistics
 
 import torch
 
-from inference.cuda_graphs import record_graph
+from inference.runner.cuda_graphs import record_graph
 
 
 def time_events(fn, reps: int = 20, warmup: int = 3) -> float:

@@ -3,11 +3,11 @@
 `torch.tensor(values, device="cuda")` copies from pageable memory and then waits for the whole
 stream; `.tolist()` of a CUDA tensor waits for the whole stream too. Harmless while the GPU is
 idle, but once the next step is already queued behind the current one (async scheduling,
-`inference/async_scheduling.py`) each such wait would also wait for that next step. Here host
+`inference/scheduling/async_scheduling.py`) each such wait would also wait for that next step. Here host
 memory is pinned, copies are `non_blocking`, and a CUDA event says when each copy is done:
 
 * `StagingBuffers`: reusable pinned byte buffers, taken in turn, for the packed step inputs
-  (`inference/step_inputs.py`); a buffer is rewritten only once the copy out of it has finished.
+  (`inference/runner/step_inputs.py`); a buffer is rewritten only once the copy out of it has finished.
 * `to_device`: a short list of numbers as a device tensor (sampling parameters).
 * `HostCopy`: device tensors copied into pinned host memory, read once their event has fired.
 

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from .responses import check_json_schema
+from schemas.responses import check_json_schema
 
 
 class StrictModel(BaseModel):

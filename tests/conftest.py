@@ -1,9 +1,9 @@
 """Shared fixtures: live servers (uvicorn on a loopback port) over a scripted or a real engine.
 
 `fake_server` runs the app on `ScriptedEngine` with fake browser / python / MCP tool servers;
-`tiny_engine_server` runs it on the real `inference.engine.AsyncEngine` over a tiny random
+`tiny_engine_server` runs it on the real `inference.engine.core.AsyncEngine` over a tiny random
 checkpoint (skipped while that engine cannot be built), `tiny_process_server` on the same engine
-in a process of its own (`inference.engine_process.EngineProcess`); `live_server` is parametrized
+in a process of its own (`inference.engine.process.EngineProcess`); `live_server` is parametrized
 over all three for tests whose assertions hold for any model.
 """
 
@@ -96,8 +96,8 @@ def serve_captured(argv: list[str]) -> dict:
 
     import uvicorn
 
-    from agent_server.cli import build_parser
-    from agent_server.serve_command import run
+    from agent_server.cli.main import build_parser
+    from agent_server.cli.serve import run
 
     captured: dict = {}
 
@@ -157,7 +157,7 @@ def fake_server(tmp_path, fake_engine, fake_tools):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    from inference.tiny_checkpoint import write_tiny_checkpoint
+    from inference.model.tiny_checkpoint import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-gpt-oss"), seed=0)
 
@@ -165,9 +165,9 @@ def tiny_checkpoint(tmp_path_factory):
 def build_tiny_engine(checkpoint: Path):
     """The real engine on the tiny checkpoint, float32 on CPU; skips while it cannot be built."""
     try:
-        from inference.engine import AsyncEngine
+        from inference.engine.core import AsyncEngine
     except ImportError as e:
-        pytest.skip(f"inference.engine is not available: {e}")
+        pytest.skip(f"inference.engine.core is not available: {e}")
     try:
         return AsyncEngine.from_pretrained(str(checkpoint), **TINY_ENGINE_OPTIONS)
     except ImportError as e:  # a module the engine needs is still being written
@@ -186,7 +186,7 @@ def tiny_engine_server(tmp_path_factory, tiny_checkpoint):
 def tiny_process_server(tmp_path_factory, tiny_checkpoint):
     """`tiny_engine_server`'s engine in a process of its own (`EngineProcess`, what `oss-agent
     serve` runs on CUDA): the same tests hold."""
-    from inference.engine_process import EngineProcess, EngineSpec
+    from inference.engine.process import EngineProcess, EngineSpec
 
     engine = EngineProcess(EngineSpec(model_dir=str(tiny_checkpoint), options=TINY_ENGINE_OPTIONS))
     app = make_app(lambda: engine, tmp_path_factory.mktemp("tiny-process-store") / "responses.sqlite3")

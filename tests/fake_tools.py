@@ -1,6 +1,6 @@
 """Small deterministic tool servers (browser, python, MCP) for server tests.
 
-They follow `tools.tool_server`'s protocol (`ToolServer`, `ToolSession`, `ToolResult`) with
+They follow `tools.protocol`'s protocol (`ToolServer`, `ToolSession`, `ToolResult`) with
 canned behaviour, so a test knows exactly what the model "saw" and which citations resolve.
 """
 
@@ -13,7 +13,7 @@ import re
 
 from openai_harmony import ToolDescription, ToolNamespaceConfig
 
-from tools.tool_server import ToolResult
+from tools.protocol import ToolResult
 
 PAGES = [
     ("https://example.org/oss", "gpt-oss release notes"),

@@ -71,7 +71,7 @@ def choice_gaps(score, prompt_list, generated) -> tuple[torch.Tensor, torch.Tens
 
 def model_scorer(model):
     """`score` for `choice_gaps` from a model run on its own single-sequence cache."""
-    from inference.single_sequence import SingleSequenceCache
+    from inference.runner.single_sequence import SingleSequenceCache
 
     return lambda tokens: SingleSequenceCache(model, len(tokens)).forward(tokens)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from inference.moe import ExpertWeights, MoEWeights
+from inference.ops.moe.reference import ExpertWeights, MoEWeights
 
 
 def random_mxfp4_layer(num_experts: int, hidden: int, inter: int, seed: int = 0, device="cuda",

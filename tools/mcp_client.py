@@ -27,7 +27,7 @@ from mcp import Client
 from mcp.shared.exceptions import MCPError
 from openai_harmony import ToolDescription, ToolNamespaceConfig
 
-from .tool_server import ToolResult
+from tools.protocol import ToolResult
 
 if sys.version_info < (3, 11):  # a builtin from 3.11; anyio brings the backport before
     from exceptiongroup import BaseExceptionGroup

@@ -8,8 +8,8 @@ import random
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol, TypeVar
 
-from .documents import SearchHit
-from .page import Page
+from tools.browser.documents import SearchHit
+from tools.browser.page import Page
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

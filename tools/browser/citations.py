@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from .page import LINK_MARKER, Page, domain_of
+from tools.browser.page import LINK_MARKER, Page, domain_of
 
 CITATION = re.compile(r"【(\d+)†([^】]*)】")
 LINE_RANGE = re.compile(r"^\s*L(\d+)(?:\s*[-–]\s*L?(\d+))?\s*$")

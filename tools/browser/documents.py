@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urljoin
 
-from .html_text import html_to_text
-from .page import Page, clean_text, domain_of, link_marker
+from tools.browser.html_text import html_to_text
+from tools.browser.page import Page, clean_text, domain_of, link_marker
 
 HTML_HINT = re.compile(r"<(?:html|body|p|div|a|h[1-6]|ul|ol|li|br|table|span|article)\b", re.I)
 MARKDOWN_LINK = re.compile(r"(!?)\[([^\]\n]*)\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

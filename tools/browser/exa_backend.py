@@ -15,9 +15,9 @@ import httpx
 from exa_py import AsyncExa
 from exa_py.errors import ExaTimeoutError
 
-from .backend import BackendError, RetryPolicy, TransientError, with_retries
-from .documents import SearchHit, looks_like_html, page_from_html, page_from_text, source_page
-from .page import Page
+from tools.browser.backend import BackendError, RetryPolicy, TransientError, with_retries
+from tools.browser.documents import SearchHit, looks_like_html, page_from_html, page_from_text, source_page
+from tools.browser.page import Page
 
 EXA_API_URL = "https://api.exa.ai"
 STATUS_IN_MESSAGE = re.compile(r"status code (\d{3})")

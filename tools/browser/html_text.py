@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from urllib.parse import urljoin, urlparse
 
-from .page import clean_text, domain_of, link_marker
+from tools.browser.page import clean_text, domain_of, link_marker
 
 INVISIBLE = {"script", "style", "noscript", "template", "svg", "math", "iframe", "object",
              "select", "button"}

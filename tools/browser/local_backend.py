@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlparse
 
-from .backend import BackendError
-from .documents import SearchHit, page_from_html, page_from_markdown, page_from_text, source_page
-from .html_text import html_to_text
-from .page import Page, strip_links
+from tools.browser.backend import BackendError
+from tools.browser.documents import SearchHit, page_from_html, page_from_markdown, page_from_text, source_page
+from tools.browser.html_text import html_to_text
+from tools.browser.page import Page, strip_links
 
 logger = logging.getLogger(__name__)
 

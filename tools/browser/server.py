@@ -8,8 +8,8 @@ from pathlib import Path
 
 from openai_harmony import ToolNamespaceConfig
 
-from .backend import SearchBackend
-from .session import BrowserSession
+from tools.browser.backend import SearchBackend
+from tools.browser.session import BrowserSession
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class BrowserToolServer:
                     **options) -> BrowserToolServer:
         """Local search over `search_dir` if given, else Exa if a key is given, else the bundled
         demo documents."""
-        from .local_backend import LocalSearchBackend
+        from tools.browser.local_backend import LocalSearchBackend
 
         backend: SearchBackend
         if search_dir is not None:
@@ -41,7 +41,7 @@ class BrowserToolServer:
             logger.info("browser: searching the %d documents under %s",
                         backend.document_count, backend.folder)
         elif exa_api_key:
-            from .exa_backend import EXA_API_URL, ExaBackend
+            from tools.browser.exa_backend import EXA_API_URL, ExaBackend
 
             backend = ExaBackend(exa_api_key, base_url=exa_base_url or EXA_API_URL)
             logger.info("browser: searching the web through Exa")

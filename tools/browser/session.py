@@ -13,11 +13,11 @@ import logging
 import re
 from typing import Any, Callable
 
-from ..tool_server import ToolResult
-from . import citations
-from .backend import BackendError, SearchBackend
-from .documents import search_results_page
-from .page import Page, ToolUsageError, find_in_page, render_window
+from tools.protocol import ToolResult
+from tools.browser import citations
+from tools.browser.backend import BackendError, SearchBackend
+from tools.browser.documents import search_results_page
+from tools.browser.page import Page, ToolUsageError, find_in_page, render_window
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,162 @@
+"""Which tools a request may use, where each Harmony recipient goes, and the tool sessions.
+
+The server is started with some tool servers (`tools.protocol`: browser, python, MCP). A
+request enables a subset: `web_search_preview` -> the browser namespace, `code_interpreter` ->
+python, `mcp` (by `server_label`) -> that MCP server, `function` -> the client's own functions.
+The model addresses them by recipient: "browser.search", "python", "<mcp namespace>.<tool>",
+"functions.<name>". Sessions (browser pages, a Python kernel) live as long as one response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai_harmony import ToolDescription, ToolNamespaceConfig
+
+from schemas.responses import CodeInterpreterTool, FunctionTool, McpTool, WebSearchTool
+
+from agent_server.errors import APIError
+from agent_server.harmony import recipient_kind
+
+
+@dataclass
+class McpBinding:
+    label: str  # the request's server_label
+    server: Any  # tools.protocol.ToolServer
+    namespace: ToolNamespaceConfig  # only the allowed tools
+
+
+@dataclass
+class Route:
+    kind: str  # "function" | "browser" | "python" | "mcp" | "unknown"
+    name: str  # function or tool name within its namespace
+    server: Any = None
+    label: str = ""  # MCP server_label
+
+
+@dataclass
+class ActiveTools:
+    """The tools one request enabled."""
+
+    functions: list[FunctionTool] = field(default_factory=list)
+    browser: Any = None
+    python: Any = None
+    mcp: dict[str, McpBinding] = field(default_factory=dict)  # by Harmony namespace name
+
+    @property
+    def any_builtin(self) -> bool:
+        return bool(self.browser or self.python or self.mcp)
+
+    def namespaces(self) -> list[ToolNamespaceConfig]:
+        """Namespaces for the system message, browser and python first as gpt-oss expects."""
+        spaces = [s.harmony_namespace() for s in (self.browser, self.python) if s is not None]
+        return spaces + [b.namespace for b in self.mcp.values()]
+
+    def function_descriptions(self) -> list[ToolDescription]:
+        return [ToolDescription.new(f.name, f.description or "", parameters=f.parameters) for f in self.functions]
+
+    def route(self, recipient: str | None) -> Route:
+        namespace, name = recipient_kind(recipient)
+        if namespace == "functions" and name:
+            return Route("function", name)
+        for kind, server in (("browser", self.browser), ("python", self.python)):
+            if server is not None and namespace == server.harmony_namespace().name:
+                return Route(kind, name, server)
+        if namespace in self.mcp and name:
+            binding = self.mcp[namespace]
+            if any(t.name == name for t in binding.namespace.tools):
+                return Route("mcp", name, binding.server, binding.label)
+        return Route("unknown", recipient or "")
+
+
+class ToolRegistry:
+    """The tool servers this process started, looked up by what requests ask for."""
+
+    def __init__(self, servers: list[Any] | None = None):
+        self.servers = list(servers or [])
+
+    def by_kind(self, kind: str) -> list[Any]:
+        return [s for s in self.servers if s.kind == kind]
+
+    def select(self, tools: list[Any], *, enabled: bool = True) -> ActiveTools:
+        """The request's `tools` mapped onto servers; APIError naming the tool if one is missing.
+
+        `enabled=False` (tool_choice "none") still validates but enables nothing."""
+        active = ActiveTools()
+        for i, tool in enumerate(tools):
+            param = f"tools[{i}]"
+            if isinstance(tool, FunctionTool):
+                active.functions.append(tool)
+            elif isinstance(tool, WebSearchTool):
+                active.browser = self._one("browser", tool.type, param)
+            elif isinstance(tool, CodeInterpreterTool):
+                active.python = self._one("python", tool.type, param)
+            elif isinstance(tool, McpTool):
+                binding = self._mcp(tool, param)
+                active.mcp[binding.namespace.name] = binding
+        names = [f.name for f in active.functions]
+        if len(set(names)) != len(names):
+            raise APIError("Function names in 'tools' must be unique.", param="tools")
+        return active if enabled else ActiveTools()
+
+    def _one(self, kind: str, tool_type: str, param: str) -> Any:
+        servers = self.by_kind(kind)
+        if not servers:
+            raise APIError(
+                f"The '{tool_type}' tool is not available: start the server with a {kind} tool server "
+                f"(oss-agent serve --tool-server {kind}).",
+                param=param,
+                code="tool_not_available",
+            )
+        return servers[0]
+
+    def _mcp(self, tool: McpTool, param: str) -> McpBinding:
+        if tool.require_approval == "always" or isinstance(tool.require_approval, dict):
+            raise APIError("MCP tool approvals are not supported; use require_approval='never'.",
+                           param=f"{param}.require_approval")
+        server = next((s for s in self.by_kind("mcp") if s.name == tool.server_label), None)
+        if server is None:
+            labels = ", ".join(s.name for s in self.by_kind("mcp")) or "none"
+            raise APIError(
+                f"No MCP server labelled '{tool.server_label}' runs on this server (available: {labels}); "
+                "MCP servers are configured with --tool-server.",
+                param=f"{param}.server_label",
+                code="tool_not_available",
+            )
+        namespace = server.harmony_namespace()
+        allowed = tool.allowed_tools
+        if isinstance(allowed, dict):
+            allowed = allowed.get("tool_names")
+        if allowed is not None:
+            namespace = ToolNamespaceConfig(
+                name=namespace.name,
+                description=namespace.description,
+                tools=[t for t in namespace.tools if t.name in set(allowed)],
+            )
+        return McpBinding(tool.server_label, server, namespace)
+
+
+class ToolSessions:
+    """The sessions one response opened, one per server, all closed when it ends."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[int, Any] = {}
+
+    async def get(self, server: Any) -> Any:
+        key = id(server)
+        if key not in self.sessions:
+            session = server.open_session()
+            if inspect.isawaitable(session):
+                session = await session
+            self.sessions[key] = session
+        return self.sessions[key]
+
+    def opened(self, server: Any) -> Any | None:
+        return self.sessions.get(id(server)) if server is not None else None
+
+    async def close(self) -> None:
+        sessions, self.sessions = list(self.sessions.values()), {}
+        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)

@@ -1,0 +1,125 @@
+"""Responses API input items -> Harmony messages.
+
+user text -> user message; assistant text -> final-channel message (commentary for preambles);
+`reasoning` -> analysis message; `function_call` -> commentary message to `functions.<name>`
+(JSON-constrained); `function_call_output` -> a tool message from `functions.<name>`, the name
+found through the call id; our own `code_interpreter_call` / `mcp_call` items sent back as
+input replay the call and its output. System and developer messages in `input` join the
+instructions (Harmony has one developer message, at the top).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai_harmony import Message, Role
+
+from schemas.responses import (
+    CodeInterpreterCallItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    LenientItem,
+    McpCallItem,
+    MessageItem,
+    ReasoningItem,
+)
+
+from agent_server.errors import APIError
+from agent_server.harmony import tool_message
+
+JSON_CONTENT_TYPE = "<|constrain|>json"
+
+
+@dataclass
+class ConvertedInput:
+    messages: list[Message] = field(default_factory=list)
+    instructions: list[str] = field(default_factory=list)  # from system/developer input messages
+    function_calls: dict[str, str] = field(default_factory=dict)  # call_id -> name, seen in this input
+
+
+def assistant_call(recipient: str, arguments: str, channel: str = "commentary", json_args: bool = True) -> Message:
+    message = Message.from_role_and_content(Role.ASSISTANT, arguments).with_channel(channel).with_recipient(recipient)
+    return message.with_content_type(JSON_CONTENT_TYPE) if json_args else message
+
+
+def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> ConvertedInput:
+    """Convert validated input items. `known_calls` maps call ids of earlier responses in the
+    chain to function names. APIError names the offending item."""
+    out = ConvertedInput()
+    unanswered: dict[str, tuple[FunctionCallItem, Message]] = {}  # function calls of this input, no output yet
+    outputs_run: list[tuple[int, Message]] = []  # consecutive function_call_outputs, by their call's place
+    call_order = {call_id: n for n, call_id in enumerate(known_calls)}  # and this input's calls after them
+    for i, item in enumerate(items):
+        if isinstance(item, MessageItem):
+            text = item.text()
+            if item.role in ("system", "developer"):
+                out.instructions.append(text)
+            elif item.role == "user":
+                out.messages.append(Message.from_role_and_content(Role.USER, text))
+            else:
+                channel = "commentary" if item.phase == "commentary" else "final"
+                out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel))
+        elif isinstance(item, ReasoningItem):
+            if item.encrypted_content:
+                raise APIError("Encrypted reasoning is not supported by this server; send reasoning items with "
+                               "their 'content', or use previous_response_id.",
+                               param=f"input[{i}].encrypted_content")
+            parts = item.content or []
+            text = "".join(p.text for p in parts) or "".join(s.text for s in item.summary)
+            if text:
+                out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("analysis"))
+        elif isinstance(item, FunctionCallItem):
+            out.function_calls[item.call_id] = item.name
+            call_order.setdefault(item.call_id, len(call_order))
+            out.messages.append(assistant_call(f"functions.{item.name}", item.arguments))
+            unanswered[item.call_id] = (item, out.messages[-1])
+        elif isinstance(item, FunctionCallOutputItem):
+            name = out.function_calls.get(item.call_id) or known_calls.get(item.call_id)
+            if name is None:
+                raise APIError(f"No tool call found for function call output with call_id {item.call_id}.",
+                               param=f"input[{i}].call_id")
+            out.messages.append(tool_message(f"functions.{name}", item.text()))
+            unanswered.pop(item.call_id, None)
+            outputs_run.append((call_order[item.call_id], out.messages[-1]))
+            if not isinstance(items[i + 1] if i + 1 < len(items) else None, FunctionCallOutputItem):
+                _in_call_order(out.messages, outputs_run)
+                outputs_run = []
+        elif isinstance(item, LenientItem):
+            out.messages += _replayed_call(item)
+    for call_id, (item, message) in unanswered.items():
+        if item.status in ("incomplete", "in_progress"):  # cut short (the token limit): nobody could run it
+            out.messages = [m for m in out.messages if m is not message]
+        else:  # the model would read a call with no result after it
+            raise APIError(f"No tool output found for function call {call_id}.", param="input")
+    return out
+
+
+def _in_call_order(messages: list[Message], run: list[tuple[int, Message]]) -> None:
+    """Put a run of function outputs (the last len(run) messages) in the order of their calls:
+    Harmony has no call ids, so the model pairs results with calls by their order."""
+    if len(run) > 1:
+        messages[-len(run):] = [message for _, message in sorted(run, key=lambda entry: entry[0])]
+
+
+def _replayed_call(item: LenientItem) -> list[Message]:
+    """Our own built-in tool items, sent back by a client that manages its context."""
+    if isinstance(item, CodeInterpreterCallItem) and item.code:
+        messages = [assistant_call("python", item.code, channel="analysis", json_args=False)]
+        logs = "".join(o.logs or "" for o in item.outputs or [])
+        return messages + [tool_message("python", logs)]
+    if isinstance(item, McpCallItem) and item.name:
+        recipient = f"{item.server_label or ''}.{item.name}"
+        messages = [assistant_call(recipient, item.arguments or "{}")]
+        return messages + [tool_message(recipient, item.output or json.dumps(item.error or ""))]
+    # A web_search_call item carries no results: the search itself cannot be replayed.
+    return []
+
+
+def messages_from_json(raw: list[dict[str, Any]]) -> list[Message]:
+    return [Message.from_dict(m) for m in raw]
+
+
+def messages_to_json(messages: list[Message]) -> list[dict[str, Any]]:
+    return [m.to_dict() for m in messages]

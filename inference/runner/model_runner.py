@@ -1,0 +1,329 @@
+"""One engine step on the device: scheduled batch -> AttentionMetadata -> model -> logits -> sampler.
+
+The batch is flattened into one ragged row of new tokens (see `inference/ops/attention/reference.py`). Logits
+are computed only for the last new token of sequences that reach their end in this step (a
+prefill chunk that stops short of the prompt's end samples nothing), and, with speculative
+decoding, for each draft token a sequence verifies (`inference/sample/rejection_sampler.py` decides
+which drafts stay). On CUDA, decode-only steps and verification steps with the same number of
+drafts per sequence replay captured CUDA graphs (`inference/runner/cuda_graphs.py`) unless `enforce_eager`;
+other steps of up to 1024 tokens and 127 sequences (prefill chunks, requests joining a running
+batch) replay the step graph of their token bucket; larger ones run eagerly.
+
+A step is first described in plain Python values (`StepPlan`), then run (`execute`): its integer
+inputs go to the device packed in one buffer with one copy (`inference/runner/step_inputs.py`). Under
+tensor parallelism rank 0 sends that plan to the other ranks (`workers`), which run the same
+`execute` on their shards; only rank 0 samples.
+
+`run` = `launch` (queue the model and the sampling on the device) then `collect` (read the
+tokens back). Between the two the engine may launch the next decode step, whose input tokens are
+this step's sampled ids taken on the device (`launch(..., after=)`; async scheduling,
+`inference/scheduling/async_scheduling.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from inference.ops.attention.reference import AttentionMetadata
+from inference.model.gpt_oss import GptOssModel
+from inference.request import TokenLogprob
+from inference.sample.rejection_sampler import RejectionSampler, VerifyOutput
+from inference.sample.sampler import SampledTokens
+from inference.scheduling.scheduler import ScheduledBatch, Sequence
+from inference.runner.step_inputs import StepInputPacker, StepInputs
+from inference.transfers import to_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One step as plain values (cheap to send to tensor-parallel workers). T new tokens in all;
+    sequence b runs q_lens[b] of them from position starts[b]."""
+
+    input_ids: list[int]  # [T]
+    full_tables: list[list[int]]  # each sequence's full-pool pages
+    sliding_tables: list[list[int]] | None  # sliding-pool pages; None: the model has no sliding layers
+    starts: list[int]
+    q_lens: list[int]
+    sample_rows: list[int]  # rows that need logits (each sampling entry's last 1 + drafts)
+    graph_tokens: int | None = None  # replay the captured graph of this many tokens per sequence; None: eager
+    # input_ids are rows of the previous step's sampled ids (still on the device), not token ids
+    inputs_from_previous: bool = False
+
+
+@dataclass
+class StepOutput:
+    """Per batch entry: the tokens to append (empty when the entry only prefilled; with drafts,
+    the kept drafts then one more), their logprobs, and how many drafts were kept."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob] | None]
+    num_accepted: list[int]
+    first_row: list[int]  # each entry's first row in the flat batch (indexes aux_hidden)
+    aux_hidden: torch.Tensor | None = None  # [T, A] target layer outputs the drafter asked for
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose model and sampling work is queued on the device; `ModelRunner.collect` reads
+    its tokens back."""
+
+    batch: ScheduledBatch
+    first_row: list[int]
+    aux_hidden: torch.Tensor | None
+    plain: list[int]  # batch entries sampled without drafts, in the order of `sampled`'s rows
+    sampled: SampledTokens | None
+    verified: list[int]  # batch entries whose drafts were verified (already on the host)
+    verify_out: VerifyOutput | None
+
+    def token_rows(self) -> dict[Sequence, int]:
+        """Each plainly sampled sequence's row in `sampled.tokens` (which holds its next token)."""
+        return {self.batch.seqs[b]: j for j, b in enumerate(self.plain)}
+
+
+def build_metadata(
+    page_size: int,
+    full_tables: list[list[int]],
+    sliding_tables: list[list[int]] | None,
+    starts: list[int],
+    q_lens: list[int],
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for sequences whose new tokens sit at positions [starts[b], starts[b] + q_lens[b]).
+
+    full_tables / sliding_tables: each sequence's physical pages per logical page (-1 = none);
+    sliding_tables None means the model has no sliding layers (the full table stands in).
+    """
+    ps = page_size
+    width = max(len(t) for t in full_tables)
+    full = torch.tensor([t + [-1] * (width - len(t)) for t in full_tables], dtype=torch.int32)
+    if sliding_tables is not None:
+        sliding = torch.tensor([t + [-1] * (width - len(t)) for t in sliding_tables], dtype=torch.int32)
+    else:  # no sliding layers: the table is never read
+        sliding = full
+    # Flat token t belongs to sequence seq_index[t] and sits at starts[seq] + its offset.
+    q = torch.tensor(q_lens)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    torch.cumsum(q, 0, out=cu[1:])
+    seq_index = torch.repeat_interleave(torch.arange(len(q_lens)), q)
+    offset = torch.arange(int(cu[-1])) - cu[:-1].long()[seq_index]
+    positions = torch.tensor(starts)[seq_index] + offset
+    page, within = positions // ps, positions % ps
+    slots = {
+        "full": full[seq_index, page].long() * ps + within,
+        "sliding": sliding[seq_index, page].long() * ps + within,
+    }
+    context = [s + n for s, n in zip(starts, q_lens)]
+    return AttentionMetadata(
+        cu_seqlens_q=cu.to(device),
+        context_lens=torch.tensor(context, dtype=torch.int32).to(device),
+        block_tables={"full": full.to(device), "sliding": sliding.to(device)},
+        slot_mapping={k: v.to(device) for k, v in slots.items()},
+        positions=positions.to(device),
+        max_q_len=max(q_lens),
+        q_lens=list(q_lens),
+        context_lens_list=context,
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: GptOssModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        page_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        has_sliding: bool = True,
+        enforce_eager: bool = False,
+        aux_layers: tuple[int, ...] = (),
+        num_draft_tokens: int = 0,
+    ):
+        """aux_layers: target layers whose outputs a drafter reads (returned with each step);
+        num_draft_tokens: with speculation, verification steps of that many drafts get graphs too."""
+        self.model = model
+        self.has_sliding = has_sliding
+        self.kv_caches = kv_caches
+        self.page_size = page_size
+        self.device = model.device
+        self.sampler = RejectionSampler()
+        self.aux_layers = tuple(aux_layers)
+        self.packer = StepInputPacker(page_size, self.device)
+        self.workers = None  # tensor parallel, on rank 0: `tensor_parallel.WorkerProcesses`, sent every step
+        self.graphs = None
+        self.prefill_graphs = None
+        if self.device.type == "cuda" and not enforce_eager:
+            self.graphs = self._capture_graphs(max_model_len, max_num_seqs, num_draft_tokens)
+            if model.tp is None and not self.aux_layers:
+                self.prefill_graphs = self._capture_prefill_graphs(max_model_len)
+        self.sampler.warm_up(model.config.vocab_size, self.device)
+
+    def _capture_graphs(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int):
+        from inference.runner.cuda_graphs import DecodeGraphRunner
+
+        max_pages = -(-max_model_len // self.page_size)
+        tokens_per_seq = (1, num_draft_tokens + 1) if num_draft_tokens else (1,)
+        try:
+            runner = DecodeGraphRunner(self.model, self.kv_caches, max_pages, max_model_len, max_batch=max_num_seqs,
+                                       tokens_per_seq=tokens_per_seq, aux_layers=self.aux_layers)
+            runner.capture()
+            return runner
+        except Exception:  # a backend that cannot be captured still serves, eagerly
+            if self.model.tp is not None:  # ...but not alone: the other ranks' collectives would wait
+                raise
+            log.exception("CUDA graph capture failed; decode runs eagerly")
+            return None
+
+    def _capture_prefill_graphs(self, max_model_len: int):
+        from inference.runner.cuda_graphs import PrefillGraphRunner
+
+        try:
+            runner = PrefillGraphRunner(self.model, self.kv_caches, -(-max_model_len // self.page_size), max_model_len)
+            runner.capture()
+            return runner
+        except Exception:  # short prefills then run eagerly, as longer ones do
+            log.exception("prefill CUDA graph capture failed; prefill runs eagerly")
+            return None
+
+    def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int]]:
+        """(the step's plan, which batch entries sample a token, each entry's first row)."""
+        seqs, q_lens = batch.seqs, batch.num_new
+        drafts = batch.num_draft or [0] * len(seqs)
+        starts = [seq.num_computed for seq in seqs]
+        ids: list[int] = []
+        first_row: list[int] = []
+        sample_index: list[int] = []
+        sample_rows: list[int] = []
+        for b, (seq, s, n, d) in enumerate(zip(seqs, starts, q_lens, drafts)):
+            first_row.append(len(ids))
+            ids.extend(seq.token_ids[s : s + n - d])
+            ids.extend(seq.draft_ids[:d])
+            if s + n - d == seq.num_tokens:  # reaches the end: sample (and verify the drafts)
+                sample_index.append(b)
+                sample_rows.extend(range(len(ids) - d - 1, len(ids)))
+        # Graphs cover steps where every sequence runs the same number of tokens: plain decode
+        # (1 each) or verification of the same number of drafts each.
+        q_len = q_lens[0]
+        uniform = all(n == q_len for n in q_lens) and (q_len == 1 or all(d == q_len - 1 for d in drafts))
+        graph = self.graphs is not None and uniform and self.graphs.can_run(len(batch), q_len)
+        plan = StepPlan(ids, [seq.pages.full for seq in seqs],
+                        [seq.pages.sliding for seq in seqs] if self.has_sliding else None, starts, list(q_lens),
+                        sample_rows, q_len if graph else None)
+        return plan, sample_index, first_row
+
+    def plan_after(self, batch: ScheduledBatch, after: LaunchedStep) -> tuple[StepPlan, list[int], list[int]]:
+        """`plan` for a decode step launched before `after`'s tokens are known: every sequence
+        of `batch` decodes one token just past what `after` computes for it (its pages reserved),
+        and its input is the token `after` sampled for it, gathered on the device."""
+        seqs = batch.seqs
+        n = len(seqs)
+        rows = after.token_rows()
+        computed = {seq: seq.num_computed + k for seq, k in zip(after.batch.seqs, after.batch.num_new)}
+        graph = self.graphs is not None and self.graphs.can_run(n, 1)
+        plan = StepPlan([rows[seq] for seq in seqs], [seq.pages.full for seq in seqs],
+                        [seq.pages.sliding for seq in seqs] if self.has_sliding else None,
+                        [computed[seq] for seq in seqs], [1] * n, list(range(n)), 1 if graph else None,
+                        inputs_from_previous=True)
+        return plan, list(range(n)), list(range(n))
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        return self.packer.pack(plan.input_ids, plan.full_tables, plan.sliding_tables, plan.starts, plan.q_lens,
+                                plan.sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the model on this device (every tensor-parallel rank runs each plan).
+        previous_tokens: the previous step's sampled ids [N] when plan.inputs_from_previous.
+        Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None).
+        After a graph step both may be views of the graph's output buffers: valid until the
+        next `execute`, so consume (or queue work on) them first."""
+        inputs = self.prepare(plan)
+        previous = previous_tokens if plan.inputs_from_previous else None
+        if plan.graph_tokens is not None:  # the graph's input kernel gathers the previous ids itself
+            logits, aux = self.graphs.run(inputs.input_ids, inputs.meta, plan.graph_tokens, previous=previous)
+            if plan.sample_rows == list(range(len(plan.input_ids))):  # plain decode: every row, in order
+                return logits, aux
+            return logits[inputs.sample_rows], aux
+        if self._step_graph_fits(plan):  # a prefill chunk, or requests joining a batch: one replay
+            logits = self.prefill_graphs.run(inputs.input_ids, inputs.meta, inputs.sample_rows)
+            return (logits if plan.sample_rows else None), None
+        input_ids = inputs.input_ids if previous is None else previous[inputs.input_ids]
+        out = self.model(input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
+        hidden, aux = out if self.aux_layers else (out, None)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows]) if plan.sample_rows else None
+        return logits, aux
+
+    def _step_graph_fits(self, plan: StepPlan) -> bool:
+        """A step no decode graph runs (prefill chunks, with or without decode rows beside them;
+        uneven drafts), of at most the largest captured bucket's tokens and sequences."""
+        return (self.prefill_graphs is not None and plan.graph_tokens is None and not plan.inputs_from_previous
+                and self.prefill_graphs.can_run(len(plan.input_ids), len(plan.q_lens), len(plan.sample_rows)))
+
+    def forward_step(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`execute` on every rank: hand the plan to the tensor-parallel workers first, if any."""
+        if self.workers is not None:
+            if plan.inputs_from_previous:  # the workers hold no sampled ids
+                raise RuntimeError("a step taking the previous step's ids cannot run tensor-parallel")
+            self.workers.send_step(plan)
+        return self.execute(plan, previous_tokens)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's model and sampling work on the device. Plain sampling does not wait
+        for the device; verifying drafts does. `after`: a launched step whose sampled ids are this
+        step's inputs (see `plan_after`)."""
+        plan, sample_index, first_row = self.plan(batch) if after is None else self.plan_after(batch, after)
+        logits, aux = self.forward_step(plan, after.sampled.tokens if after is not None else None)
+        drafts = batch.num_draft or [0] * len(batch)
+        rows, plain, verified = 0, [], []  # logits holds each sampling entry's 1 + drafts rows, in order
+        for b in sample_index:
+            (verified if drafts[b] else plain).append((b, rows))
+            rows += drafts[b] + 1
+        sampled = verify_out = None
+        if plain:
+            seqs = [batch.seqs[b] for b, _ in plain]
+            rows_logits = logits if not verified else logits[to_device([r for _, r in plain], torch.long, logits.device)]
+            sampled = self.sampler.sample(rows_logits, [s.sampling for s in seqs], [self._history(s) for s in seqs],
+                                          [s.generator for s in seqs])
+        if verified:
+            seqs = [batch.seqs[b] for b, _ in verified]
+            row_index = [r + i for b, r in verified for i in range(drafts[b] + 1)]
+            draft_ids = [s.draft_ids[: drafts[b]] for (b, _), s in zip(verified, seqs)]
+            verify_out = self.sampler.verify(
+                logits[to_device(row_index, torch.long, logits.device)], draft_ids,
+                [s.sampling for s in seqs], [self._history(s) for s in seqs], [s.generator for s in seqs],
+            )
+        return LaunchedStep(batch, first_row, aux, [b for b, _ in plain], sampled, [b for b, _ in verified],
+                            verify_out)
+
+    def collect(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's tokens (only its own work, not steps launched after it)."""
+        n = len(step.batch)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob] | None] = [None] * n
+        accepted = [0] * n
+        if step.sampled is not None:
+            out = step.sampled.result()
+            for b, token, logprob in zip(step.plain, out.token_ids, out.logprobs):
+                tokens[b], logprobs[b] = [token], [logprob] if logprob is not None else None
+        if step.verify_out is not None:
+            out = step.verify_out
+            for b, toks, lps, k in zip(step.verified, out.token_ids, out.logprobs, out.num_accepted):
+                tokens[b], logprobs[b], accepted[b] = toks, lps, k
+        return StepOutput(tokens, logprobs, accepted, step.first_row, step.aux_hidden)
+
+    @staticmethod
+    def _history(seq) -> list[int]:
+        # Penalties count generated tokens; copying them is only worth it where one is set.
+        p = seq.sampling
+        return seq.output_ids if p.frequency_penalty or p.presence_penalty else []

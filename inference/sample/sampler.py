@@ -1,0 +1,231 @@
+"""Batched sampling: one call turns a step's logits into next tokens (and logprobs).
+
+Order of operations per row, all on the logits' device:
+    logits += logit_bias
+    logits -= frequency_penalty * count + presence_penalty * (count > 0)   (count: generated tokens)
+    temperature 0  -> argmax (and any below GREEDY_TEMPERATURE)
+    otherwise      -> logits / temperature, keep the top_k, keep the smallest set with mass
+                      >= top_p, drop tokens below min_p * p_max, sample
+Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which draws from p
+exactly. A seeded row draws its E from its own `torch.Generator`, so the same seed gives the
+same tokens whatever else is in the batch. Logprobs are those of the model's raw distribution
+(log_softmax of the logits before any of the above), as OpenAI reports them. Both argmaxes run
+`inference/sample/argmax_triton.py` on CUDA (one 201k-wide row is a single slow reduction for
+torch.argmax).
+
+`Sampler.sample` only queues that work on the device and starts copying the ids (and logprobs)
+to the host: nothing in it waits for the stream, so with async scheduling the next step can be
+queued before this one's ids are read (`SampledTokens.result`). Calling the sampler does both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference.sample.argmax_triton import argmax_rows
+from inference.request import SamplingParams, TokenLogprob
+from inference.transfers import HostCopy, to_device
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class SampledTokens:
+    """One batch's sampled ids, still on the device, with their copy to the host under way."""
+
+    def __init__(self, tokens: torch.Tensor, params: list[SamplingParams], logprob_parts: list[torch.Tensor] | None):
+        self.tokens = tokens  # [N] int64 on the logits' device (the next step's inputs, with async scheduling)
+        self.params = params
+        self._has_logprobs = logprob_parts is not None
+        self._copy = HostCopy([tokens, *(logprob_parts or [])])
+
+    def result(self) -> SamplerOutput:
+        """Wait for the ids (this batch's copies only, not work queued after them)."""
+        host = self._copy.get()
+        token_list = host[0].tolist()
+        if not self._has_logprobs:
+            return SamplerOutput(token_list, [None] * len(self.params))
+        return SamplerOutput(token_list, Sampler._logprob_lists(token_list, self.params, *host[1:]))
+
+
+class Sampler:
+    @torch.inference_mode()
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """logits: [N, V] float32, one row per sequence; output_ids: tokens each has generated."""
+        return self.sample(logits, params, output_ids, generators).result()
+
+    @staticmethod
+    def warm_up(vocab_size: int, device: torch.device) -> None:
+        """Compile the argmax kernels for rows of `vocab_size` logits on `device` now (CUDA), not
+        on the first request."""
+        if torch.device(device).type == "cuda":
+            argmax_rows(torch.zeros(1, vocab_size, device=device))
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> SampledTokens:
+        """As calling the sampler, but the ids stay on the device until `result()` is asked for."""
+        device = logits.device
+        processed = self._apply_bias_and_penalties(logits, params, output_ids)
+        tokens = argmax_rows(processed)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            rows = to_device(sampled_rows, torch.long, device)
+            temperature = to_device([params[i].temperature for i in sampled_rows], torch.float32, device)
+            scaled = processed[rows] / temperature[:, None]
+            probs = self._truncated_probs(scaled, [params[i] for i in sampled_rows])
+            noise = torch.empty_like(probs)
+            seeded = [(j, generators[i]) for j, i in enumerate(sampled_rows) if generators[i] is not None]
+            if len(seeded) < len(sampled_rows):
+                noise.exponential_()
+            for j, generator in seeded:
+                noise[j].exponential_(generator=generator)
+            tokens[rows] = argmax_rows(probs / noise.clamp_min_(1e-20))
+        return SampledTokens(tokens, params, self._logprob_tensors(logits, tokens, params))
+
+    @staticmethod
+    def _apply_bias_and_penalties(logits, params, output_ids) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        device = logits.device
+        bias = [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias.items()]
+        penalised = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+        if not bias and not penalised:
+            return logits
+        logits = logits.clone()
+        if bias:
+            rows, cols, values = zip(*bias)
+            logits.index_put_(
+                (to_device(rows, torch.long, device), to_device(cols, torch.long, device)),
+                to_device(values, logits.dtype, device),
+                accumulate=True,
+            )
+        if penalised:
+            # Token counts per penalised row: scatter the generated ids (padded with an extra
+            # column `vocab` that is dropped) into [rows, vocab + 1].
+            width = max(1, max(len(output_ids[i]) for i in penalised))
+            padded = [output_ids[i] + [vocab] * (width - len(output_ids[i])) for i in penalised]
+            ids = to_device(padded, torch.long, device)
+            counts = torch.zeros(len(penalised), vocab + 1, dtype=logits.dtype, device=device)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+            counts = counts[:, :vocab]
+            freq = to_device([params[i].frequency_penalty for i in penalised], torch.float32, device)[:, None]
+            pres = to_device([params[i].presence_penalty for i in penalised], torch.float32, device)[:, None]
+            rows = to_device(penalised, torch.long, device)
+            logits[rows] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+        return logits
+
+    @staticmethod
+    def _truncated_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Softmax of [M, V] temperature-scaled logits with top_k / top_p / min_p applied."""
+        device = scaled.device
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            vocab = scaled.shape[-1]
+            top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
+            # At least float32's smallest normal: a top_p that rounds to 0 would drop the first token too.
+            top_p = to_device([max(p.top_p, 1.2e-38) for p in params], torch.float32, device)
+            scaled = _top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = to_device([p.min_p for p in params], torch.float32, device)
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+            # A distribution again: the exponential race would not mind, rejection sampling does.
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    @classmethod
+    def _logprobs(cls, logits, tokens, params) -> list[TokenLogprob | None]:
+        """Each row's TokenLogprob of `tokens` [N] (None where the row wants none)."""
+        parts = cls._logprob_tensors(logits, tokens, params)
+        if parts is None:
+            return [None] * len(params)
+        host = HostCopy([tokens, *parts]).get()
+        return cls._logprob_lists(host[0].tolist(), params, *host[1:])
+
+    @staticmethod
+    def _logprob_tensors(logits, tokens, params) -> list[torch.Tensor] | None:
+        """For the M rows that want logprobs: [chosen [M], top values [M, k], top ids [M, k]] on
+        the device (k: the most any row wants); None when no row wants them."""
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return None
+        rows = to_device(wanted, torch.long, logits.device)
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        chosen = logprobs.gather(1, tokens[rows, None]).squeeze(1)
+        k = max(params[i].logprobs for i in wanted)
+        top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+        return [chosen, top_values, top_ids]
+
+    @staticmethod
+    def _logprob_lists(token_list, params, chosen, top_values, top_ids) -> list[TokenLogprob | None]:
+        """`_logprob_tensors`' host copies as TokenLogprobs; token_list: every row's token."""
+        out: list[TokenLogprob | None] = [None] * len(params)
+        chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        for j, i in enumerate(wanted):
+            kk = params[i].logprobs
+            out[i] = TokenLogprob(token_list[i], chosen[j], list(zip(top_ids[j][:kk], top_values[j][:kk])))
+        return out
+
+
+# top_k / top_p look at the best this many logits of a row first; a full sort of the vocabulary
+# (201k entries) is needed only for rows whose kept set may reach past them.
+TOP_CANDIDATES = 1024
+
+
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask [M, V] logits to each row's top_k, then to the smallest set ranked from the top whose
+    renormalised mass reaches top_p (the first token always stays). top_k: [M] (V means off).
+
+    Exact without sorting V when the kept set lies in the row's `TOP_CANDIDATES` best: true when
+    top_k <= that many, or when top_k is off and those candidates already hold top_p of the mass.
+    Other rows take the full sort."""
+    vocab = scaled.shape[-1]
+    width = min(vocab, TOP_CANDIDATES)
+    values, order = scaled.topk(width, dim=-1)  # sorted, best first
+    rank = torch.arange(width, device=scaled.device)[None, :]
+    values = values.masked_fill(rank >= top_k[:, None], float("-inf"))
+    # Renormalise over the top_k set: inside the candidates, or (top_k off) the whole row.
+    log_total = torch.where(top_k <= width, values.logsumexp(-1), scaled.logsumexp(-1))
+    probs = (values - log_total[:, None]).exp()
+    mass_before = probs.cumsum(-1) - probs
+    values = values.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1), float("-inf"))
+    out = torch.full_like(scaled, float("-inf")).scatter_(1, order, values)
+    fits = (top_k <= width) | ((top_k >= vocab) & (probs.sum(-1) >= top_p))
+    untouched = (top_k >= vocab) & (top_p >= 1)
+    out = torch.where(untouched[:, None], scaled, out)
+    slow = ~(fits | untouched)
+    if bool(slow.any()):  # one host sync, only when some row truncates and the cheap check failed
+        rows = slow.nonzero().squeeze(1)
+        out[rows] = _top_k_top_p_sorted(scaled[rows], top_k[rows], top_p[rows])
+    return out
+
+
+def _top_k_top_p_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_top_k_top_p` by a full sort of each row: the definition, and the fallback."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the first stays).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)

@@ -1,0 +1,123 @@
+"""The scheduler alone, with a fake model step: budgets, chunking, admission, preemption."""
+
+from __future__ import annotations
+
+from inference.scheduling.kv_cache import KVCacheManager
+from inference.request import SamplingParams
+from inference.scheduling.scheduler import Scheduler, Sequence, SequenceStatus
+
+
+def make(num_pages=64, page_size=4, window=8, max_num_seqs=8, budget=32, sliding_pages=None):
+    cache = KVCacheManager(num_pages, sliding_pages or num_pages, page_size, window)
+    return Scheduler(cache, max_num_seqs, budget)
+
+
+def seq(rid: str, prompt_len: int, max_tokens: int = 4, start: int = 1000, **kw) -> Sequence:
+    ids = list(range(start, start + prompt_len))
+    return Sequence(rid, ids, prompt_len, SamplingParams(max_tokens=max_tokens), **kw)
+
+
+def fake_step(s: Scheduler) -> list[tuple[str, int]]:
+    """Schedule, then pretend the model ran: advance, publish pages, sample token 7, finish at max_tokens."""
+    batch = s.schedule()
+    for q, n in zip(batch.seqs, batch.num_new):
+        q.num_computed += n
+        s.cache.register_computed(q.pages, q.token_ids, q.num_computed)
+        if q.num_computed == q.num_tokens:
+            q.token_ids.append(7)
+            if q.num_output_tokens >= q.sampling.max_tokens:
+                s.finish(q)
+    return [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_new)]
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes():
+    s = make(budget=16)
+    s.add(seq("a", 3, max_tokens=10))
+    assert fake_step(s) == [("a", 3)]
+    s.add(seq("b", 40))
+    # a decodes (1 token), b prefills in chunks of what is left of the 16-token budget.
+    assert fake_step(s) == [("a", 1), ("b", 15)]
+    assert fake_step(s) == [("a", 1), ("b", 15)]
+    assert fake_step(s) == [("a", 1), ("b", 10)]
+    assert fake_step(s) == [("a", 1), ("b", 1)]  # b's prompt is done: both decode
+
+
+def test_max_num_seqs_limits_running():
+    s = make(max_num_seqs=2)
+    for rid in "abc":
+        s.add(seq(rid, 2))
+    assert [r for r, _ in fake_step(s)] == ["a", "b"]
+    assert len(s.running) == 2 and s.waiting[0].request_id == "c"
+
+
+def test_admission_waits_for_free_pages():
+    s = make(num_pages=6, sliding_pages=6, budget=64)  # 24 token slots
+    s.add(seq("a", 16, max_tokens=3))
+    s.add(seq("b", 12, max_tokens=3))
+    assert fake_step(s) == [("a", 16)]  # b's 3 pages do not fit next to a's 4 (+1 to come)
+    assert s.waiting[0].pages.full == []  # a waiting sequence holds no pages
+    while s.running:
+        fake_step(s)
+    assert [r for r, _ in fake_step(s)] == ["b"]
+
+
+def test_preemption_frees_the_newest_and_recomputes_later():
+    s = make(num_pages=5, sliding_pages=5, budget=64)  # 20 token slots
+    a, b = seq("a", 8, max_tokens=8), seq("b", 8, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    assert fake_step(s) == [("a", 8), ("b", 8)]  # 4 pages in use
+    assert fake_step(s) == [("a", 1)]  # both need a third page, only one is free: b gives way
+    assert s.counters.preemptions == 1
+    assert s.waiting[0] is b and b.status == SequenceStatus.WAITING
+    assert b.num_computed == 0 and not b.pages.holds_pages
+    assert b.num_output_tokens == 1  # its generated token is kept
+    # Readmitted next step: its prompt's two full pages are still cached, so only the generated
+    # token is recomputed.
+    assert fake_step(s) == [("a", 1), ("b", 1)]
+    assert b.num_computed == 9
+    while s.has_work():
+        fake_step(s)
+    assert a.num_output_tokens == b.num_output_tokens == 8
+    assert s.cache.full.num_used == 0 and s.cache.sliding.num_used == 0
+
+
+def test_lone_sequence_always_progresses_under_pressure():
+    s = make(num_pages=3, sliding_pages=3, budget=64)
+    s.add(seq("a", 4, max_tokens=7))  # ends up needing all 3 pages (11 tokens)
+    steps = 0
+    while s.has_work():
+        fake_step(s)
+        steps += 1
+        assert steps < 20
+    assert s.cache.full.num_used == 0
+
+
+def test_parked_sequences_are_evicted_before_running_ones_are_preempted():
+    s = make(num_pages=6, sliding_pages=6, budget=64)
+    s.add(seq("p", 8, max_tokens=1, keep_alive=True))
+    fake_step(s)
+    assert "p" in s.parked and s.cache.full.num_used == 2
+    s.add(seq("a", 16, max_tokens=6, start=5000))
+    fake_step(s)  # needs 4 pages now and 6 later
+    while s.has_work():
+        fake_step(s)
+    assert s.counters.parked_evictions == 1 and s.counters.preemptions == 0
+    assert not s.parked
+
+
+def test_continuation_takes_over_parked_pages():
+    s = make()
+    first = seq("p", 6, max_tokens=3, keep_alive=True)
+    s.add(first)
+    while s.has_work():
+        fake_step(s)
+    assert first.status == SequenceStatus.PARKED and first.num_computed == 8  # 9 tokens, last not run
+    pages = list(first.pages.full)
+    follow = Sequence("q", first.token_ids + [5, 5], len(first.token_ids) + 2, SamplingParams(max_tokens=1),
+                      continue_from="p")
+    s.add(follow)
+    assert not s.parked and follow.num_computed == 8 and follow.pages.full == pages
+    assert fake_step(s) == [("q", 3)]  # only the sampled token and the two new ones
+    assert follow.num_cached_tokens == 8
+    assert s.counters.prefix_hit_tokens == 8

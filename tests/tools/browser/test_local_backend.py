@@ -1,0 +1,154 @@
+"""The local search backend (SQLite FTS5) on a real folder of documents, through the browser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.browser import BrowserSession
+from tools.browser.local_backend import LocalSearchBackend
+from tools.browser.server import DEMO_CORPUS
+from tools.protocol import start_tool_servers
+
+VOLCANO_HTML = """<!doctype html><html><head><title>Volcanoes of Iceland</title></head>
+<body><h1>Volcanoes of Iceland</h1>
+<p>Iceland sits on the Mid-Atlantic Ridge, where the Eurasian and North American plates pull
+apart. Hekla and Katla are among its most active volcanoes.</p>
+<p>For the 2010 ash cloud see <a href="eruptions/eyjafjallajokull.md">the Eyjafjallajökull
+eruption</a>; for plates see <a href="https://plates.example.net/ridge">a ridge primer</a>.</p>
+</body></html>"""
+
+ERUPTION_MD = """# Eyjafjallajökull eruption
+
+The 2010 eruption of Eyjafjallajökull sent an ash cloud across Europe and closed
+airspace for six days, grounding about 100,000 flights.
+
+Back to [the volcano overview](../volcanoes.html).
+"""
+
+GLACIER_TXT = """Glaciers cover about eleven percent of Iceland.
+Vatnajokull is the largest glacier in Europe by volume.
+"""
+
+
+@pytest.fixture
+def library(tmp_path: Path) -> Path:
+    (tmp_path / "volcanoes.html").write_text(VOLCANO_HTML)
+    (tmp_path / "eruptions").mkdir()
+    (tmp_path / "eruptions" / "eyjafjallajokull.md").write_text(ERUPTION_MD)
+    (tmp_path / "glaciers.txt").write_text(GLACIER_TXT)
+    (tmp_path / "notes.pdf").write_bytes(b"%PDF-1.4 volcano volcano volcano")  # not indexed
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "secret.md").write_text("# Secret volcano\nvolcano volcano")
+    (tmp_path / "huge.txt").write_text("volcano " * 200_000)  # over the size limit below
+    return tmp_path
+
+
+def words(text: str) -> int:
+    return len(text.split()) + 1
+
+
+async def test_index_and_search_ranking(library):
+    backend = await LocalSearchBackend.open(library, max_file_bytes=100_000)
+    assert backend.document_count == 3
+    hits = await backend.search("Iceland volcanoes", 10)
+    assert [Path(h.url[len("file://"):]).name for h in hits][:1] == ["volcanoes.html"]
+    assert hits[0].title == "Volcanoes of Iceland"
+    assert hits[0].url == (library / "volcanoes.html").as_uri()
+    # Porter stemming: "erupted" finds "eruption"; the snippet shows the matching passage.
+    hits = await backend.search("erupted ash", 5)
+    assert hits[0].title == "Eyjafjallajökull eruption"
+    assert "ash cloud" in hits[0].snippet
+    assert await backend.search("glacier", 5) != []
+    assert await backend.search("zeppelin", 5) == []
+    assert await backend.search("?!  ...", 5) == []
+    # FTS5 query syntax in the user's query is just text, never an SQL or FTS error.
+    assert await backend.search('"volcano" AND (NEAR OR', 5) != []
+    await backend.aclose()
+
+
+async def test_browse_search_open_follow_links_find_and_cite(library):
+    backend = await LocalSearchBackend.open(library)
+    session = BrowserSession(backend, count_tokens=words)
+
+    result = await session.call("browser.search", '{"query": "Mid-Atlantic Ridge plates"}')
+    assert not result.is_error
+    assert "【0†Volcanoes of Iceland】" in result.text  # file: URLs have no domain to show
+    volcano_url = (library / "volcanoes.html").as_uri()
+    assert result.details["sources"][0]["url"] == volcano_url
+
+    result = await session.call("browser.open", '{"id": 0}')
+    assert result.text.startswith(f"[1] Volcanoes of Iceland ({volcano_url})")
+    page = session.pages[1]
+    eruption_url = (library / "eruptions" / "eyjafjallajokull.md").as_uri()
+    assert page.links == {0: eruption_url, 1: "https://plates.example.net/ridge"}
+    assert "【1†a ridge primer†plates.example.net】" in page.text
+
+    # Follow a relative link to another local document, and its Markdown link back.
+    result = await session.call("browser.open", '{"id": 0}')
+    assert not result.is_error, result.text
+    assert "grounding about 100,000 flights" in result.text
+    assert "【0†the volcano overview】" in session.pages[2].text
+    assert session.pages[2].links[0] == volcano_url
+
+    # The web is not reachable from here.
+    result = await session.call("browser.open", '{"cursor": 1, "id": 1}')
+    assert result.is_error and "not one of the local documents" in result.text
+
+    result = await session.call("browser.find", '{"pattern": "hekla", "cursor": 1}')
+    assert "# 【0†match at L" in result.text and "Hekla and Katla" in result.text
+    result = await session.call("browser.open", '{"id": 0}')  # a find result opens its page
+    assert result.text.startswith("[4] Volcanoes of Iceland")
+
+    answer = "Hekla is active【1†L5-L6】 and the 2010 ash closed airspace【2†L4】."
+    text, annotations = session.resolve_citations(answer)
+    assert text == (f"Hekla is active ([Volcanoes of Iceland]({volcano_url})) and the 2010 ash "
+                    f"closed airspace ([Eyjafjallajökull eruption]({eruption_url})).")
+    assert [(a["url"], a["title"]) for a in annotations] == [
+        (volcano_url, "Volcanoes of Iceland"), (eruption_url, "Eyjafjallajökull eruption")]
+    for a in annotations:
+        assert text[a["start_index"]:a["end_index"]] == f"([{a['title']}]({a['url']}))"
+    await backend.aclose()
+
+
+async def test_fetch_rules(library, tmp_path_factory):
+    backend = await LocalSearchBackend.open(library)
+    # A file added after indexing, inside the folder, can be opened; one outside cannot.
+    (library / "late.md").write_text("# Late\nadded later")
+    page = await backend.fetch((library / "late.md").as_uri())
+    assert page.title == "Late" and "added later" in page.text
+    outside = tmp_path_factory.mktemp("outside") / "x.md"
+    outside.write_text("# Outside")
+    for url in (outside.as_uri(), "file:///etc/passwd", "https://example.com/"):
+        with pytest.raises(Exception, match="not one of the local documents"):
+            await backend.fetch(url)
+    source = await backend.fetch((library / "volcanoes.html").as_uri(), view_source=True)
+    assert "<h1>Volcanoes of Iceland</h1>" in source.text and source.links == {}
+    await backend.aclose()
+
+
+async def test_base_url_names_documents(library):
+    backend = await LocalSearchBackend.open(library, base_url="https://docs.example.com/geo")
+    hits = await backend.search("Eyjafjallajökull", 3)
+    assert hits[0].url == "https://docs.example.com/geo/eruptions/eyjafjallajokull.md"
+    page = await backend.fetch(hits[0].url)
+    assert page.links[0] == "https://docs.example.com/geo/volcanoes.html"
+    await backend.aclose()
+
+
+async def test_demo_server_with_search_dir_and_bundled_corpus(library, monkeypatch):
+    monkeypatch.delenv("EXA_API_KEY", raising=False)
+    servers = await start_tool_servers(["browser"], search_dir=library)
+    session = servers[0].open_session()
+    result = await session.call("browser.search", '{"query": "glacier Europe"}')
+    assert "Vatnajokull" in result.text
+    assert "sources=local (default: local)" in servers[0].harmony_namespace().description
+    await servers[0].aclose()
+
+    # Without a folder or an Exa key, the bundled documents are searched.
+    servers = await start_tool_servers(["browser"])
+    assert servers[0].backend.folder == DEMO_CORPUS
+    result = await servers[0].open_session().call("browser.search", '{"query": "Harmony channels"}')
+    assert "【0†The Harmony chat format】" in result.text
+    await servers[0].aclose()
