@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference.ops.attention.reference import AttentionMetadata  # noqa: E402
-from inference.spec_decode.drafters import DraftContext  # noqa: E402
+from inference.spec_decode.drafter import DraftContext  # noqa: E402
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from inference.config import GPT_OSS_SHAPES, ModelConfig  # noqa: E402
 from inference.runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
@@ -220,7 +220,8 @@ def bench_speculative(model, args) -> dict:
     """Batch-1 engine decode on a repetitive prompt: plain, with the drafter, with replayed drafts."""
     import random
 
-    from inference.engine.core import EngineConfig, LLMEngine
+    from inference.config import EngineConfig
+    from inference.engine.core import LLMEngine
     from inference.request import GenerationRequest, SamplingParams
 
     def sync() -> None:
@@ -298,7 +299,8 @@ def decode_pages_per_seq(args) -> int:
 
 def decode_engine(model, args, max_seqs: int):
     """An engine with async scheduling for `max_seqs` sequences of `decode_max_len(args)` tokens."""
-    from inference.engine.core import EngineConfig, LLMEngine
+    from inference.config import EngineConfig
+    from inference.engine.core import LLMEngine
 
     # StaticBatch (the graph-replay row) lays every sequence's pages out in both pools alike.
     pages = max_seqs * decode_pages_per_seq(args) + 8

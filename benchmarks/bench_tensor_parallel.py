@@ -31,9 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference.config import GPT_OSS_SHAPES, ModelConfig  # noqa: E402
-from inference.engine.core import EngineConfig, LLMEngine  # noqa: E402
+from inference.config import EngineConfig
+from inference.engine.core import LLMEngine  # noqa: E402
 from inference.request import GenerationRequest, SamplingParams  # noqa: E402
-from inference.engine.executor import ModelSource, start_engine  # noqa: E402
+from inference.engine.executor import ModelSource, start_tensor_parallel  # noqa: E402
 from inference.model.tiny_checkpoint import hf_config_dict  # noqa: E402
 
 
@@ -117,10 +118,9 @@ def main() -> None:
     for size in sizes:
         progress(f"building gpt-oss-{args.model} (random weights) at tensor_parallel_size {size}")
         t0 = time.perf_counter()
-        engine = start_engine(
-            ModelSource(random_config=config, seed=0),
-            EngineConfig(tensor_parallel_size=size, num_pages=pages, max_model_len=max_len,
-                         max_num_seqs=max(max(batches), args.check), enforce_eager=args.enforce_eager),
+        engine = start_tensor_parallel(
+            ModelSource(random_config=config, seed=0), EngineConfig(tensor_parallel_size=size, num_pages=pages, max_model_len=max_len,
+                         max_num_seqs=max(max(batches), args.check), enforce_eager=args.enforce_eager), LLMEngine,
             device="cuda", model_name=f"gpt-oss-{args.model}-random",
         )
         progress(f"  ready in {time.perf_counter() - t0:.0f} s")

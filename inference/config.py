@@ -209,3 +209,69 @@ def _rope(raw: dict) -> RopeConfig:
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config field '{key}' has a bad value: {e}") from None
+
+
+# The drafters speculative decoding can use (`inference/spec_decode/`).
+SPECULATIVE_METHODS = ("ngram", "eagle3")
+
+
+@dataclass
+class EngineConfig:
+    """Engine options (the model's own ones, device/dtype/backends, go to `from_pretrained`).
+
+    KV cache size: `num_pages` (full-attention pages) if given; else on CUDA a share
+    `gpu_memory_utilization` of the GPU's memory minus what the model and one largest step
+    need; else (CPU) `kv_cache_memory` bytes. `num_sliding_pages` overrides the sliding pool.
+
+    Speculative decoding (`inference/spec_decode/drafters.py`): `speculative` "ngram" or "eagle3" proposes
+    up to `num_draft_tokens` tokens per step for the target to verify; eagle3 reads its draft
+    head from `draft_model` (a checkpoint directory).
+
+    `tensor_parallel_size` N > 1 splits the model over N GPUs, one process each
+    (`inference/engine/executor.py`); this process stays rank 0 and runs the scheduler.
+
+    `async_scheduling` launches a decode step before the previous one's tokens are read
+    (`inference/scheduling/async_scheduling.py`); None: on CUDA only. Never with a drafter or tensor parallelism.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    num_sliding_pages: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int = 512 << 20
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enforce_eager: bool = False  # no CUDA graphs
+    speculative: str | None = None
+    num_draft_tokens: int = 4
+    draft_model: str | None = None
+    tensor_parallel_size: int = 1
+    async_scheduling: bool | None = None
+
+    def validate(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError("page_size must be a power of two")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("num_pages", "num_sliding_pages", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.speculative is not None:
+            if self.speculative not in SPECULATIVE_METHODS:
+                raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}")
+            if self.num_draft_tokens < 1:
+                raise ValueError("num_draft_tokens must be >= 1")
+            if self.speculative == "eagle3" and not self.draft_model:
+                raise ValueError("speculative eagle3 needs draft_model (an EAGLE-3 checkpoint directory)")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be an integer >= 1")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError("async_scheduling must be true, false or unset")
+        if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
+            raise ValueError("speculative eagle3 does not run with tensor_parallel_size > 1 (ngram does)")

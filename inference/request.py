@@ -157,3 +157,20 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     async def shutdown(self) -> None: ...
+
+
+def check_request(request: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError (with a message fit for a 400) if an engine of this vocabulary and context
+    length cannot serve `request` (also checked where the engine is out of reach: `EngineProcess`)."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    request.sampling.validate(vocab_size)
+    total = len(prompt) + request.sampling.max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
+            f"{total}, more than the model's context length {max_model_len}"
+        )

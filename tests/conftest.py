@@ -165,7 +165,7 @@ def tiny_checkpoint(tmp_path_factory):
 def build_tiny_engine(checkpoint: Path):
     """The real engine on the tiny checkpoint, float32 on CPU; skips while it cannot be built."""
     try:
-        from inference.engine.core import AsyncEngine
+        from inference.engine.async_engine import AsyncEngine
     except ImportError as e:
         pytest.skip(f"inference.engine.core is not available: {e}")
     try:

@@ -6,10 +6,8 @@
         message into its output item as it is parsed:
             analysis            -> reasoning
             final / commentary  -> message (output_text, browser citations as annotations)
-            to=functions.*      -> function_call          (the client runs it: stop)
-            to=browser.*        -> web_search_call        (we run it)
-            to=python           -> code_interpreter_call  (we run it)
-            to=<mcp namespace>  -> mcp_call               (we run it)
+            to=a tool           -> that tool's call item (`agent_server/agent/tool_items.py`);
+                                   a function call is the client's to run: the response stops
         on a built-in call: run the tool, append its answer to the *same* token sequence and
         continue on the engine's parked KV cache (only the tool message is prefilled)
     until a final answer, a function call, max_tool_calls or max_output_tokens.
@@ -32,20 +30,12 @@ from inference.request import EngineClient, GenerationRequest, SamplingParams
 from inference.tokenizer import CALL, RETURN
 from tools.browser.citations import resolve_citations
 
-from agent_server.citations import CitationStreamer
+from tools.browser.citation_stream import CitationStreamer
 from agent_server.errors import internal_error
 from agent_server.harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, continuation_tokens, tool_message
 from agent_server.metrics import Metrics
-from agent_server.responses.events import (
-    CodeInterpreterWriter,
-    FunctionCallWriter,
-    McpCallWriter,
-    McpListToolsWriter,
-    MessageWriter,
-    ReasoningWriter,
-    ResponseEvents,
-    WebSearchWriter,
-)
+from agent_server.agent.tool_items import ToolCallItem, open_tool_item
+from agent_server.responses.events import McpListToolsWriter, MessageWriter, ReasoningWriter, ResponseEvents
 from agent_server.tokenization_cost import fit_tokenization_budget
 from agent_server.agent.tool_registry import ActiveTools, Route, ToolSessions
 
@@ -86,7 +76,7 @@ class PendingCall:
     route: Route
     recipient: str
     arguments: str
-    writer: Any
+    item: ToolCallItem
 
 
 class AgentLoop:
@@ -151,12 +141,12 @@ class AgentLoop:
                 else:
                     self.outcome.status = "cancelled"
                 return
-            builtin = [c for c in self.calls if c.route.kind in ("browser", "python", "mcp")]
+            builtin = [c for c in self.calls if c.item.runs_here]
             if not builtin or generated[-1] != CALL:  # a final answer, or function calls for the client
                 self._close_open_item("incomplete")  # (a call the model did not end with <|call|>)
                 self.outcome.status = "completed"
                 return
-            functions = any(c.route.kind == "function" for c in self.calls)
+            functions = any(not c.item.runs_here for c in self.calls)
             tool_messages = [await self._run_tool(call) for call in builtin]
             self.calls = []
             self.outcome.new_messages += tool_messages
@@ -238,17 +228,9 @@ class AgentLoop:
             self.writer = MessageWriter(self.events)
         elif start.recipient:
             self.route = self.task.tools.route(start.recipient)
-            kind = self.route.kind
-            if kind == "function":
-                self.writer = FunctionCallWriter(self.events, self.route.name)
-            elif kind == "browser":
-                self.writer = WebSearchWriter(self.events)
-            elif kind == "python":
-                self.writer = CodeInterpreterWriter(self.events, self.task.container_id)
-            elif kind == "mcp":
-                self.writer = McpCallWriter(self.events, self.route.label, self.route.name)
-            else:  # a tool that does not exist: keep the text, mark the item
-                self.writer = MessageWriter(self.events)
+            item = open_tool_item(self.events, self.route, self.task.container_id)
+            # A tool that does not exist: keep the text, mark the item.
+            self.writer = item if item is not None else MessageWriter(self.events)
         elif start.channel == "analysis":
             self.writer = ReasoningWriter(self.events)
         else:
@@ -295,22 +277,20 @@ class AgentLoop:
         if end.truncated or bad:
             writer.done("incomplete")
             return
-        if route is not None and route.kind == "function":
+        if not isinstance(writer, ToolCallItem):
+            writer.done()
+            return
+        self.calls.append(PendingCall(route, end.recipient or "", end.text, writer))
+        if not writer.runs_here:  # the client runs it; a built-in is finished once it has run
             writer.done()
             self.outcome.function_calls[writer.item.call_id] = route.name
-            self.calls.append(PendingCall(route, end.recipient or "", end.text, writer))
             if not self.task.parallel_tool_calls:
                 self.turn_over = True
-        elif route is not None and route.kind in ("browser", "python", "mcp"):
-            # Finished when the tool has run, after the turn's <|call|>.
-            self.calls.append(PendingCall(route, end.recipient or "", end.text, writer))
-        else:
-            writer.done()
 
     def _close_open_item(self, status: str) -> None:
         for call in self.calls:
-            if call.route.kind != "function" and call.writer.item.status not in ("completed", "failed", "incomplete"):
-                call.writer.done("incomplete")
+            if call.item.runs_here and call.item.item.status not in ("completed", "failed", "incomplete"):
+                call.item.done("incomplete")
         self.calls = []
         if self.writer is not None:
             if isinstance(self.writer, MessageWriter) and self.citations is not None:
@@ -322,14 +302,9 @@ class AgentLoop:
 
     async def _run_tool(self, call: PendingCall) -> Message:
         """Run one built-in call, finish its item, and return the tool message for the model."""
-        kind, writer = call.route.kind, call.writer
+        item = call.item
         args = _json_object(call.arguments)
-        if kind == "browser":
-            writer.searching(_web_action(call.route.name, args, {}, include_sources=False))
-        elif kind == "python":
-            writer.interpreting()
-        else:
-            writer.calling()
+        item.running(args)
         limit = self.task.max_tool_calls
         if limit is not None and self.tool_calls_made >= limit:
             text, ok, details = f"Error: the limit of {limit} tool calls for this response was reached. " \
@@ -340,20 +315,8 @@ class AgentLoop:
             text, ok, details = await self._call(call)
             outcome = "ok" if ok else "error"
         if self.metrics is not None:
-            self.metrics.tool_calls.labels(kind if kind != "mcp" else f"mcp:{call.route.label}", outcome).inc()
-        status = "completed" if ok else "failed"
-        if kind == "browser":
-            include_sources = "web_search_call.action.sources" in self.task.include
-            writer.item.action = type(writer.item).model_validate({
-                **writer.item.model_dump(exclude_unset=True),
-                "action": _web_action(call.route.name, args, details, include_sources),
-            }).action
-            writer.done(status)
-        elif kind == "python":
-            logs = text if "code_interpreter_call.outputs" in self.task.include else None
-            writer.done(status, logs=logs)
-        else:
-            writer.done(status, output=text if ok else None, error=None if ok else text)
+            self.metrics.tool_calls.labels(item.metric_label, outcome).inc()
+        item.finished(ok, text, args, details, self.task.include)
         return tool_message(call.recipient, text)
 
     async def _call(self, call: PendingCall) -> tuple[str, bool, dict]:
@@ -387,22 +350,3 @@ def _json_object(text: str) -> dict:
     except (json.JSONDecodeError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _web_action(name: str, args: dict, details: dict, include_sources: bool) -> dict:
-    """The web_search_call action for browser.search / open / find."""
-    url = details.get("url") or (args.get("id") if isinstance(args.get("id"), str) else None)
-    if name == "open":
-        return {"type": "open_page", "url": url}
-    if name == "find":
-        return {"type": "find_in_page", "pattern": str(args.get("pattern", "")), "url": url or ""}
-    action: dict[str, Any] = {"type": "search", "query": str(args.get("query", ""))}
-    if include_sources:
-        sources = []
-        for source in details.get("sources") or []:
-            link = source.get("url") if isinstance(source, dict) else getattr(source, "url", source)
-            if isinstance(link, str):
-                sources.append({"type": "url", "url": link})
-        action["sources"] = sources
-    return action
-

@@ -17,6 +17,7 @@ from typing import Any
 from openai_harmony import ToolDescription, ToolNamespaceConfig
 
 from schemas.responses import CodeInterpreterTool, FunctionTool, McpTool, WebSearchTool
+from tools.protocol import ToolServer, ToolSession
 
 from agent_server.errors import APIError
 from agent_server.harmony import recipient_kind
@@ -25,7 +26,7 @@ from agent_server.harmony import recipient_kind
 @dataclass
 class McpBinding:
     label: str  # the request's server_label
-    server: Any  # tools.protocol.ToolServer
+    server: ToolServer
     namespace: ToolNamespaceConfig  # only the allowed tools
 
 
@@ -33,7 +34,7 @@ class McpBinding:
 class Route:
     kind: str  # "function" | "browser" | "python" | "mcp" | "unknown"
     name: str  # function or tool name within its namespace
-    server: Any = None
+    server: ToolServer | None = None
     label: str = ""  # MCP server_label
 
 
@@ -42,8 +43,8 @@ class ActiveTools:
     """The tools one request enabled."""
 
     functions: list[FunctionTool] = field(default_factory=list)
-    browser: Any = None
-    python: Any = None
+    browser: ToolServer | None = None
+    python: ToolServer | None = None
     mcp: dict[str, McpBinding] = field(default_factory=dict)  # by Harmony namespace name
 
     @property
@@ -75,10 +76,10 @@ class ActiveTools:
 class ToolRegistry:
     """The tool servers this process started, looked up by what requests ask for."""
 
-    def __init__(self, servers: list[Any] | None = None):
+    def __init__(self, servers: list[ToolServer] | None = None):
         self.servers = list(servers or [])
 
-    def by_kind(self, kind: str) -> list[Any]:
+    def by_kind(self, kind: str) -> list[ToolServer]:
         return [s for s in self.servers if s.kind == kind]
 
     def select(self, tools: list[Any], *, enabled: bool = True) -> ActiveTools:
@@ -102,7 +103,7 @@ class ToolRegistry:
             raise APIError("Function names in 'tools' must be unique.", param="tools")
         return active if enabled else ActiveTools()
 
-    def _one(self, kind: str, tool_type: str, param: str) -> Any:
+    def _one(self, kind: str, tool_type: str, param: str) -> ToolServer:
         servers = self.by_kind(kind)
         if not servers:
             raise APIError(
@@ -143,9 +144,9 @@ class ToolSessions:
     """The sessions one response opened, one per server, all closed when it ends."""
 
     def __init__(self) -> None:
-        self.sessions: dict[int, Any] = {}
+        self.sessions: dict[int, ToolSession] = {}
 
-    async def get(self, server: Any) -> Any:
+    async def get(self, server: ToolServer) -> ToolSession:
         key = id(server)
         if key not in self.sessions:
             session = server.open_session()
@@ -154,7 +155,7 @@ class ToolSessions:
             self.sessions[key] = session
         return self.sessions[key]
 
-    def opened(self, server: Any) -> Any | None:
+    def opened(self, server: ToolServer | None) -> ToolSession | None:
         return self.sessions.get(id(server)) if server is not None else None
 
     async def close(self) -> None:

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from inference.config import GPT_OSS_SHAPES
 
+from agent_server.cli import serve as serve_command
 from agent_server.bench.driver import add_load_arguments, check_load_arguments, drive
 from agent_server.bench.report import RequestResult, format_summary, json_safe, summarize
 from agent_server.bench.serve import add_target_arguments
@@ -74,8 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options `oss-agent serve` would build from the same flags (its defaults for
     the serve flags this command does not have), so the engine benchmarked is the one served."""
-    from agent_server.cli import serve as serve_command
-
     serve_parser = argparse.ArgumentParser()
     serve_command.add_arguments(serve_parser)
     merged = {**vars(serve_parser.parse_args([])), **vars(args)}
@@ -261,12 +260,11 @@ def format_comparison(report: dict[str, Any]) -> str:
 def build_engine(args: argparse.Namespace):
     """The engine client the arguments describe, built as `oss-agent serve` builds it: its engine
     options, and in a process of its own where serve would run it so (`--engine-process`)."""
-    from inference.engine.process import EngineSpec, start_engine
+    from inference.engine.process import EngineSpec, start_engine_client
 
-    from agent_server.cli.serve import engine_in_process_of_its_own
 
     options = {"device": args.device, **engine_options(args)}
-    own_process = engine_in_process_of_its_own(args)
+    own_process = serve_command.engine_in_process_of_its_own(args)
     if args.random_weights:
         from inference.model.tiny_checkpoint import hf_config_dict
 
@@ -274,7 +272,7 @@ def build_engine(args: argparse.Namespace):
               f"{', in an engine process' if own_process else ''}", file=sys.stderr)
         spec = EngineSpec(random_config=hf_config_dict(GPT_OSS_SHAPES[args.random_weights]),
                           model_name=f"gpt-oss-{args.random_weights}-random", options=options)
-        return start_engine(spec, own_process)
+        return start_engine_client(spec, own_process)
     if args.model:
         model_dir = Path(args.model)
     else:
@@ -282,7 +280,7 @@ def build_engine(args: argparse.Namespace):
 
         model_dir = default_tiny_checkpoint()
         print(f"no --model: benchmarking a tiny random-weight checkpoint ({model_dir})", file=sys.stderr)
-    return start_engine(EngineSpec(model_dir=str(model_dir), options=options), own_process)
+    return start_engine_client(EngineSpec(model_dir=str(model_dir), options=options), own_process)
 
 
 def run(args: argparse.Namespace) -> int:

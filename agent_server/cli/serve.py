@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
-    from tools.protocol import split_specs
+    from tools.servers import split_specs
 
     if args.search_dir and not {"demo", "browser"} & set(split_specs(args.tool_server)):
         log.error("--search-dir is the browser tool's backend, and no browser was asked for: add "
@@ -227,16 +227,16 @@ def run(args: argparse.Namespace) -> int:
     options = engine_options(args)
 
     def build_engine():
-        from inference.engine.process import EngineSpec, start_engine
+        from inference.engine.process import EngineSpec, start_engine_client
 
         spec = EngineSpec(model_dir=str(model_dir), options={"device": args.device, **options},
                           log_level=args.log_level)
-        return start_engine(spec, engine_in_process_of_its_own(args))
+        return start_engine_client(spec, engine_in_process_of_its_own(args))
 
     tool_servers = None
     if args.tool_server:
         async def tool_servers():
-            from tools.protocol import start_tool_servers
+            from tools.servers import start_tool_servers
 
             return await start_tool_servers(args.tool_server, search_dir=search_dir, exa_api_key=args.exa_api_key,
                                             python_limits=cell_limits,

@@ -16,6 +16,8 @@ from typing import Any
 
 from openai_harmony import Message, Role
 
+from agent_server.errors import APIError
+from agent_server.harmony import tool_message
 from schemas.responses import (
     CodeInterpreterCallItem,
     FunctionCallItem,
@@ -25,9 +27,6 @@ from schemas.responses import (
     MessageItem,
     ReasoningItem,
 )
-
-from agent_server.errors import APIError
-from agent_server.harmony import tool_message
 
 JSON_CONTENT_TYPE = "<|constrain|>json"
 

@@ -58,7 +58,11 @@ from openai.types.responses import (
     ResponseWebSearchCallSearchingEvent,
 )
 from openai.types.responses.response_code_interpreter_tool_call import OutputLogs
-from openai.types.responses.response_output_item import McpCall, McpListTools, McpListToolsTool
+from openai.types.responses.response_output_item import (
+    McpCall,
+    McpListTools,
+    McpListToolsTool,
+)
 from openai.types.responses.response_output_text import AnnotationURLCitation
 from openai.types.responses.response_reasoning_item import Content as ReasoningContent
 

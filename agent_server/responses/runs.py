@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")  # a response's statuses once it has ended
+
 
 class ResponseRun:
     def __init__(self, response_id: str, background: bool):
@@ -69,6 +71,12 @@ class RunRegistry:
 
     def get(self, response_id: str) -> ResponseRun | None:
         return self.runs.get(response_id)
+
+    def live(self, response_id: str) -> ResponseRun | None:
+        """The running response of that id, unless it is not stored or was deleted (it is still
+        winding down: its task stops generating, then ends without storing it)."""
+        run = self.runs.get(response_id)
+        return run if run is not None and run.store and not run.deleted else None
 
     def remove(self, response_id: str) -> None:
         self.runs.pop(response_id, None)

@@ -9,29 +9,36 @@
 
 Each step: the scheduler picks sequences and token counts, the model runner runs them and
 samples, and the engine appends tokens, checks stop conditions, and turns results into
-`TokenDelta`s. With async scheduling (`inference/scheduling/async_scheduling.py`) the next step, where it is
-plain decode, is launched before this step's tokens are read, so that host work overlaps the device.
-`AsyncEngine` runs that loop on its own thread and streams each request's deltas to asyncio
-consumers (the `EngineClient` protocol of `inference/request.py`); `EngineProcess`
-(`inference/engine/process.py`) runs the same loop, `EngineDriver`, in a process of its own.
+`TokenDelta`s. With async scheduling (`inference/scheduling/async_scheduling.py`) the next step,
+where it is plain decode, is launched before this step's tokens are read, so that host work
+overlaps the device.
+
+Who drives it: `EngineDriver` (`driver.py`) is the loop between steps; `AsyncEngine`
+(`async_engine.py`, a thread) and `EngineProcess` (`process.py`, a process of its own) run that
+loop and stream each request's deltas to asyncio consumers (`client.py`, the `EngineClient`
+protocol of `inference/request.py`). With tensor parallelism the other ranks are worker
+processes that `executor.py` starts and owns.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from inference.config import ModelConfig
-from inference.scheduling.kv_cache import CacheUsage, KVCacheManager, allocate_kv_tensors, describe_plan, plan_cache
+from inference.config import EngineConfig, ModelConfig
+from inference.engine import executor
 from inference.model.gpt_oss import GptOssModel
+from inference.request import EngineStats, GenerationRequest, TokenDelta, check_request
 from inference.runner.model_runner import LaunchedStep, ModelRunner
-from inference.request import EngineStats, GenerationRequest, SamplingParams, TokenDelta
+from inference.runner.single_sequence import SingleSequenceCache
+from inference.scheduling.async_scheduling import StepOverlap
+from inference.scheduling.kv_cache import CacheUsage, KVCacheManager, allocate_kv_tensors, describe_plan, plan_cache
 from inference.scheduling.scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
+from inference.spec_decode.drafter import DraftContext
+from inference.spec_decode.drafters import make_drafter
 
 log = logging.getLogger(__name__)
 
@@ -45,70 +52,6 @@ class SpeculationCounters:
     steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-
-
-@dataclass
-class EngineConfig:
-    """Engine options (the model's own ones, device/dtype/backends, go to `from_pretrained`).
-
-    KV cache size: `num_pages` (full-attention pages) if given; else on CUDA a share
-    `gpu_memory_utilization` of the GPU's memory minus what the model and one largest step
-    need; else (CPU) `kv_cache_memory` bytes. `num_sliding_pages` overrides the sliding pool.
-
-    Speculative decoding (`inference/spec_decode/drafters.py`): `speculative` "ngram" or "eagle3" proposes
-    up to `num_draft_tokens` tokens per step for the target to verify; eagle3 reads its draft
-    head from `draft_model` (a checkpoint directory).
-
-    `tensor_parallel_size` N > 1 splits the model over N GPUs, one process each
-    (`inference/engine/executor.py`); this process stays rank 0 and runs the scheduler.
-
-    `async_scheduling` launches a decode step before the previous one's tokens are read
-    (`inference/scheduling/async_scheduling.py`); None: on CUDA only. Never with a drafter or tensor parallelism.
-    """
-
-    page_size: int = 16
-    num_pages: int | None = None
-    num_sliding_pages: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int = 512 << 20
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    enforce_eager: bool = False  # no CUDA graphs
-    speculative: str | None = None
-    num_draft_tokens: int = 4
-    draft_model: str | None = None
-    tensor_parallel_size: int = 1
-    async_scheduling: bool | None = None
-
-    def validate(self) -> None:
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError("page_size must be a power of two")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        for name in ("num_pages", "num_sliding_pages", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.speculative is not None:
-            from inference.spec_decode.drafters import METHODS
-
-            if self.speculative not in METHODS:
-                raise ValueError(f"speculative must be one of {', '.join(METHODS)}")
-            if self.num_draft_tokens < 1:
-                raise ValueError("num_draft_tokens must be >= 1")
-            if self.speculative == "eagle3" and not self.draft_model:
-                raise ValueError("speculative eagle3 needs draft_model (an EAGLE-3 checkpoint directory)")
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
-                or self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be an integer >= 1")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError("async_scheduling must be true, false or unset")
-        if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
-            raise ValueError("speculative eagle3 does not run with tensor_parallel_size > 1 (ngram does)")
 
 
 def _engine_config(options: dict) -> EngineConfig:
@@ -128,27 +71,13 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return dtype
 
 
-def check_request(request: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
-    """Raise ValueError (with a message fit for a 400) if an engine of this vocabulary and context
-    length cannot serve `request` (also checked where the engine is out of reach: `EngineProcess`)."""
-    prompt = request.prompt_token_ids
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-    request.sampling.validate(vocab_size)
-    total = len(prompt) + request.sampling.max_tokens
-    if total > max_model_len:
-        raise ValueError(
-            f"prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
-            f"{total}, more than the model's context length {max_model_len}"
-        )
-
-
 class LLMEngine:
     """The synchronous engine core. Not thread-safe: one thread drives it."""
 
-    def __init__(self, model: GptOssModel, config: EngineConfig | None = None, model_name: str = "gpt-oss"):
+    def __init__(self, model: GptOssModel, config: EngineConfig | None = None, model_name: str = "gpt-oss",
+                 workers: executor.WorkerProcesses | None = None):
+        """`workers`: with tensor parallelism, on rank 0, the other ranks (`executor.py`), handed
+        every step the runner runs."""
         config = config or EngineConfig()
         config.validate()
         c = model.config
@@ -166,8 +95,6 @@ class LLMEngine:
         dtype, device = model.dtype, model.device
         self.drafter = None  # loaded before sizing the cache: its weights and K/V take memory too
         if config.speculative is not None:
-            from inference.spec_decode.drafters import make_drafter
-
             self.drafter = make_drafter(config.speculative, config.draft_model, model)
         self.num_draft_tokens = config.num_draft_tokens if self.drafter is not None else 0
 
@@ -222,10 +149,11 @@ class LLMEngine:
         if config.async_scheduling and (self.drafter is not None or model.tp is not None):
             log.info("async scheduling is off: it does not run with speculative decoding or tensor parallelism")
         if overlap and self.drafter is None and model.tp is None:
-            from inference.scheduling.async_scheduling import StepOverlap
-
             self.overlap = StepOverlap(self.scheduler, self.cache, self.max_model_len)
         self._inflight: LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
+        # Set last: while the engine is built every rank runs the same collectives (memory profile,
+        # CUDA graphs) on its own; from here on each step's plan goes to the workers first.
+        self.runner.workers = workers
 
     @classmethod
     def from_pretrained(
@@ -243,9 +171,8 @@ class LLMEngine:
         config = _engine_config(options)
         dtype = _dtype(dtype)
         if config.tensor_parallel_size > 1:
-            from inference.engine.executor import ModelSource, start_engine
-
-            return start_engine(ModelSource(model_dir=str(model_dir)), config, device=device, dtype=dtype,
+            return executor.start_tensor_parallel(
+                executor.ModelSource(model_dir=str(model_dir)), config, cls, device=device, dtype=dtype,
                                 attention_backend=attention_backend, moe_backend=moe_backend,
                                 model_name=model_name or Path(model_dir).name)
         model = GptOssModel.from_pretrained(
@@ -281,8 +208,6 @@ class LLMEngine:
 
     def _profile_kv_memory(self) -> int:
         """Bytes left for the KV cache on the GPU after the weights and one largest step."""
-        from inference.runner.single_sequence import SingleSequenceCache
-
         c = self.model.config
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         torch.cuda.synchronize()
@@ -500,8 +425,6 @@ class LLMEngine:
 
     def _propose(self, batch, out, starts: list[int], kept: list[int]) -> None:
         """Ask the drafter for each still-decoding sequence's next drafts."""
-        from inference.spec_decode.drafters import DraftContext
-
         limits = []
         for seq in batch.seqs:
             limit = 0
@@ -565,366 +488,3 @@ class LLMEngine:
         s = self.scheduler
         live = [*s.running, *s.waiting, *s.parked.values()]
         return self.cache.usage([(seq.pages, seq.num_computed) for seq in live])
-
-
-class EngineDriver:
-    """What the owner of an `LLMEngine` does between handing deltas out (`AsyncEngine`'s thread,
-    `EngineProcess`'s process): apply the callers' commands, run a step, keep serving through
-    failures. Commands are tuples: ("add", request), ("abort", request_id),
-    ("release", request_id), ("stop",)."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-
-    def apply(self, command: tuple) -> tuple[list[TokenDelta], bool]:
-        """(the deltas it made, whether it was "stop"). An "add" that fails ends its request with
-        an "error" delta; any other failing command is logged."""
-        kind = command[0]
-        try:
-            if kind == "add":
-                request = command[1]
-                try:
-                    self.engine.add_request(request)
-                except Exception as e:
-                    return [TokenDelta(request.request_id, [], finish_reason="error", error=str(e),
-                                       num_prompt_tokens=len(request.prompt_token_ids))], False
-            elif kind == "abort":
-                delta = self.engine.abort(command[1])
-                return ([] if delta is None else [delta]), False
-            elif kind == "release":
-                self.engine.release(command[1])
-            elif kind == "stop":
-                return [], True
-        except Exception:
-            log.exception("engine command %s failed", kind)
-        return [], False
-
-    def step(self) -> tuple[list[TokenDelta], bool]:
-        """One step, if there is work: (its deltas, stalled). Stalled: nothing could be scheduled
-        (should not happen), so the caller should wait a little rather than spin. A bug fails
-        what is in flight, and the engine keeps serving."""
-        engine = self.engine
-        if not engine.has_unfinished():
-            return [], False
-        steps, collecting = engine.steps, engine.in_flight
-        try:
-            deltas = engine.step()
-        except Exception as e:
-            log.exception("engine loop failed")
-            return engine.fail_all(f"{type(e).__name__}: {e}"), False
-        return deltas, engine.steps == steps and not collecting
-
-    def run_pass(self, commands: list[tuple]) -> tuple[list[TokenDelta], bool, bool]:
-        """One pass of an owner's loop: apply `commands` in order, then run a step, or after a
-        "stop" end every request instead. Returns (the deltas, in order; stopped; stalled, see
-        `step`)."""
-        deltas: list[TokenDelta] = []
-        stop = False
-        for command in commands:
-            made, stopped = self.apply(command)
-            deltas += made
-            stop |= stopped
-        if stop:
-            return deltas + self.abort_all(), True, False
-        made, stalled = self.step()
-        return deltas + made, False, stalled
-
-    def abort_all(self) -> list[TokenDelta]:
-        """End every request ("abort") and free the parked sequences: the engine is stopping."""
-        engine = self.engine
-        try:
-            deltas = [engine.abort(seq.request_id) for seq in [*engine.scheduler.running, *engine.scheduler.waiting]]
-            for request_id in list(engine.scheduler.parked):
-                engine.release(request_id)
-            return [d for d in deltas if d is not None]
-        except Exception as e:
-            log.exception("engine loop failed")
-            return engine.fail_all(f"{type(e).__name__}: {e}")
-
-
-class StreamingEngineClient:
-    """The asyncio side that `AsyncEngine` and `EngineProcess` share: each request streams its
-    deltas through a queue of its own (`RequestStream`), one request id runs at a time, and
-    leaving a stream early aborts its request. Subclasses say how a request reaches the engine
-    (`_open`) and how the other commands do (`_submit`)."""
-
-    max_model_len: int
-    vocab_size: int
-
-    def __init__(self) -> None:
-        self._active: set[str] = set()  # request ids with an open stream (event-loop side)
-        self._stats: EngineStats | None = None  # as of the engine's last step this client has seen
-        self._usage: CacheUsage | None = None
-
-    def generate(self, request: GenerationRequest) -> RequestStream:
-        """Validate now (ValueError for a bad request, RuntimeError once the engine is gone); the
-        request is sent at the stream's `open()` or first iteration. A stream never opened leaves
-        nothing behind."""
-        self._check_serving()
-        check_request(request, self.vocab_size, self.max_model_len)
-        self._check_not_active(request.request_id)
-        return RequestStream(self, request)
-
-    def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
-
-    def release(self, request_id: str) -> None:
-        self._submit(("release", request_id))
-
-    def stats(self) -> EngineStats:
-        """The counters as of the engine's last step this client has seen."""
-        return self._stats
-
-    def cache_usage(self) -> CacheUsage:
-        return self._usage
-
-    def _check_serving(self) -> None:
-        """Raise RuntimeError if the engine takes no more requests."""
-        raise NotImplementedError
-
-    def _open(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
-        """Send `request` to the engine, its deltas to go to `queue` (on the running loop)."""
-        raise NotImplementedError
-
-    def _submit(self, command: tuple) -> None:
-        raise NotImplementedError
-
-    def _check_not_active(self, request_id: str) -> None:
-        if request_id in self._active:
-            raise ValueError(f"request id {request_id!r} is already running")
-
-
-class RequestStream:
-    """One request's deltas from a `StreamingEngineClient` (the `DeltaStream` protocol): sent to
-    the engine at `open()` or at the first iteration. Leaving before the last delta (`aclose()`,
-    a cancelled wait, or dropping the stream) aborts the request."""
-
-    def __init__(self, client: StreamingEngineClient, request: GenerationRequest):
-        self._client = client
-        self.request = request
-        self._queue: DeltaQueue | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._done = False
-
-    def open(self) -> None:
-        """Send the request now (on the running event loop). Idempotent."""
-        if self._queue is not None or self._done:
-            return
-        client, request_id = self._client, self.request.request_id
-        client._check_not_active(request_id)
-        client._active.add(request_id)
-        self._loop = asyncio.get_running_loop()
-        self._queue = DeltaQueue(client, request_id)
-        try:
-            client._open(self.request, self._queue)
-        except BaseException:  # not sent: nothing to abort, and the id is free again
-            client._active.discard(request_id)
-            self._done = True
-            raise
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> TokenDelta:
-        if self._done:
-            raise StopAsyncIteration
-        self.open()
-        try:
-            delta = await self._queue.get()
-        except BaseException:  # cancelled while waiting: nobody reads the rest
-            self._abandon()
-            raise
-        if delta.finish_reason is not None:
-            self._done = True
-            self._client._active.discard(self.request.request_id)
-        return delta
-
-    async def aclose(self) -> None:
-        self._abandon()
-
-    def _abandon(self) -> None:
-        if self._queue is not None and not self._done:
-            _abandon_request(self._queue)
-        self._done = True
-
-    def __del__(self) -> None:
-        # Opened, then dropped unfinished (a response that never started streaming): an async
-        # generator would have been closed by the event loop's finaliser; this is the same net.
-        # The abort goes through the loop: a garbage collection can run this inside the client's
-        # own `_submit`, under the lock it would take.
-        if self._queue is not None and not self._done:
-            try:
-                self._loop.call_soon_threadsafe(_abandon_request, self._queue)
-            except Exception:  # the loop is closed (shutdown): nothing is left to abort
-                pass
-
-
-class DeltaQueue(asyncio.Queue):
-    """One stream's deltas (filled on its event loop). The engine routes deltas by request id,
-    so a stream left early keeps its id taken until the request's last delta has come: a new
-    request with that id would otherwise receive the old one's abort."""
-
-    def __init__(self, client: StreamingEngineClient, request_id: str):
-        super().__init__()
-        self.client, self.request_id = client, request_id
-        self.ended = False  # the last delta has come
-        self.abandoned = False  # nobody reads the stream any more
-
-    def put_nowait(self, delta: TokenDelta) -> None:
-        super().put_nowait(delta)
-        if delta.finish_reason is not None:
-            self.ended = True
-            if self.abandoned:
-                self.client._active.discard(self.request_id)
-
-
-def _abandon_request(queue: DeltaQueue) -> None:
-    """Nobody reads this request's stream any more: stop the request; its id is free once the
-    engine has ended it."""
-    queue.abandoned = True
-    if queue.ended:
-        queue.client._active.discard(queue.request_id)
-    else:
-        queue.client._submit(("abort", queue.request_id))
-
-
-class AsyncEngine(StreamingEngineClient):
-    """`LLMEngine` on a dedicated thread, streaming to asyncio (implements `EngineClient`).
-
-    The thread owns the engine: requests, aborts and releases reach it through an inbox and are
-    applied between steps; deltas go back to each request's queue on its event loop with
-    `call_soon_threadsafe`, so the event loop never waits on the model.
-    """
-
-    def __init__(self, engine: LLMEngine):
-        super().__init__()
-        self.engine = engine
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.vocab_size
-        self._inbox: list[tuple] = []
-        self._lock = threading.Lock()
-        self._wakeup = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._stopping = False
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine-thread side
-        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}  # ditto
-        self._stats = engine.stats()
-        self._usage = engine.cache_usage()
-        self._thread = threading.Thread(target=self._loop, name="oss-agent-engine", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path, *, device: str | None = None, **engine_options) -> AsyncEngine:
-        """Load the model and start the engine thread; options as in `LLMEngine.from_pretrained`."""
-        return cls(LLMEngine.from_pretrained(model_dir, device=device, **engine_options))
-
-    # -- EngineClient --------------------------------------------------------------------------
-
-    @property
-    def failure(self) -> str | None:
-        """Why this engine can no longer serve (a tensor-parallel worker exited), or None. The
-        server reports it on /health and /ready."""
-        return None if self._stopping else self.engine.failure
-
-    def _check_serving(self) -> None:
-        if self._stopping:
-            raise RuntimeError("the engine is shut down")
-        failure = self.failure
-        if failure:
-            raise RuntimeError(failure)
-
-    def _open(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
-        if self._stopping:  # the thread reads no more commands: end the stream as a stop would
-            queue.put_nowait(TokenDelta(request.request_id, [], finish_reason="abort"))
-            return
-        self._submit(("add", request, asyncio.get_running_loop(), queue))
-
-    async def wait_idle(self) -> None:
-        """Return once every submitted request has finished."""
-        await asyncio.to_thread(self._idle.wait)
-
-    async def shutdown(self) -> None:
-        """Abort what is still running (streams end with finish_reason "abort") and stop the thread."""
-        self._stopping = True
-        self._submit(("stop",))
-        await asyncio.to_thread(self._thread.join)
-        await asyncio.to_thread(self.engine.close)
-
-    # -- the engine thread ---------------------------------------------------------------------
-
-    def _submit(self, command: tuple) -> None:
-        with self._lock:
-            self._inbox.append(command)
-            self._idle.clear()
-        self._wakeup.set()
-
-    def _loop(self) -> None:
-        driver = EngineDriver(self.engine)
-        while True:
-            if not self.engine.has_unfinished():
-                self._wakeup.wait()
-            self._wakeup.clear()
-            if self._pass(driver):
-                return
-
-    def _pass(self, driver: EngineDriver) -> bool:
-        """Apply the inbox's commands, run a step, hand the deltas over; True once stopped. (A
-        method of its own, so that nothing of the pass stays referenced while the thread waits.)"""
-        with self._lock:
-            commands, self._inbox = self._inbox, []
-        for i, command in enumerate(commands):
-            if command[0] == "add":  # ("add", request, loop, queue): the sink stays on this side
-                _, request, loop, queue = command
-                self._sinks[request.request_id] = (loop, queue)
-                commands[i] = ("add", request)
-        deltas, stop, stalled = driver.run_pass(commands)
-        for delta in deltas:
-            self._deliver(delta)
-        if stalled:
-            self._wakeup.wait(0.01)
-        self._publish()  # first: a consumer handed its last delta then reads stats that count it
-        self._flush()
-        with self._lock:
-            if stop or (not self._inbox and not self.engine.has_unfinished()):
-                self._idle.set()
-        return stop
-
-    def _deliver(self, delta: TokenDelta) -> None:
-        """Queue `delta` for its consumer; `_flush` hands a pass's deltas over."""
-        sink = self._sinks.get(delta.request_id)
-        if sink is None:
-            return
-        if delta.finish_reason is not None:
-            del self._sinks[delta.request_id]
-        loop, queue = sink
-        self._outbox.setdefault(loop, []).append((queue, delta))
-
-    def _flush(self) -> None:
-        """One wake-up of each consumer loop for all of this pass's deltas. A wake-up per delta
-        was a write to the loop's self-pipe each, and this thread taking the GIL back after
-        each: a fifth of its time at 64 streams."""
-        outbox, self._outbox = self._outbox, {}
-        for loop, items in outbox.items():
-            try:
-                loop.call_soon_threadsafe(put_deltas, items)
-            except RuntimeError:  # the consumer's event loop is gone
-                for _, delta in items:
-                    if delta.finish_reason is None:
-                        self.engine.abort(delta.request_id)
-                        self._sinks.pop(delta.request_id, None)
-
-    def _publish(self) -> None:
-        self._stats = self.engine.stats()
-        self._usage = self.engine.cache_usage()
-
-
-def put_deltas(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
-    """Each delta into its stream's queue (run on the queues' event loop)."""
-    for queue, delta in items:
-        queue.put_nowait(delta)
-
-
-__all__ = ["AsyncEngine", "EngineConfig", "EngineDriver", "LLMEngine", "RequestStream", "SamplingParams",
-           "StreamingEngineClient", "check_request"]

@@ -1,22 +1,7 @@
-"""Tensor parallelism: one model split across N processes (one per GPU), kept in step by NCCL.
-
-What each rank holds (Megatron-style; `ShardLayout` gives the ranges):
-    attention   q heads and KV heads split evenly (N must divide both): the fused qkv projection
-                takes this rank's rows of q, k and v, sinks its heads, o_proj its input columns;
-                o_proj's output is a partial sum, all-reduced; its bias is loaded on rank 0 only.
-    MoE         the router is replicated (every rank routes every token the same way); each
-                expert's intermediate dimension is split in whole MXFP4 blocks of 32 values, as
-                evenly as blocks allow (2880 = 90 blocks: 45 each at N=2, 23/23/22/22 at N=4):
-                gate_up rows [2s, 2e) (HF interleaves gate j at row 2j, up j at 2j+1, so a
-                contiguous row range holds matching pairs), down_proj blocks [s/32, e/32). The
-                output is all-reduced; the down bias is loaded on rank 0 only.
-    lm_head     vocabulary rows split (the last shard padded with zero rows); the logits are
-                all-gathered so rank 0 can sample.
-    replicated  embedding, norms, router.
-Each rank reads only its slices from the safetensors files (`CheckpointReader.get_slice`).
+"""Tensor parallelism, the processes: rank 0 (this process) and the workers it starts and owns.
 
 Processes: rank 0 is the process that builds the engine (it keeps the scheduler, the sampler and
-the HTTP server). `start_engine` spawns ranks 1..N-1; each loads its shard and builds the same
+the HTTP server). `start_tensor_parallel` spawns ranks 1..N-1; each loads its shard and builds the same
 `LLMEngine` (so cache sizing, memory profiling and CUDA-graph capture run the same collectives in
 the same order), then waits for steps. Every step rank 0 sends each worker the step's plain
 description (`model_runner.StepPlan`: token ids, page tables, positions) over a pipe; all ranks
@@ -26,11 +11,12 @@ closes the engine, when its pipe closes, or when its parent process disappears, 
 behind. NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 in every rank.
 
 With tensor_parallel_size 1 none of this is used: the model holds no group and runs no collective.
+
+What each rank holds: `inference/distributed/sharding.py`; the collectives: `inference/distributed/group.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -40,278 +26,20 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from inference.model.checkpoint import expected_tensors
-from inference.config import ModelConfig
-from inference.ops.mxfp4 import BLOCK_SIZE
+from inference.config import EngineConfig, ModelConfig
+from inference.distributed.group import TensorParallelGroup, join_group
+from inference.distributed.sharding import check_tensor_parallel_size
+from inference.model.gpt_oss import GptOssModel
 
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_HOST = "127.0.0.1"
-# Per collective; idle time never counts (workers wait on their pipe, not in a collective).
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 STARTUP_TIMEOUT_S = 600.0  # a worker's import + CUDA init + process-group join
 LEAVE_TIMEOUT_S = 30.0  # shutdown: how long a rank may take to leave the group before it is killed
-
-
-class TensorParallelError(ValueError):
-    """tensor_parallel_size does not fit the model; the message names the field and the sizes that do."""
-
-
-# ----------------------------------------------------------------------------- sharding math
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """The slices rank `rank` of `size` holds; every range is [start, stop).
-
-    heads / kv_heads: attention heads; intermediate: expert intermediate columns (whole MXFP4
-    blocks); vocab: lm_head rows it holds, padded with zero rows to `vocab_per_rank`.
-    """
-
-    rank: int
-    size: int
-    heads: tuple[int, int]
-    kv_heads: tuple[int, int]
-    intermediate: tuple[int, int]
-    vocab: tuple[int, int]
-    vocab_per_rank: int
-    vocab_size: int
-
-
-def _balanced(units: int, size: int, rank: int) -> tuple[int, int]:
-    """Rank's range when `units` are split as evenly as possible (earlier ranks take the extra)."""
-    per, extra = divmod(units, size)
-    start = rank * per + min(rank, extra)
-    return start, start + per + (rank < extra)
-
-
-def intermediate_unit(config: ModelConfig) -> int:
-    """Granularity of the expert split: a whole MXFP4 block, or one column for dense experts."""
-    return BLOCK_SIZE if config.quantized_experts else 1
-
-
-def valid_sizes(config: ModelConfig, limit: int = 64) -> list[int]:
-    """Every tensor_parallel_size up to `limit` this model can be split into."""
-    units = config.intermediate_size // intermediate_unit(config)
-    return [
-        n for n in range(1, limit + 1)
-        if config.num_attention_heads % n == 0 and config.num_key_value_heads % n == 0 and n <= units
-    ]
-
-
-def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
-    """Raise TensorParallelError unless the model splits into `size` ranks."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise TensorParallelError(f"tensor_parallel_size must be a positive integer, got {size!r}")
-    works = ", ".join(map(str, valid_sizes(config)))
-    for field_name in ("num_attention_heads", "num_key_value_heads"):
-        value = getattr(config, field_name)
-        if value % size:
-            raise TensorParallelError(
-                f"tensor_parallel_size {size} does not divide config field '{field_name}' ({value}); "
-                f"sizes that work for this model: {works}"
-            )
-    unit = intermediate_unit(config)
-    units = config.intermediate_size // unit
-    if units < size:
-        what = f"{units} MXFP4 blocks of {unit} values" if unit > 1 else f"{units} columns"
-        raise TensorParallelError(
-            f"tensor_parallel_size {size} is more than config field 'intermediate_size' "
-            f"({config.intermediate_size}, {what}) can be split into; sizes that work for this model: {works}"
-        )
-
-
-def shard_layout(config: ModelConfig, rank: int, size: int) -> ShardLayout:
-    check_tensor_parallel_size(config, size)
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is outside a group of {size}")
-    heads, kv = config.num_attention_heads // size, config.num_key_value_heads // size
-    unit = intermediate_unit(config)
-    start, stop = _balanced(config.intermediate_size // unit, size, rank)
-    per_rank = -(-config.vocab_size // size)
-    vocab_start = min(rank * per_rank, config.vocab_size)
-    return ShardLayout(
-        rank=rank,
-        size=size,
-        heads=(rank * heads, (rank + 1) * heads),
-        kv_heads=(rank * kv, (rank + 1) * kv),
-        intermediate=(start * unit, stop * unit),
-        vocab=(vocab_start, min(vocab_start + per_rank, config.vocab_size)),
-        vocab_per_rank=per_rank,
-        vocab_size=config.vocab_size,
-    )
-
-
-def local_config(config: ModelConfig, layout: ShardLayout) -> ModelConfig:
-    """The config of the layers this rank builds: its heads, KV heads and expert columns
-    (vocab stays global: the embedding is replicated and the logits are gathered back)."""
-    return dataclasses.replace(
-        config,
-        num_attention_heads=layout.heads[1] - layout.heads[0],
-        num_key_value_heads=layout.kv_heads[1] - layout.kv_heads[0],
-        intermediate_size=layout.intermediate[1] - layout.intermediate[0],
-    )
-
-
-# Where each checkpoint tensor is cut: name suffix -> (rule, dim). Rules: "heads" / "kv_heads"
-# (head_dim rows or columns per head), "heads1" (one entry per head), "gate_up" (rows 2s..2e of
-# the interleaved gate/up), "inter" (intermediate columns), "inter_blocks" (MXFP4 blocks of them),
-# "vocab", "rank0" (a bias after a reduction: rank 0 holds it, the others zeros). The rest is
-# replicated.
-_RULES: dict[str, tuple[str, int]] = {
-    "self_attn.q_proj.weight": ("heads", 0),
-    "self_attn.q_proj.bias": ("heads", 0),
-    "self_attn.k_proj.weight": ("kv_heads", 0),
-    "self_attn.k_proj.bias": ("kv_heads", 0),
-    "self_attn.v_proj.weight": ("kv_heads", 0),
-    "self_attn.v_proj.bias": ("kv_heads", 0),
-    "self_attn.o_proj.weight": ("heads", 1),
-    "self_attn.o_proj.bias": ("rank0", 0),
-    "self_attn.sinks": ("heads1", 0),
-    "mlp.experts.gate_up_proj_blocks": ("gate_up", 1),  # [E, 2I, H/32, 16]
-    "mlp.experts.gate_up_proj_scales": ("gate_up", 1),  # [E, 2I, H/32]
-    "mlp.experts.gate_up_proj_bias": ("gate_up", 1),  # [E, 2I]
-    "mlp.experts.gate_up_proj": ("gate_up", 2),  # dense [E, H, 2I]
-    "mlp.experts.down_proj_blocks": ("inter_blocks", 2),  # [E, H, I/32, 16]
-    "mlp.experts.down_proj_scales": ("inter_blocks", 2),  # [E, H, I/32]
-    "mlp.experts.down_proj": ("inter", 1),  # dense [E, I, H]
-    "mlp.experts.down_proj_bias": ("rank0", 0),
-    "lm_head.weight": ("vocab", 0),
-}
-
-
-def shard_rule(name: str) -> tuple[str, int] | None:
-    """(rule, dim) for a checkpoint tensor name, None when it is replicated."""
-    if name == "lm_head.weight":
-        return _RULES[name]
-    suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
-    return _RULES.get(suffix)
-
-
-class ShardedTensorSource:
-    """`get(name)` over one rank's slices of a checkpoint (or of any full-tensor source).
-
-    get_slice(name, dim, start, stop): the tensor's [start, stop) range along dim (ideally
-    reading only those bytes); get(name): a whole (replicated) tensor. `bytes_read` counts what
-    this rank took from the source.
-    """
-
-    def __init__(self, config: ModelConfig, layout: ShardLayout, get_slice, get):
-        self.config, self.layout = config, layout
-        self.specs = expected_tensors(config)
-        self._get_slice, self._get = get_slice, get
-        self.bytes_read = 0
-
-    def range_of(self, rule: str) -> tuple[int, int]:
-        lay, d = self.layout, self.config.head_dim
-        if rule == "heads":
-            return lay.heads[0] * d, lay.heads[1] * d
-        if rule == "kv_heads":
-            return lay.kv_heads[0] * d, lay.kv_heads[1] * d
-        if rule == "heads1":
-            return lay.heads
-        if rule == "gate_up":
-            return 2 * lay.intermediate[0], 2 * lay.intermediate[1]
-        if rule == "inter":
-            return lay.intermediate
-        if rule == "inter_blocks":
-            return lay.intermediate[0] // BLOCK_SIZE, lay.intermediate[1] // BLOCK_SIZE
-        if rule == "vocab":
-            return lay.vocab
-        raise ValueError(f"unknown shard rule {rule!r}")
-
-    def __call__(self, name: str) -> torch.Tensor:
-        rule = shard_rule(name)
-        if rule is None:
-            return self._count(self._get(name))
-        kind, dim = rule
-        if kind == "rank0":
-            if self.layout.rank == 0:
-                return self._count(self._get(name))
-            return torch.zeros(self.specs[name].shape)  # never read: added once, by rank 0
-        start, stop = self.range_of(kind)
-        part = self._count(self._get_slice(name, dim, start, stop))
-        if kind == "vocab" and stop - start < self.layout.vocab_per_rank:
-            pad = list(part.shape)
-            pad[0] = self.layout.vocab_per_rank - (stop - start)
-            part = torch.cat([part, torch.zeros(pad, dtype=part.dtype, device=part.device)])
-        return part
-
-    def _count(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
-
-
-def slice_of(get: Callable[[str], torch.Tensor]):
-    """A get_slice for a source that can only make whole tensors (random weights): make, cut, copy."""
-
-    def get_slice(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        return get(name).narrow(dim, start, stop - start).clone()
-
-    return get_slice
-
-
-# ----------------------------------------------------------------------------- the process group
-
-
-class TensorParallelGroup:
-    """This process's rank in the group, its shard layout, and the collectives the model runs.
-
-    `group` is None only for loading a shard without running it (tests, offline checks).
-    """
-
-    def __init__(self, layout: ShardLayout, device: torch.device, group=None):
-        self.layout = layout
-        self.rank, self.size = layout.rank, layout.size
-        self.device = torch.device(device)
-        self.group = group
-        self.bytes_read = 0  # checkpoint bytes this rank read while loading
-
-    def tensor_source(self, config: ModelConfig, get_slice, get) -> ShardedTensorSource:
-        return ShardedTensorSource(config, self.layout, get_slice, get)
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of every rank's x (in place)."""
-        dist.all_reduce(x, group=self.group)
-        return x
-
-    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Every rank's vocabulary shard of the logits side by side: [T, V/N] -> [T, V]."""
-        t, shard = logits.shape
-        out = torch.empty(self.size * t, shard, dtype=logits.dtype, device=logits.device)
-        _all_gather_single(out, logits.contiguous(), group=self.group)  # rank r's rows at [r*T, (r+1)*T)
-        return out.view(self.size, t, shard).permute(1, 0, 2).reshape(t, self.size * shard)[:, : self.layout.vocab_size]
-
-    def min_across_ranks(self, value: int) -> int:
-        x = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
-        return int(x.item())
-
-    def leave(self) -> None:
-        if self.group is not None and dist.is_initialized():
-            dist.destroy_process_group()
-        self.group = None
-
-
-# torch 2.13 renamed all_gather_into_tensor; older releases (GPU hosts) only have the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _join_group(config: ModelConfig, rank: int, size: int, device: torch.device, store) -> TensorParallelGroup:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    if device.type == "cuda":  # create the NCCL communicator now: it cannot be created inside a graph capture
-        dist.all_reduce(torch.zeros(1, device=device))
-        torch.cuda.synchronize(device)
-    return TensorParallelGroup(shard_layout(config, rank, size), device, dist.group.WORLD)
-
-
-# ----------------------------------------------------------------------------- launching
 
 
 @dataclass(frozen=True)
@@ -328,8 +56,6 @@ class ModelSource:
         return self.random_config if self.model_dir is None else ModelConfig.from_file(self.model_dir)
 
     def load(self, tp: TensorParallelGroup | None, **options):
-        from inference.model.gpt_oss import GptOssModel
-
         if self.model_dir is not None:
             return GptOssModel.from_pretrained(self.model_dir, tensor_parallel=tp, **options)
         return GptOssModel.from_random(self.random_config, seed=self.seed, tensor_parallel=tp,
@@ -339,7 +65,8 @@ class ModelSource:
 @dataclass(frozen=True)
 class _WorkerSpec:
     source: ModelSource
-    engine_config: object  # EngineConfig
+    engine_config: EngineConfig
+    engine_class: type  # `LLMEngine`, given by its caller (pickled by reference to the spawned workers)
     devices: tuple[str, ...]
     load_options: dict
     store_port: int
@@ -362,23 +89,22 @@ def rank_devices(device, size: int) -> list[torch.device]:
     return [torch.device("cuda", first + r) for r in range(size)]
 
 
-def start_engine(source: ModelSource, engine_config, *, device=None, dtype=None, attention_backend=None,
-                 moe_backend=None, model_name: str = "gpt-oss"):
-    """Build an `LLMEngine` over `engine_config.tensor_parallel_size` ranks; this process is rank 0.
+def start_tensor_parallel(source: ModelSource, engine_config: EngineConfig, engine_class: type, *, device=None,
+                          dtype=None, attention_backend=None, moe_backend=None, model_name: str = "gpt-oss"):
+    """Build an `engine_class` (`LLMEngine`) over `engine_config.tensor_parallel_size` ranks; this
+    process is rank 0, and every worker builds the same class on its shard.
 
     Size 1 builds the ordinary single-device engine. Raises TensorParallelError (before starting
     any process) when the model does not split into that many ranks. `engine.close()` stops the
     workers. They are spawned (CUDA cannot be forked), which re-imports the main script: a script
     that calls this must do so under `if __name__ == "__main__":`.
     """
-    from inference.engine.core import LLMEngine
-
     engine_config.validate()
     size = engine_config.tensor_parallel_size
     load_options = dict(dtype=dtype, attention_backend=attention_backend, moe_backend=moe_backend,
                         max_positions=engine_config.max_model_len)
     if size == 1:
-        return LLMEngine(source.load(None, device=device, **load_options), engine_config, model_name=model_name)
+        return engine_class(source.load(None, device=device, **load_options), engine_config, model_name=model_name)
     config = source.config()
     check_tensor_parallel_size(config, size)
     devices = rank_devices(device, size)
@@ -388,19 +114,19 @@ def start_engine(source: ModelSource, engine_config, *, device=None, dtype=None,
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # rank 0 is a NCCL peer too; workers inherit it
     store = dist.TCPStore(RENDEZVOUS_HOST, 0, size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
-    spec = _WorkerSpec(source, engine_config, tuple(str(d) for d in devices), load_options, store.port, os.getpid())
+    spec = _WorkerSpec(source, engine_config, engine_class, tuple(str(d) for d in devices), load_options, store.port, os.getpid())
     workers = WorkerProcesses(spec, size)
     tp = None
     try:
         workers.expect("started")
-        tp = _join_group(config, 0, size, devices[0], store)
+        tp = join_group(config, 0, size, devices[0], store)
         workers.group = tp
         model = source.load(tp, device=devices[0], **load_options)
         workers.bytes_read = [tp.bytes_read, *workers.expect("loaded")]
         # Building the engine runs collectives (memory profile, CUDA graphs): start them together,
         # so a slow load on one rank does not count against another's collective timeout.
         workers.send("build")
-        engine = LLMEngine(model, engine_config, model_name=model_name)
+        engine = engine_class(model, engine_config, model_name=model_name, workers=workers)
         workers.expect("ready")
     except BaseException:
         workers.close()
@@ -410,7 +136,6 @@ def start_engine(source: ModelSource, engine_config, *, device=None, dtype=None,
     gib = 1 << 30
     log.info("tensor parallel: %d ranks on %s; checkpoint GiB read per rank: %s", size,
              ", ".join(map(str, devices)), ", ".join(f"{b / gib:.2f}" for b in workers.bytes_read))
-    engine.runner.workers = workers
     return engine
 
 
@@ -562,8 +287,6 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
     logging.getLogger("inference.engine.core").setLevel(logging.ERROR)  # rank 0 logs the same cache warnings
     tp = None
     try:
-        from inference.engine.core import LLMEngine
-
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         device = torch.device(spec.devices[rank])
         if device.type == "cuda":
@@ -573,12 +296,12 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
         conn.send(("started", None))
         store = dist.TCPStore(RENDEZVOUS_HOST, spec.store_port, len(spec.devices), is_master=False,
                               timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
-        tp = _join_group(spec.source.config(), rank, len(spec.devices), device, store)
+        tp = join_group(spec.source.config(), rank, len(spec.devices), device, store)
         model = spec.source.load(tp, device=device, **spec.load_options)
         conn.send(("loaded", tp.bytes_read))
         if conn.recv() != "build":  # None: rank 0 gave up
             raise RuntimeError("rank 0 stopped before building the engine")
-        engine = LLMEngine(model, spec.engine_config)
+        engine = spec.engine_class(model, spec.engine_config)
         conn.send(("ready", None))
     except BaseException:
         try:

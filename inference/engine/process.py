@@ -29,7 +29,11 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 
-from inference.engine.core import AsyncEngine, EngineDriver, LLMEngine, StreamingEngineClient, put_deltas
+from inference.config import ModelConfig
+from inference.engine.async_engine import AsyncEngine
+from inference.engine.client import StreamingEngineClient, put_deltas
+from inference.engine.core import LLMEngine
+from inference.engine.driver import EngineDriver
 from inference.scheduling.kv_cache import CacheUsage
 from inference.request import EngineStats, GenerationRequest, TokenDelta
 
@@ -57,13 +61,11 @@ class EngineSpec:
             raise ValueError("an EngineSpec names a model_dir or a random_config, not both or neither")
         if self.model_dir is not None:
             return LLMEngine.from_pretrained(self.model_dir, model_name=self.model_name, **self.options)
-        from inference.config import ModelConfig
-
         return LLMEngine.from_random(ModelConfig.from_dict(self.random_config),
                                      model_name=self.model_name or "gpt-oss-random", **self.options)
 
 
-def start_engine(spec: EngineSpec, own_process: bool) -> StreamingEngineClient:
+def start_engine_client(spec: EngineSpec, own_process: bool) -> StreamingEngineClient:
     """The engine `spec` describes, in a process of its own (`EngineProcess`) or on a thread of
     this one (`AsyncEngine`)."""
     return EngineProcess(spec) if own_process else AsyncEngine(spec.build())

@@ -18,14 +18,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from inference.ops.attention.reference import AttentionMetadata
-from inference.model.checkpoint import CheckpointReader, expected_tensors
 from inference.config import ModelConfig
-from inference.ops.linear.backend import use_decode_gemv
-from inference.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
-from inference.ops.moe.reference import ExpertWeights, MoEWeights
-from inference.ops.moe.backend import model_output_dtype
+from inference.distributed.sharding import local_config, slice_of
+from inference.model.checkpoint import CheckpointReader, expected_tensors
 from inference.model.rope import cos_sin_table
+from inference.ops.attention.backend import select_attention_backend, triton_available
+from inference.ops.attention.reference import AttentionMetadata
+from inference.ops.linear.backend import use_decode_gemv
+from inference.ops.moe.backend import model_output_dtype, select_moe_backend
+from inference.ops.moe.reference import ExpertWeights, MoEWeights
+from inference.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,6 @@ log = logging.getLogger(__name__)
 def select_add_rms_norm(device: torch.device):
     """`add_rms_norm(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta))` for `device`
     (delta may be None): the fused Triton kernel on CUDA, the pure-torch reference elsewhere."""
-    from inference.ops.attention.backend import triton_available
-
     if triton_available(torch.device(device)):
         from inference.ops.rmsnorm import add_rms_norm_triton
 
@@ -137,7 +137,7 @@ class Block(nn.Module):
 class GptOssModel(nn.Module):
     """The whole model. Build with `from_pretrained`; call `forward` then `compute_logits`.
 
-    With `tp` (a `tensor_parallel.TensorParallelGroup`) it is this rank's shard: `local_config`
+    With `tp` (an `inference.distributed.group.TensorParallelGroup`) it is this rank's shard: `local_config`
     gives the shapes it holds (heads, KV heads, expert columns); `config` stays the whole model's.
     """
 
@@ -149,8 +149,6 @@ class GptOssModel(nn.Module):
         self.local_config = config
         vocab_rows = config.vocab_size
         if tp is not None:
-            from inference.engine.executor import local_config
-
             self.local_config = local_config(config, tp.layout)
             vocab_rows = tp.layout.vocab_per_rank
         self.attention_backend = attention_backend
@@ -234,7 +232,7 @@ class GptOssModel(nn.Module):
         reader = CheckpointReader(model_dir, config)
         get = reader.get
         if tensor_parallel is not None:
-            get = tensor_parallel.tensor_source(config, reader.get_slice, reader.get)
+            get = tensor_parallel.tensor_source(config, reader.get_slice, reader.get, tensor_shapes(config))
         model = cls._assemble(config, get, device, dtype, attention_backend, moe_backend, max_positions,
                               tensor_parallel, progress=progress and reader.total_bytes() >= (256 << 20))
         if tensor_parallel is not None:
@@ -265,9 +263,7 @@ class GptOssModel(nn.Module):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         get = random_tensor_source(config, device, seed, decisive_routing)
         if tensor_parallel is not None:
-            from inference.engine.executor import slice_of
-
-            get = tensor_parallel.tensor_source(config, slice_of(get), get)
+            get = tensor_parallel.tensor_source(config, slice_of(get), get, tensor_shapes(config))
         return cls._assemble(config, get, device, dtype, attention_backend, moe_backend, max_positions,
                              tensor_parallel, progress=False)
 
@@ -277,9 +273,6 @@ class GptOssModel(nn.Module):
         """The model of `config` on `device` with the weights `get(name)` returns (the arguments
         as `from_pretrained` takes them): built on the meta device, backends chosen, weights
         loaded and converted once for the kernels."""
-        from inference.ops.attention.backend import select_attention_backend
-        from inference.ops.moe.backend import select_moe_backend
-
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         with torch.device("meta"):
@@ -385,3 +378,8 @@ def load_weights(model: GptOssModel, get_tensor, device, dtype, progress: bool =
         block.mlp.prepared = model.moe_backend.prepare(block.mlp.weights)
         bar.update(1)
     bar.close()
+
+
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's full shape for `config` (what a rank's shard is cut from)."""
+    return {name: tuple(spec.shape) for name, spec in expected_tensors(config).items()}

@@ -153,7 +153,7 @@ class ModelRunner:
         self.sampler = RejectionSampler()
         self.aux_layers = tuple(aux_layers)
         self.packer = StepInputPacker(page_size, self.device)
-        self.workers = None  # tensor parallel, on rank 0: `tensor_parallel.WorkerProcesses`, sent every step
+        self.workers = None  # tensor parallel, on rank 0: `inference.engine.executor.WorkerProcesses`, sent every step
         self.graphs = None
         self.prefill_graphs = None
         if self.device.type == "cuda" and not enforce_eager:

@@ -57,7 +57,7 @@ from inference.config import ConfigError, ModelConfig, RopeConfig
 from inference.runner.model_runner import build_metadata
 from inference.model.rope import cos_sin_table
 from inference.scheduling.scheduler import SequenceStatus
-from inference.spec_decode.drafters import DraftContext
+from inference.spec_decode.drafter import DraftContext
 
 # Large negative "sink" logit: the shared attention kernels then compute plain softmax attention.
 NO_SINK = -1.0e30

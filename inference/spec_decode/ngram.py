@@ -17,7 +17,7 @@ import weakref
 from array import array
 
 from inference.scheduling.scheduler import Sequence
-from inference.spec_decode.drafters import DraftContext
+from inference.spec_decode.drafter import DraftContext
 
 
 class NgramDrafter:

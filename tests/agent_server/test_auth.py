@@ -175,7 +175,7 @@ def test_request_ids_are_in_headers_and_logs(fake_server, server_logs):
 
 
 def test_unexpected_errors_show_no_internals(fake_server, server_logs, monkeypatch):
-    from agent_server.responses import routes as responses_api
+    from agent_server.responses import prepare as responses_api
 
     def broken(*args, **kwargs):
         raise RuntimeError("secret internal detail at /srv/app/x.py")

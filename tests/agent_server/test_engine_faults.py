@@ -18,7 +18,9 @@ import time
 import httpx
 import pytest
 
-from inference.engine.core import AsyncEngine, EngineConfig, LLMEngine
+from inference.config import EngineConfig
+from inference.engine.async_engine import AsyncEngine
+from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
 from inference.request import GenerationRequest, SamplingParams
 from tests.conftest import MODEL, LiveServer, make_app

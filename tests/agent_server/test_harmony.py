@@ -8,7 +8,7 @@ import random
 import pytest
 from openai_harmony import Role
 
-from agent_server.citations import CitationStreamer
+from tools.browser.citation_stream import CitationStreamer
 from agent_server.errors import from_validation_error
 from agent_server.harmony import (
     MAX_HEADER_TOKENS,

@@ -14,7 +14,8 @@ from openai_harmony import Conversation, Message, Role, SystemContent
 
 from inference.tokenizer import harmony_encoding
 from tools.mcp_client import McpToolServer, namespace_name, parse_mcp_spec
-from tools.protocol import ToolServerError, ToolSessionGroup, start_tool_servers
+from tools.protocol import ToolSessionGroup
+from tools.servers import ToolServerError, start_tool_servers
 
 
 def make_server() -> MCPServer:

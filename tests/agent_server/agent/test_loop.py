@@ -1,7 +1,7 @@
 """The real tool servers behind the live server, driven through `/v1/responses` by the `openai` SDK.
 
 tests/agent_server/responses/test_routes.py checks the agent loop against fake tool servers; here the tools
-are the ones `oss-agent serve --tool-server ...` starts (`tools.protocol.start_tool_servers`):
+are the ones `oss-agent serve --tool-server ...` starts (`tools.servers.start_tool_servers`):
 a real MCP server (the `mcp` package over streamable HTTP on loopback), the real browser on a
 folder of documents, and the real Python sandbox. The model is scripted (`ScriptedEngine`) or,
 for the MCP and browser paths, the real engine on the tiny checkpoint teacher-forced through the
@@ -49,7 +49,7 @@ def engine(request):
     (with room for the browser's pages: the tiny model has 4096 positions)."""
     if request.param == "fake":
         return ScriptedEngine()
-    from inference.engine.core import AsyncEngine
+    from inference.engine.async_engine import AsyncEngine
 
     checkpoint = request.getfixturevalue("tiny_checkpoint")
     return TeacherForcedEngine(AsyncEngine.from_pretrained(str(checkpoint), device="cpu", max_model_len=2048,
@@ -60,7 +60,7 @@ def serve_app(engine, tmp_path: Path, tool_server_specs: list[str], **tool_optio
     """The app as `oss-agent serve --tool-server SPEC...` builds it, on `engine`."""
     from agent_server.app import create_app
     from agent_server.state import ServerConfig
-    from tools.protocol import start_tool_servers
+    from tools.servers import start_tool_servers
 
     async def tool_servers():
         return await start_tool_servers(tool_server_specs, **tool_options)

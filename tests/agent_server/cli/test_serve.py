@@ -29,7 +29,7 @@ def test_engine_flags_reach_the_engine_config(tiny_checkpoint, tmp_path):
 
 
 def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
-    from inference.engine.core import EngineConfig
+    from inference.config import EngineConfig
 
     app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
     with LiveServer(app) as server:
@@ -50,7 +50,7 @@ def test_bad_engine_flags_are_refused_by_name(flag, value, capsys):
 def test_engine_process_flag_serves_the_same_engine_in_a_child_process(tiny_checkpoint, tmp_path):
     import os
 
-    from inference.engine.core import AsyncEngine
+    from inference.engine.async_engine import AsyncEngine
     from inference.engine.process import EngineProcess
 
     app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"), "--engine-process",

@@ -25,18 +25,14 @@ import torch
 from safetensors import safe_open
 
 from inference.config import ModelConfig
-from inference.engine.core import AsyncEngine, LLMEngine
+from inference.engine.async_engine import AsyncEngine
+from inference.engine.core import LLMEngine
 from inference.scheduling.kv_cache import PageTable
 from inference.model.gpt_oss import GptOssModel
 from inference.runner.model_runner import StepPlan
 from inference.request import GenerationRequest, SamplingParams
-from inference.engine.executor import (
-    TensorParallelError,
-    TensorParallelGroup,
-    check_tensor_parallel_size,
-    shard_layout,
-    valid_sizes,
-)
+from inference.distributed.group import TensorParallelGroup
+from inference.distributed.sharding import TensorParallelError, check_tensor_parallel_size, shard_layout, valid_sizes
 from inference.model.tiny_checkpoint import hf_config_dict, write_tiny_checkpoint
 from tests.engine_runs import drain, tokens_of
 

@@ -63,16 +63,17 @@ def test_tiny_model_float32_two_gpus_equal_one(tmp_path):
 
 def test_full_size_random_20b_two_gpus_match_one():
     from inference.config import GPT_OSS_SHAPES, ModelConfig
-    from inference.engine.core import EngineConfig
-    from inference.engine.executor import ModelSource, start_engine
+    from inference.config import EngineConfig
+    from inference.engine.core import LLMEngine
+    from inference.engine.executor import ModelSource, start_tensor_parallel
     from inference.model.tiny_checkpoint import hf_config_dict
 
     config = ModelConfig.from_dict(hf_config_dict(GPT_OSS_SHAPES["20b"]))
     source = ModelSource(random_config=config, seed=0, decisive_routing=True)  # see random_tensor_source
     batch = prompts(4, 200, seed=1)
     options = dict(num_pages=512, max_model_len=1024, max_num_seqs=8)
-    one = start_engine(source, EngineConfig(**options), device="cuda")
-    two = start_engine(source, EngineConfig(tensor_parallel_size=2, **options), device="cuda")
+    one = start_tensor_parallel(source, EngineConfig(**options), LLMEngine, device="cuda")
+    two = start_tensor_parallel(source, EngineConfig(tensor_parallel_size=2, **options), LLMEngine, device="cuda")
     try:
         assert one.runner.graphs is not None and two.runner.graphs is not None
         ref_logits, our_logits = all_logits(one, batch[0]), all_logits(two, batch[0])

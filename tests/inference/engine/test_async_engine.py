@@ -8,7 +8,9 @@ import asyncio
 
 import pytest
 
-from inference.engine.core import AsyncEngine, EngineConfig, LLMEngine
+from inference.config import EngineConfig
+from inference.engine.async_engine import AsyncEngine
+from inference.engine.core import LLMEngine
 from inference.engine.process import EngineProcess, EngineSpec
 from inference.model.gpt_oss import GptOssModel
 from inference.request import GenerationRequest, SamplingParams

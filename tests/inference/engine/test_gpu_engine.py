@@ -69,7 +69,8 @@ def test_full_size_random_20b_gpu_matches_reference():
     """gpt-oss-20b shapes, random weights (same seed: the same values), the bf16 Triton path with
     CUDA graphs through the engine against the float32 reference backends."""
     from inference.config import GPT_OSS_SHAPES, ModelConfig
-    from inference.engine.core import EngineConfig, LLMEngine
+    from inference.config import EngineConfig
+    from inference.engine.core import LLMEngine
     from inference.model.gpt_oss import GptOssModel
     from inference.model.tiny_checkpoint import hf_config_dict
 

@@ -23,7 +23,8 @@ from collections import Counter
 import pytest
 import torch
 
-from inference.engine.core import EngineConfig, LLMEngine
+from inference.config import EngineConfig
+from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
 from inference.request import GenerationRequest, SamplingParams
 from inference.runner.single_sequence import SingleSequenceCache

@@ -223,7 +223,8 @@ def test_engine_sampling_with_ngram_drafts_matches_the_model(small_vocab_model):
     """Temperature 1 over four tokens (logit_bias lifts them far above the rest): the prompt's
     n-grams recur, so most steps verify drafts. The joint distribution of the first two generated
     tokens over many requests must match the model's exact probabilities (teacher forcing)."""
-    from inference.engine.core import EngineConfig, LLMEngine
+    from inference.config import EngineConfig
+    from inference.engine.core import LLMEngine
     from inference.request import GenerationRequest
     from inference.runner.single_sequence import SingleSequenceCache
 

@@ -16,7 +16,9 @@ import asyncio
 import pytest
 import torch
 
-from inference.engine.core import AsyncEngine, EngineConfig, LLMEngine
+from inference.config import EngineConfig
+from inference.engine.async_engine import AsyncEngine
+from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
 from inference.runner.model_runner import build_metadata
 from inference.request import GenerationRequest, SamplingParams

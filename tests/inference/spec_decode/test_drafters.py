@@ -13,11 +13,12 @@ import random
 
 import pytest
 
-from inference.engine.core import EngineConfig, LLMEngine
+from inference.config import EngineConfig
+from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
 from inference.request import GenerationRequest, SamplingParams
 from inference.runner.single_sequence import generate
-from inference.spec_decode.drafters import DraftContext
+from inference.spec_decode.drafter import DraftContext
 from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from tests.engine_runs import drain, tokens_of
 

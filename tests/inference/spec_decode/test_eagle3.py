@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from inference.config import ConfigError
 from inference.spec_decode.eagle3 import Eagle3Config, Eagle3DraftModel, write_random_eagle3_checkpoint
-from inference.engine.core import EngineConfig, LLMEngine
+from inference.config import EngineConfig
+from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
 from inference.runner.model_runner import build_metadata
 from inference.request import GenerationRequest, SamplingParams

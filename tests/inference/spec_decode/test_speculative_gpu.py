@@ -54,7 +54,8 @@ def prompts() -> list[list[int]]:
 
 
 def run(model, max_tokens: int, **options) -> tuple[list[list[int]], object]:
-    from inference.engine.core import EngineConfig, LLMEngine
+    from inference.config import EngineConfig
+    from inference.engine.core import LLMEngine
     from inference.request import GenerationRequest, SamplingParams
 
     eng = LLMEngine(model, EngineConfig(num_pages=512, max_model_len=1024, max_num_seqs=4, **options))

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from tools.browser import BrowserSession, RetryPolicy
 from tools.browser.exa_backend import ExaBackend
-from tools.protocol import start_tool_servers
+from tools.servers import start_tool_servers
 
 API_KEY = "test-exa-key"
 ARTICLE_URL = "https://www.example.org/sky"

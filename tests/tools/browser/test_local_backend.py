@@ -9,7 +9,7 @@ import pytest
 from tools.browser import BrowserSession
 from tools.browser.local_backend import LocalSearchBackend
 from tools.browser.server import DEMO_CORPUS
-from tools.protocol import start_tool_servers
+from tools.servers import start_tool_servers
 
 VOLCANO_HTML = """<!doctype html><html><head><title>Volcanoes of Iceland</title></head>
 <body><h1>Volcanoes of Iceland</h1>

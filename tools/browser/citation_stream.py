@@ -1,4 +1,4 @@
-"""Browser citations in a streamed answer.
+"""Browser citations in a streamed answer (the marks themselves: `tools/browser/citations.py`).
 
 gpt-oss cites what it read as `【{cursor}†L{start}-L{end}】`. The browser session knows which
 page each cursor was; `resolve_citations(text) -> (text, annotations)` rewrites the marks and
