@@ -5,7 +5,7 @@ experts), measures the device-to-device copy bandwidth in the same process, then
   * decode steps at each batch size with CUDA graphs (model + lm_head + greedy pick + reading the
     ids back to the host, as the engine does each step), every sequence at `--context` tokens;
   * prefill of one `--prefill`-token prompt.
-Batch-1 tok/s is compared with the bandwidth roofline: bytes a token must read (SPEC §2) divided
+Batch-1 tok/s is compared with the bandwidth roofline: bytes a token must read (docs/design.md §2) divided
 by the measured copy bandwidth.
 
     python benchmarks/bench_engine.py --model 20b

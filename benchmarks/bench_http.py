@@ -1,4 +1,4 @@
-"""SPEC §3's HTTP targets on full-size random weights: TTFT through HTTP, and the streaming overhead.
+"""docs/design.md §3's HTTP targets on full-size random weights: TTFT through HTTP, and the streaming overhead.
 
 Builds gpt-oss-20b (or -120b) with random weights on the GPU, as an engine with the options
 `oss-agent serve` uses by default (on CUDA in a process of its own, `EngineProcess`;
@@ -15,13 +15,13 @@ streaming (`bench serve`, in a process of its own), with other prompts of the sa
         mostly decode, and requests end at different times, so new ones join a running batch
         one by one. (With equal lengths, 64 requests ended and 64 new ones arrived together; the
         overhead read 4.8% and 18.1% in two rounds of the same code.)
-  c128  the same with 128 in flight (not a SPEC §3 target; the engine's batch-128 figure is).
+  c128  the same with 128 in flight (not a docs/design.md §3 target; the engine's batch-128 figure is).
 
 Each workload first runs one unmeasured wave (as many requests as it keeps in flight) into the
 engine, so that no measured run pays for compiling the kernels of a new batch shape; then
 `--rounds` rounds, the engine then HTTP each, so the spread between rounds shows beside the
 overhead.
-Streaming overhead = 1 - HTTP output throughput / engine output throughput (SPEC §3: ≤ 5%).
+Streaming overhead = 1 - HTTP output throughput / engine output throughput (docs/design.md §3: ≤ 5%).
 Random weights write no Harmony header, so the server holds their first 48 tokens as a header
 and then streams the rest as text (agent_server/harmony.py). Every token still passes through
 the Harmony parser, and all but those first 48 through SSE one chunk each, as a real model's do.

@@ -1,5 +1,5 @@
 """The GPU's device-to-device copy bandwidth, measured in the benchmark's own process: the
-ceiling that SPEC §2's rooflines divide by."""
+ceiling that docs/design.md §2's rooflines divide by."""
 
 from __future__ import annotations
 

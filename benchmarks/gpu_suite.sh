@@ -9,10 +9,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS; "$@" > "$out/$name.log" 2>&1; local rc=$?;
          echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -n ${TAIL:-25} "$out/$name.log"; }
-step gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest tests/inference/ops/test_rmsnorm.py \
-  tests/inference/ops/test_attention.py tests/inference/ops/test_moe.py tests/inference/ops/test_linear.py tests/inference/engine/test_gpu_engine.py \
-  tests/inference/spec_decode/test_speculative_gpu.py tests/inference/scheduling/test_async_scheduling.py \
-  ${GPU_TESTS_EXTRA:-}
+# The tests marked `gpu`, then the kernel tests (they run their Triton kernels on the GPU when
+# there is one, under the interpreter otherwise).
+step gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/inference ${GPU_TESTS_EXTRA:-}
+step kernel_tests python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests/inference/ops tests/inference/sample \
+  tests/inference/runner
 [ "${1:-}" = quick ] && exit 0
 TAIL=40 step bench_20b python3 benchmarks/bench_engine.py --model 20b --profile --hf --json "$out/bench_20b.json"
 step bench_20b_async python3 benchmarks/bench_engine.py --model 20b --async-scheduling --batches 1,8,64,128

@@ -16,7 +16,7 @@ cost model of the sequences the kernels can use (`_WORD_DECODE_PTX`, `GROUPED_DE
   shared by both registers: AND (1); shift, AND (2); AND, multiply, AND (3); and two shifted
   copies ORed and masked in one LOP3 where neither copy has data at the other's targets (1-3).
 It then checks by exhaustive simulation that the cheapest GEMV layout's sequence unpacks every
-16-bit pattern to the right fp16 bits. BENCHMARKS.md ("A cheaper MXFP4 unpacking") has the result.
+16-bit pattern to the right fp16 bits. docs/benchmark-log.md ("A cheaper MXFP4 unpacking") has the result.
 """
 
 from __future__ import annotations

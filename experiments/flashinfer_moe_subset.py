@@ -2,7 +2,7 @@
 
 flashinfer JIT-compiles `fused_moe_90` from ~250 sources holding ~1,300 CUTLASS kernels (every
 activation x weight type pair, 184 tile/cluster/schedule variants of each); that takes longer
-than a session's device time. gpt-oss needs one pair, bf16 activations x MXFP4 weights, so this
+than is practical on a benchmark machine (tens of minutes). gpt-oss needs one pair, bf16 activations x MXFP4 weights, so this
 script builds that and nothing else, on any machine with nvcc and flashinfer's sources (a GPU is
 not needed; 2 cores took 37 minutes):
 

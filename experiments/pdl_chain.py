@@ -10,7 +10,7 @@ A CUDA graph replays 24 "layers" of A -> B:
 It prints µs a layer for A alone, then for A -> B both ways, for B grids of 8 to 1,440 programs
 of 1 or 4 warps (1,440 one-warp programs is the MoE gate_up GEMV's grid at batch 1). The
 difference between the two B columns is what the wait saves or costs against a launch, behind a
-long streaming kernel and with nothing placed before the wait (BENCHMARKS.md, "Serial round trips
+long streaming kernel and with nothing placed before the wait (docs/benchmark-log.md, "Serial round trips
 out of the decode chain"). Each cell is one timed window of 50 replays, the ordinary launch
 always timed just before the dependent one.
 

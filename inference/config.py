@@ -17,7 +17,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """YaRN rotary embedding parameters (SPEC §1)."""
+    """YaRN rotary embedding parameters (docs/design.md §1)."""
 
     theta: float = 150000.0
     factor: float = 32.0
@@ -27,7 +27,7 @@ class RopeConfig:
     truncate: bool = False
 
 
-# The released models' shapes (SPEC §1) as config.json fields, for benchmarks and tests that
+# The released models' shapes (docs/design.md §1) as config.json fields, for benchmarks and tests that
 # build random-weight models of the real size (`ModelConfig.from_dict(hf_config_dict(...))`).
 _GPT_OSS_COMMON = dict(
     num_experts_per_tok=4, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,

@@ -16,6 +16,20 @@ from pathlib import Path
 import httpx
 import pytest
 
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` (or `gpu(count=N)`): the test needs N CUDA GPUs (default 1); without
+    them it is skipped. The GPU suite selects these with `-m gpu` (benchmarks/gpu_suite.sh)."""
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is not None:
+            needed = marker.kwargs.get("count", 1)
+            if available < needed:
+                item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}"))
+
 MODEL = "gpt-oss-test"
 # The real engine on the tiny checkpoint: float32 on CPU, its context as the load tests need.
 TINY_ENGINE_OPTIONS = dict(device="cpu", max_model_len=1024, num_pages=256, enforce_eager=True)

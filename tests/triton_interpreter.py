@@ -44,7 +44,7 @@ needs_triton = pytest.mark.skipif(
     reason="triton is not installed" if not HAVE_TRITON
     else "triton was imported before TRITON_INTERPRET=1; test_triton_in_fresh_interpreter runs these",
 )
-gpu_only = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA GPU and triton")
+gpu_only = pytest.mark.gpu  # (GPU machines have triton: the `gpu` extra)
 fresh_process_only = pytest.mark.skipif(not HAVE_TRITON or CUDA or IN_PROCESS,
                                         reason="the Triton tests run in this process")
 DEVICE = torch.device("cuda" if CUDA else "cpu")

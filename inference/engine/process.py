@@ -3,7 +3,7 @@
 In one process the HTTP server's event loop and `AsyncEngine`'s thread share one GIL. At 64
 streams the server spends tens of microseconds of Python on every token it streams (SSE, JSON,
 the Harmony parser), so the engine thread waits for the GIL between its steps and decode slows
-down (BENCHMARKS.md, "Through HTTP"). `EngineProcess` runs the same loop (`EngineDriver`) in a
+down (docs/benchmark-log.md, "Through HTTP"). `EngineProcess` runs the same loop (`EngineDriver`) in a
 child process with its own interpreter:
 
     server process (event loop)                  engine process (its loop)

@@ -1,4 +1,4 @@
-"""gpt-oss, the model itself, written to mirror SPEC §1.
+"""gpt-oss, the model itself, written to mirror docs/design.md §1.
 
 One forward call processes a flat, ragged batch of new tokens (any mix of prefill chunks and
 decode tokens) against a paged KV cache; see `inference/ops/attention/reference.py` for the step metadata.

@@ -1,4 +1,4 @@
-"""YaRN rotary position embeddings as gpt-oss uses them (SPEC §1), "rotate half" style."""
+"""YaRN rotary position embeddings as gpt-oss uses them (docs/design.md §1), "rotate half" style."""
 
 from __future__ import annotations
 

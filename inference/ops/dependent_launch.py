@@ -15,7 +15,7 @@ The rules every kernel taking a `PDL: tl.constexpr` follows:
   MoE down GEMV reads the router's logits there);
 - after it, everything earlier in the stream is complete, as with ordinary launches.
 
-Which kernels launch as dependents is measured, not assumed (BENCHMARKS.md, "Programmatic
+Which kernels launch as dependents is measured, not assumed (docs/benchmark-log.md, "Programmatic
 dependent launch"): the decode GEMVs for qkv and o_proj (their first weight tile and bias loaded
 before the wait), the MoE down GEMV (its expert picked and its bias read before the wait), the
 decode router and the add + RMSNorm kernel (the router's rows and bias, the norm weight read

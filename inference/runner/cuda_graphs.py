@@ -72,7 +72,7 @@ def record_graph(step, pool=None, warmups: int = 2):
     autograd and DDP state, which inference has none of). On an H200 the two gave the same engine
     tok/s, but `experiments/pdl_chain.py`'s chain, warmed up on a side stream, replayed every
     ordinary launch boundary 0.7 us slower and every dependent one 0.2 us slower, wherever it was
-    captured (BENCHMARKS.md)."""
+    captured (docs/benchmark-log.md)."""
     for _ in range(warmups):
         step()
     graph = torch.cuda.CUDAGraph()
@@ -233,7 +233,7 @@ class PrefillGraphRunner:
     An eager step is ~270 launches; where each costs tens of microseconds of host time (50 under
     gVisor), a step of a few hundred tokens is host-bound: 18.0 ms wall against 9.5 ms of kernels
     for a 323-token prompt, and 28 ms against 11-16 for 64 sequences with a prompt among them
-    (H200, BENCHMARKS.md).
+    (H200, docs/benchmark-log.md).
 
     `run` pads the step's n tokens to Q with one more sequence after the real ones: Q - n tokens
     at positions 0.. on page 0 (a block-table row of zeros), writing no K/V (slot -1), its rows

@@ -72,7 +72,7 @@ def test_metrics_move_as_requests_are_served(fake_server, fake_tools):
 
 def test_streams_reach_the_engine_before_the_response_starts(tmp_path):
     """Chat and Responses streams hand the request to the engine before they send anything, so
-    the engine prefills while the stream is being set up (SPEC §3's first token through HTTP)."""
+    the engine prefills while the stream is being set up (docs/design.md §3's first token through HTTP)."""
     order: list[str] = []
     engine = ScriptedEngine()
     scripted_generate = engine.generate

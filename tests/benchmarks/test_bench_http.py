@@ -1,4 +1,4 @@
-"""benchmarks/bench_http.py (SPEC §3's HTTP targets) and the random-weight engine it serves, on CPU.
+"""benchmarks/bench_http.py (docs/design.md §3's HTTP targets) and the random-weight engine it serves, on CPU.
 
 On the GPU the script builds full-size random weights; here the same code paths run on the tiny
 shapes: `LLMEngine.from_random`, `oss-agent bench engine --random-weights`, and the script's

@@ -1,11 +1,6 @@
-"""The `browser` tool: search, open and find, over Exa or a local folder of documents."""
+"""The `browser` tool: search, open and find, over Exa or a local folder of documents.
 
-from tools.browser.backend import BackendError, RetryPolicy, SearchBackend
-from tools.browser.citations import resolve_citations
-from tools.browser.documents import SearchHit
-from tools.browser.page import Page
-from tools.browser.server import BrowserToolServer
-from tools.browser.session import BrowserSession
-
-__all__ = ["BackendError", "BrowserSession", "BrowserToolServer", "Page", "RetryPolicy",
-           "SearchBackend", "SearchHit", "resolve_citations"]
+`server.py` is the tool server, `session.py` one response's browsing, `backend.py` the search
+backends' interface (`exa_backend.py`, `local_backend.py`), `page.py` a page as the model sees
+it, `citations.py` and `citation_stream.py` the model's citation marks turned into links.
+"""

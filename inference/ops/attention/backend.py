@@ -93,7 +93,7 @@ class TritonAttentionBackend(AttentionBackend):
 class FlashInferAttentionBackend(TritonAttentionBackend):
     """flashinfer's paged sink attention where it is faster, the Triton kernels elsewhere.
 
-    The split was measured on an H200 (BENCHMARKS.md, "Which backend runs where"):
+    The split was measured on an H200 (docs/benchmark-log.md, "Which backend runs where"):
       * full-attention layers of a step with at least `FLASHINFER_MIN_TOKENS` new tokens: flashinfer
         (FA3 on Hopper): its kernel is 1.09x (2k tokens) to 1.23x (8k) faster than Triton's, but
         planning a step costs ~1 ms of host time, so whole-model prefill gains only from 8k tokens

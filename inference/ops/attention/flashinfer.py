@@ -2,7 +2,7 @@
 
 flashinfer (0.7.x, optional: the `gpu` extra) has no gpt-oss attention of its own, but its
 batch prefill kernels take a custom "AttentionSink" variant (`BatchAttentionWithAttentionSinkWrapper`):
-one extra per-head logit in every softmax denominator, which is the sink of SPEC §1, and a
+one extra per-head logit in every softmax denominator, which is the sink of docs/design.md §1, and a
 left window, which is the sliding layers' mask. Both the FA2 (any CUDA GPU) and FA3 (Hopper)
 kernels exist; they are compiled by flashinfer's JIT on first use and cached on disk
 (`~/.cache/flashinfer`), so the first start on a machine takes minutes (`warmup` does it up front).
@@ -22,7 +22,7 @@ flashinfer plans a step on the host (`plan`: work partitioning from the sequence
 cannot plan inside a CUDA graph. Plans are made once per step and attention kind (full or
 sliding) and reused by every layer of that kind.
 
-Which kernel runs where is measured (`benchmarks/bench_attention.py`, BENCHMARKS.md "Which
+Which kernel runs where is measured (`benchmarks/bench_attention.py`, docs/benchmark-log.md "Which
 backend runs where"): flashinfer where it is faster, the Triton kernels elsewhere. Decode steps
 run inside CUDA graphs and stay on Triton, which reaches 91-99% of copy bandwidth there.
 """

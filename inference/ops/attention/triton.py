@@ -257,7 +257,7 @@ def _sequence_tiles(CuSeqlensQ, b0, num_seqs, BLOCK_T: tl.constexpr, BLOCK_B: tl
 
 
 # The counts and the block table's width change from step to step; specialised on (divisible by
-# 16, or 1), each new combination compiled a variant while serving (1.5 s stalls, BENCHMARKS.md).
+# 16, or 1), each new combination compiled a variant while serving (1.5 s stalls, docs/benchmark-log.md).
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     Q, K, V, Sinks, BlockTables, ContextLens, CuSeqlensQ, Out,
@@ -340,7 +340,7 @@ class DecodeConfig:
     """Launch shape of the decode kernel; None = pick from the batch and context.
 
     block_n: keys per loop step: 64 while the grid (splits included) has at most `waves`
-    programs a multiprocessor, 32 past that (an H200 sweep, BENCHMARKS.md: at 64 sequences
+    programs a multiprocessor, 32 past that (an H200 sweep, docs/benchmark-log.md: at 64 sequences
     x 1k keys one split of 64-key steps takes 40.6 us against 45.7 for two of 32-key steps; at
     128 sequences, 1024 programs, 32-key steps win).
     """
@@ -356,7 +356,7 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch shape of the prefill kernel (best of a sweep on an H100: BENCHMARKS.md)."""
+    """Launch shape of the prefill kernel (best of a sweep on an H100: docs/benchmark-log.md)."""
 
     rows: int = 128  # tile rows = BLOCK_T tokens x G_PAD heads
     block_n: int = 64
@@ -377,7 +377,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_keys: int, sm_count: in
     within `waves` programs a multiprocessor (rounded down: a partial extra wave costs more
     than it hides), each with >= split_keys keys. Small batches are latency-bound: at batch 1
     and 1k keys 16 one-block splits take 5.3 us against 7.7 for 4 of 256 keys (H200,
-    BENCHMARKS.md)."""
+    docs/benchmark-log.md)."""
     if cfg.num_splits is not None:
         return cfg.num_splits
     if max_keys <= cfg.min_chunk:
@@ -507,7 +507,7 @@ def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out
     )
     if split:
         # A dependent: placed while the splits run, it waits for their partials first thing
-        # (batch 1: 663-665 against 660-663 tok/s, H200, BENCHMARKS.md).
+        # (batch 1: 663-665 against 660-663 tok/s, H200, docs/benchmark-log.md).
         _combine_kernel[(batch, hq)](
             part_acc, part_max, part_sum, sinks, out, out.stride(0), out.stride(1), splits,
             NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,

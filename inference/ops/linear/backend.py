@@ -2,7 +2,7 @@
 
 At decode a step multiplies a handful of token rows by each projection's weights, and the time is
 reading the weights. `inference/ops/linear/triton.py` streams W in one pass. Measured on an
-H200 (BENCHMARKS.md, `benchmarks/bench_dense.py`), it wins for o_proj (4096 -> 2880): 9.0 us
+H200 (docs/benchmark-log.md, `benchmarks/bench_dense.py`), it wins for o_proj (4096 -> 2880): 9.0 us
 against cuBLAS's 11.9 at 1 row (62% against 46% of copy bandwidth), and ahead up to 16 rows; and
 for qkv (2880 -> 5120) at 1 row only (10.0 against 11.0 us; 14% behind at 2 to 16 rows). cuBLAS
 keeps the rest, the lm_head (already at copy speed) and the router.

@@ -30,12 +30,12 @@ a pad of x and a copy of the output. Nothing reads a GPU value on the host and t
 reused, so a step can be captured in a CUDA graph. Without tuning flashinfer runs its first
 tactic (a 64x16x128 tile); `FlashInferMoEBackend.autotune` profiles tactics for given batches.
 
-Status (2026-11-24, H200): measured (BENCHMARKS.md, "flashinfer's fused MoE, measured"). With
+Status (2026-11-24, H200): measured (docs/benchmark-log.md, "flashinfer's fused MoE, measured"). With
 its fastest built tactics it is 3x slower than the Triton kernels at batch 1, 1.18x at 64 tokens
 and 1.07x at 2048 (20b); only 120b at 2048 tokens ties (1% ahead, within noise). Its default
 tactic is 2.3-2.9x slower at 2048 tokens, and its autotuner needs more JIT modules. So
 this backend stays opt-in (`select_moe_backend(dev, "flashinfer")`). Its full JIT build takes
-longer than a session's device time here; `experiments/flashinfer_moe_subset.py` builds the bf16
+longer than is practical on a benchmark machine (tens of minutes); `experiments/flashinfer_moe_subset.py` builds the bf16
 x MXFP4 part alone, on any machine with nvcc. `tests/inference/ops/test_moe_flashinfer.py` checks it
 against the reference (it passes; on a mismatch it prints which convention would fit).
 """

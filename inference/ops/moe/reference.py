@@ -1,4 +1,4 @@
-"""The gpt-oss mixture-of-experts block: router, top-k, clamped SwiGLU experts (SPEC §1).
+"""The gpt-oss mixture-of-experts block: router, top-k, clamped SwiGLU experts (docs/design.md §1).
 
 Expert weights come either packed in MXFP4 (HF layout, kept packed until used) or dense:
     packed: gate_up_blocks [E, 2I, H/32, 16] u8, gate_up_scales [E, 2I, H/32] u8,

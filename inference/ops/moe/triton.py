@@ -41,7 +41,7 @@ Weight layout (per expert, a matrix W [N, K] used as y = x W^T):
     output), then its 8 up rows, so the GEMV's gate and up rows are one chunk and the SwiGLU
     epilogue pairs gate row n with up row n.
 Against whole rows with a separate scale array, this layout took the 20b MoE layer from 31 to
-28 us at batch 1 and from 231 to 206 us at 64 tokens (H200, BENCHMARKS.md "Row groups").
+28 us at batch 1 and from 231 to 206 us at 64 tokens (H200, docs/benchmark-log.md "Row groups").
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ and.b32 h3, t, 0x8E008E00;
 # Products with bf16 x are exact in fp16 (2 + 8 significant bits); the SwiGLU output, stored
 # with 11, rounds once more in its products. Each fp16 sum has 2 terms a word (at most 12 each,
 # so 4 words stay far from fp16's range): 4.8e-4 relative to the float32 reference on gpt-oss
-# shapes with 2 words, below a bf16 output's rounding (BENCHMARKS.md).
+# shapes with 2 words, below a bf16 output's rounding (docs/benchmark-log.md).
 # Operands: $2.. the words; then per word 4 registers: the x pairs of its low values from
 # bytes (0, 2) and (1, 3), then those of its high values. `_word_pair_dot_emulated` is the
 # same function in Triton ops, a pair of words at a time. The GEMVs run 4 words a call: half
@@ -485,7 +485,7 @@ def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.con
 
 
 # The step's counts are not specialised on (divisible by 16, or 1): eager steps of other sizes
-# would compile variants while serving (a 0.24 s stall at 64 streams, BENCHMARKS.md).
+# would compile variants while serving (a 0.24 s stall at 64 streams, docs/benchmark-log.md).
 @triton.jit(do_not_specialize=["T"])
 def _router_partial_kernel(
     x_ptr, wr_ptr, partial_ptr, out_ptr, counters_ptr, T, H, E, stride_x, k_per_split,
@@ -675,7 +675,7 @@ def _gemv_loop(acc, w_rows, s_rows, x_row, num_tiles, CHUNK: tl.constexpr, BLOCK
     pass the tiles of whole pairs (the layout's zero padding included, against activations
     padded with zeros), so with 2-tile steps there is no partial step: one issued after the
     pipeline has drained waits a whole memory round trip of its own, 0.4-0.6 us a GEMV at 45
-    tiles (H200, BENCHMARKS.md)."""
+    tiles (H200, docs/benchmark-log.md)."""
     full = num_tiles // BLOCK_U * BLOCK_U
     for t0 in tl.range(0, full, BLOCK_U, num_stages=STAGES):
         acc = _gemv_step(acc, w_rows, s_rows, x_row, t0, num_tiles, CHUNK, BLOCK_U, ASM, False)
@@ -927,7 +927,7 @@ def _grouped_down_kernel(
 @dataclass(frozen=True)
 class MoEKernelConfig:
     """Launch choices; the defaults are the fastest of `benchmarks/bench_moe.py --sweep` on an
-    H200 (BENCHMARKS.md, "MoE kernels")."""
+    H200 (docs/benchmark-log.md, "MoE kernels")."""
 
     decode_max_tokens: int = 16  # T above this takes the grouped path
     # ... and so do batches with more (token, slot) pairs than this times the experts: the GEMVs
@@ -937,7 +937,7 @@ class MoEKernelConfig:
     decode_max_pairs_per_expert: float | None = 1.0
     # The grouped path's five kernels launch as programmatic dependents (`dependent_launch`) up
     # to this many tokens: +1.6% engine tok/s at 16 and 64 tokens, -0.5% at 128 and -3% for a
-    # 2048-token prefill (H200, BENCHMARKS.md).
+    # 2048-token prefill (H200, docs/benchmark-log.md).
     grouped_pdl_max_tokens: int = 64
     # GEMVs: small one-warp programs. They are latency-bound (few warps in flight), and many
     # small programs without cross-warp barriers keep more loads in flight than big ones.
@@ -995,7 +995,7 @@ def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
     # the MMA columns a half-empty block wastes (at 16 pairs an expert 32-token blocks beat 16
     # by 22%). 128-token blocks need twice the registers (half the programs resident), which
     # pays only once the mean count fills 1.5 of them (at 64 and 128 pairs an expert, 64-token
-    # blocks beat 128 by 10% and 2%, at 256 128 wins by 6%; BENCHMARKS.md).
+    # blocks beat 128 by 10% and 2%, at 256 128 wins by 6%; docs/benchmark-log.md).
     per_expert = pairs / num_experts
     if per_expert >= 192:
         return 128
@@ -1047,7 +1047,7 @@ def decode_router(x: torch.Tensor, router_weight: torch.Tensor, router_bias: tor
     inv_scale = torch.empty(t_count, dtype=torch.float32, device=dev)
     # 4 experts a program on 4 warps: at T = 8 the 120b router with its add + norm took 3.0-3.1
     # us against 3.7 for 2 experts on 8 warps, and at T = 1 the same 2.1-2.3 us
-    # (`experiments/bench_router.py`, H200, BENCHMARKS.md).
+    # (`experiments/bench_router.py`, H200, docs/benchmark-log.md).
     experts_per_program = 4
     programs = triton.cdiv(num_experts, experts_per_program)
     residual, (delta, norm_weight, eps) = None, add_norm or (x, x, 0.0)

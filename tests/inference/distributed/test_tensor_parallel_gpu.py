@@ -21,7 +21,7 @@ import torch
 
 from tests.gpu_comparison import choice_gaps, compare_greedy, greedy, prompts
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+pytestmark = pytest.mark.gpu(count=2)
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 

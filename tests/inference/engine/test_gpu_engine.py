@@ -27,7 +27,7 @@ import torch
 from tests.gpu_comparison import choice_gaps, compare_greedy, decisive_routing, greedy, model_scorer, prompts
 
 CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 

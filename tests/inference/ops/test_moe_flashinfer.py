@@ -32,13 +32,15 @@ from tests.moe_layers import random_mxfp4_layer
 CUDA = torch.cuda.is_available()
 HAVE_FLASHINFER = flashinfer_available()
 SM90 = CUDA and HAVE_FLASHINFER and flashinfer_supports("cuda")
-gpu = pytest.mark.skipif(
-    not SM90,
-    reason="needs CUDA" if not CUDA else "needs flashinfer" if not HAVE_FLASHINFER else "needs an SM90 GPU",
-)
+_sm90 = pytest.mark.skipif(CUDA and not SM90, reason="needs flashinfer" if not HAVE_FLASHINFER else "needs an SM90 GPU")
+
+
+def gpu(test):
+    """An SM90 GPU with flashinfer (skipped without CUDA by the `gpu` marker)."""
+    return pytest.mark.gpu(_sm90(test))
 # OSS_AGENT_FLASHINFER_MOE_MODULE: a subset build of flashinfer's fused-MoE module
 # (experiments/flashinfer_moe_subset.py) to test instead of its JIT build, which takes longer than
-# a session's device time. That build holds no other JIT module, so the router stays in torch.
+# is practical (tens of minutes). That build holds no other JIT module, so the router stays in torch.
 PREBUILT_MODULE = os.environ.get("OSS_AGENT_FLASHINFER_MOE_MODULE")
 if PREBUILT_MODULE and SM90:
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "experiments"))

@@ -81,7 +81,7 @@ def test_triton_kernel_matches_reference_in_the_interpreter():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-@pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.gpu
 def test_gpu_kernel_matches_reference_bf16():
     namespace: dict = {}
     exec(CHECK, namespace)

@@ -117,8 +117,6 @@ def test_fill_leaves_nothing_of_a_longer_earlier_step():
 def eager_against_graphs(drive, **options):
     """`drive(engine)` -> per request (tokens, logprobs, top-2 margins), on the float32 tiny model
     eagerly and with graphs: ({eager: its result}, the q_lens of each step graph replayed)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     from inference.engine.core import LLMEngine
 
     config = ModelConfig.from_dict(hf_config_dict())
@@ -144,6 +142,7 @@ def assert_first_tokens_agree(runs) -> None:
             assert abs(logprobs_e[0] - logprobs_g[0]) < 0.05
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("chunk", [8, 8192])
 def test_engine_short_prefills_replay_the_graphs_and_match_eager(chunk):
     """float32 tiny model through the engine, eager against graphs; greedy tokens equal up to each
@@ -165,6 +164,7 @@ def test_engine_short_prefills_replay_the_graphs_and_match_eager(chunk):
     assert_first_tokens_agree(runs)
 
 
+@pytest.mark.gpu
 def test_engine_requests_joining_a_batch_replay_step_graphs_and_match_eager():
     """float32 tiny model through the engine, eager against graphs, requests joining one by one
     while the others decode: their prompts prefill beside decode rows, in one step graph each

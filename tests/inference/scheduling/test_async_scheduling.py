@@ -312,7 +312,7 @@ async def test_async_engine_thread_with_async_scheduling(model):
         await eng.shutdown()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path):
     """The CUDA path: pinned staging buffers, one non-blocking input copy, ids read back by event
     while the next CUDA-graph step runs. float32 tiny model; compared up to each sequence's first
@@ -354,7 +354,7 @@ def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path):
     assert compared >= total // 2, f"only {compared} of {total} tokens were clear enough to compare"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_gpu_steady_decode_never_waits_for_the_stream_but_to_read_ids(tmp_path, monkeypatch):
     """With async scheduling, the only wait per decode step must be for that step's own sampled
     ids (`HostCopy.get`): any other synchronising call (a blocking copy, `.item()`, `.tolist()`

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 MARGIN = 0.25
 WORDS = [1000 + 37 * i for i in range(6)]

@@ -14,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tools.browser import BrowserSession, RetryPolicy
+from tools.browser.backend import RetryPolicy
+from tools.browser.session import BrowserSession
 from tools.browser.exa_backend import ExaBackend
 from tools.servers import start_tool_servers
 

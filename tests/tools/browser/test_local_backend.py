@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.browser import BrowserSession
+from tools.browser.session import BrowserSession
 from tools.browser.local_backend import LocalSearchBackend
 from tools.browser.server import DEMO_CORPUS
 from tools.servers import start_tool_servers

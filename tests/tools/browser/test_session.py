@@ -7,7 +7,11 @@ import json
 import pytest
 
 from inference.tokenizer import harmony_encoding
-from tools.browser import BackendError, BrowserSession, BrowserToolServer, Page, SearchHit
+from tools.browser.backend import BackendError
+from tools.browser.documents import SearchHit
+from tools.browser.page import Page
+from tools.browser.server import BrowserToolServer
+from tools.browser.session import BrowserSession
 from tools.browser.citations import resolve_citations
 from tools.browser.documents import page_from_html, page_from_markdown, search_results_page
 from tools.browser.html_text import html_to_text
