@@ -111,6 +111,26 @@ def split_specs(specs: Sequence[str]) -> list[str]:
     return [part.strip() for spec in specs for part in spec.split(",") if part.strip()]
 
 
+BUILT_IN = ("demo", "browser", "python")
+
+
+def check_specs(specs: Sequence[str], *, timeout: float = 5.0) -> None:
+    """Check `--tool-server` values before anything starts: each is a built-in name or an MCP
+    server's address that accepts connections. ToolServerError (one line, naming the value) if not."""
+    from .mcp_client import parse_mcp_spec, unreachable
+
+    for spec in split_specs(specs):
+        if spec in BUILT_IN:
+            continue
+        try:
+            _, url = parse_mcp_spec(spec)
+        except ValueError as e:
+            raise ToolServerError(str(e)) from None
+        reason = unreachable(url, timeout)
+        if reason is not None:
+            raise ToolServerError(f"cannot reach the MCP server {spec!r} at {url}: {reason}")
+
+
 async def start_tool_servers(
     specs: Sequence[str],
     *,
@@ -144,7 +164,7 @@ async def start_tool_servers(
                     exa_base_url=exa_base_url))
             if spec in ("demo", "python") and not any(s.kind == "python" for s in servers):
                 servers.append(await PythonToolServer.start(python_limits))
-            if spec in ("demo", "browser", "python"):
+            if spec in BUILT_IN:
                 continue
             label, url = parse_mcp_spec(spec)
             taken = {s.name for s in servers} | {"browser", "python", "functions"}
