@@ -186,6 +186,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         raise APIError(f"'max_output_tokens' is too large: the input is {len(prompt)} tokens and this model's "
                        f"context is {engine.max_model_len}, so at most {room} output tokens fit; got "
                        f"{req.max_output_tokens}.", param="max_output_tokens", code="context_length_exceeded")
+    max_output_tokens = config.output_limit(req.max_output_tokens, room)
 
     response_id = new_id("resp")
     sampling = SamplingParams(
@@ -198,7 +199,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         prompt=prompt,
         tools=active,
         sampling=sampling,
-        max_output_tokens=req.max_output_tokens,
+        max_output_tokens=max_output_tokens,
         max_tool_calls=req.max_tool_calls,
         include=include,
         container_id=container if isinstance(container, str) and container != "auto" else new_id("cntr"),
@@ -210,7 +211,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     return PreparedResponse(
         request=req,
         task=task,
-        response=_initial_snapshot(req, response_id, instructions),
+        response=_initial_snapshot(req, response_id, instructions, max_output_tokens),
         history=history,
         new_messages=converted.messages,
         input_items=listed_input_items(items),
@@ -359,7 +360,9 @@ def _response_format(req: ResponseCreateRequest) -> dict[str, Any] | None:
     return None
 
 
-def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str) -> SDKResponse:
+def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str,
+                      max_output_tokens: int | None) -> SDKResponse:
+    """max_output_tokens: the limit the response runs under (the request's, or the server's default)."""
     text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
     text.setdefault("format", {"type": "text"})
     reasoning = {"effort": req.effort}
@@ -377,7 +380,7 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
         "error": None,
         "incomplete_details": None,
         "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens,
+        "max_output_tokens": max_output_tokens,
         "max_tool_calls": req.max_tool_calls,
         "previous_response_id": req.previous_response_id,
         "parallel_tool_calls": req.parallel_tool_calls,
