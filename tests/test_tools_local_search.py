@@ -182,3 +182,20 @@ async def test_a_search_with_no_results_says_so(library):
     assert result.details["sources"] == []
     await backend.aclose()
 
+
+
+def test_an_installed_server_has_the_demo_corpus(tmp_path):
+    # The corpus was not package data: a server installed from a wheel had no documents to search.
+    import subprocess
+    import sys
+    import zipfile
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(root)], check=True, capture_output=True, timeout=600)
+    [wheel] = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        corpus = {Path(name).name: archive.read(name) for name in archive.namelist()
+                  if name.startswith("tools/browser/demo_corpus/")}
+    assert set(corpus) == {path.name for path in DEMO_CORPUS.iterdir()}
+    assert corpus["README.md"] == (root / "README.md").read_bytes()  # the file, not a link to it

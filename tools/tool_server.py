@@ -144,8 +144,8 @@ async def start_tool_servers(
 
     - "demo": the built-in browser and python, in-process ("browser" or "python" alone also
       work). The browser searches the folder `search_dir` when given, else the web through Exa
-      when an Exa key is given or in EXA_API_KEY, else a small bundled folder of documents
-      about gpt-oss and this server (`tools/browser/demo_corpus`).
+      when an Exa key is given or in EXA_API_KEY, else a small bundled folder of documents:
+      this project's README and BENCHMARKS, and three pages about gpt-oss (`tools/browser/demo_corpus`).
     - "host:port", "http(s)://host:port/path" or "label=<either>": an MCP server over
       streamable HTTP (path "/mcp" when none is given), its tools listed now.
     Raises `ToolServerError` (after closing what it started) if one cannot be started.
