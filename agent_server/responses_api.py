@@ -178,14 +178,15 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     prompt = render_prompt(head + conversation)
     if req.truncation == "auto" and not _fits(prompt, engine.max_model_len, req.max_output_tokens):
         prompt = _truncated(head, conversation, engine.max_model_len, req.max_output_tokens) or prompt
+    why = _why_truncation_did_not_help(head, conversation) if req.truncation == "auto" else ""
     if len(prompt) >= engine.max_model_len:
-        raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens.",
-                       param="input", code="context_length_exceeded")
+        raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens."
+                       f"{why}", param="input", code="context_length_exceeded")
     room = engine.max_model_len - len(prompt)
     if req.max_output_tokens is not None and req.max_output_tokens > room:
         raise APIError(f"'max_output_tokens' is too large: the input is {len(prompt)} tokens and this model's "
                        f"context is {engine.max_model_len}, so at most {room} output tokens fit; got "
-                       f"{req.max_output_tokens}.", param="max_output_tokens", code="context_length_exceeded")
+                       f"{req.max_output_tokens}.{why}", param="max_output_tokens", code="context_length_exceeded")
     max_output_tokens = config.output_limit(req.max_output_tokens, room)
 
     response_id = new_id("resp")
@@ -225,6 +226,17 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
     return len(prompt) < max_model_len and (max_output_tokens is None
                                             or len(prompt) + max_output_tokens <= max_model_len)
+
+
+def _why_truncation_did_not_help(head: list[Message], conversation: list[Message]) -> str:
+    """For the 400 when truncation="auto" still leaves too much: it only drops whole earlier turns."""
+    starts = [i for i, m in enumerate(conversation) if i > 0 and m.author.role == Role.USER]
+    if not starts:
+        return (" truncation='auto' could not help: it drops whole earlier turns, oldest first, and this input is a "
+                "single turn (it never cuts into the last user message).")
+    left = len(render_prompt(head + conversation[starts[-1]:]))
+    return (f" truncation='auto' dropped every earlier turn, but the last one on its own (from its user message, "
+            f"with the instructions and tools) is still {left} tokens.")
 
 
 def _truncated(head: list[Message], conversation: list[Message], max_model_len: int,
