@@ -117,3 +117,13 @@ def test_the_log_says_when_the_server_is_ready(tmp_path, caplog):
         with LiveServer(make_app(ScriptedEngine, tmp_path / "r.db")) as server:
             assert httpx.get(f"{server.url}/ready").status_code == 200
     assert "ready: serving gpt-oss-test (context 8192 tokens); /ready answers 200 from now on" in caplog.text
+
+
+def test_ci_runs_the_test_command_the_readme_prints():
+    # One command: what a user runs from the README is what CI runs, slow tests included.
+    blocks = re.findall(r"```bash\n(.*?)```", readme_section("Set up"), re.S)
+    [readme_command] = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()
+                        if "pytest" in line]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if re.match(r"\s*python3 -m pytest", line)]
+    assert ci == [readme_command] and "-m" not in readme_command.split("pytest", 1)[1].split()  # (no marker left out)
