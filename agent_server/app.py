@@ -161,7 +161,8 @@ class ReadinessGate:
         if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self.state.ready \
                 and not scope["path"].startswith("/v1/models"):
             error = self.state.extra.get("load_error")
-            message = f"The model failed to load: {error}" if error else "The model is still loading; retry shortly."
+            message = (f"The model failed to load: {error}" if error else
+                       "The model is still loading; retry shortly (GET /ready answers 200 once it is loaded).")
             return await APIError(message, status=503, code="model_not_ready", type="server_error").response()(
                 scope, receive, send)
         return await self.app(scope, receive, send)
