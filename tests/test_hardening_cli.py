@@ -396,3 +396,28 @@ def test_the_random_default_model_is_capped_named_and_says_so(tmp_path, caplog, 
     config = serve_captured(["--model", str(tmp_path / "gpt-oss-20b")])["app"].state.server.config
     assert (config.random_weights, config.default_max_output_tokens) == (False, None)
     assert not config.serves("gpt-oss-120b")
+
+
+def test_a_tool_server_that_is_there_but_no_mcp_server_fails_in_one_line(tiny_checkpoint, tmp_path):
+    # Something listens, so the check before startup passes; the MCP handshake then fails while
+    # the server starts. That is the configuration's fault: one line, not two chained tracebacks.
+    import http.server
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        spec = f"127.0.0.1:{web.server_address[1]}"
+        result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tiny_checkpoint),
+                                 "--store", str(tmp_path / "r.db"), "--port", "0", "--tool-server", spec,
+                                 "--tool-timeout", "10"], capture_output=True, text=True, timeout=300,
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    finally:
+        web.shutdown()
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"startup failed: could not start tool server: cannot reach the MCP server at http://{spec}/mcp" \
+        in result.stderr
