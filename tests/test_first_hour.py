@@ -127,3 +127,10 @@ def test_ci_runs_the_test_command_the_readme_prints():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if re.match(r"\s*python3 -m pytest", line)]
     assert ci == [readme_command] and "-m" not in readme_command.split("pytest", 1)[1].split()  # (no marker left out)
+
+
+def test_the_readmes_cpu_torch_is_one_the_package_keeps():
+    # A torch outside the package's range would be replaced by the next install: by the CUDA build.
+    wanted = re.search(r'^\s*"(torch[<>=!~][^"]*)",', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    [line] = [line for line in readme_section("Set up").splitlines() if "download.pytorch.org/whl/cpu" in line]
+    assert f'"{wanted}"' in line
