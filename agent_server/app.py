@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from inference.request import EngineClient
+from tools.servers import ToolServerError
 
 from agent_server import playground
 from agent_server.chat import routes as chat_routes
@@ -95,6 +96,9 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "owned_by": "oss-agent",
         "context_length": engine.max_model_len if engine else None,
         "max_model_len": engine.max_model_len if engine else None,
+        # (not OpenAI's: what a client should know about this server's model)
+        "random_weights": state.config.random_weights,
+        "default_max_output_tokens": state.config.default_max_output_tokens,
     }
 
 
@@ -159,7 +163,8 @@ class ReadinessGate:
         if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self.state.ready \
                 and not scope["path"].startswith("/v1/models"):
             error = self.state.extra.get("load_error")
-            message = f"The model failed to load: {error}" if error else "The model is still loading; retry shortly."
+            message = (f"The model failed to load: {error}" if error else
+                       "The model is still loading; retry shortly (GET /ready answers 200 once it is loaded).")
             return await APIError(message, status=503, code="model_not_ready", type="server_error").response()(
                 scope, receive, send)
         return await self.app(scope, receive, send)
@@ -196,11 +201,15 @@ def create_app(
             engine = await build_engine()
             state.engine = engine
             state.extra["loaded_at"] = time.time()
-            log.info("serving %s (context %d tokens)", config.model_name, engine.max_model_len)
+            log.info("ready: serving %s (context %d tokens); /ready answers 200 from now on",
+                     config.model_name, engine.max_model_len)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # reported by /health and /ready
-            log.exception("startup failed")
+            if isinstance(e, ToolServerError):  # the configuration's fault, said in one line
+                log.error("startup failed: %s", e)
+            else:
+                log.exception("startup failed")
             state.extra["load_error"] = f"{type(e).__name__}: {e}"
             if on_load_error is not None:
                 on_load_error(state.extra["load_error"])

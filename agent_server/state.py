@@ -34,9 +34,19 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight responses get to finish when stopping
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
     sse_ping_seconds: float = 15.0
+    # The output limit of a request that sets none (None: the rest of the context).
+    default_max_output_tokens: int | None = None
+    random_weights: bool = False  # the tiny default model: /v1/models says so, and the playground
 
     def serves(self, model: str) -> bool:
         return model == self.model_name or model in self.aliases
+
+    def output_limit(self, requested: int | None, room: int) -> int | None:
+        """The output tokens a request gets: its own limit, else the server's default (within
+        the `room` its prompt leaves), else None (up to the end of the context)."""
+        if requested is not None or self.default_max_output_tokens is None:
+            return requested
+        return min(self.default_max_output_tokens, room)
 
 
 @dataclass

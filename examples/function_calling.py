@@ -10,7 +10,11 @@ from openai import OpenAI
 
 client = OpenAI(base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
                 api_key=os.environ.get("OSS_AGENT_API_KEY", "none"))
-model = os.environ.get("OSS_AGENT_MODEL") or client.models.list().data[0].id
+served = client.models.list().data[0]
+model = os.environ.get("OSS_AGENT_MODEL") or served.id
+if getattr(served, "random_weights", False):  # `oss-agent serve` with no --model
+    print("note: the server runs a tiny model with random weights, so its text is noise and "
+          "it will not call get_weather; serve a real checkpoint with --model to see this example work.")
 
 tools = [{
     "type": "function",
@@ -25,9 +29,11 @@ def get_weather(city: str) -> dict:
 
 
 response = client.responses.create(model=model, input="What's the weather in Paris?", tools=tools)
-for _ in range(5):  # answer the model's calls until it gives a final answer
+for turn in range(5):  # answer the model's calls until it gives a final answer
     calls = [item for item in response.output if item.type == "function_call"]
     if not calls:
+        if turn == 0:
+            print("(the model answered without calling get_weather)")
         break
     outputs = []
     for call in calls:

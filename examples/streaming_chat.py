@@ -10,14 +10,19 @@ from openai import OpenAI
 
 client = OpenAI(base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
                 api_key=os.environ.get("OSS_AGENT_API_KEY", "none"))
-model = os.environ.get("OSS_AGENT_MODEL") or client.models.list().data[0].id
+served = client.models.list().data[0]
+model = os.environ.get("OSS_AGENT_MODEL") or served.id
+if getattr(served, "random_weights", False):  # `oss-agent serve` with no --model
+    print("note: the server runs a tiny model with random weights, so its text is noise; serve a real checkpoint "
+          "with --model for real answers.")
 prompt = sys.argv[1] if len(sys.argv) > 1 else "Why is the sky blue? One sentence."
 
 stream = client.chat.completions.create(
     model=model,
     messages=[{"role": "user", "content": prompt}],
     reasoning_effort="low",
-    max_tokens=int(os.environ.get("OSS_AGENT_MAX_TOKENS", "512")),
+    # (no limit: the server's own default, a few dozen tokens on its random-weight default model)
+    **({"max_tokens": int(os.environ["OSS_AGENT_MAX_TOKENS"])} if os.environ.get("OSS_AGENT_MAX_TOKENS") else {}),
     stream=True,
     stream_options={"include_usage": True},
 )

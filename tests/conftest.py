@@ -1,7 +1,7 @@
 """Shared fixtures: live servers (uvicorn on a loopback port) over a scripted or a real engine.
 
 `fake_server` runs the app on `ScriptedEngine` with fake browser / python / MCP tool servers;
-`tiny_engine_server` runs it on the real `inference.engine.core.AsyncEngine` over a tiny random
+`tiny_engine_server` runs it on the real `inference.engine.async_engine.AsyncEngine` over a tiny random
 checkpoint (skipped while that engine cannot be built), `tiny_process_server` on the same engine
 in a process of its own (`inference.engine.process.EngineProcess`); `live_server` is parametrized
 over all three for tests whose assertions hold for any model.
@@ -229,3 +229,28 @@ def live_server(request):
     own; tests read `live_server.kind` ("fake" or "tiny") to script the fake."""
     return request.getfixturevalue({"fake": "fake_server", "tiny": "tiny_engine_server",
                                     "tiny-process": "tiny_process_server"}[request.param])
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_section(title: str) -> str:
+    """The text of README.md's `## title` section (up to the next `## ` heading)."""
+    text = README.read_text()
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """The server a new user starts: `oss-agent serve` exactly as README.md's set-up section runs
+    it (no --model: the tiny random-weight model), with its cache (checkpoint, store) in a
+    temporary folder instead of ~/.cache/oss-agent."""
+    import re
+    import shlex
+
+    command = re.search(r"oss-agent serve([^\n&|;]*)", readme_section("Set up")).group(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OSS_AGENT_CACHE", str(tmp_path_factory.mktemp("oss-agent-cache")))
+        app = serve_captured(shlex.split(command))["app"]
+        with LiveServer(app, kind="default") as server:
+            yield server

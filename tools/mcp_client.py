@@ -35,6 +35,7 @@ if sys.version_info < (3, 11):  # a builtin from 3.11; anyio brings the backport
 logger = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/mcp"
+SPEC_FORMS = "demo, browser, python, host:port, an http(s):// URL, or label=<host:port or URL>"
 LABEL = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 MAX_OUTPUT_CHARS = 32_000
 
@@ -60,8 +61,22 @@ def parse_mcp_spec(spec: str) -> tuple[str | None, str]:
         return label, spec if parsed.path not in ("", "/") else spec.rstrip("/") + DEFAULT_PATH
     host, _, port = spec.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"expected 'demo', 'host:port' or a URL for a tool server, got {spec!r}")
+        raise ValueError(f"expected {SPEC_FORMS} for a tool server, got {spec!r}")
     return label, f"http://{host}:{port}{DEFAULT_PATH}"
+
+
+def unreachable(url: str, timeout: float = 5.0) -> str | None:
+    """Why nothing accepts connections at `url`'s host and port (one line), or None: the cheap
+    check that a server is there at all, before the MCP handshake."""
+    import socket
+
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__
+    return None
 
 
 def namespace_name(label: str, taken: Iterable[str]) -> str:

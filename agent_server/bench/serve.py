@@ -249,6 +249,8 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, req: Benc
                 check.feed(data, time.perf_counter())
     except httpx.HTTPError as e:
         result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if isinstance(e, httpx.TransportError):  # (httpx's "All connection attempts failed" names no address)
+            result.error += f" ({url})"
         result.e2e = time.perf_counter() - result.start
         return result
     return check.finish(time.perf_counter())
@@ -349,6 +351,10 @@ def run(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.no_progress,
             server_metrics=args.server_metrics,
         ))
+    except httpx.TransportError as e:
+        print(f"bench serve: cannot reach {target.base_url}: {e or type(e).__name__} (is the server running? "
+              "--base-url says where it is)", file=sys.stderr)
+        return 1
     except (httpx.HTTPError, RuntimeError) as e:
         print(f"bench serve: {e}", file=sys.stderr)
         return 1

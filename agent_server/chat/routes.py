@@ -269,7 +269,7 @@ async def create_chat_completion(request: Request) -> Response:
         raise APIError(f"'{param}' is too large: the messages are {len(prompt)} tokens and this model's context "
                        f"is {engine.max_model_len}, so at most {room} tokens fit; got {req.token_limit}.",
                        param=param, code="context_length_exceeded")
-    max_tokens = req.token_limit or room
+    max_tokens = config.output_limit(req.token_limit, room) or room
     completion_id = f"chatcmpl-{secrets.token_hex(12)}"
     choices = [
         ChoiceStream(state, i, GenerationRequest(f"{completion_id}/{i}", prompt,

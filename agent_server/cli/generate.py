@@ -11,7 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from agent_server.cli.serve import positive_int
+from agent_server import default_model
+from agent_server.cli.serve import positive_int, unusable_device
+
+MAX_TOKENS = 256  # with --model; the tiny random default gets default_model.MAX_OUTPUT_TOKENS
 
 
 def temperature(text: str) -> float:
@@ -24,7 +27,9 @@ def temperature(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the user's message")
     parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
-    parser.add_argument("--max-tokens", type=positive_int, default=256)
+    parser.add_argument("--max-tokens", type=positive_int,
+                        help=f"most tokens to generate (default: {MAX_TOKENS}, or {default_model.MAX_OUTPUT_TOKENS} "
+                             "for the tiny random model used without --model)")
     parser.add_argument("--temperature", type=temperature, default=0.0, help="0 means greedy (at most 2)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default="medium")
@@ -42,8 +47,6 @@ def run(args: argparse.Namespace) -> int:
         SystemContent,
     )
 
-    import torch
-
     from inference.model.checkpoint import CheckpointError, checkpoint_folder_problem
     from inference.config import ConfigError
     from inference.model.gpt_oss import GptOssModel
@@ -56,13 +59,19 @@ def run(args: argparse.Namespace) -> int:
         problem = checkpoint_folder_problem(model_dir)
         if problem:
             raise ConfigError(f"--model {problem}")
-        if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"--device {args.device}: this machine has no CUDA device torch can use")
+        device_problem = unusable_device(args.device)
+        if device_problem:
+            raise ConfigError(f"--device {device_problem}")
         model = GptOssModel.from_pretrained(model_dir, device=args.device)
         encoding = harmony_encoding()
     except (ConfigError, CheckpointError, VocabularyError) as e:
         print(f"oss-agent generate: error: {e}", file=sys.stderr)
         return 2
+    max_tokens = args.max_tokens or (MAX_TOKENS if args.model else default_model.MAX_OUTPUT_TOKENS)
+    if not args.model:
+        print(f"oss-agent generate: no --model given: a tiny checkpoint with random weights, so the text below is "
+              f"noise (at most {max_tokens} tokens; --max-tokens for more). {default_model.REAL_WEIGHTS_HINT}",
+              file=sys.stderr)
     effort = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
     system = SystemContent.new().with_reasoning_effort(effort[args.reasoning_effort])
     conversation = Conversation.from_messages(
@@ -70,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     )
     prompt = encoding.render_conversation_for_completion(conversation, Role.ASSISTANT)
     tokens = generate(
-        model, prompt, args.max_tokens, ASSISTANT_STOP_TOKENS, temperature=args.temperature, seed=args.seed
+        model, prompt, max_tokens, ASSISTANT_STOP_TOKENS, temperature=args.temperature, seed=args.seed
     )
     # A streaming parser tolerates output that stops mid-message (token limit, noise from a tiny model).
     parser = StreamableParser(encoding, role=Role.ASSISTANT)

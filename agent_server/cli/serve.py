@@ -13,9 +13,10 @@ import math
 import os
 from pathlib import Path
 
+from agent_server import default_model
+
 log = logging.getLogger("oss_agent")
 
-TINY_MODEL_NAME = "gpt-oss-tiny-random"
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
 
@@ -30,7 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start a tool server (browser, python, an MCP server, or 'demo'); repeatable")
     parser.add_argument("--search-dir", help="folder of documents for the local browser backend")
     parser.add_argument("--exa-api-key", default=os.environ.get("EXA_API_KEY"), help="Exa key for web search")
-    parser.add_argument("--store", type=Path, help="SQLite file for stored responses")
+    parser.add_argument("--store", type=Path,
+                        help="SQLite file for stored responses (default: ~/.cache/oss-agent/responses.sqlite3, "
+                             "or responses.sqlite3 in $OSS_AGENT_CACHE; every server started without --store "
+                             "shares it)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--max-model-len", type=positive_int, help="context length to serve (default: the engine's)")
     parser.add_argument("--gpu-memory-utilization", type=fraction, metavar="FRACTION",
@@ -68,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most items in a request's input (Responses) or messages (Chat Completions)")
     parser.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown before they are cancelled")
+    parser.add_argument("--default-max-output-tokens", type=non_negative_int, metavar="N",
+                        help="output tokens a request gets when it sets no max_output_tokens / max_tokens; 0 for "
+                             "the rest of the context (default: 0, or %d for the tiny random model served "
+                             "without --model)" % default_model.MAX_OUTPUT_TOKENS)
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
 
 
@@ -136,6 +144,27 @@ def python_limits(tool_timeout: float, cell_seconds: float | None = None):
     return replace(limits, wall_seconds=cell_seconds, cpu_seconds=max(limits.cpu_seconds, 5 * math.ceil(cell_seconds)))
 
 
+def unusable_device(device: str | None) -> str | None:
+    """Why torch cannot run on --device here (one line), or None."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        return f"{device}: not a device (cpu, cuda or cuda:N)"
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return f"{device}: this machine has no CUDA device torch can use (leave --device out to run on the CPU)"
+        if parsed.index is not None and parsed.index >= count:
+            return f"{device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    elif parsed.type != "cpu":
+        return f"{device}: not a device this server runs on (cpu, cuda or cuda:N)"
+    return None
+
+
 def default_model_name(model_dir: Path) -> str:
     """The id clients use when --served-model-name is not given: the folder's name, with `.`
     and `..` resolved (`--model .` is served under the folder's name, not ""), and a Hugging
@@ -164,6 +193,13 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
@@ -202,16 +238,31 @@ def run(args: argparse.Namespace) -> int:
         from inference.model.tiny_checkpoint import default_tiny_checkpoint
 
         model_dir = default_tiny_checkpoint()
-        name = args.served_model_name or TINY_MODEL_NAME
-        log.warning("No --model given: serving a tiny checkpoint with random weights from %s. Everything works, "
-                    "but the text it writes is noise.", model_dir)
+        name = args.served_model_name or default_model.NAME
+    random_weights = not args.model
+    aliases = [str(model_dir), *(default_model.STAND_IN_FOR if random_weights else ())]
+    max_output_tokens = args.default_max_output_tokens
+    if max_output_tokens is None:
+        max_output_tokens = default_model.MAX_OUTPUT_TOKENS if random_weights else 0
+    if random_weights:
+        log.warning("%s", default_model.notice(max_output_tokens))
+        log.info("the tiny checkpoint is in %s", model_dir)
     try:
         cell_limits = python_limits(args.tool_timeout, args.python_timeout)
     except ValueError as e:
         log.error("%s", e)
         return 2
-    from tools.servers import split_specs
+    from tools.servers import ToolServerError, check_specs, split_specs
 
+    device_problem = unusable_device(args.device)
+    if device_problem:
+        log.error("--device %s", device_problem)
+        return 2
+    try:  # before uvicorn starts: a typo or a server that is not up is one line, not a traceback
+        check_specs(args.tool_server)
+    except ToolServerError as e:
+        log.error("--tool-server: %s", e)
+        return 2
     if args.search_dir and not {"demo", "browser"} & set(split_specs(args.tool_server)):
         log.error("--search-dir is the browser tool's backend, and no browser was asked for: add "
                   "--tool-server browser (or --tool-server demo, the browser and python)")
@@ -224,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
     if args.store and store_path.is_dir():
         log.error("--store %s is a folder; give the path of the SQLite file to keep responses in", args.store)
         return 2
+    log.info("stored responses: %s%s", store_path, "" if args.store else " (shared by every server started "
+             "without --store; --store FILE for one of its own)")
     options = engine_options(args)
 
     def build_engine():
@@ -244,7 +297,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         model_name=name,
-        aliases=[str(model_dir)],
+        aliases=aliases,
+        default_max_output_tokens=max_output_tokens or None,
+        random_weights=random_weights,
         api_key=args.api_key,
         store_path=store_path,
         tool_timeout=args.tool_timeout,

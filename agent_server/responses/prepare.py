@@ -115,14 +115,16 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     prompt = render_prompt(head + conversation)
     if req.truncation == "auto" and not _fits(prompt, engine.max_model_len, req.max_output_tokens):
         prompt = _truncated(head, conversation, engine.max_model_len, req.max_output_tokens) or prompt
+    why = _why_truncation_did_not_help(head, conversation) if req.truncation == "auto" else ""
     if len(prompt) >= engine.max_model_len:
-        raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens.",
-                       param="input", code="context_length_exceeded")
+        raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens."
+                       f"{why}", param="input", code="context_length_exceeded")
     room = engine.max_model_len - len(prompt)
     if req.max_output_tokens is not None and req.max_output_tokens > room:
         raise APIError(f"'max_output_tokens' is too large: the input is {len(prompt)} tokens and this model's "
                        f"context is {engine.max_model_len}, so at most {room} output tokens fit; got "
-                       f"{req.max_output_tokens}.", param="max_output_tokens", code="context_length_exceeded")
+                       f"{req.max_output_tokens}.{why}", param="max_output_tokens", code="context_length_exceeded")
+    max_output_tokens = config.output_limit(req.max_output_tokens, room)
 
     response_id = new_id("resp")
     sampling = SamplingParams(
@@ -135,7 +137,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         prompt=prompt,
         tools=active,
         sampling=sampling,
-        max_output_tokens=req.max_output_tokens,
+        max_output_tokens=max_output_tokens,
         max_tool_calls=req.max_tool_calls,
         include=include,
         container_id=container if isinstance(container, str) and container != "auto" else new_id("cntr"),
@@ -147,7 +149,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     return PreparedResponse(
         request=req,
         task=task,
-        response=_initial_snapshot(req, response_id, instructions),
+        response=_initial_snapshot(req, response_id, instructions, max_output_tokens),
         history=history,
         new_messages=converted.messages,
         input_items=listed_input_items(items),
@@ -161,6 +163,17 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
     return len(prompt) < max_model_len and (max_output_tokens is None
                                             or len(prompt) + max_output_tokens <= max_model_len)
+
+
+def _why_truncation_did_not_help(head: list[Message], conversation: list[Message]) -> str:
+    """For the 400 when truncation="auto" still leaves too much: it only drops whole earlier turns."""
+    starts = [i for i, m in enumerate(conversation) if i > 0 and m.author.role == Role.USER]
+    if not starts:
+        return (" truncation='auto' could not help: it drops whole earlier turns, oldest first, and this input is a "
+                "single turn (it never cuts into the last user message).")
+    left = len(render_prompt(head + conversation[starts[-1]:]))
+    return (f" truncation='auto' dropped every earlier turn, but the last one on its own (from its user message, "
+            f"with the instructions and tools) is still {left} tokens.")
 
 
 def _truncated(head: list[Message], conversation: list[Message], max_model_len: int,
@@ -296,7 +309,9 @@ def _response_format(req: ResponseCreateRequest) -> dict[str, Any] | None:
     return None
 
 
-def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str) -> SDKResponse:
+def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str,
+                      max_output_tokens: int | None) -> SDKResponse:
+    """max_output_tokens: the limit the response runs under (the request's, or the server's default)."""
     text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
     text.setdefault("format", {"type": "text"})
     reasoning = {"effort": req.effort}
@@ -314,7 +329,7 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
         "error": None,
         "incomplete_details": None,
         "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens,
+        "max_output_tokens": max_output_tokens,
         "max_tool_calls": req.max_tool_calls,
         "previous_response_id": req.previous_response_id,
         "parallel_tool_calls": req.parallel_tool_calls,

@@ -13,6 +13,7 @@ const ui = {
   log: $("log"),
   empty: $("empty"),
   model: $("model-name"),
+  notice: $("notice"),
   effort: $("effort"),
   web: $("tool-web"),
   python: $("tool-python"),
@@ -162,15 +163,31 @@ async function loadModel() {
     }
     if (!response.ok) throw new Error(await errorMessage(response));
     const body = await response.json();
-    model = body.data[0].id;
+    const card = body.data[0];
+    model = card.id;
     ui.model.textContent = model;
-    ui.model.title = body.data[0].context_length ? `context ${body.data[0].context_length} tokens` : "";
+    ui.model.title = card.context_length ? `context ${card.context_length} tokens` : "";
+    showNotice(card);
     return model;
   } catch (e) {
     ui.model.textContent = "server unreachable";
     ui.model.title = String(e.message || e);
     return null;
   }
+}
+
+/** What the server says about its model: a random-weight one writes noise, and is cut short. */
+function showNotice(card) {
+  ui.notice.hidden = !card.random_weights;
+  if (!card.random_weights) return;
+  const limit = card.default_max_output_tokens;
+  ui.notice.replaceChildren(
+    `${card.id} has random weights: it writes noise, not answers`,
+    limit ? `, and stops after ${limit} tokens unless Settings sets a limit. ` : ". ",
+    "For real answers, restart the server with ",
+    el("code", null, "--model"),
+    " and a gpt-oss checkpoint (see the README).",
+  );
 }
 
 // --- the conversation --------------------------------------------------------------------------
@@ -220,7 +237,7 @@ async function send(input, { label, labelClass } = {}) {
     return;
   }
   addUserBubble(label ?? input, labelClass);
-  const turn = new AssistantTurn(ui.log);
+  const turn = new AssistantTurn(ui.log, { limitSet: Boolean(settings.maxOutputTokens) });
   followStream(true);
   const controller = new AbortController();
   conversation.controller = controller;

@@ -39,10 +39,17 @@ function prettyJson(text) {
 
 // --- reasoning ---------------------------------------------------------------------------------
 
+/** "0.4 s", "12.3 s"; under a tenth of a second in milliseconds, not "0.0 s". */
+export function duration(seconds) {
+  return seconds < 0.1 ? `${Math.max(1, Math.round(seconds * 1000))} ms` : `${seconds.toFixed(1)} s`;
+}
+
 class ReasoningView {
-  constructor(container) {
+  /** started: when the model began on this step (the request, or the end of the item before):
+   * its header tokens and the prompt's prefill are part of the time it took. */
+  constructor(container, started) {
     this.text = "";
-    this.started = performance.now();
+    this.started = started;
     this.node = el("details", "reasoning");
     this.node.dataset.state = "streaming";
     const summary = el("summary");
@@ -69,7 +76,7 @@ class ReasoningView {
       this.body.textContent = text;
     }
     const seconds = (performance.now() - this.started) / 1000;
-    this.label.textContent = item.status === "incomplete" ? "Reasoning (cut short)" : `Reasoned for ${seconds.toFixed(1)} s`;
+    this.label.textContent = item.status === "incomplete" ? "Reasoning (cut short)" : `Reasoned for ${duration(seconds)}`;
     this.preview.textContent = "";
     this.node.dataset.state = "done";
   }
@@ -84,6 +91,8 @@ class ReasoningView {
 }
 
 // --- answer text -------------------------------------------------------------------------------
+
+const CLOSES_A_SENTENCE = ".,;:!?";
 
 class MessageView {
   constructor(container) {
@@ -146,8 +155,15 @@ class MessageView {
     let last = 0;
     for (const a of citations) {
       if (a.start_index < last || a.end_index > chars.length) continue;
-      out += chars.slice(last, a.start_index).join("") + CITE_OPEN + a.n + CITE_CLOSE;
-      last = a.end_index;
+      // Punctuation right after a citation goes before its chip, which then follows the
+      // sentence: "fact [chip]." reads as a stray space before the full stop.
+      let end = a.end_index;
+      while (end < chars.length && CLOSES_A_SENTENCE.includes(chars[end])) end += 1;
+      const before = chars.slice(last, a.start_index).join("");
+      const punctuation = chars.slice(a.end_index, end).join("");
+      out += punctuation ? `${before.trimEnd()}${punctuation} ` : before;
+      out += CITE_OPEN + a.n + CITE_CLOSE;
+      last = end;
     }
     return out + chars.slice(last).join("");
   }
@@ -328,7 +344,9 @@ class StepView {
 // --- the turn ----------------------------------------------------------------------------------
 
 export class AssistantTurn {
-  constructor(log) {
+  /** options.limitSet: the request set max_output_tokens (else a cut is the server's default). */
+  constructor(log, { limitSet = false } = {}) {
+    this.limitSet = limitSet;
     this.node = el("section", "turn assistant");
     this.node.dataset.state = "streaming";
     this.items = el("div", "items");
@@ -340,6 +358,7 @@ export class AssistantTurn {
     this.views = new Map(); // output_index -> view
     this.response = null;
     this.started = performance.now();
+    this.stepStarted = this.started; // when the model began on its current output item
   }
 
   get state() {
@@ -361,7 +380,7 @@ export class AssistantTurn {
       case "response.output_item.added": {
         const item = event.item;
         let view;
-        if (item.type === "reasoning") view = new ReasoningView(this.items);
+        if (item.type === "reasoning") view = new ReasoningView(this.items, this.stepStarted);
         else if (item.type === "message") view = new MessageView(this.items);
         else view = new StepView(this.items, item);
         this.views.set(event.output_index, view);
@@ -395,6 +414,7 @@ export class AssistantTurn {
         const item = event.item.status ? event.item : { ...event.item, status: event.item.error ? "failed" : "completed" };
         if (view instanceof StepView) view.update(item);
         else view?.done(event.item);
+        this.stepStarted = performance.now();
         break;
       }
       case "response.completed":
@@ -415,7 +435,7 @@ export class AssistantTurn {
     this.node.dataset.state = response.status;
     for (const view of this.views.values()) if (view.node.dataset.state === "streaming" || view.node.dataset.state === "running") view.stop();
     const parts = [response.status];
-    if (response.status === "incomplete" && response.incomplete_details) parts[0] = `incomplete (${response.incomplete_details.reason})`;
+    if (response.status === "incomplete" && response.incomplete_details) parts[0] = this.whyIncomplete(response);
     const usage = response.usage;
     if (usage) {
       const reasoning = usage.output_tokens_details?.reasoning_tokens;
@@ -424,6 +444,21 @@ export class AssistantTurn {
     parts.push(`${((performance.now() - this.started) / 1000).toFixed(1)} s`);
     this.meta.textContent = parts.join(" · ");
     if (response.status === "failed" && response.error) this.showError(response.error.message || "The response failed.");
+    else if (![...this.views.values()].some((view) => !(view instanceof MessageView) || view.text.trim())) {
+      // (a random-weight model's tokens may never form a message: say so, not an empty turn)
+      this.items.appendChild(el("div", "no-output", "No answer: nothing the model wrote reads as a message."));
+    }
+  }
+
+  /** Why the answer stopped short, in the user's terms: a limit the page did not set is the
+   * server's default, or the end of the model's context. */
+  whyIncomplete(response) {
+    const reason = response.incomplete_details.reason;
+    if (reason !== "max_output_tokens" || this.limitSet) return `incomplete (${reason})`;
+    if (response.max_output_tokens) {
+      return `stopped at ${response.max_output_tokens} tokens, the server's default limit (Settings sets another)`;
+    }
+    return "stopped: the model's context is full";
   }
 
   /** The function calls this turn ends with, which the page has to answer. */

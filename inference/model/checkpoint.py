@@ -24,10 +24,14 @@ class CheckpointError(RuntimeError):
 
 
 def checkpoint_folder_problem(model_dir: str | Path) -> str | None:
-    """Why `model_dir` is not a Hugging Face checkpoint folder (no config.json), or None."""
+    """Why `model_dir` is not a Hugging Face checkpoint folder (missing, or no config.json), or None."""
     model_dir = Path(model_dir)
     if (model_dir / "config.json").is_file():
         return None
+    if not model_dir.exists():
+        return f"{model_dir} does not exist"
+    if not model_dir.is_dir():
+        return f"{model_dir} is a file, not a checkpoint folder (config.json and *.safetensors)"
     message = f"{model_dir} is not a Hugging Face checkpoint folder (no config.json there)"
     if (model_dir / "original" / "config.json").is_file():
         message += ("; it holds only original/, the reference layout this server does not read: download the "

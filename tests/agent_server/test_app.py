@@ -146,6 +146,7 @@ def test_model_endpoints_wait_for_the_engine(tmp_path):
         assert httpx.get(f"{url}/ready").status_code == 503
         r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+        assert "GET /ready answers 200 once it is loaded" in r.json()["error"]["message"]
     finally:
         server.server.should_exit = True
         server.thread.join(timeout=30)

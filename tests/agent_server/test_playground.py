@@ -33,7 +33,8 @@ CITED_TEXT = ("gpt-oss is released under the Apache-2.0 license, which allows co
               "and redistribution 【0†L1-L2】.")
 CITED = ("<|channel|>analysis<|message|>The release notes answer it.<|end|><|start|>assistant<|channel|>final"
          f"<|message|>{CITED_TEXT}<|return|>")
-CITED_SHOWN = CITED_TEXT.replace("【0†L1-L2】", "gpt-oss release notes")
+# The chip follows the sentence's full stop (after it, the stop read as "notes ." with a space).
+CITED_SHOWN = CITED_TEXT.replace(" 【0†L1-L2】.", ". gpt-oss release notes")
 PYTHON = "<|channel|>analysis to=python code<|message|>print(6 * 7)<|call|>"
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -598,3 +599,64 @@ def test_the_dialogs_are_named_for_assistive_technology(fake_server, page):
     page.page.keyboard.press("Escape")
     assert page.page.locator("#key-dialog").get_attribute("aria-labelledby") == "key-title"
     assert page.page.inner_text("#key-title") == "API key"
+
+
+def test_the_header_takes_two_rows_on_a_phone(fake_server, browser):
+    # At 390 px it wrapped to three rows.
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    try:
+        page = context.new_page()
+        page.goto(f"{fake_server.url}/")
+        page.wait_for_selector("body[data-ready=true]")
+        boxes = page.evaluate("[document.querySelector('.brand'), ...document.querySelector('.controls').children]"
+                              ".map(e => e.getBoundingClientRect()).map(r => [Math.round(r.top), r.right])")
+        tops = [top for top, _ in boxes[1:]]
+        assert max(tops) - min(tops) < 10 and min(tops) > boxes[0][0]  # the controls: one row, under the brand
+        assert max(right for _, right in boxes) <= 390
+        # The shortened labels keep their full names for screen readers.
+        assert page.get_by_role("checkbox", name="Web search").is_visible()
+        assert page.get_by_role("button", name="New chat").is_visible()
+        assert page.get_by_role("combobox", name="Reasoning").is_visible()
+    finally:
+        context.close()
+
+
+def test_reasoning_time_counts_from_when_the_model_began(fake_server, page):
+    # "Reasoned for 0.0 s": the clock started when the reasoning item appeared, after the
+    # prompt's prefill and the item's header, so a short reasoning read as no time at all.
+    engine = fake_server.engine
+    engine.token_delay = 0.1
+    engine.say(final("Done.", reasoning="Hm."))
+    page.open(fake_server)
+    page.send("Think briefly.")
+    page.finished(0)
+    label = page.turn(0).locator(".reasoning-label").inner_text()
+    value, unit = re.fullmatch(r"Reasoned for (\d+(?:\.\d)?) (s|ms)", label).groups()
+    seconds = float(value) / (1000 if unit == "ms" else 1)
+    # Every token up to its <|end|> came 0.1 s apart, its header (<|channel|>analysis<|message|>)
+    # included: the old clock missed those three.
+    from tests.fake_engine import harmony_tokens
+
+    tokens = len(harmony_tokens("<|channel|>analysis<|message|>Hm.<|end|>"))
+    assert seconds >= 0.9 * tokens * engine.token_delay, label
+
+
+def test_the_default_servers_first_answer_is_quick_and_says_what_the_model_is(default_server, page):
+    # On the random-weight default model the first answer took 127 s and ended "incomplete
+    # (max_output_tokens)" though no limit was set, and nothing said the text is noise.
+    page.open(default_server)
+    notice = page.page.locator("#notice")
+    assert notice.is_visible()
+    text = notice.inner_text()
+    assert "random weights" in text and "noise" in text and "--model" in text and "after 48 tokens" in text
+    page.send("Hello!")
+    page.finished(0, "completed", "incomplete")
+    meta = page.turn(0).locator(".meta").inner_text()
+    assert "incomplete (max_output_tokens)" not in meta
+    if page.turn(0).get_attribute("data-state") == "incomplete":
+        assert "stopped at 48 tokens, the server's default limit" in meta
+    assert float(re.search(r"([\d.]+) s$", meta).group(1)) < 60
+    # Its tokens may never form a message (a header that does not end): the turn says so.
+    assert page.turn(0).locator(".items").inner_text().strip()
+    assert "max_output_tokens" not in page.sent[0]
+    page.screenshot("default-server")

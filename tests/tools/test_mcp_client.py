@@ -165,8 +165,28 @@ async def test_unreachable_server_fails_start():
     sock.close()
     with pytest.raises(ToolServerError, match=f"cannot reach the MCP server at http://127.0.0.1:{port}/mcp"):
         await start_tool_servers([f"127.0.0.1:{port}"], mcp_timeout=5)
-    with pytest.raises(ToolServerError, match="expected 'demo', 'host:port' or a URL"):
+    with pytest.raises(ToolServerError, match="expected demo, browser, python, host:port, an http"):
         await start_tool_servers(["nonsense"])
+
+
+def test_tool_server_values_are_checked_before_anything_starts():
+    # (`serve --tool-server bogus` started uvicorn, then failed with two chained tracebacks; the
+    # list of valid values it gave left out browser and python)
+    from tools.protocol import check_specs
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    check_specs(["demo", "browser,python"])
+    with pytest.raises(ToolServerError) as bogus:
+        check_specs(["demo", "bogus"])
+    assert str(bogus.value) == ("expected demo, browser, python, host:port, an http(s):// URL, or label=<host:port "
+                                "or URL> for a tool server, got 'bogus'")
+    with pytest.raises(ToolServerError) as closed:
+        check_specs([f"weather=127.0.0.1:{port}"])
+    assert str(closed.value).startswith(f"cannot reach the MCP server 'weather=127.0.0.1:{port}' at "
+                                        f"http://127.0.0.1:{port}/mcp: ")
 
 
 async def test_demo_and_mcp_together(mcp_port, monkeypatch):

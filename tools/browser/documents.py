@@ -94,12 +94,13 @@ def source_page(source: str, url: str, title: str | None = None) -> Page:
 
 
 def search_results_page(query: str, hits: list[SearchHit]) -> Page:
-    """The numbered result list: one `  * 【i†title†domain】 snippet` item per hit."""
+    """The numbered result list: one `  * 【i†title†domain】 snippet` item per hit (or a line
+    saying there is none, so the model is not left reading an empty page)."""
     items = []
     for i, hit in enumerate(hits):
         marker = link_marker(i, clean_text(hit.title) or hit.url, hit.url, page_domain="")
         snippet = " ".join(clean_text(hit.snippet).split())
         items.append(f"  * {marker} {snippet}".rstrip())
-    body = "# Search Results\n\n" + "\n".join(items)
+    body = "# Search Results\n\n" + ("\n".join(items) if items else f"No results for `{query}`.")
     return Page(url="", title=query, text=_with_url_line("", body), kind="search",
                 links={i: hit.url for i, hit in enumerate(hits)})

@@ -2,7 +2,11 @@
 
 Text (`.txt`, `.rst`), Markdown (`.md`) and HTML (`.html`, `.htm`) files under the folder are
 indexed at start into an in-memory SQLite FTS5 table (Porter-stemmed words, BM25 ranking with
-titles weighted up). Each document's URL is its `file://` URI, or `base_url` + its relative
+titles weighted up), one row per section (a heading and what follows it, cut at about
+`SECTION_CHARS`): a long document is then found by the part that matches, not drowned out or
+lifted by its length. A search lists each document once, with its best section's snippet, and
+ignores common English words when the query has others (so "what is the Harmony format" is about
+Harmony, not about every document holding "the"). Each document's URL is its `file://` URI, or `base_url` + its relative
 path when given, so citations point somewhere meaningful. Links between the documents work:
 relative links resolve to other documents' URLs, which `fetch` finds in the index. Nothing
 outside the folder is reachable.
@@ -30,10 +34,40 @@ logger = logging.getLogger(__name__)
 KINDS = {".txt": "text", ".text": "text", ".rst": "text", ".md": "markdown",
          ".markdown": "markdown", ".html": "html", ".htm": "html"}
 WORD = re.compile(r"\w+", re.UNICODE)
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+SECTION_CHARS = 3000
+STOP_WORDS = frozenset("""
+a about an and are as at be by can could did do does for from had has have how i if in into is it its
+me my no not of on or our should so than that the their them then there these they this those to
+was we were what when where which who whom why will with would you your
+""".split())
 SCHEMA = """
 CREATE TABLE documents (id INTEGER PRIMARY KEY, url TEXT UNIQUE, path TEXT, kind TEXT, title TEXT);
-CREATE VIRTUAL TABLE passages USING fts5(title, body, tokenize = 'porter unicode61');
+CREATE VIRTUAL TABLE passages USING fts5(title, body, document UNINDEXED, tokenize = 'porter unicode61');
 """
+
+
+def sections(text: str) -> list[tuple[str, str]]:
+    """(heading, text) for each section of a page's text: a new one at each heading line, and
+    at a paragraph break once one passes SECTION_CHARS."""
+    found: list[tuple[str, list[str]]] = [("", [])]
+    size = 0
+    for line in text.split("\n"):
+        heading = HEADING.match(line)
+        if heading or (size > SECTION_CHARS and not line.strip()):
+            found.append((heading.group(1) if heading else found[-1][0], []))
+            size = 0
+        found[-1][1].append(line)
+        size += len(line) + 1
+    return [(heading, "\n".join(lines)) for heading, lines in found if "\n".join(lines).strip()]
+
+
+def match_expression(query: str) -> str | None:
+    """The FTS5 query for a user's words: any of them (each quoted, so no word is FTS syntax),
+    common words left out unless there is nothing else."""
+    terms = list(dict.fromkeys(WORD.findall(query.lower())))
+    meaningful = [t for t in terms if t not in STOP_WORDS] or terms
+    return " OR ".join(f'"{term}"' for term in meaningful) or None
 
 
 @dataclass
@@ -84,15 +118,16 @@ class LocalSearchBackend:
             document = _Document(self.url_for(path), path, KINDS[path.suffix.lower()], "")
             page = self._page(document, raw)
             rows.append((document.url, str(path), document.kind, page.title,
-                         strip_links(page.text)))
+                         sections(strip_links(page.text))))
         with self.lock:
             self.db.execute("DELETE FROM documents")
             self.db.execute("DELETE FROM passages")
-            for i, (url, path, kind, title, body) in enumerate(rows, start=1):
+            for i, (url, path, kind, title, parts) in enumerate(rows, start=1):
                 self.db.execute("INSERT INTO documents VALUES (?, ?, ?, ?, ?)",
                                 (i, url, path, kind, title))
-                self.db.execute("INSERT INTO passages (rowid, title, body) VALUES (?, ?, ?)",
-                                (i, title, body))
+                for heading, body in parts:  # (a section's heading counts as part of its title)
+                    self.db.execute("INSERT INTO passages (title, body, document) VALUES (?, ?, ?)",
+                                    (f"{title} {heading}" if heading and heading != title else title, body, i))
             self.db.commit()
             self.document_count = len(rows)
         logger.info("indexed %d documents under %s", len(rows), self.folder)
@@ -125,21 +160,27 @@ class LocalSearchBackend:
     # -- the backend interface
 
     async def search(self, query: str, topn: int) -> list[SearchHit]:
-        terms = WORD.findall(query.lower())
-        if not terms:
+        match = match_expression(query)
+        if match is None:
             return []
-        match = " OR ".join(f'"{term}"' for term in terms)
         rows = await asyncio.to_thread(self._query, match, topn)
         return [SearchHit(url=url, title=title, snippet=snippet) for url, title, snippet in rows]
 
     def _query(self, match: str, topn: int) -> list[tuple[str, str, str]]:
+        """The best-ranked section of each of the `topn` best documents."""
+        best: dict[str, tuple[str, str, str]] = {}
         with self.lock:
-            return self.db.execute(
+            sections = self.db.execute(
                 "SELECT d.url, d.title, snippet(passages, 1, '', '', ' … ', 40) "
-                "FROM passages JOIN documents d ON d.id = passages.rowid "
-                "WHERE passages MATCH ? ORDER BY bm25(passages, 5.0, 1.0) LIMIT ?",
-                (match, topn),
-            ).fetchall()
+                "FROM passages JOIN documents d ON d.id = passages.document "
+                "WHERE passages MATCH ? ORDER BY bm25(passages, 5.0, 1.0)",
+                (match,),
+            )
+            for url, title, snippet in sections:
+                best.setdefault(url, (url, title, snippet))
+                if len(best) == topn:
+                    break
+        return list(best.values())
 
     def _lookup(self, url: str) -> _Document | None:
         with self.lock:

@@ -47,8 +47,9 @@ class BrowserToolServer:
             logger.info("browser: searching the web through Exa")
         else:
             backend = await LocalSearchBackend.open(DEMO_CORPUS)
-            logger.warning("browser: no --search-dir and no EXA_API_KEY; searching only the %d "
-                           "bundled demo documents in %s", backend.document_count, DEMO_CORPUS)
+            logger.warning("browser: no --search-dir and no EXA_API_KEY; searching only the %d bundled demo "
+                           "documents in %s (this project's README and BENCHMARKS, and three pages about "
+                           "gpt-oss and Harmony)", backend.document_count, DEMO_CORPUS)
         return cls(backend, **options)
 
     def harmony_namespace(self) -> ToolNamespaceConfig:

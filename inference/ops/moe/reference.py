@@ -7,7 +7,7 @@ Expert weights come either packed in MXFP4 (HF layout, kept packed until used) o
     biases: gate_up_bias [E, 2I], down_bias [E, H]
 gate/up are interleaved along 2I: gate = h[..., 0::2], up = h[..., 1::2].
 
-`moe_reference` is the pure-torch path (float32 math); GPU kernels in `inference/kernels/`
+`moe_reference` is the pure-torch path (float32 math); GPU kernels beside it (`triton.py`, `flashinfer.py`)
 implement the same function and are tested against it.
 """
 

@@ -269,6 +269,22 @@ def test_bench_serve_reports_failures(bench_server, tmp_path, capsys):
     assert rc == 1 and "the warm-up request failed: HTTP 404" in capsys.readouterr().err
 
 
+def test_bench_serve_against_a_closed_port_names_the_url(capsys):
+    # It said "All connection attempts failed", and not where it had tried.
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        url = f"http://127.0.0.1:{listening.getsockname()[1]}"
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--no-progress"]
+    assert main(["bench", "serve", "--base-url", url, *args]) == 1
+    assert f"bench serve: cannot reach {url}: " in capsys.readouterr().err
+    # With --model (no /v1/models request first), the warm-up or each request names it.
+    assert main(["bench", "serve", "--base-url", url, "--model", "m", *args]) == 1
+    assert f"({url}/v1/chat/completions)" in capsys.readouterr().err
+    assert main(["bench", "serve", "--base-url", url, "--model", "m", "--warmup", "0", *args]) == 1
+    assert f"({url}/v1/chat/completions)" in capsys.readouterr().out
+
+
 def test_bench_engine_and_its_http_overhead_in_one_run(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "engine.json"
     rc = main(["bench", "engine", "--model", str(tiny_checkpoint), "--device", "cpu", "--max-model-len", "1024",

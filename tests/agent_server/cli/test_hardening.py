@@ -4,6 +4,7 @@ starts and no model loads, the engine is only built in the app's startup)."""
 from __future__ import annotations
 
 import logging
+import socket
 
 import pytest
 
@@ -64,8 +65,26 @@ def test_a_model_folder_without_a_config_is_refused_at_once(tmp_path, caplog, mo
 
     monkeypatch.setattr(uvicorn, "Server", None)  # refused before a server is made
     with caplog.at_level(logging.ERROR, logger="oss_agent"):
-        assert run(build_parser().parse_args(["serve", "--model", str(tmp_path / "nowhere")])) == 2
+        assert run(build_parser().parse_args(["serve", "--model", str(tmp_path)])) == 2
     assert "no config.json" in caplog.text
+
+
+def test_a_model_path_that_does_not_exist_is_named_so(tmp_path, caplog, monkeypatch, capsys):
+    # (it was "not a Hugging Face checkpoint folder (no config.json there)", which sends one
+    # looking inside a folder that is not there)
+    import uvicorn
+
+    from agent_server.cli.main import main
+
+    monkeypatch.setattr(uvicorn, "Server", None)
+    with caplog.at_level(logging.ERROR, logger="oss_agent"):
+        assert main(["serve", "--model", str(tmp_path / "nowhere")]) == 2
+    assert f"--model {tmp_path / 'nowhere'} does not exist" in caplog.text
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), "hi"]) == 2
+    assert f"--model {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["generate", "--model", str(tmp_path / "file"), "hi"]) == 2
+    assert "is a file, not a checkpoint folder" in capsys.readouterr().err
 
 
 def test_a_server_whose_model_fails_to_load_exits_non_zero(tmp_path, caplog):
@@ -131,8 +150,10 @@ def test_tool_timeouts_reach_the_tool_servers(tiny_checkpoint, tmp_path, monkeyp
 
     monkeypatch.setattr(agent_server.app, "create_app", fake_create_app)
     monkeypatch.setattr(tools.protocol, "start_tool_servers", fake_start_tool_servers)
-    serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"),
-                    "--tool-server", "127.0.0.1:9", "--tool-timeout", "900", "--python-timeout", "600"])
+    with socket.create_server(("127.0.0.1", 0)) as listening:  # (serve checks that an MCP server is there)
+        port = listening.getsockname()[1]
+        serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"),
+                        "--tool-server", f"127.0.0.1:{port}", "--tool-timeout", "900", "--python-timeout", "600"])
     asyncio.run(factories[0]())
     assert started["mcp_timeout"] == 900.0 and started["python_limits"].wall_seconds == 600.0
     # A cell limit that does not fit under the call's is refused before anything starts.
@@ -300,3 +321,103 @@ def test_every_flag_the_readme_names_exists():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     known = {option for action in serve._actions for option in action.option_strings}
     assert len(flags) > 15 and flags <= known, flags - known
+
+
+def closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        return listening.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tool-server", "bogus"], "--tool-server: expected demo, browser, python, host:port, an http(s):// URL, or "
+                                 "label=<host:port or URL> for a tool server, got 'bogus'"),
+    (["--tool-server", "demo,127.0.0.1:{port}"], "--tool-server: cannot reach the MCP server '127.0.0.1:{port}' at "
+                                                 "http://127.0.0.1:{port}/mcp: "),
+    (["--device", "cuda"], "--device cuda: this machine has no CUDA device torch can use"),
+    (["--device", "tpu"], "--device tpu: not a device"),
+])
+def test_a_bad_tool_server_or_device_is_one_line_before_the_server_starts(argv, message, tiny_checkpoint, tmp_path):
+    # A bogus --tool-server printed "Uvicorn running on ..." and then two chained tracebacks before
+    # the one-line cause; an unreachable MCP server the same; --device cuda with no GPU was 30
+    # lines of traceback. Now: the cause in one line, nothing started, exit status 2.
+    import os
+    import subprocess
+    import sys
+
+    port = closed_port()
+    argv = [a.format(port=port) for a in argv]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # (a machine with no GPU, even on a GPU host)
+    result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tiny_checkpoint),
+                             "--store", str(tmp_path / "r.db"), "--port", "0", *argv], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and errors[0].split(" [-] ", 1)[1].startswith(message.format(port=port)), result.stderr
+    assert "Traceback" not in result.stderr and "Uvicorn running" not in result.stderr
+
+
+def test_the_store_is_named_in_help_and_log(tiny_checkpoint, tmp_path, caplog, capsys, monkeypatch):
+    # Every server started without --store shares one file; a user could not find out where it was.
+    monkeypatch.setenv("OSS_AGENT_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert "~/.cache/oss-agent/responses.sqlite3" in " ".join(capsys.readouterr().out.split())
+    with caplog.at_level(logging.INFO, logger="oss_agent"):
+        serve_captured(["--model", str(tiny_checkpoint)])
+    assert f"stored responses: {tmp_path / 'cache' / 'responses.sqlite3'} (shared by every server" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="oss_agent"):
+        serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "mine.db")])
+    assert f"stored responses: {tmp_path / 'mine.db'}\n" in caplog.text + "\n"
+
+
+def test_the_random_default_model_is_capped_named_and_says_so(tmp_path, caplog, monkeypatch):
+    # With no --model, the tiny random checkpoint wrote noise until its context was full (98 s);
+    # the README's snippet asked for gpt-oss-20b and got a 404.
+    from agent_server import default_model
+
+    monkeypatch.setenv("OSS_AGENT_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="oss_agent"):
+        config = serve_captured([])["app"].state.server.config
+    assert (config.model_name, config.random_weights, config.default_max_output_tokens) == (
+        "gpt-oss-tiny-random", True, default_model.MAX_OUTPUT_TOKENS)
+    assert config.serves("gpt-oss-20b") and config.serves("gpt-oss-120b") and not config.serves("gpt-4o")
+    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "random weights" in warning and "noise" in warning and "hf download openai/gpt-oss-20b" in warning
+    assert f"at most {default_model.MAX_OUTPUT_TOKENS} output tokens" in warning
+    assert "--default-max-output-tokens" in warning and "gpt-oss-20b and gpt-oss-120b" in warning
+    # The cap can be changed or lifted; a real model has none and answers only to its own names.
+    assert serve_captured(["--default-max-output-tokens", "500"])["app"].state.server.config \
+        .default_max_output_tokens == 500
+    assert serve_captured(["--default-max-output-tokens", "0"])["app"].state.server.config \
+        .default_max_output_tokens is None
+    (tmp_path / "gpt-oss-20b").mkdir()
+    (tmp_path / "gpt-oss-20b" / "config.json").write_text("{}")
+    config = serve_captured(["--model", str(tmp_path / "gpt-oss-20b")])["app"].state.server.config
+    assert (config.random_weights, config.default_max_output_tokens) == (False, None)
+    assert not config.serves("gpt-oss-120b")
+
+
+def test_a_tool_server_that_is_there_but_no_mcp_server_fails_in_one_line(tiny_checkpoint, tmp_path):
+    # Something listens, so the check before startup passes; the MCP handshake then fails while
+    # the server starts. That is the configuration's fault: one line, not two chained tracebacks.
+    import http.server
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        spec = f"127.0.0.1:{web.server_address[1]}"
+        result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tiny_checkpoint),
+                                 "--store", str(tmp_path / "r.db"), "--port", "0", "--tool-server", spec,
+                                 "--tool-timeout", "10"], capture_output=True, text=True, timeout=300,
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    finally:
+        web.shutdown()
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"startup failed: could not start tool server: cannot reach the MCP server at http://{spec}/mcp" \
+        in result.stderr

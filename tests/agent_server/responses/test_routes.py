@@ -913,8 +913,15 @@ def test_truncation_auto_drops_the_oldest_items_to_fit(tmp_path):
         prompt = prompt_text(engine.calls[-1])
         assert "alpha" not in prompt and "omega" in prompt and prompt.endswith("<|start|>assistant")
         assert client.responses.retrieve(cut.id).truncation == "auto"
-        with pytest.raises(openai.BadRequestError):  # the newest input alone does not fit
+        with pytest.raises(openai.BadRequestError) as info:  # the newest input alone does not fit
             client.responses.create(model=MODEL, input="omega " * 400, truncation="auto")
+        # ... and the 400 says why truncation could not help (it said only the sizes).
+        assert "truncation='auto' could not help" in info.value.body["message"]
+        assert "single turn" in info.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=MODEL, input="omega " * 400, previous_response_id=first.id,
+                                    truncation="auto")
+        assert "dropped every earlier turn, but the last one on its own" in info.value.body["message"]
 
 
 def test_opening_the_store_reads_only_unfinished_responses(tmp_path, monkeypatch):

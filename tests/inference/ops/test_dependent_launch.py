@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_interpreter import CUDA, HAVE_TRITON  # (first: sets TRITON_INTERPRET on CPU)
+from tests.triton_interpreter import CUDA  # (first: sets TRITON_INTERPRET on CPU)
 
 from inference.ops import dependent_launch  # noqa: E402
 

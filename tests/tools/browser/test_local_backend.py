@@ -152,3 +152,50 @@ async def test_demo_server_with_search_dir_and_bundled_corpus(library, monkeypat
     result = await servers[0].open_session().call("browser.search", '{"query": "Harmony channels"}')
     assert "【0†The Harmony chat format】" in result.text
     await servers[0].aclose()
+
+
+async def test_the_demo_corpus_is_the_projects_docs_and_queries_find_different_ones():
+    # The bundled corpus was 3 short pages, and every query listed the same 3.
+    backend = await LocalSearchBackend.open(DEMO_CORPUS)
+    names = {Path(url).name for (url,) in backend.db.execute("SELECT url FROM documents")}
+    assert {"README.md", "BENCHMARKS.md", "harmony-format.md"} <= names and backend.document_count >= 5
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    assert (DEMO_CORPUS / "README.md").read_text() == readme.read_text()
+
+    async def first(query: str) -> str:
+        return Path((await backend.search(query, 10))[0].url).name
+
+    assert await first("What is the Harmony format?") == "harmony-format.md"
+    assert await first("mixture of experts MXFP4 blocks") == "gpt-oss-models.md"
+    assert await first("readiness of the server: /health and /ready") == "README.md"
+    assert await first("serving benchmark") in ("README.md", "BENCHMARKS.md")
+    # Common words alone do not make every document a hit when the query has others.
+    assert len(await backend.search("what is the Harmony format", 10)) < backend.document_count
+    assert await backend.search("the", 10) != []  # (a query of nothing else still searches them)
+    await backend.aclose()
+
+
+async def test_a_search_with_no_results_says_so(library):
+    backend = await LocalSearchBackend.open(library)
+    result = await BrowserSession(backend, count_tokens=words).call("browser.search", '{"query": "zeppelin"}')
+    assert not result.is_error and "No results for `zeppelin`." in result.text
+    assert result.details["sources"] == []
+    await backend.aclose()
+
+
+
+def test_an_installed_server_has_the_demo_corpus(tmp_path):
+    # The corpus was not package data: a server installed from a wheel had no documents to search.
+    import subprocess
+    import sys
+    import zipfile
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(root)], check=True, capture_output=True, timeout=600)
+    [wheel] = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        corpus = {Path(name).name: archive.read(name) for name in archive.namelist()
+                  if name.startswith("tools/browser/demo_corpus/")}
+    assert set(corpus) == {path.name for path in DEMO_CORPUS.iterdir()}
+    assert corpus["README.md"] == (root / "README.md").read_bytes()  # the file, not a link to it
