@@ -8,8 +8,12 @@ lifted by its length. A search lists each document once, with its best section's
 ignores common English words when the query has others (so "what is the Harmony format" is about
 Harmony, not about every document holding "the"). Each document's URL is its `file://` URI, or `base_url` + its relative
 path when given, so citations point somewhere meaningful. Links between the documents work:
-relative links resolve to other documents' URLs, which `fetch` finds in the index. Nothing
-outside the folder is reachable.
+relative links resolve to other documents' URLs, which `fetch` finds in the index.
+
+Nothing outside the folder is reachable: every path is resolved (symlinks included) and must
+stay under the folder, both when indexing and when a document is read, and hidden files and
+folders are left out. A file is read up to `max_file_bytes` (larger ones are not indexed, and
+open shows their beginning), and turned into a page in a worker thread.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import os
 import re
 import sqlite3
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +116,7 @@ class LocalSearchBackend:
         rows = []
         for path in sorted(self._files()):
             try:
-                raw = path.read_text(encoding="utf-8", errors="replace")
+                raw, _ = self._read(path)
             except OSError as e:
                 logger.warning("skipping %s: %s", path, e)
                 continue
@@ -137,13 +142,25 @@ class LocalSearchBackend:
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             for name in files:
                 path = Path(root) / name
-                if name.startswith(".") or path.suffix.lower() not in KINDS:
-                    continue
-                try:
-                    if path.stat().st_size <= self.max_file_bytes:
-                        yield path
-                except OSError:
-                    continue
+                resolved = self._servable(path)
+                if resolved is not None and resolved.stat().st_size <= self.max_file_bytes:
+                    yield path
+
+    def _servable(self, path: Path) -> Path | None:
+        """`path` resolved, if it is a document of the folder: a regular file under the folder
+        once every symlink is followed, not hidden, of a kind we read."""
+        if path.suffix.lower() not in KINDS:
+            return None
+        try:
+            relative = path.relative_to(self.folder)
+            resolved = path.resolve(strict=True)
+            info = resolved.stat()
+        except (OSError, ValueError, RuntimeError):  # (RuntimeError: a symlink loop)
+            return None
+        if (not resolved.is_relative_to(self.folder) or not stat.S_ISREG(info.st_mode)
+                or any(part.startswith(".") for part in relative.parts)):
+            return None
+        return resolved
 
     def _page(self, document: _Document, raw: str) -> Page:
         fallback_title = document.path.stem.replace("_", " ").replace("-", " ")
@@ -191,11 +208,49 @@ class LocalSearchBackend:
         # A file under the folder added after indexing.
         parsed = urlparse(url)
         if parsed.scheme == "file":
-            path = Path(unquote(parsed.path)).resolve()
-            if (path.is_relative_to(self.folder) and path.is_file()
-                    and path.suffix.lower() in KINDS):
+            path = Path(os.path.normpath(unquote(parsed.path)))
+            if path.is_relative_to(self.folder) and self._servable(path) is not None:
                 return _Document(self.url_for(path), path, KINDS[path.suffix.lower()], "")
         return None
+
+    def _read(self, path: Path) -> tuple[str, int | None]:
+        """The text of the document at `path`, checked again as it is opened (the folder may
+        have changed since it was indexed), and its size in bytes when it is over the limit
+        (then the text is its first `max_file_bytes`)."""
+        resolved = path.resolve(strict=True)
+        if not resolved.is_relative_to(self.folder):
+            raise PermissionError(f"{path.name} leads outside the search folder")
+        # O_NOFOLLOW|O_NONBLOCK: a last component swapped for a symlink or a FIFO since the
+        # check fails instead of leading elsewhere or blocking.
+        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            try:  # where the file opened really is (a folder on the way may have been swapped)
+                opened = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                opened = resolved
+            if not stat.S_ISREG(info.st_mode) or not opened.is_relative_to(self.folder):
+                raise PermissionError(f"{path.name} is not a file of the search folder")
+            data = f.read(self.max_file_bytes + 1)
+        if len(data) <= self.max_file_bytes:
+            return data.decode("utf-8", errors="replace"), None
+        cut = self.max_file_bytes
+        while cut > self.max_file_bytes - 4 and data[cut] & 0xC0 == 0x80:
+            cut -= 1  # (back to the start of a UTF-8 character cut at the limit)
+        return data[:cut].decode("utf-8", errors="replace"), max(info.st_size, len(data))
+
+    def _load(self, document: _Document, view_source: bool) -> Page:
+        """Read and convert a document (run in a thread: both can take seconds for big files)."""
+        raw, size = self._read(document.path)
+        if view_source:
+            page = source_page(raw, document.url, document.title or None)
+        else:
+            page = self._page(document, raw)
+        if size is not None:
+            page.text += (f"\n\n[The file is {size / 1e6:.1f} MB; only its first "
+                          f"{self.max_file_bytes / 1e6:.1f} MB are shown.]")
+        page.lines  # noqa: B018 - wrapped here, off the event loop
+        return page
 
     async def fetch(self, url: str, *, view_source: bool = False) -> Page:
         document = self._lookup(url)
@@ -203,13 +258,9 @@ class LocalSearchBackend:
             raise BackendError(f"`{url}` is not one of the local documents (this browser has no "
                                f"internet access; use search to find documents)")
         try:
-            raw = await asyncio.to_thread(document.path.read_text, encoding="utf-8",
-                                          errors="replace")
+            return await asyncio.to_thread(self._load, document, view_source)
         except OSError as e:
-            raise BackendError(f"cannot read {document.path.name}: {e.strerror}") from e
-        if view_source:
-            return source_page(raw, document.url, document.title or None)
-        return self._page(document, raw)
+            raise BackendError(f"cannot read {document.path.name}: {e.strerror or e}") from e
 
     async def aclose(self) -> None:
         with self.lock:

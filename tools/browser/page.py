@@ -45,14 +45,54 @@ class Page:
 
 
 def wrap_lines(text: str, width: int = LINE_WIDTH) -> list[str]:
-    """Split into lines of at most `width` characters, keeping empty lines and whitespace."""
+    """Split into lines of at most `width` characters, keeping empty lines and whitespace.
+
+    The lines are those of `textwrap.wrap(line, width, replace_whitespace=False,
+    drop_whitespace=False)` (the reference browser's), in time linear in the text: textwrap
+    copies what is left of a word longer than a line for each line it fills, so one long run
+    without spaces (a minified file, base64) took quadratic time."""
     lines: list[str] = []
     for line in text.split("\n"):
-        if not line:
-            lines.append("")
-            continue
-        lines.extend(textwrap.wrap(line, width=width, replace_whitespace=False,
-                                   drop_whitespace=False) or [""])
+        if len(line) <= width and "\t" not in line:
+            lines.append(line)  # (what textwrap returns for a line that fits)
+        else:
+            lines.extend(_wrap_chunks(_chunks(line), width) or [""])
+    return lines
+
+
+_SPLITTER = textwrap.TextWrapper(replace_whitespace=False, drop_whitespace=False)
+# textwrap's whitespace is ASCII only; without a hyphen its word splitting comes down to this.
+_ASCII_SPACE_RUNS = re.compile(r"([\t\n\x0b\x0c\r ]+)")
+
+
+def _chunks(line: str) -> list[str]:
+    """textwrap's chunks of a line (words and whitespace runs, tabs expanded)."""
+    if "-" in line:
+        return _SPLITTER._split_chunks(line)
+    return [chunk for chunk in _ASCII_SPACE_RUNS.split(line.expandtabs()) if chunk]
+
+
+def _wrap_chunks(chunks: list[str], width: int) -> list[str]:
+    """textwrap's line filling (no indent, whitespace kept, long words broken, after a hyphen
+    where one falls in the line), with the part of a long word already placed counted by an
+    offset instead of cut off a copy."""
+    lines: list[str] = []
+    i, offset = 0, 0  # the next chunk, and how much of it earlier lines took
+    while i < len(chunks):
+        line: list[str] = []
+        used = 0
+        while i < len(chunks) and used + len(chunks[i]) - offset <= width:
+            line.append(chunks[i][offset:])
+            used += len(chunks[i]) - offset
+            i, offset = i + 1, 0
+        if i < len(chunks) and len(chunks[i]) - offset > width:
+            chunk, end = chunks[i], width - used
+            hyphen = chunk.rfind("-", offset, offset + end)
+            if hyphen > offset and chunk[offset:hyphen].strip("-"):
+                end = hyphen - offset + 1
+            line.append(chunk[offset : offset + end])
+            offset += end
+        lines.append("".join(line))
     return lines
 
 

@@ -8,6 +8,7 @@ string always fetches it again.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -174,7 +175,8 @@ class BrowserSession:
         if page.kind == "find":
             raise ToolUsageError("Cannot run `find` on search results page or find results page")
         details["url"] = page.url
-        return self._show(find_in_page(page, pattern), loc=0, num_lines=-1, details=details)
+        found = await asyncio.to_thread(find_in_page, page, pattern)  # (big pages take a while)
+        return self._show(found, loc=0, num_lines=-1, details=details)
 
     # -- helpers
 
@@ -192,9 +194,11 @@ class BrowserSession:
         if not url:
             raise ToolUsageError("This page has no URL to open.")
         try:
-            return await self.backend.fetch(url, view_source=view_source)
+            page = await self.backend.fetch(url, view_source=view_source)
         except Exception as e:  # noqa: BLE001 - shown to the model
             raise BackendError(f"Error fetching URL `{url[:1024]}`: {_message(e)}") from e
+        await asyncio.to_thread(lambda: page.lines)  # wrapping a big page takes a while
+        return page
 
     def _show(self, page: Page, loc: int, num_lines: int, details: dict) -> str:
         """Push `page` and render it; a window out of range pops it again."""

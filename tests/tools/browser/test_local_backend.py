@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -125,6 +129,82 @@ async def test_fetch_rules(library, tmp_path_factory):
             await backend.fetch(url)
     source = await backend.fetch((library / "volcanoes.html").as_uri(), view_source=True)
     assert "<h1>Volcanoes of Iceland</h1>" in source.text and source.links == {}
+    await backend.aclose()
+
+
+async def test_symlinks_out_of_the_folder_are_neither_indexed_nor_served(library, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.md").write_text("# Zeppelin plans\nzeppelin hangar codes")
+    (library / "leak.md").symlink_to(outside / "secret.md")  # a file pointing out
+    (library / "linked").symlink_to(outside, target_is_directory=True)  # a folder pointing out
+    (library / "alias.txt").symlink_to(library / "glaciers.txt")  # pointing in: fine
+    (library / "late.md").write_text("# Late\nadded later")
+    backend = await LocalSearchBackend.open(library)
+    assert await backend.search("zeppelin hangar", 5) == []
+    assert backend.document_count == 6  # the four of the fixture, late.md and alias.txt
+    session = BrowserSession(backend, count_tokens=words)
+    for path in (library / "leak.md", library / "linked" / "secret.md", outside / "secret.md"):
+        result = await session.call("browser.open", json.dumps({"id": path.as_uri()}))
+        assert result.is_error and "not one of the local documents" in result.text, result.text
+        assert "hangar" not in result.text
+    page = await backend.fetch((library / "alias.txt").as_uri())
+    assert "Vatnajokull" in page.text
+    # A document swapped for a symlink out after it was indexed is not read either.
+    (library / "late.md").unlink()
+    (library / "late.md").symlink_to(outside / "secret.md")
+    result = await session.call("browser.open", json.dumps({"id": (library / "late.md").as_uri()}))
+    assert result.is_error and "hangar" not in result.text, result.text
+    await backend.aclose()
+
+
+class LoopWatch:
+    """The longest the event loop went without running a 10 ms timer, while it runs."""
+
+    def __init__(self):
+        self.longest = 0.0
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self):
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+    def stop(self) -> float:
+        self.task.cancel()
+        return self.longest
+
+
+@pytest.mark.parametrize("kind", ["txt", "html"])
+async def test_a_large_file_opens_in_bounded_time_off_the_event_loop(tmp_path, kind):
+    """10 MB: its first `max_file_bytes` are shown, with a note; the loop keeps running.
+    (Before: the whole file, wrapped on the loop in quadratic time: 98 s for a 10 MB text.)"""
+    if kind == "txt":
+        (tmp_path / "big.txt").write_text("x" * 10_000_000)  # no space: textwrap's worst case
+        limit = 5 << 20
+    else:
+        paragraph = "<p>Some words and <a href='other.html'>a link</a> in a paragraph.</p>\n"
+        (tmp_path / "big.html").write_text("<html><body>" + paragraph * 150_000 + "</body></html>")
+        limit = 1 << 20  # (html.parser takes seconds a MB on a busy machine)
+    backend = await LocalSearchBackend.open(tmp_path, max_file_bytes=limit)
+    assert backend.document_count == 0  # too big to index
+    session = BrowserSession(backend, count_tokens=words)
+    watch = LoopWatch()
+    start = time.monotonic()
+    url = (tmp_path / f"big.{kind}").as_uri()
+    result = await session.call("browser.open", json.dumps({"id": url}))
+    elapsed = time.monotonic() - start
+    assert watch.stop() < 0.5 and elapsed < 60, (watch.longest, elapsed)
+    assert not result.is_error, result.text
+    page = session.pages[-1]
+    size = os.path.getsize(tmp_path / f"big.{kind}")
+    assert page.text.endswith(f"[The file is {size / 1e6:.1f} MB; only its first "
+                              f"{limit / 1e6:.1f} MB are shown.]")
+    assert len(page.text) < limit + 1000
+    result = await session.call("browser.find", json.dumps({"pattern": "only its first"}))
+    assert "match at L" in result.text
     await backend.aclose()
 
 
