@@ -43,6 +43,7 @@ UNSUPPORTED = {
     "web_search_options": "chat completions run no server-side tools; use /v1/responses with a web_search tool",
     "functions": "it is deprecated; use 'tools'",
     "function_call": "it is deprecated; use 'tool_choice'",
+    "moderation": "this server runs no moderation model",
 }
 
 # --- one choice ---------------------------------------------------------------------------

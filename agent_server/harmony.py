@@ -57,6 +57,18 @@ class PromptConfig:
     conversation_start_date: str | None = None
 
 
+# `verbosity` (text.verbosity, Chat's verbosity): gpt-oss has no setting for it, so the wish is
+# said in the developer message; "medium", the default, adds nothing.
+VERBOSITY_NOTES = {
+    "low": "Keep your final answer short: say only what is needed.",
+    "high": "Give a thorough, detailed final answer.",
+}
+
+
+def verbosity_note(verbosity: str | None) -> str | None:
+    return VERBOSITY_NOTES.get(verbosity or "medium")
+
+
 def system_message(config: PromptConfig) -> Message:
     content = SystemContent.new().with_reasoning_effort(EFFORTS[config.reasoning_effort])
     if config.conversation_start_date:
