@@ -70,6 +70,8 @@ class AgentTask:
     # False: at most one function call per response. Harmony lets the model chain several calls
     # in one turn (`<|end|>` between them), so the turn is cut after the first one.
     parallel_tool_calls: bool = True
+    # include "reasoning.encrypted_content": seals a reasoning item's analysis for the client.
+    seal_reasoning: Callable[[str], str] | None = None
 
 
 @dataclass
@@ -250,7 +252,7 @@ class AgentLoop:
             else:  # a tool that does not exist: keep the text, mark the item
                 self.writer = MessageWriter(self.events)
         elif start.channel == "analysis":
-            self.writer = ReasoningWriter(self.events)
+            self.writer = ReasoningWriter(self.events, seal=self.task.seal_reasoning)
         else:
             phase = {"final": "final_answer", "commentary": "commentary"}.get(start.channel or "")
             self.writer = MessageWriter(self.events, phase=phase)

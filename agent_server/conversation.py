@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from openai_harmony import Message, Role
 
@@ -44,9 +44,11 @@ def assistant_call(recipient: str, arguments: str, channel: str = "commentary", 
     return message.with_content_type(JSON_CONTENT_TYPE) if json_args else message
 
 
-def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> ConvertedInput:
+def input_to_messages(items: list[Any], known_calls: dict[str, str],
+                      open_reasoning: Callable[[str], str] | None = None) -> ConvertedInput:
     """Convert validated input items. `known_calls` maps call ids of earlier responses in the
-    chain to function names. APIError names the offending item."""
+    chain to function names; `open_reasoning` opens a reasoning item's `encrypted_content`
+    (`ReasoningSeal.open`). APIError names the offending item."""
     out = ConvertedInput()
     unanswered: dict[str, tuple[FunctionCallItem, Message]] = {}  # function calls of this input, no output yet
     outputs_run: list[tuple[int, Message]] = []  # consecutive function_call_outputs, by their call's place
@@ -62,12 +64,10 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
                 channel = "commentary" if item.phase == "commentary" else "final"
                 out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel))
         elif isinstance(item, ReasoningItem):
-            if item.encrypted_content:
-                raise APIError("Encrypted reasoning is not supported by this server; send reasoning items with "
-                               "their 'content', or use previous_response_id.",
-                               param=f"input[{i}].encrypted_content")
-            parts = item.content or []
-            text = "".join(p.text for p in parts) or "".join(s.text for s in item.summary)
+            if item.encrypted_content:  # what the model wrote, authenticated: it wins over `content`
+                text = _opened(item.encrypted_content, open_reasoning, i)
+            else:
+                text = "".join(p.text for p in item.content or []) or "".join(s.text for s in item.summary)
             if text:
                 out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("analysis"))
         elif isinstance(item, FunctionCallItem):
@@ -94,6 +94,20 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
         else:  # the model would read a call with no result after it
             raise APIError(f"No tool output found for function call {call_id}.", param="input")
     return out
+
+
+def _opened(blob: str, open_reasoning: Callable[[str], str] | None, index: int) -> str:
+    from .reasoning_seal import SealError
+
+    param = f"input[{index}].encrypted_content"
+    if open_reasoning is None:
+        raise APIError("Encrypted reasoning cannot be read by this server.", param=param,
+                       code="invalid_encrypted_content")
+    try:
+        return open_reasoning(blob)
+    except SealError as e:
+        raise APIError(f"Invalid 'encrypted_content': {e}. Send reasoning items back as this server returned them.",
+                       param=param, code="invalid_encrypted_content") from None
 
 
 def _in_call_order(messages: list[Message], run: list[tuple[int, Message]]) -> None:

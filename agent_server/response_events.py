@@ -81,8 +81,20 @@ def new_id(prefix: str) -> str:
 
 
 def dump(model: Any) -> dict[str, Any]:
-    """JSON-ready dict of an SDK object, leaving out optional fields never set."""
-    return model.model_dump(mode="json", exclude_unset=True, by_alias=True)
+    """JSON-ready dict of an SDK object, leaving out optional fields never set; a response's
+    times (its own, or an event's response's) in whole seconds."""
+    data = model.model_dump(mode="json", exclude_unset=True, by_alias=True)
+    whole_seconds(data.get("response") if isinstance(data.get("response"), dict) else data)
+    return data
+
+
+def whole_seconds(response: dict[str, Any]) -> None:
+    """`created_at` / `completed_at` as integers, as OpenAI sends them: the SDK types them as
+    floats, so they come out of it as 1700000000.0."""
+    for key in ("created_at", "completed_at"):
+        value = response.get(key)
+        if isinstance(value, float) and value.is_integer():
+            response[key] = int(value)
 
 
 class ResponseEvents:
@@ -108,7 +120,7 @@ class ResponseEvents:
     def finish(self, status: str) -> None:
         self.response.status = status
         if status == "completed":
-            self.response.completed_at = time.time()
+            self.response.completed_at = int(time.time())
         self.lifecycle(TERMINAL_EVENT[status])
 
     def add_item(self, item: Any) -> int:
@@ -125,8 +137,9 @@ class ResponseEvents:
 class ReasoningWriter:
     """A `reasoning` item carrying the analysis channel as `reasoning_text` content."""
 
-    def __init__(self, events: ResponseEvents):
+    def __init__(self, events: ResponseEvents, seal: Callable[[str], str] | None = None):
         self.events = events
+        self.seal = seal
         self.item = ResponseReasoningItem(id=new_id("rs"), type="reasoning", summary=[], content=[],
                                           status="in_progress")
         self.index = events.add_item(self.item)
@@ -148,6 +161,8 @@ class ReasoningWriter:
         ev.emit(ResponseContentPartDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
                 part={"type": "reasoning_text", "text": self.text})
         self.item.status = status
+        if self.seal is not None:
+            self.item.encrypted_content = self.seal(self.text)
         ev.item_done(self.index)
 
 

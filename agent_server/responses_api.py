@@ -29,6 +29,7 @@ from schemas.responses import (
     InputItem,
     ItemReference,
     MessageItem,
+    ReasoningOptions,
     ResponseCreateRequest,
     TextFormatJsonObject,
     TextFormatJsonSchema,
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 UNSUPPORTED = {
     "conversation": "conversations are not stored here; continue with previous_response_id",
     "prompt": "there are no stored prompt templates here; send instructions and input",
-    "top_logprobs": "this server's Responses API does not return logprobs (Chat Completions does)",
+    "moderation": "this server runs no moderation model",
 }
 
 INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
@@ -138,9 +139,6 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     if req.background and not req.store:
         raise APIError("Background responses must be stored: set store=true.", param="background")
     include = set(req.include or [])
-    if "reasoning.encrypted_content" in include:
-        raise APIError("'reasoning.encrypted_content' is not supported: this server does not encrypt reasoning. "
-                       "Keep responses stored and continue with previous_response_id instead.", param="include")
 
     items = await _resolve_references(state, req.input_items())
     _check_item_ids(items)
@@ -163,7 +161,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     active = state.tools.select(req.tools, enabled=req.tool_choice != "none")
     notes = _tool_choice_notes(req)
     _check_mcp_choice(req, active)
-    converted = input_to_messages(items, known_calls)
+    converted = input_to_messages(items, known_calls, open_reasoning=_opener(state, items))
     input_instructions = chain_instructions + converted.instructions
     instructions = "\n\n".join(t for t in [req.instructions, *input_instructions, *notes] if t)
     prompt_config = PromptConfig(
@@ -206,6 +204,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         started=started,
         tool_timeout=config.tool_timeout,
         parallel_tool_calls=req.parallel_tool_calls,
+        seal_reasoning=state.seal.seal if "reasoning.encrypted_content" in include else None,
     )
     return PreparedResponse(
         request=req,
@@ -219,6 +218,13 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         mcp_listed=sorted(listed_mcp | {b.label for b in active.mcp.values()}),
         chain_item_ids=chain_ids,
     )
+
+
+def _opener(state: ServerState, items: list[Any]):
+    """`ReasoningSeal.open`, when an item needs it (the key is read on first use)."""
+    if any(getattr(item, "encrypted_content", None) for item in items if getattr(item, "type", "") == "reasoning"):
+        return state.seal.open
+    return None
 
 
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
@@ -362,14 +368,16 @@ def _response_format(req: ResponseCreateRequest) -> dict[str, Any] | None:
 def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str) -> SDKResponse:
     text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
     text.setdefault("format", {"type": "text"})
-    reasoning = {"effort": req.effort}
-    if req.reasoning and (req.reasoning.summary or req.reasoning.generate_summary):
-        reasoning["summary"] = req.reasoning.summary or req.reasoning.generate_summary
+    text.setdefault("verbosity", "medium")
+    asked = req.reasoning or ReasoningOptions()
+    # The effort asked for (gpt-oss runs it at `req.effort`); no summary is ever written (docs/api.md).
+    reasoning = {"effort": asked.effort or "medium", "summary": asked.summary or asked.generate_summary}
     tool_choice = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump(exclude_none=True)
     snapshot = {
         "id": response_id,
         "object": "response",
-        "created_at": time.time(),
+        "created_at": int(time.time()),  # whole seconds, as OpenAI's
+        "completed_at": None,
         "model": req.model,
         "status": "queued" if req.background else "in_progress",
         "background": req.background,
@@ -386,20 +394,33 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "tool_choice": tool_choice,
-        # MCP headers (credentials, often) are neither echoed nor stored, as in OpenAI.
-        "tools": [t.model_dump(by_alias=True, exclude_none=True, exclude={"headers"}) for t in req.tools],
+        "tools": [echoed_tool(t) for t in req.tools],
         "metadata": req.metadata or {},
         "user": req.user,
         "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": req.prompt_cache_retention,
         "safety_identifier": req.safety_identifier,
         "service_tier": "default",  # the processing actually used, whatever was asked for
         "usage": None,
         "truncation": req.truncation or "disabled",
+        "store": req.store,
+        "top_logprobs": req.top_logprobs or 0,
+        # Not in the SDK's Response type, but in OpenAI's responses: no penalties in this API.
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "conversation": None,
     }
     try:
         return SDKResponse.model_validate(snapshot)
     except ValidationError as e:  # a request field our schema let through but a Response cannot hold
         raise from_validation_error(e, snapshot) from None
+
+
+def echoed_tool(tool: Any) -> dict[str, Any]:
+    """A request tool as the response echoes it: every field, null where not given (a function's
+    `strict` too), but MCP headers and authorization (credentials, often), which OpenAI neither
+    echoes nor stores."""
+    return tool.model_dump(by_alias=True, exclude={"headers", "authorization"})
 
 
 def listed_input_items(items: list[Any]) -> list[dict[str, Any]]:

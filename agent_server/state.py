@@ -9,6 +9,7 @@ from typing import Any
 from inference.request import EngineClient
 
 from .metrics import Metrics
+from .reasoning_seal import ReasoningSeal
 from .runs import RunRegistry
 from .store import ResponseStore
 from .tool_registry import ToolRegistry
@@ -34,6 +35,12 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight responses get to finish when stopping
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
     sse_ping_seconds: float = 15.0
+    # The key that seals reasoning for stateless clients; None: reasoning.key beside the store.
+    reasoning_key_file: Path | None = None
+
+    @property
+    def reasoning_key_path(self) -> Path:
+        return self.reasoning_key_file or self.store_path.with_name("reasoning.key")
 
     def serves(self, model: str) -> bool:
         return model == self.model_name or model in self.aliases
@@ -48,6 +55,14 @@ class ServerState:
     engine: EngineClient | None = None
     store: ResponseStore | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    _seal: ReasoningSeal | None = None
+
+    @property
+    def seal(self) -> ReasoningSeal:
+        """The reasoning seal, its key read (or created) on first use."""
+        if self._seal is None:
+            self._seal = ReasoningSeal.from_file(self.config.reasoning_key_path)
+        return self._seal
 
     @property
     def ready(self) -> bool:
