@@ -1,7 +1,7 @@
 """`POST /v1/chat/completions`: one Harmony turn per choice, no server-side tools.
 
 Each choice is an engine request whose tokens go through `HarmonyStream`: the analysis
-channel becomes `reasoning_content`, final (and commentary preambles) `content`, commentary
+channel becomes `reasoning` (and `reasoning_content`, its older name), final (and commentary preambles) `content`, commentary
 calls to `functions.*` become `tool_calls`. Streaming sends OpenAI chunks (`data:` lines, then
 `[DONE]`); a client that disconnects stops every choice's generation.
 """
@@ -305,8 +305,8 @@ async def _complete(request: Request, choices: list[ChoiceStream], header: dict[
                 else:
                     calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-        if reasoning:
-            message["reasoning_content"] = reasoning
+        if reasoning:  # `reasoning`, as OpenAI's gpt-oss guide names it; `reasoning_content` for older clients
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
         return {
@@ -411,7 +411,7 @@ def _stream(state: ServerState, choices: list[ChoiceStream], header: dict[str, A
                 continue
             delta: dict[str, Any] = {}
             if piece.reasoning:
-                delta["reasoning_content"] = piece.reasoning
+                delta["reasoning"] = delta["reasoning_content"] = piece.reasoning
             if piece.content:
                 delta["content"] = piece.content
             if piece.tool_calls:

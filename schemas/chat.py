@@ -65,6 +65,7 @@ class UserMessage(StrictModel):
 class FunctionCall(StrictModel):
     name: str
     arguments: str
+    parsed_arguments: Any = None  # what the SDK's `.parse()` adds: sent back as it came, ignored
 
 
 class ToolCall(StrictModel):
