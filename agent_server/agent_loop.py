@@ -33,12 +33,15 @@ from inference.tokenizer import CALL, RETURN
 from tools.browser.citations import resolve_citations
 
 from .citations import CitationStreamer
+from .client_tools import ClientTool, custom_input, local_shell_action
 from .errors import internal_error
 from .harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, continuation_tokens, tool_message
 from .metrics import Metrics
 from .response_events import (
     CodeInterpreterWriter,
+    CustomToolCallWriter,
     FunctionCallWriter,
+    LocalShellCallWriter,
     McpCallWriter,
     McpListToolsWriter,
     MessageWriter,
@@ -242,7 +245,7 @@ class AgentLoop:
             self.route = self.task.tools.route(start.recipient)
             kind = self.route.kind
             if kind == "function":
-                self.writer = FunctionCallWriter(self.events, self.route.name)
+                self.writer = _client_call_writer(self.events, self.route.client)
             elif kind == "browser":
                 self.writer = WebSearchWriter(self.events)
             elif kind == "python":
@@ -299,7 +302,7 @@ class AgentLoop:
             return
         if route is not None and route.kind == "function":
             writer.done()
-            self.outcome.function_calls[writer.item.call_id] = route.name
+            self.outcome.function_calls[writer.item.call_id] = route.client.qualified_name
             self.calls.append(PendingCall(route, end.recipient or "", end.text, writer))
             if not self.task.parallel_tool_calls:
                 self.turn_over = True
@@ -381,6 +384,15 @@ class AgentLoop:
             output_tokens_details={"reasoning_tokens": u["reasoning"]},
             total_tokens=u["input"] + u["output"],
         )
+
+
+def _client_call_writer(events: ResponseEvents, tool: ClientTool) -> Any:
+    """The item a call of one of the client's tools becomes."""
+    if tool.kind == "custom":
+        return CustomToolCallWriter(events, tool.name, tool.namespace, final_input=custom_input)
+    if tool.kind == "local_shell":
+        return LocalShellCallWriter(events, local_shell_action)
+    return FunctionCallWriter(events, tool.name, tool.namespace)
 
 
 def _json_object(text: str) -> dict:

@@ -28,6 +28,9 @@ from openai.types.responses import (
     ResponseContentPartAddedEvent,
     ResponseContentPartDoneEvent,
     ResponseCreatedEvent,
+    ResponseCustomToolCall,
+    ResponseCustomToolCallInputDeltaEvent,
+    ResponseCustomToolCallInputDoneEvent,
     ResponseFailedEvent,
     ResponseFunctionCallArgumentsDeltaEvent,
     ResponseFunctionCallArgumentsDoneEvent,
@@ -58,7 +61,7 @@ from openai.types.responses import (
     ResponseWebSearchCallSearchingEvent,
 )
 from openai.types.responses.response_code_interpreter_tool_call import OutputLogs
-from openai.types.responses.response_output_item import McpCall, McpListTools, McpListToolsTool
+from openai.types.responses.response_output_item import LocalShellCall, McpCall, McpListTools, McpListToolsTool
 from openai.types.responses.response_output_text import AnnotationURLCitation
 from openai.types.responses.response_reasoning_item import Content as ReasoningContent
 
@@ -213,10 +216,12 @@ class MessageWriter:
 class FunctionCallWriter:
     """A `function_call` for the client to run; arguments stream as they are generated."""
 
-    def __init__(self, events: ResponseEvents, name: str):
+    def __init__(self, events: ResponseEvents, name: str, namespace: str | None = None):
         self.events = events
         self.item = ResponseFunctionToolCall(id=new_id("fc"), call_id=new_id("call"), type="function_call",
                                              name=name, arguments="", status="in_progress")
+        if namespace:
+            self.item.namespace = namespace
         self.index = events.add_item(self.item)
 
     def delta(self, text: str) -> None:
@@ -229,6 +234,58 @@ class FunctionCallWriter:
     def done(self, status: str = "completed") -> None:
         self.events.emit(ResponseFunctionCallArgumentsDoneEvent, item_id=self.item.id, output_index=self.index,
                          arguments=self.item.arguments)
+        self.item.status = status
+        self.events.item_done(self.index)
+
+
+class CustomToolCallWriter:
+    """A `custom_tool_call` for the client to run: freeform text input, streamed as generated
+    and made plain at the end (`custom_input`: the model may have quoted it as a JSON string)."""
+
+    def __init__(self, events: ResponseEvents, name: str, namespace: str | None = None,
+                 final_input: Callable[[str], str] = lambda text: text):
+        self.events = events
+        self.final_input = final_input
+        self.item = ResponseCustomToolCall(id=new_id("ctc"), call_id=new_id("call"), type="custom_tool_call",
+                                           name=name, input="")
+        if namespace:
+            self.item.namespace = namespace
+        self.raw = ""
+        self.index = events.add_item(self.item)
+
+    def delta(self, text: str) -> None:
+        if not text:
+            return
+        self.raw += text
+        self.item.input = self.raw
+        self.events.emit(ResponseCustomToolCallInputDeltaEvent, item_id=self.item.id, output_index=self.index,
+                         delta=text)
+
+    def done(self, status: str = "completed") -> None:
+        self.item.input = self.final_input(self.raw)
+        self.events.emit(ResponseCustomToolCallInputDoneEvent, item_id=self.item.id, output_index=self.index,
+                         input=self.item.input)
+        self.events.item_done(self.index)
+
+
+class LocalShellCallWriter:
+    """A `local_shell_call` for the client to run; its action is read from the model's arguments
+    once they are complete (`action_of`)."""
+
+    def __init__(self, events: ResponseEvents, action_of: Callable[[str], dict[str, Any]]):
+        self.events = events
+        self.action_of = action_of
+        self.arguments = ""
+        self.item = LocalShellCall(id=new_id("lsh"), call_id=new_id("call"), type="local_shell_call",
+                                   status="in_progress", action={"type": "exec", "command": [], "env": {}})
+        self.index = events.add_item(self.item)
+
+    def delta(self, text: str) -> None:
+        self.arguments += text
+
+    def done(self, status: str = "completed") -> None:
+        self.item.action = LocalShellCall.model_validate(
+            {**dump(self.item), "action": self.action_of(self.arguments)}).action
         self.item.status = status
         self.events.item_done(self.index)
 
@@ -351,7 +408,8 @@ def warm_up() -> None:
     events.lifecycle("response.created")
     for writer in (ReasoningWriter(events), MessageWriter(events, phase="final_answer"),
                    FunctionCallWriter(events, "f"), CodeInterpreterWriter(events, "cntr_warmup"),
-                   McpCallWriter(events, "label", "tool")):
+                   McpCallWriter(events, "label", "tool"), CustomToolCallWriter(events, "c", "ns"),
+                   LocalShellCallWriter(events, lambda arguments: {"type": "exec", "command": ["x"], "env": {}})):
         writer.delta("x")
         if isinstance(writer, MessageWriter):
             writer.annotate("https://example.org", "t", 0, 1)

@@ -31,14 +31,15 @@ from schemas.responses import (
     MessageItem,
     ReasoningOptions,
     ResponseCreateRequest,
-    TextFormatJsonObject,
-    TextFormatJsonSchema,
+    ToolChoiceAllowed,
     ToolChoiceBuiltin,
+    ToolChoiceCustom,
     ToolChoiceFunction,
     ToolChoiceMcp,
 )
 
 from .agent_loop import AgentLoop, AgentOutcome, AgentTask
+from .request_settings import request_settings
 from .conversation import input_to_messages, messages_from_json, messages_to_json
 from .errors import APIError, from_validation_error, not_found
 from .harmony import PromptConfig, preamble, render_prompt
@@ -158,22 +159,23 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         listed_mcp = set(previous.mcp_listed) | {o.get("server_label") for o in previous.response.get("output", [])
                                                  if o.get("type") == "mcp_list_tools"}
 
-    active = state.tools.select(req.tools, enabled=req.tool_choice != "none")
-    notes = _tool_choice_notes(req)
+    settings = request_settings(req, items)
+    active = state.tools.select(settings.tools, enabled=req.tool_choice != "none")
+    notes = settings.notes + _tool_choice_notes(req, settings.tools)
     _check_mcp_choice(req, active)
     converted = input_to_messages(items, known_calls, open_reasoning=_opener(state, items))
     input_instructions = chain_instructions + converted.instructions
     instructions = "\n\n".join(t for t in [req.instructions, *input_instructions, *notes] if t)
     prompt_config = PromptConfig(
-        reasoning_effort=req.effort,
+        reasoning_effort=settings.effort,
         instructions=instructions or None,
         function_tools=active.function_descriptions(),
         tool_namespaces=active.namespaces(),
-        response_format=_response_format(req),
+        response_format=settings.response_format,
         conversation_start_date=datetime.date.today().isoformat(),
     )
     head, conversation = preamble(prompt_config), history + converted.messages
-    prompt = render_prompt(head + conversation)
+    prompt = render_prompt(head + conversation, keep_analysis=settings.keep_analysis)
     if req.truncation == "auto" and not _fits(prompt, engine.max_model_len, req.max_output_tokens):
         prompt = _truncated(head, conversation, engine.max_model_len, req.max_output_tokens) or prompt
     if len(prompt) >= engine.max_model_len:
@@ -327,16 +329,18 @@ def _check_mcp_choice(req: ResponseCreateRequest, active: ActiveTools) -> None:
                            param="tool_choice.name")
 
 
-def _tool_choice_notes(req: ResponseCreateRequest) -> list[str]:
+def _tool_choice_notes(req: ResponseCreateRequest, tools: list[Any]) -> list[str]:
     """Harmony has no forced tool calls; the choice becomes an instruction (and is checked)."""
     choice = req.tool_choice
-    if choice == "required" and not req.tools:
+    if isinstance(choice, ToolChoiceAllowed):
+        choice = "required" if choice.mode == "required" else "auto"
+    if choice == "required" and not tools:
         raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
     if isinstance(choice, str):
         return [TOOL_CHOICE_NOTES[choice]] if choice in TOOL_CHOICE_NOTES else []
-    if isinstance(choice, ToolChoiceFunction):
-        if not any(t.type == "function" and t.name == choice.name for t in req.tools):
-            raise APIError(f"Tool choice '{choice.name}' is not one of the functions in 'tools'.",
+    if isinstance(choice, (ToolChoiceFunction, ToolChoiceCustom)):
+        if not any(t.type == choice.type and t.name == choice.name for t in tools):
+            raise APIError(f"Tool choice '{choice.name}' is not one of the {choice.type} tools in 'tools'.",
                            param="tool_choice")
         return [f"You must call the function `{choice.name}`."]
     if isinstance(choice, ToolChoiceBuiltin):
@@ -344,25 +348,15 @@ def _tool_choice_notes(req: ResponseCreateRequest) -> list[str]:
             raise APIError("Invalid value for 'tool_choice.type': 'web_search'; use 'web_search_preview', which "
                            "chooses the web_search tool as well.", param="tool_choice.type", code="invalid_value")
         wanted = "code_interpreter" if choice.type == "code_interpreter" else "web_search"
-        if not any(t.type.startswith(wanted) for t in req.tools):
+        if not any(t.type.startswith(wanted) for t in tools):
             raise APIError(f"Tool choice '{choice.type}' is not in 'tools'.", param="tool_choice")
         return ["You must use the python tool." if wanted == "code_interpreter" else "You must use the browser tool."]
     if isinstance(choice, ToolChoiceMcp):
-        if not any(t.type == "mcp" and t.server_label == choice.server_label for t in req.tools):
+        if not any(t.type == "mcp" and t.server_label == choice.server_label for t in tools):
             raise APIError(f"Tool choice server '{choice.server_label}' is not in 'tools'.", param="tool_choice")
         target = f"the tool `{choice.name}` of" if choice.name else "a tool of"
         return [f"You must call {target} the `{choice.server_label}` server."]
     return []
-
-
-def _response_format(req: ResponseCreateRequest) -> dict[str, Any] | None:
-    fmt = req.text.format if req.text else None
-    if isinstance(fmt, TextFormatJsonSchema):
-        return {"name": fmt.name, "schema": fmt.schema_, "description": fmt.description}
-    if isinstance(fmt, TextFormatJsonObject):
-        return {"name": "json_object", "schema": {"type": "object"},
-                "description": "Answer with a single JSON object and nothing else."}
-    return None
 
 
 def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str) -> SDKResponse:

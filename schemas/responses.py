@@ -545,8 +545,7 @@ class ToolChoiceCustom(StrictModel):
 
 
 class ToolChoiceBuiltin(StrictModel):
-    type: Literal["web_search_preview", "web_search_preview_2025_03_11", "web_search", "code_interpreter",
-                  "local_shell"]
+    type: Literal["web_search_preview", "web_search_preview_2025_03_11", "web_search", "code_interpreter"]
 
 
 class ToolChoiceMcp(StrictModel):
