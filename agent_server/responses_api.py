@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from openai.types.responses import Response as SDKResponse
+from openai.types.responses import Tool as SDKTool
 from openai_harmony import Message, Role
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -61,6 +62,7 @@ UNSUPPORTED = {
 }
 
 INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
+SDK_TOOL = TypeAdapter(SDKTool)
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")  # a response's statuses once it has ended
 
@@ -411,10 +413,23 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
 
 
 def echoed_tool(tool: Any) -> dict[str, Any]:
-    """A request tool as the response echoes it: every field, null where not given (a function's
-    `strict` too), but MCP headers and authorization (credentials, often), which OpenAI neither
-    echoes nor stores."""
-    return tool.model_dump(by_alias=True, exclude={"headers", "authorization"})
+    """A request tool as the response echoes it: every field of OpenAI's tool object, null where
+    not given (a function's `strict` too), but MCP headers and authorization (credentials,
+    often), which OpenAI neither echoes nor stores."""
+    data = tool.model_dump(by_alias=True, exclude={"headers", "authorization"})
+    return _declared(data, SDK_TOOL.validate_python(data))
+
+
+def _declared(data: Any, sdk: Any) -> Any:
+    """`data` without the nulls of fields the SDK's type of it does not declare (our request
+    models take every alias of a tool type, whose fields differ)."""
+    if isinstance(data, list) and isinstance(sdk, list):
+        return [_declared(d, s) for d, s in zip(data, sdk, strict=False)]
+    if not (isinstance(data, dict) and isinstance(sdk, BaseModel)):
+        return data
+    fields = {f.alias or name: name for name, f in type(sdk).model_fields.items()}
+    return {key: _declared(value, getattr(sdk, fields[key], None)) if key in fields else value
+            for key, value in data.items() if key in fields or value is not None}
 
 
 def listed_input_items(items: list[Any]) -> list[dict[str, Any]]:
