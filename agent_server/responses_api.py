@@ -83,6 +83,8 @@ class PreparedResponse:
     input_instructions: list[str] = field(default_factory=list)  # system/developer input, whole chain
     mcp_listed: list[str] = field(default_factory=list)  # server labels listed, whole chain
     chain_item_ids: list[str] = field(default_factory=list)  # item ids of the earlier responses of the chain
+    # When it was created, to the microsecond: the store orders by it (`created_at` is whole seconds).
+    created: float = field(default_factory=time.time)
 
 
 # --- create -------------------------------------------------------------------------------
@@ -538,7 +540,7 @@ def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Mes
         mcp_listed=prepared.mcp_listed,
         chain_item_ids=prepared.chain_item_ids,
         events=[dump(e) for e in run.events] if prepared.request.background else None,
-        created_at=prepared.response.created_at,
+        created_at=prepared.created,
     )
 
 
