@@ -90,7 +90,15 @@ def test_every_streamed_event_is_an_sdk_event_in_strict_mode(fake_server, backgr
         EVENT.validate_python(data, strict=True)
         if "response" in data:
             check_response(data["response"])
-    assert json.loads(events[-1][1])["type"] == "response.completed"
+    final = json.loads(events[-1][1])
+    assert final["type"] == "response.completed"
+    # What gpt-oss's compatibility test checks: the reasoning streams as reasoning_text events,
+    # and the reasoning item holds it as reasoning_text content.
+    names = {name for name, _ in events}
+    assert {"response.reasoning_text.delta", "response.reasoning_text.done"} <= names
+    reasoning = final["response"]["output"][0]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [
+        {"type": "reasoning_text", "text": "Need the weather."}]
 
 
 def test_stateless_reasoning_events_validate_too(fake_server):
