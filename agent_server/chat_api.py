@@ -1,8 +1,8 @@
 """`POST /v1/chat/completions`: one Harmony turn per choice, no server-side tools.
 
 Each choice is an engine request whose tokens go through `HarmonyStream`: the analysis
-channel becomes `reasoning` (and `reasoning_content`, its older name), final (and commentary preambles) `content`, commentary
-calls to `functions.*` become `tool_calls`. Streaming sends OpenAI chunks (`data:` lines, then
+channel becomes `reasoning` (and `reasoning_content`, its older name), final (and commentary
+preambles) `content`, commentary calls to `functions.*` become `tool_calls`. Streaming sends OpenAI chunks (`data:` lines, then
 `[DONE]`); a client that disconnects stops every choice's generation.
 """
 
@@ -32,7 +32,7 @@ from .request_parsing import read_request
 from .sse import data_only, sse_response
 from .state import ServerState
 from .stop_strings import StopStringMatcher
-from .token_bytes import is_special, token_bytes
+from .token_bytes import is_special, logprob_entry
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +73,7 @@ class ChoiceUsage:
 
 
 def _logprob_entry(lp: TokenLogprob, top: int) -> dict[str, Any]:
-    raw = token_bytes(lp.token_id)
-    return {
-        "token": raw.decode("utf-8", errors="replace"),
-        "bytes": list(raw),
-        "logprob": lp.logprob,
-        "top_logprobs": [
-            {"token": token_bytes(t).decode("utf-8", errors="replace"), "bytes": list(token_bytes(t)), "logprob": v}
-            for t, v in lp.top[:top]
-        ],
-    }
+    return logprob_entry(lp.token_id, lp.logprob, lp.top, top)
 
 
 class ChoiceStream:

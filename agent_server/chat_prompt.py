@@ -14,10 +14,10 @@ from openai_harmony import Message, Role, ToolDescription
 from schemas.chat import (
     AllowedToolsChoice,
     AssistantMessage,
+    ChatCompletionRequest,
     ChatCustomTool,
     ChatTool,
     NamedCustomChoice,
-    ChatCompletionRequest,
     NamedToolChoice,
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
@@ -124,7 +124,7 @@ def _allowed(tools: list[ChatTool], choice: AllowedToolsChoice) -> list[ChatTool
     for i, entry in enumerate(choice.allowed_tools.tools):
         name = (entry.get("function") or {}).get("name") if isinstance(entry.get("function"), dict) else None
         if entry.get("type") != "function" or not isinstance(name, str):
-            raise APIError("Invalid value: each allowed tool is {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+            raise APIError('Invalid value: each allowed tool is {"type": "function", "function": {"name": ...}}.',
                            param=f"tool_choice.allowed_tools.tools[{i}]", code="invalid_value")
         if not any(t.function.name == name for t in tools):
             raise APIError(f"Allowed tool '{name}' is not one of the functions in 'tools'.",

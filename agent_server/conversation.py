@@ -114,7 +114,8 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str],
         elif isinstance(item, LenientItem):
             out.messages += _replayed_call(item)
     for call_id, (item, message) in unanswered.items():
-        if getattr(item, "status", None) in ("incomplete", "in_progress"):  # cut short (the token limit): nobody could run it
+        # A call cut short (the token limit): nobody could run it.
+        if getattr(item, "status", None) in ("incomplete", "in_progress"):
             out.messages = [m for m in out.messages if m is not message]
         else:  # the model would read a call with no result after it
             raise APIError(f"No tool output found for function call {call_id}.", param="input")

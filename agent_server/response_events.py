@@ -188,12 +188,16 @@ class MessageWriter:
     def text(self) -> str:
         return self.part.text
 
-    def delta(self, text: str) -> None:
+    def delta(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """`logprobs`: entries (`logprob_entry`) of the tokens this text completes, when asked for."""
         if not text:
             return
         self.part.text += text
+        if logprobs:
+            self.part.logprobs += ResponseOutputText.model_validate(
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": logprobs}).logprobs
         self.events.emit(ResponseTextDeltaEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                         delta=text, logprobs=[])
+                         delta=text, logprobs=_without_bytes(logprobs or []))
 
     def annotate(self, url: str, title: str, start_index: int, end_index: int) -> None:
         annotation = AnnotationURLCitation(type="url_citation", url=url, title=title, start_index=start_index,
@@ -206,11 +210,18 @@ class MessageWriter:
     def done(self, status: str = "completed") -> None:
         ev = self.events
         ev.emit(ResponseTextDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                text=self.part.text, logprobs=[])
+                text=self.part.text, logprobs=_without_bytes([dump(lp) for lp in self.part.logprobs]))
         ev.emit(ResponseContentPartDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
                 part=self.part.model_copy(deep=True))
         self.item.status = status
         ev.item_done(self.index)
+
+
+def _without_bytes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logprob entries as the text delta and done events carry them (no `bytes`)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
 
 
 class FunctionCallWriter:

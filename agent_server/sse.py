@@ -16,6 +16,10 @@ if hasattr(AppStatus, "disable_automatic_graceful_drain"):
     AppStatus.disable_automatic_graceful_drain()
 
 
+# Lines end in "\n" as OpenAI's do (sse-starlette's default is "\r\n"): some clients split on it.
+SEP = "\n"
+
+
 def sse_response(
     events: AsyncIterator[ServerSentEvent],
     *,
@@ -47,9 +51,6 @@ class EventStreamResponse(EventSourceResponse):
         else:
             await super()._send_with_timeout(send, message)
 
-
-# Lines end in "\n" as OpenAI's do (sse-starlette's default is "\r\n"): some clients split on it.
-SEP = "\n"
 
 # Characters JSON may carry raw (pydantic writes them unescaped) that Python's str.splitlines,
 # and so httpx's `iter_lines`, take for line ends: a client reading SSE that way would cut an

@@ -10,6 +10,7 @@ import os
 import stat
 
 import httpx
+import openai
 import pytest
 
 from agent_server.reasoning_seal import ReasoningSeal, SealError
@@ -44,7 +45,7 @@ def test_replayed_encrypted_reasoning_gives_the_prompt_previous_response_id_give
     assert reasoning.type == "reasoning" and reasoning.encrypted_content
     assert THINKING not in reasoning.encrypted_content
     assert tool_server.state.seal.open(reasoning.encrypted_content) == THINKING
-    with pytest.raises(Exception):  # not stored: nothing to continue from
+    with pytest.raises(openai.NotFoundError):  # not stored: nothing to continue from
         client.responses.retrieve(first.id)
     second = client.responses.create(model=MODEL, tools=[WEATHER_TOOL], store=False,
                                      include=["reasoning.encrypted_content"], input=[
