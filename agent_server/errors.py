@@ -75,12 +75,17 @@ def from_validation_error(exc: ValidationError, body: Any) -> APIError:
     # union that matched the input's shape says most).
     error = min(errors, key=lambda e: (order.get(e["type"], 2), -len(e["loc"])))
     kind = error["type"]
-    param = _param_path(tuple(error["loc"]), body, keep_last=kind in ("extra_forbidden", "missing"))
+    loc = tuple(error["loc"])
+    if kind == "unsupported_value" and loc and loc[-1] == (error.get("ctx") or {}).get("kind"):
+        loc = loc[:-1]  # the union's tag of a refused item (a key of the body too, for some)
+    param = _param_path(loc, body, keep_last=kind in ("extra_forbidden", "missing"))
     if kind == "extra_forbidden":
         return APIError(f"Unknown parameter: '{param}'.", param=param, code="unknown_parameter")
     if kind == "missing":
         return APIError(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     message = error["msg"].removeprefix("Value error, ")
+    if kind == "unsupported_value":  # (schemas.responses.Refused): OpenAI's, this server cannot do it
+        return APIError(f"Unsupported value for '{param}': {message}.", param=param or None, code=kind)
     wrong_type = kind.endswith(("_type", "_parsing")) or kind in ("int_from_float", "model_attributes_type")
     code = "invalid_type" if wrong_type else "invalid_value"
     return APIError(f"Invalid value for '{param}': {message}.", param=param or None, code=code)

@@ -57,6 +57,18 @@ class PromptConfig:
     conversation_start_date: str | None = None
 
 
+# `verbosity` (text.verbosity, Chat's verbosity): gpt-oss has no setting for it, so the wish is
+# said in the developer message; "medium", the default, adds nothing.
+VERBOSITY_NOTES = {
+    "low": "Keep your final answer short: say only what is needed.",
+    "high": "Give a thorough, detailed final answer.",
+}
+
+
+def verbosity_note(verbosity: str | None) -> str | None:
+    return VERBOSITY_NOTES.get(verbosity or "medium")
+
+
 def system_message(config: PromptConfig) -> Message:
     content = SystemContent.new().with_reasoning_effort(EFFORTS[config.reasoning_effort])
     if config.conversation_start_date:
@@ -92,10 +104,11 @@ def preamble(config: PromptConfig) -> list[Message]:
     return [system_message(config)] + ([developer] if developer else [])
 
 
-def render_prompt(messages: list[Message]) -> list[int]:
+def render_prompt(messages: list[Message], keep_analysis: bool = False) -> list[int]:
     """Token ids of the conversation followed by `<|start|>assistant`, ready to generate.
 
-    Analysis messages of turns that ended in a final answer are dropped, as gpt-oss expects.
+    Analysis messages of turns that ended in a final answer are dropped, as gpt-oss expects,
+    unless `keep_analysis` (reasoning.context "all_turns": the model sees all its reasoning).
     The leading system and developer messages are rendered once per distinct content and reused
     (`PreambleTokens`): most requests share them, and rendering them was a third of a request's
     rendering (two thirds with the browser and python tools described in the system message).
@@ -109,8 +122,9 @@ def render_prompt(messages: list[Message]) -> list[int]:
     texts = [_plain_user_text(m) for m in messages[lead:]]
     if all(text is not None for text in texts):  # the common request: no earlier assistant turns
         return head + [t for text in texts for t in _user_message_tokens(text)] + assistant_start_tokens()
-    conversation = Conversation.from_messages(_without_finished_analysis(messages[lead:]))
-    config = RenderConversationConfig(auto_drop_analysis=True)
+    kept = messages[lead:] if keep_analysis else _without_finished_analysis(messages[lead:])
+    conversation = Conversation.from_messages(kept)
+    config = RenderConversationConfig(auto_drop_analysis=not keep_analysis)
     return head + harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT, config)
 
 

@@ -171,7 +171,14 @@ async def read_request(
     unsupported: Mapping[str, str] | None = None,
 ) -> Model:
     """`max_items`: top-level array parameter -> most items; `unsupported`: parameter -> why."""
-    body = without_null_defaults(parse_json_object(await read_body(request, max_bytes)), schema, unsupported or {})
+    body = parse_json_object(await read_body(request, max_bytes))
+    return validate_body(body, schema, max_items=max_items, unsupported=unsupported)
+
+
+def validate_body(body: dict[str, Any], schema: type[Model], *, max_items: Mapping[str, int] | None = None,
+                  unsupported: Mapping[str, str] | None = None) -> Model:
+    """A parsed body checked as `read_request` checks it, past the JSON-level checks."""
+    body = without_null_defaults(body, schema, unsupported or {})
     check_limits(body, max_items or {}, unsupported or {})
     try:
         # Strict, as OpenAI is: "10" is not an integer and "yes" not a boolean. The context

@@ -8,10 +8,16 @@ from typing import Any, AsyncIterator, Callable
 
 from sse_starlette.sse import AppStatus, EventSourceResponse, ServerSentEvent
 
+from agent_server.responses.events import dump
+
 # sse-starlette ends every stream as soon as uvicorn is told to exit (SIGTERM): streams would not
 # get the --shutdown-timeout that other requests get. Uvicorn's graceful timeout bounds them.
 if hasattr(AppStatus, "disable_automatic_graceful_drain"):
     AppStatus.disable_automatic_graceful_drain()
+
+
+# Lines end in "\n" as OpenAI's do (sse-starlette's default is "\r\n"): some clients split on it.
+SEP = "\n"
 
 
 def sse_response(
@@ -31,7 +37,7 @@ def sse_response(
             if on_close is not None:
                 on_close()
 
-    return EventStreamResponse(guarded(), ping=ping_seconds, headers={"Cache-Control": "no-cache"})
+    return EventStreamResponse(guarded(), ping=ping_seconds, sep=SEP, headers={"Cache-Control": "no-cache"})
 
 
 class EventStreamResponse(EventSourceResponse):
@@ -59,14 +65,17 @@ def _escaped(data: str) -> str:
 def sdk_event(event: Any) -> ServerSentEvent:
     """A Responses API event (an SDK object or its stored dict) as `event:` + `data:` lines."""
     if isinstance(event, dict):
-        return ServerSentEvent(data=json.dumps(event, separators=(",", ":")), event=event["type"])
-    return ServerSentEvent(data=_escaped(event.model_dump_json(exclude_unset=True, by_alias=True)), event=event.type)
+        return ServerSentEvent(data=json.dumps(event, separators=(",", ":")), event=event["type"], sep=SEP)
+    if getattr(event, "response", None) is not None:  # lifecycle events: the response's times as integers
+        return sdk_event(dump(event))
+    return ServerSentEvent(data=_escaped(event.model_dump_json(exclude_unset=True, by_alias=True)), event=event.type,
+                           sep=SEP)
 
 
 def data_only(payload: Any) -> ServerSentEvent:
     """A Chat Completions chunk (`data:` only): an SDK object, a dict, or the string "[DONE]"."""
     if isinstance(payload, str):
-        return ServerSentEvent(data=payload)
+        return ServerSentEvent(data=payload, sep=SEP)
     if isinstance(payload, dict):
-        return ServerSentEvent(data=json.dumps(payload, separators=(",", ":")))
-    return ServerSentEvent(data=_escaped(payload.model_dump_json(exclude_unset=True)))
+        return ServerSentEvent(data=json.dumps(payload, separators=(",", ":")), sep=SEP)
+    return ServerSentEvent(data=_escaped(payload.model_dump_json(exclude_unset=True)), sep=SEP)

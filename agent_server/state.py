@@ -9,6 +9,7 @@ from typing import Any
 from inference.request import EngineClient
 
 from agent_server.metrics import Metrics
+from agent_server.reasoning_seal import ReasoningSeal
 from agent_server.responses.runs import RunRegistry
 from agent_server.store import ResponseStore
 from agent_server.agent.tool_registry import ToolRegistry
@@ -37,6 +38,12 @@ class ServerConfig:
     # The output limit of a request that sets none (None: the rest of the context).
     default_max_output_tokens: int | None = None
     random_weights: bool = False  # the tiny default model: /v1/models says so, and the playground
+    # The key that seals reasoning for stateless clients; None: reasoning.key beside the store.
+    reasoning_key_file: Path | None = None
+
+    @property
+    def reasoning_key_path(self) -> Path:
+        return self.reasoning_key_file or self.store_path.with_name("reasoning.key")
 
     def serves(self, model: str) -> bool:
         return model == self.model_name or model in self.aliases
@@ -58,6 +65,14 @@ class ServerState:
     engine: EngineClient | None = None
     store: ResponseStore | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    _seal: ReasoningSeal | None = None
+
+    @property
+    def seal(self) -> ReasoningSeal:
+        """The reasoning seal, its key read (or created) on first use."""
+        if self._seal is None:
+            self._seal = ReasoningSeal.from_file(self.config.reasoning_key_path)
+        return self._seal
 
     @property
     def ready(self) -> bool:

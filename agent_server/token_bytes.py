@@ -36,5 +36,14 @@ def is_special(token_id: int) -> bool:
     return token_id not in _vocabulary()
 
 
+def logprob_entry(token_id: int, logprob: float, top: list[tuple[int, float]], limit: int) -> dict:
+    """A token's logprob as OpenAI writes it (`token`, `bytes`, `logprob`, `top_logprobs`)."""
+    def entry(token: int, value: float) -> dict:
+        raw = token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "bytes": list(raw), "logprob": value}
+
+    return {**entry(token_id, logprob), "top_logprobs": [entry(t, v) for t, v in top[:limit]]}
+
+
 def token_text(token_id: int) -> str:
     return token_bytes(token_id).decode("utf-8", errors="replace")

@@ -1,28 +1,85 @@
 """Request bodies of the Responses API (`POST /v1/responses`), validated at the HTTP edge.
 
 What the server sends back is built from the `openai` SDK's own types; only what clients send
-is modelled here. Unknown fields are rejected (OpenAI answers "Unknown parameter"), and inputs
-gpt-oss cannot take (images, files, audio) fail validation with a message naming the part.
+is modelled here: every parameter, tool, item and content type of the SDK's
+`ResponseCreateParams` (tests/agent_server/responses/test_request_surface.py walks them). Unknown fields are
+rejected (OpenAI answers "Unknown parameter"); what gpt-oss or this server cannot do (images,
+files, hosted tools it has none of) is refused by `refused()` with an `unsupported_value`
+error naming the part and saying why.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
-ReasoningEffort = Literal["low", "medium", "high"]
-# What `include` can ask for here ("reasoning.encrypted_content" is refused with a reason).
+# What clients may ask for; gpt-oss has three levels, which the others map onto (`effort`).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+                  "xhigh": "high", "max": "high"}
+# What `include` can ask for. Those naming items this server never makes (file search, images)
+# are accepted and have nothing to add, as in OpenAI when no such item is in the output.
 Includable = Literal[
     "reasoning.encrypted_content",
     "web_search_call.action.sources",
+    "web_search_call.results",
     "code_interpreter_call.outputs",
+    "message.output_text.logprobs",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
 ]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Refused(BaseModel):
+    """A kind of tool, item or content part that OpenAI accepts and this server cannot honour:
+    it fails validation with the reason, whatever else it carries. Made by `refused()`."""
+
+    model_config = ConfigDict(extra="allow")
+    what: ClassVar[str] = ""
+    reason: ClassVar[str] = ""
+    type: str
+
+    @model_validator(mode="after")
+    def _refuse(self) -> "Refused":
+        raise PydanticCustomError("unsupported_value", "'{kind}' {what} are not supported: {reason}",
+                                  {"kind": self.type, "what": self.what, "reason": self.reason})
+
+
+def refused(name: str, kinds: tuple[str, ...], what: str, reason: str) -> type[Refused]:
+    """A `Refused` model for the `type` values `kinds` ("tools", "input items", ...)."""
+    return type(name, (Refused,), {"__annotations__": {"type": Literal[kinds]}, "what": what, "reason": reason})
+
+
+class CallerDirect(StrictModel):
+    type: Literal["direct"]
+
+
+class CallerProgram(StrictModel):
+    type: Literal["program"]
+    caller_id: str
+
+
+# Who made a call: the model directly, or a program of programmatic tool calling (which this
+# server never runs, so no call of its own has one).
+Caller = Annotated[Union[CallerDirect, CallerProgram], Field(discriminator="type")]
 
 
 # --- input content parts -------------------------------------------------------------------
@@ -31,6 +88,14 @@ class StrictModel(BaseModel):
 class InputText(StrictModel):
     type: Literal["input_text"]
     text: str
+    # Where an explicit prompt cache entry ends: this server caches every prefix by itself.
+    prompt_cache_breakpoint: dict[str, Any] | None = None
+
+
+RefusedImage = refused("RefusedImage", ("input_image",), "inputs", "gpt-oss reads text only")
+RefusedFile = refused("RefusedFile", ("input_file",), "inputs",
+                      "gpt-oss reads text only, and this server keeps no files; send the text as input_text")
+RefusedAudio = refused("RefusedAudio", ("input_audio",), "inputs", "gpt-oss reads text only")
 
 
 class OutputTextPart(BaseModel):
@@ -46,7 +111,16 @@ class RefusalPart(StrictModel):
     refusal: str
 
 
-ContentPart = Annotated[Union[InputText, OutputTextPart, RefusalPart], Field(discriminator="type")]
+ContentPart = Annotated[
+    Union[InputText, OutputTextPart, RefusalPart, RefusedImage, RefusedFile, RefusedAudio],
+    Field(discriminator="type"),
+]
+
+
+def _text_of(parts: Union[str, list[Any]]) -> str:
+    if isinstance(parts, str):
+        return parts
+    return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in parts)
 
 
 # --- input items ----------------------------------------------------------------------------
@@ -57,24 +131,11 @@ class MessageItem(StrictModel):
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[str, list[ContentPart]]
     id: str | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    status: ItemStatus | None = None
     phase: Literal["commentary", "final_answer"] | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        # A clear message for inputs this text-only model cannot read.
-        if isinstance(value, list):
-            for part in value:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind in ("input_image", "input_file", "input_audio"):
-                    raise ValueError(f"'{kind}' content is not supported: gpt-oss reads text only")
-        return value
-
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in self.content)
+        return _text_of(self.content)
 
 
 class FunctionCallItem(StrictModel):
@@ -84,20 +145,86 @@ class FunctionCallItem(StrictModel):
     arguments: str
     id: str | None = None
     namespace: str | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    status: ItemStatus | None = None
+    caller: Caller | None = None
+    async_: bool | None = Field(default=None, alias="async")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
+    call_id: str | None = None  # optional in OpenAI's schema; the output of no call is refused later
+    output: Union[str, list[ContentPart]]
+    id: str | None = None
+    status: ItemStatus | None = None
+    caller: Caller | None = None
+    name: str | None = None
+    namespace: str | None = None
+
+    def text(self) -> str:
+        return _text_of(self.output)
+
+
+class CustomToolCallItem(StrictModel):
+    """A call of a `custom` tool: freeform text input rather than JSON arguments."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: str
+    id: str | None = None
+    namespace: str | None = None
+    caller: Caller | None = None
+    async_: bool | None = Field(default=None, alias="async")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class CustomToolCallOutputItem(StrictModel):
+    type: Literal["custom_tool_call_output"]
     call_id: str
     output: Union[str, list[ContentPart]]
     id: str | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    caller: Caller | None = None
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in self.output)
+        return _text_of(self.output)
+
+
+class LocalShellAction(StrictModel):
+    type: Literal["exec"]
+    command: list[str]
+    env: dict[str, str]
+    timeout_ms: int | None = None
+    user: str | None = None
+    working_directory: str | None = None
+
+
+class LocalShellCallItem(StrictModel):
+    type: Literal["local_shell_call"]
+    id: str
+    call_id: str = Field(min_length=1)
+    action: LocalShellAction
+    status: ItemStatus
+
+
+class LocalShellCallOutputItem(StrictModel):
+    """The output of a local shell call; its `id` is the call's id, as OpenAI defines it."""
+
+    type: Literal["local_shell_call_output"]
+    id: str
+    output: str
+    status: ItemStatus | None = None
+
+
+class ToolSearchCallItem(StrictModel):
+    type: Literal["tool_search_call"]
+    arguments: Any
+    id: str | None = None
+    call_id: str | None = None
+    execution: Literal["server", "client"] | None = None
+    status: ItemStatus | None = None
 
 
 class ReasoningText(StrictModel):
@@ -116,7 +243,7 @@ class ReasoningItem(StrictModel):
     summary: list[SummaryText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    status: ItemStatus | None = None
 
 
 class LenientItem(BaseModel):
@@ -124,7 +251,7 @@ class LenientItem(BaseModel):
     fields the server replays are typed (below), the rest pass through unchecked."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["web_search_call", "code_interpreter_call", "mcp_call", "mcp_list_tools"]
+    type: Literal["web_search_call", "code_interpreter_call", "mcp_call", "mcp_list_tools", "tool_search_output"]
     id: str | None = None
 
 
@@ -152,18 +279,72 @@ class McpCallItem(LenientItem):
 class ItemReference(StrictModel):
     """An item of a stored response, by id: the server puts the item itself in its place."""
 
-    type: Literal["item_reference"]
+    type: Literal["item_reference"] | None = "item_reference"
     id: str = Field(min_length=1)
 
 
+class ConfigurationUpdateItem(StrictModel):
+    """Settings that change from here on in the conversation: the reasoning effort, the format."""
+
+    type: Literal["configuration_update"]
+    id: str | None = None
+    reasoning: "ConfigurationReasoning | None" = None
+    text: "ConfigurationText | None" = None
+
+
+class AdditionalToolsItem(StrictModel):
+    """Tools made available from this point of the input on (each request sees them all)."""
+
+    type: Literal["additional_tools"]
+    role: Literal["developer"]
+    tools: list["Tool"]
+    id: str | None = None
+
+
+class ToolSearchOutputItem(LenientItem):
+    """What a tool search found: those tools are available from then on."""
+
+    type: Literal["tool_search_output"]
+    tools: list["Tool"]
+    call_id: str | None = None
+    execution: Literal["server", "client"] | None = None
+    status: ItemStatus | None = None
+
+    model_config = ConfigDict(extra="forbid")
+
+
+NO_COMPACTION = "this server has no compaction endpoint; send the conversation itself"
+NO_PROGRAMS = "this server does not run programmatic tool calling; call the tools directly"
+RefusedItem = refused("RefusedItem", (
+    "file_search_call", "computer_call", "computer_call_output", "image_generation_call",
+), "input items", "this server has no file search, computer use or image generation tool (gpt-oss reads and "
+   "writes text only)")
+RefusedCompaction = refused("RefusedCompaction", ("compaction", "compaction_trigger"), "input items", NO_COMPACTION)
+RefusedProgram = refused("RefusedProgram", ("program", "program_output"), "input items", NO_PROGRAMS)
+RefusedApproval = refused("RefusedApproval", ("mcp_approval_request", "mcp_approval_response"), "input items",
+                          "MCP tool approvals are not supported; use require_approval='never'")
+RefusedClientTool = refused("RefusedClientTool", ("shell_call", "shell_call_output", "apply_patch_call",
+                                                  "apply_patch_call_output"), "input items",
+                            "the 'shell' and 'apply_patch' tools are not served here; give the model function or "
+                            "custom tools that do the same")
+
+
 def _item_kind(value: Any) -> str:
-    if isinstance(value, dict):
-        return value.get("type", "message")
-    return getattr(value, "type", "message")
+    """The item's `type`; without one a message (it has a role) or an item reference."""
+    get = value.get if isinstance(value, dict) else lambda key, default=None: getattr(value, key, default)
+    kind = get("type")
+    if kind is not None:
+        return kind
+    return "message" if get("role") is not None or get("id") is None else "item_reference"
 
 
+_REFUSED_ITEMS = tuple(
+    Annotated[model, Tag(kind)]
+    for model in (RefusedItem, RefusedCompaction, RefusedProgram, RefusedApproval, RefusedClientTool)
+    for kind in model.model_fields["type"].annotation.__args__
+)
 InputItem = Annotated[
-    Union[
+    Union[(
         Annotated[MessageItem, Tag("message")],
         Annotated[FunctionCallItem, Tag("function_call")],
         Annotated[FunctionCallOutputItem, Tag("function_call_output")],
@@ -173,7 +354,16 @@ InputItem = Annotated[
         Annotated[McpCallItem, Tag("mcp_call")],
         Annotated[LenientItem, Tag("mcp_list_tools")],
         Annotated[ItemReference, Tag("item_reference")],
-    ],
+        Annotated[CustomToolCallItem, Tag("custom_tool_call")],
+        Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")],
+        Annotated[LocalShellCallItem, Tag("local_shell_call")],
+        Annotated[LocalShellCallOutputItem, Tag("local_shell_call_output")],
+        Annotated[ToolSearchCallItem, Tag("tool_search_call")],
+        Annotated[ToolSearchOutputItem, Tag("tool_search_output")],
+        Annotated[AdditionalToolsItem, Tag("additional_tools")],
+        Annotated[ConfigurationUpdateItem, Tag("configuration_update")],
+        *_REFUSED_ITEMS,
+    )],
     Discriminator(_item_kind),
 ]
 
@@ -211,12 +401,23 @@ def check_json_schema(value: dict[str, Any], info: ValidationInfo | None = None)
     return value
 
 
+Callers = list[Literal["direct", "programmatic"]]
+
+
 class FunctionTool(StrictModel):
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    # Loaded only once a tool search finds it, in OpenAI. gpt-oss is shown every tool up front,
+    # so a deferred tool is described like the others (docs/api.md).
+    defer_loading: bool | None = None
+    allowed_callers: Callers | None = None
+    output_schema: dict[str, Any] | None = None
+    async_: bool | None = Field(default=None, alias="async")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     @field_validator("parameters")
     @classmethod
@@ -224,16 +425,84 @@ class FunctionTool(StrictModel):
         return None if value is None else check_json_schema(value, info)
 
 
+class CustomTextFormat(StrictModel):
+    type: Literal["text"]
+
+
+class CustomGrammarFormat(StrictModel):
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: str
+
+
+class CustomTool(StrictModel):
+    """A tool whose input is freeform text (optionally following a grammar), not JSON."""
+
+    type: Literal["custom"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    format: Annotated[Union[CustomTextFormat, CustomGrammarFormat], Field(discriminator="type")] | None = None
+    defer_loading: bool | None = None
+    allowed_callers: Callers | None = None
+    async_: bool | None = Field(default=None, alias="async")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class NamespaceTool(StrictModel):
+    """Tools grouped under a name: a Harmony tool namespace of their own (`name.tool`)."""
+
+    type: Literal["namespace"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str
+    tools: list[Annotated[Union[FunctionTool, CustomTool], Field(discriminator="type")]] = Field(min_length=1)
+
+
+class LocalShellTool(StrictModel):
+    """A shell the client runs: the model calls it with a command, the client answers."""
+
+    type: Literal["local_shell"]
+
+
+class ToolSearchTool(StrictModel):
+    """Tool search over deferred tools. gpt-oss sees every tool up front, so there is nothing to
+    search: accepted, not shown to the model (docs/api.md)."""
+
+    type: Literal["tool_search"]
+    description: str | None = None
+    execution: Literal["server", "client"] | None = None
+    parameters: Any = None
+
+
+class UserLocation(StrictModel):
+    type: Literal["approximate"] | None = None
+    city: str | None = None
+    country: str | None = None
+    region: str | None = None
+    timezone: str | None = None
+
+
+class WebSearchFilters(StrictModel):
+    allowed_domains: list[str] | None = None
+
+
+WEB_SEARCH_TYPES = ("web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11")
+
+
 class WebSearchTool(StrictModel):
-    type: Literal["web_search_preview", "web_search_preview_2025_03_11", "web_search"]
+    type: Literal[WEB_SEARCH_TYPES]
     search_context_size: Literal["low", "medium", "high"] | None = None
-    user_location: dict[str, Any] | None = None
-    filters: dict[str, Any] | None = None
+    user_location: UserLocation | None = None
+    filters: WebSearchFilters | None = None
+    # False: no live fetches, the server's local search backend only.
+    external_web_access: bool | None = None
+    search_content_types: list[Literal["text", "image"]] | None = None
 
 
 class CodeInterpreterTool(StrictModel):
     type: Literal["code_interpreter"]
     container: Union[str, dict[str, Any]] = "auto"
+    allowed_callers: Callers | None = None
 
 
 class McpTool(StrictModel):
@@ -244,13 +513,34 @@ class McpTool(StrictModel):
     allowed_tools: Union[list[str], dict[str, Any], None] = None
     require_approval: Union[Literal["always", "never"], dict[str, Any], None] = None
     headers: dict[str, str] | None = None
+    authorization: str | None = None
+    connector_id: str | None = None
+    tunnel_id: str | None = None
+    defer_loading: bool | None = None
+    allowed_callers: Callers | None = None
 
 
-Tool = Annotated[Union[FunctionTool, WebSearchTool, CodeInterpreterTool, McpTool], Field(discriminator="type")]
+RefusedTool = refused("RefusedTool", (
+    "file_search", "computer", "computer_use_preview", "image_generation",
+), "tools", "this server has no vector stores, computer use or image generation (gpt-oss reads and writes text only)")
+RefusedProgramTool = refused("RefusedProgramTool", ("programmatic_tool_calling",), "tools", NO_PROGRAMS)
+RefusedClientToolKind = refused("RefusedClientToolKind", ("shell", "apply_patch"), "tools",
+                                "give the model function or custom tools that do the same")
+
+Tool = Annotated[
+    Union[FunctionTool, WebSearchTool, CodeInterpreterTool, McpTool, CustomTool, NamespaceTool, LocalShellTool,
+          ToolSearchTool, RefusedTool, RefusedProgramTool, RefusedClientToolKind],
+    Field(discriminator="type"),
+]
 
 
 class ToolChoiceFunction(StrictModel):
     type: Literal["function"]
+    name: str
+
+
+class ToolChoiceCustom(StrictModel):
+    type: Literal["custom"]
     name: str
 
 
@@ -264,9 +554,22 @@ class ToolChoiceMcp(StrictModel):
     name: str | None = None
 
 
+class ToolChoiceAllowed(StrictModel):
+    """Only these of `tools` may be used; `mode` "required": one of them must be."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+
+RefusedChoice = refused("RefusedChoice", ("file_search", "computer", "computer_use_preview", "image_generation",
+                                          "computer_use", "programmatic_tool_calling", "apply_patch", "shell"),
+                        "tool choices", "this server has no such tool")
+
 ToolChoice = Union[
     Literal["none", "auto", "required"],
-    Annotated[Union[ToolChoiceFunction, ToolChoiceBuiltin, ToolChoiceMcp], Field(discriminator="type")],
+    Annotated[Union[ToolChoiceFunction, ToolChoiceCustom, ToolChoiceBuiltin, ToolChoiceMcp, ToolChoiceAllowed,
+                    RefusedChoice], Field(discriminator="type")],
 ]
 
 
@@ -275,8 +578,16 @@ ToolChoice = Union[
 
 class ReasoningOptions(StrictModel):
     effort: ReasoningEffort | None = None
+    # gpt-oss writes no summaries: its reasoning items carry the reasoning itself (docs/api.md).
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    # Which earlier turns' reasoning the model sees again (docs/api.md).
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: str | None = None
+
+
+class ConfigurationReasoning(StrictModel):
+    effort: ReasoningEffort | None = None
 
 
 class TextFormatText(StrictModel):
@@ -310,8 +621,46 @@ class TextOptions(StrictModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ConfigurationText(StrictModel):
+    format: TextFormat
+
+
 class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None
+
+
+class ContextManagement(StrictModel):
+    """Server-side compaction settings: accepted; compaction is a separate endpoint here (none)."""
+
+    type: str
+    compact_threshold: int | None = None
+
+
+class PromptCacheOptions(StrictModel):
+    """Accepted: this server caches every prompt prefix by itself, in memory."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m", "12h"] | None = None
+    prewarm: bool | None = None
+    comparison_response_id: str | None = None
+
+
+class BackgroundOptions(StrictModel):
+    completion_window: Literal["soonest", "2h", "8h"] | None = None
+    continuation_id: str | None = None
+
+
+class AccessPrograms(StrictModel):
+    cyber: Literal["standard", "daybreak_blue", "daybreak_red"] | None = None
+
+
+class ImageOptions(StrictModel):
+    context_compression: Literal["auto", "enabled", "disabled"] | None = None
+
+
+AdditionalToolsItem.model_rebuild()
+ToolSearchOutputItem.model_rebuild()
+ConfigurationUpdateItem.model_rebuild()
 
 
 class ResponseCreateRequest(StrictModel):
@@ -337,9 +686,19 @@ class ResponseCreateRequest(StrictModel):
     include: list[Includable] | None = None
     # "disabled" (default): an input longer than the context gets a 400; "auto": the oldest items go.
     truncation: Literal["auto", "disabled"] | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Accepted as in OpenAI; this server caches prompt prefixes by itself (docs/api.md).
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None
+    context_management: list[ContextManagement] | None = None
+    background_options: BackgroundOptions | None = None
+    access_programs: AccessPrograms | None = None
+    image: ImageOptions | None = None
+    # Not in the SDK but accepted by OpenAI (Codex sends it): free-form data about the client.
+    client_metadata: dict[str, Any] | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -356,8 +715,10 @@ class ResponseCreateRequest(StrictModel):
         return value
 
     @property
-    def effort(self) -> ReasoningEffort:
-        return (self.reasoning.effort if self.reasoning and self.reasoning.effort else None) or "medium"
+    def effort(self) -> str:
+        """The Harmony reasoning effort: what was asked, mapped onto gpt-oss's three levels."""
+        asked = self.reasoning.effort if self.reasoning and self.reasoning.effort else "medium"
+        return HARMONY_EFFORT[asked]
 
     def input_items(self) -> list[Any]:
         """`input` as a list of items (a plain string is one user message)."""

@@ -60,6 +60,7 @@ class FakeBrowserSession:
 class FakeBrowser:
     name = "browser"
     kind = "browser"
+    live_web = False  # its canned pages stand for a local search backend
 
     def __init__(self):
         self.calls: list[tuple[str, str]] = []

@@ -38,6 +38,7 @@ from agent_server.agent.tool_items import ToolCallItem, open_tool_item
 from agent_server.responses.events import McpListToolsWriter, MessageWriter, ReasoningWriter, ResponseEvents
 from agent_server.tokenization_cost import fit_tokenization_budget
 from agent_server.agent.tool_registry import ActiveTools, Route, ToolSessions
+from agent_server.token_bytes import is_special, logprob_entry
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ class AgentTask:
     # False: at most one function call per response. Harmony lets the model chain several calls
     # in one turn (`<|end|>` between them), so the turn is cut after the first one.
     parallel_tool_calls: bool = True
+    # include "reasoning.encrypted_content": seals a reasoning item's analysis for the client.
+    seal_reasoning: Callable[[str], str] | None = None
+    # include "message.output_text.logprobs": how many alternatives each answer token lists
+    # (`sampling.logprobs` asks the engine for them).
+    top_logprobs: int | None = None
 
 
 @dataclass
@@ -97,6 +103,7 @@ class AgentLoop:
         self.turn_over = False  # set when the turn must end before the model ends it
         self.request_id: str | None = None  # the engine request running now
         self.usage = dict(input=0, cached=0, output=0, reasoning=0)
+        self.logprobs: list[dict[str, Any]] = []  # entries of message tokens whose text is not written yet
 
     async def run(self) -> AgentOutcome:
         try:
@@ -186,9 +193,11 @@ class AgentLoop:
                     self.usage["input"] += delta.num_prompt_tokens
                     self.usage["cached"] += delta.num_cached_tokens
                     counted = True
-                for token in delta.token_ids:
+                for i, token in enumerate(delta.token_ids):
                     generated.append(token)
                     self.usage["output"] += 1
+                    if delta.logprobs and self.task.top_logprobs is not None:
+                        self._keep_logprob(token, delta.logprobs[i])
                     self._on_events(stream.feed(token))
                     if self.turn_over:  # nothing the model says after this counts
                         break
@@ -232,7 +241,7 @@ class AgentLoop:
             # A tool that does not exist: keep the text, mark the item.
             self.writer = item if item is not None else MessageWriter(self.events)
         elif start.channel == "analysis":
-            self.writer = ReasoningWriter(self.events)
+            self.writer = ReasoningWriter(self.events, seal=self.task.seal_reasoning)
         else:
             phase = {"final": "final_answer", "commentary": "commentary"}.get(start.channel or "")
             self.writer = MessageWriter(self.events, phase=phase)
@@ -245,16 +254,29 @@ class AgentLoop:
                 else:
                     self.citations = CitationStreamer(None)
 
+    def _keep_logprob(self, token: int, logprob: Any) -> None:
+        """A message token's logprob, written with the next text of the message (its text may
+        come with a later token: a character split over tokens, a held-back citation)."""
+        if isinstance(self.writer, MessageWriter) and not is_special(token):
+            self.logprobs.append(logprob_entry(token, logprob.logprob, logprob.top, self.task.top_logprobs))
+
+    def _message_delta(self, text: str) -> None:
+        if text:
+            logprobs, self.logprobs = self.logprobs, []
+            self.writer.delta(text, logprobs)
+
     def _delta(self, text: str) -> None:
         if isinstance(self.writer, MessageWriter) and self.citations is not None:
             self._write_cited(self.citations.feed(text))
+        elif isinstance(self.writer, MessageWriter):
+            self._message_delta(text)
         elif self.writer is not None:
             self.writer.delta(text)
 
     def _write_cited(self, chunks) -> None:
         for chunk in chunks:
             base = len(self.writer.text)
-            self.writer.delta(chunk.text)
+            self._message_delta(chunk.text)
             for c in chunk.citations:
                 self.writer.annotate(c.url, c.title, base + c.start_index, base + c.end_index)
 
@@ -262,7 +284,7 @@ class AgentLoop:
         writer, route = self.writer, self.route
         if isinstance(writer, MessageWriter) and self.citations is not None:
             self._write_cited(self.citations.flush())
-        self.writer, self.route, self.citations = None, None, None
+        self.writer, self.route, self.citations, self.logprobs = None, None, None, []
         if end.channel == "analysis":
             self.usage["reasoning"] += end.num_tokens
         bad = end.malformed is not None or (route is not None and route.kind == "unknown")
@@ -283,7 +305,7 @@ class AgentLoop:
         self.calls.append(PendingCall(route, end.recipient or "", end.text, writer))
         if not writer.runs_here:  # the client runs it; a built-in is finished once it has run
             writer.done()
-            self.outcome.function_calls[writer.item.call_id] = route.name
+            self.outcome.function_calls[writer.item.call_id] = route.client.qualified_name
             if not self.task.parallel_tool_calls:
                 self.turn_over = True
 

@@ -6,7 +6,7 @@ the tool (`open_tool_item`), streams the arguments into it, and, for the calls t
 itself, marks it running and then finished with the tool's answer. What differs by kind (the
 event types, the web search action, code interpreter logs, MCP output) lives in the kind's class.
 
-    to=functions.*      -> function_call          (the client runs it)
+    to=functions.*      -> function_call, custom_tool_call or local_shell_call (the client runs it)
     to=browser.*        -> web_search_call        (the server runs it)
     to=python           -> code_interpreter_call  (the server runs it)
     to=<mcp namespace>  -> mcp_call               (the server runs it)
@@ -17,9 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 from agent_server.agent.tool_registry import Route
+from agent_server.client_tools import custom_input, local_shell_action
 from agent_server.responses.events import (
     CodeInterpreterWriter,
+    CustomToolCallWriter,
     FunctionCallWriter,
+    LocalShellCallWriter,
     McpCallWriter,
     ResponseEvents,
     WebSearchWriter,
@@ -59,12 +62,22 @@ class ToolCallItem:
         self.done("completed" if ok else "failed")
 
 
-class FunctionCall(ToolCallItem):
+class ClientToolCall(ToolCallItem):
+    """A call of one of the client's own tools (`agent_server/client_tools.py`): a function, a
+    custom tool (freeform input) or the local shell."""
+
     runs_here = False
 
     @classmethod
-    def open(cls, events: ResponseEvents, route: Route, container_id: str) -> FunctionCall:
-        return cls(FunctionCallWriter(events, route.name), route)
+    def open(cls, events: ResponseEvents, route: Route, container_id: str) -> ClientToolCall:
+        tool = route.client
+        if tool.kind == "custom":
+            writer = CustomToolCallWriter(events, tool.name, tool.namespace, final_input=custom_input)
+        elif tool.kind == "local_shell":
+            writer = LocalShellCallWriter(events, local_shell_action)
+        else:
+            writer = FunctionCallWriter(events, tool.name, tool.namespace)
+        return cls(writer, route)
 
 
 class WebSearchCall(ToolCallItem):
@@ -115,7 +128,7 @@ class McpCall(ToolCallItem):
 
 
 TOOL_ITEMS: dict[str, type[ToolCallItem]] = {
-    "function": FunctionCall,
+    "function": ClientToolCall,
     "browser": WebSearchCall,
     "python": CodeInterpreterCall,
     "mcp": McpCall,

@@ -1,10 +1,11 @@
 """Which tools a request may use, where each Harmony recipient goes, and the tool sessions.
 
 The server is started with some tool servers (`tools.protocol`: browser, python, MCP). A
-request enables a subset: `web_search_preview` -> the browser namespace, `code_interpreter` ->
-python, `mcp` (by `server_label`) -> that MCP server, `function` -> the client's own functions.
-The model addresses them by recipient: "browser.search", "python", "<mcp namespace>.<tool>",
-"functions.<name>". Sessions (browser pages, a Python kernel) live as long as one response.
+request enables a subset: `web_search` (any alias) -> the browser namespace, `code_interpreter` ->
+python, `mcp` (by `server_label`) -> that MCP server; the client's own tools (function, custom,
+namespace, local_shell) are described by `client_tools`. The model addresses them by recipient:
+"browser.search", "python", "<mcp namespace>.<tool>", "functions.<name>", "<namespace>.<name>".
+Sessions (browser pages, a Python kernel) live as long as one response.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 
 from openai_harmony import ToolDescription, ToolNamespaceConfig
 
-from schemas.responses import CodeInterpreterTool, FunctionTool, McpTool, WebSearchTool
+from schemas.responses import CodeInterpreterTool, McpTool, WebSearchTool
 from tools.protocol import ToolServer, ToolSession
 
+from agent_server.client_tools import ClientTool, ClientTools
 from agent_server.errors import APIError
 from agent_server.harmony import recipient_kind
 
@@ -36,13 +38,14 @@ class Route:
     name: str  # function or tool name within its namespace
     server: ToolServer | None = None
     label: str = ""  # MCP server_label
+    client: ClientTool | None = None  # kind "function": the client's tool called, if it is one
 
 
 @dataclass
 class ActiveTools:
     """The tools one request enabled."""
 
-    functions: list[FunctionTool] = field(default_factory=list)
+    client: ClientTools = field(default_factory=ClientTools)
     browser: ToolServer | None = None
     python: ToolServer | None = None
     mcp: dict[str, McpBinding] = field(default_factory=dict)  # by Harmony namespace name
@@ -54,15 +57,18 @@ class ActiveTools:
     def namespaces(self) -> list[ToolNamespaceConfig]:
         """Namespaces for the system message, browser and python first as gpt-oss expects."""
         spaces = [s.harmony_namespace() for s in (self.browser, self.python) if s is not None]
-        return spaces + [b.namespace for b in self.mcp.values()]
+        return spaces + [b.namespace for b in self.mcp.values()] + self.client.namespaces
 
     def function_descriptions(self) -> list[ToolDescription]:
-        return [ToolDescription.new(f.name, f.description or "", parameters=f.parameters) for f in self.functions]
+        return self.client.functions
 
     def route(self, recipient: str | None) -> Route:
         namespace, name = recipient_kind(recipient)
-        if namespace == "functions" and name:
-            return Route("function", name)
+        client = self.client.by_recipient.get(f"{namespace}.{name}")
+        if client is not None:
+            return Route("function", client.name, client=client)
+        if namespace == "functions" and name:  # a function the client did not declare: still theirs to answer
+            return Route("function", name, client=ClientTool("function", name))
         for kind, server in (("browser", self.browser), ("python", self.python)):
             if server is not None and namespace == server.harmony_namespace().name:
                 return Route(kind, name, server)
@@ -87,21 +93,27 @@ class ToolRegistry:
 
         `enabled=False` (tool_choice "none") still validates but enables nothing."""
         active = ActiveTools()
+        active.client.add(tools)
         for i, tool in enumerate(tools):
             param = f"tools[{i}]"
-            if isinstance(tool, FunctionTool):
-                active.functions.append(tool)
-            elif isinstance(tool, WebSearchTool):
-                active.browser = self._one("browser", tool.type, param)
+            if isinstance(tool, WebSearchTool):
+                active.browser = self._browser(tool, param)
             elif isinstance(tool, CodeInterpreterTool):
                 active.python = self._one("python", tool.type, param)
             elif isinstance(tool, McpTool):
                 binding = self._mcp(tool, param)
                 active.mcp[binding.namespace.name] = binding
-        names = [f.name for f in active.functions]
-        if len(set(names)) != len(names):
-            raise APIError("Function names in 'tools' must be unique.", param="tools")
         return active if enabled else ActiveTools()
+
+    def _browser(self, tool: WebSearchTool, param: str) -> ToolServer:
+        """The browser; with `external_web_access: false` only one searching local documents."""
+        server = self._one("browser", tool.type, param)
+        if tool.external_web_access is False and getattr(server, "live_web", True):
+            raise APIError("'external_web_access': false asks for no live web access, but this server's browser "
+                           "searches the web; start it with a local search backend (--search-dir, or no Exa key) "
+                           "or allow live access.", param=f"{param}.external_web_access",
+                           code="unsupported_value")
+        return server
 
     def _one(self, kind: str, tool_type: str, param: str) -> ToolServer:
         servers = self.by_kind(kind)

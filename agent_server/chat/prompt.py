@@ -12,8 +12,12 @@ import datetime
 from openai_harmony import Message, Role, ToolDescription
 
 from schemas.chat import (
+    AllowedToolsChoice,
     AssistantMessage,
     ChatCompletionRequest,
+    ChatCustomTool,
+    ChatTool,
+    NamedCustomChoice,
     NamedToolChoice,
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
@@ -24,7 +28,7 @@ from schemas.chat import (
 
 from agent_server.responses.conversation import assistant_call
 from agent_server.errors import APIError
-from agent_server.harmony import PromptConfig, preamble, render_prompt, tool_message
+from agent_server.harmony import PromptConfig, preamble, render_prompt, tool_message, verbosity_note
 
 
 def chat_prompt(req: ChatCompletionRequest) -> list[int]:
@@ -70,11 +74,27 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
     if pending:
         _unanswered(pending, pending_at)
 
+    for i, tool in enumerate(req.tools or []):
+        if isinstance(tool, ChatCustomTool):
+            raise APIError("Unsupported value for 'tools': custom tools are not supported by this server's Chat "
+                           "Completions; use /v1/responses, which takes them, or a function tool.",
+                           param=f"tools[{i}]", code="unsupported_value")
+    for i, message in enumerate(req.messages):
+        if isinstance(message, AssistantMessage) and any(c.type == "custom" for c in message.tool_calls or []):
+            raise APIError("Unsupported value: custom tool calls are not supported by this server's Chat "
+                           "Completions; use /v1/responses.", param=f"messages[{i}].tool_calls",
+                           code="unsupported_value")
     tools = req.tools or []
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise APIError("Function names in 'tools' must be unique.", param="tools")
     choice = req.tool_choice
+    if isinstance(choice, AllowedToolsChoice):
+        tools, required = _allowed(tools, choice), choice.allowed_tools.mode == "required"
+        choice = "required" if required else "auto"
+    if isinstance(choice, NamedCustomChoice):
+        raise APIError("Unsupported value for 'tool_choice': custom tools are not supported by this server's Chat "
+                       "Completions.", param="tool_choice", code="unsupported_value")
     if isinstance(choice, NamedToolChoice):
         if not any(t.function.name == choice.function.name for t in tools):
             raise APIError(f"Tool choice '{choice.function.name}' is not one of the functions in 'tools'.",
@@ -89,13 +109,28 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
         for t in tools
     ]
     config = PromptConfig(
-        reasoning_effort=req.reasoning_effort or "medium",
-        instructions="\n\n".join(t for t in instructions if t) or None,
+        reasoning_effort=req.effort,
+        instructions="\n\n".join(t for t in [*instructions, verbosity_note(req.verbosity)] if t) or None,
         function_tools=functions,
         response_format=_response_format(req),
         conversation_start_date=datetime.date.today().isoformat(),
     )
     return render_prompt(preamble(config) + messages)
+
+
+def _allowed(tools: list[ChatTool], choice: AllowedToolsChoice) -> list[ChatTool]:
+    """The tools an `allowed_tools` choice keeps; each entry names one of `tools`."""
+    names = set()
+    for i, entry in enumerate(choice.allowed_tools.tools):
+        name = (entry.get("function") or {}).get("name") if isinstance(entry.get("function"), dict) else None
+        if entry.get("type") != "function" or not isinstance(name, str):
+            raise APIError('Invalid value: each allowed tool is {"type": "function", "function": {"name": ...}}.',
+                           param=f"tool_choice.allowed_tools.tools[{i}]", code="invalid_value")
+        if not any(t.function.name == name for t in tools):
+            raise APIError(f"Allowed tool '{name}' is not one of the functions in 'tools'.",
+                           param=f"tool_choice.allowed_tools.tools[{i}]")
+        names.add(name)
+    return [t for t in tools if t.function.name in names]
 
 
 def _unanswered(pending: dict[str, str], index: int) -> None:

@@ -1,8 +1,8 @@
 """`POST /v1/chat/completions`: one Harmony turn per choice, no server-side tools.
 
 Each choice is an engine request whose tokens go through `HarmonyStream`: the analysis
-channel becomes `reasoning_content`, final (and commentary preambles) `content`, commentary
-calls to `functions.*` become `tool_calls`. Streaming sends OpenAI chunks (`data:` lines, then
+channel becomes `reasoning` (and `reasoning_content`, its older name), final (and commentary
+preambles) `content`, commentary calls to `functions.*` become `tool_calls`. Streaming sends OpenAI chunks (`data:` lines, then
 `[DONE]`); a client that disconnects stops every choice's generation.
 """
 
@@ -32,7 +32,7 @@ from agent_server.request_parsing import read_request
 from agent_server.sse import data_only, sse_response
 from agent_server.state import ServerState
 from agent_server.chat.stop_strings import StopStringMatcher
-from agent_server.token_bytes import is_special, token_bytes
+from agent_server.token_bytes import is_special, logprob_entry
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ UNSUPPORTED = {
     "web_search_options": "chat completions run no server-side tools; use /v1/responses with a web_search tool",
     "functions": "it is deprecated; use 'tools'",
     "function_call": "it is deprecated; use 'tool_choice'",
+    "moderation": "this server runs no moderation model",
 }
 
 # --- one choice ---------------------------------------------------------------------------
@@ -72,16 +73,7 @@ class ChoiceUsage:
 
 
 def _logprob_entry(lp: TokenLogprob, top: int) -> dict[str, Any]:
-    raw = token_bytes(lp.token_id)
-    return {
-        "token": raw.decode("utf-8", errors="replace"),
-        "bytes": list(raw),
-        "logprob": lp.logprob,
-        "top_logprobs": [
-            {"token": token_bytes(t).decode("utf-8", errors="replace"), "bytes": list(token_bytes(t)), "logprob": v}
-            for t, v in lp.top[:top]
-        ],
-    }
+    return logprob_entry(lp.token_id, lp.logprob, lp.top, top)
 
 
 class ChoiceStream:
@@ -304,8 +296,8 @@ async def _complete(request: Request, choices: list[ChoiceStream], header: dict[
                 else:
                     calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-        if reasoning:
-            message["reasoning_content"] = reasoning
+        if reasoning:  # `reasoning`, as OpenAI's gpt-oss guide names it; `reasoning_content` for older clients
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
         return {
@@ -410,7 +402,7 @@ def _stream(state: ServerState, choices: list[ChoiceStream], header: dict[str, A
                 continue
             delta: dict[str, Any] = {}
             if piece.reasoning:
-                delta["reasoning_content"] = piece.reasoning
+                delta["reasoning"] = delta["reasoning_content"] = piece.reasoning
             if piece.content:
                 delta["content"] = piece.content
             if piece.tool_calls:

@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SQLite file for stored responses (default: ~/.cache/oss-agent/responses.sqlite3, "
                              "or responses.sqlite3 in $OSS_AGENT_CACHE; every server started without --store "
                              "shares it)")
+    parser.add_argument("--reasoning-key-file", type=Path, metavar="FILE",
+                        help="32-byte key that seals reasoning for store=false clients (include "
+                             "reasoning.encrypted_content); created if missing (default: reasoning.key beside the "
+                             "store)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--max-model-len", type=positive_int, help="context length to serve (default: the engine's)")
     parser.add_argument("--gpu-memory-utilization", type=fraction, metavar="FRACTION",
@@ -302,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         random_weights=random_weights,
         api_key=args.api_key,
         store_path=store_path,
+        reasoning_key_file=args.reasoning_key_file.expanduser() if args.reasoning_key_file else None,
         tool_timeout=args.tool_timeout,
         cors_origins=args.cors_origin,
         max_request_bytes=args.max_request_bytes,

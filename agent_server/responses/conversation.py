@@ -1,18 +1,22 @@
 """Responses API input items -> Harmony messages.
 
 user text -> user message; assistant text -> final-channel message (commentary for preambles);
-`reasoning` -> analysis message; `function_call` -> commentary message to `functions.<name>`
-(JSON-constrained); `function_call_output` -> a tool message from `functions.<name>`, the name
-found through the call id; our own `code_interpreter_call` / `mcp_call` items sent back as
-input replay the call and its output. System and developer messages in `input` join the
-instructions (Harmony has one developer message, at the top).
+`reasoning` -> analysis message (its sealed `encrypted_content` opened, when it has one);
+`function_call` -> commentary message to `functions.<name>` (or `<namespace>.<name>`,
+JSON-constrained); `custom_tool_call` the same with its freeform input; `local_shell_call` a
+call of `functions.local_shell`; their outputs -> a tool message from that recipient, found
+through the call id; our own `code_interpreter_call` / `mcp_call` items sent back as input
+replay the call and its output. System and developer messages in `input` join the
+instructions (Harmony has one developer message, at the top). Items that change settings
+rather than the conversation (`additional_tools`, `tool_search_*`, `configuration_update`) are
+read by the caller.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from openai_harmony import Message, Role
 
@@ -20,13 +24,21 @@ from agent_server.errors import APIError
 from agent_server.harmony import tool_message
 from schemas.responses import (
     CodeInterpreterCallItem,
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     LenientItem,
+    LocalShellCallItem,
+    LocalShellCallOutputItem,
     McpCallItem,
     MessageItem,
     ReasoningItem,
 )
+
+from agent_server.client_tools import LOCAL_SHELL, local_shell_arguments, recipient_of
+
+OUTPUTS = (FunctionCallOutputItem, CustomToolCallOutputItem, LocalShellCallOutputItem)
 
 JSON_CONTENT_TYPE = "<|constrain|>json"
 
@@ -35,7 +47,8 @@ JSON_CONTENT_TYPE = "<|constrain|>json"
 class ConvertedInput:
     messages: list[Message] = field(default_factory=list)
     instructions: list[str] = field(default_factory=list)  # from system/developer input messages
-    function_calls: dict[str, str] = field(default_factory=dict)  # call_id -> name, seen in this input
+    # call_id -> qualified name ("name", "namespace.name"), seen in this input
+    function_calls: dict[str, str] = field(default_factory=dict)
 
 
 def assistant_call(recipient: str, arguments: str, channel: str = "commentary", json_args: bool = True) -> Message:
@@ -43,11 +56,14 @@ def assistant_call(recipient: str, arguments: str, channel: str = "commentary", 
     return message.with_content_type(JSON_CONTENT_TYPE) if json_args else message
 
 
-def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> ConvertedInput:
+def input_to_messages(items: list[Any], known_calls: dict[str, str],
+                      open_reasoning: Callable[[str], str] | None = None) -> ConvertedInput:
     """Convert validated input items. `known_calls` maps call ids of earlier responses in the
-    chain to function names. APIError names the offending item."""
+    chain to function names; `open_reasoning` opens a reasoning item's `encrypted_content`
+    (`ReasoningSeal.open`). APIError names the offending item."""
     out = ConvertedInput()
-    unanswered: dict[str, tuple[FunctionCallItem, Message]] = {}  # function calls of this input, no output yet
+    unanswered: dict[str, tuple[Any, Message]] = {}  # client tool calls of this input, no output yet
+    shell_calls: dict[str, str] = {}  # local_shell_call item id -> its call id (an output names either)
     outputs_run: list[tuple[int, Message]] = []  # consecutive function_call_outputs, by their call's place
     call_order = {call_id: n for n, call_id in enumerate(known_calls)}  # and this input's calls after them
     for i, item in enumerate(items):
@@ -61,38 +77,63 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str]) -> Converte
                 channel = "commentary" if item.phase == "commentary" else "final"
                 out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel))
         elif isinstance(item, ReasoningItem):
-            if item.encrypted_content:
-                raise APIError("Encrypted reasoning is not supported by this server; send reasoning items with "
-                               "their 'content', or use previous_response_id.",
-                               param=f"input[{i}].encrypted_content")
-            parts = item.content or []
-            text = "".join(p.text for p in parts) or "".join(s.text for s in item.summary)
+            if item.encrypted_content:  # what the model wrote, authenticated: it wins over `content`
+                text = _opened(item.encrypted_content, open_reasoning, i)
+            else:
+                text = "".join(p.text for p in item.content or []) or "".join(s.text for s in item.summary)
             if text:
                 out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("analysis"))
-        elif isinstance(item, FunctionCallItem):
-            out.function_calls[item.call_id] = item.name
+        elif isinstance(item, (FunctionCallItem, CustomToolCallItem, LocalShellCallItem)):
+            if isinstance(item, LocalShellCallItem):
+                name, message = LOCAL_SHELL, assistant_call(recipient_of(LOCAL_SHELL),
+                                                            local_shell_arguments(item.action))
+                shell_calls[item.id] = item.call_id
+            else:
+                name = f"{item.namespace}.{item.name}" if item.namespace else item.name
+                if isinstance(item, CustomToolCallItem):
+                    message = assistant_call(recipient_of(name), item.input, json_args=False)
+                else:
+                    message = assistant_call(recipient_of(name), item.arguments)
+            out.function_calls[item.call_id] = name
             call_order.setdefault(item.call_id, len(call_order))
-            out.messages.append(assistant_call(f"functions.{item.name}", item.arguments))
+            out.messages.append(message)
             unanswered[item.call_id] = (item, out.messages[-1])
-        elif isinstance(item, FunctionCallOutputItem):
-            name = out.function_calls.get(item.call_id) or known_calls.get(item.call_id)
+        elif isinstance(item, OUTPUTS):
+            call_id = shell_calls.get(item.id, item.id) if isinstance(item, LocalShellCallOutputItem) else item.call_id
+            name = out.function_calls.get(call_id) or known_calls.get(call_id)
             if name is None:
-                raise APIError(f"No tool call found for function call output with call_id {item.call_id}.",
-                               param=f"input[{i}].call_id")
-            out.messages.append(tool_message(f"functions.{name}", item.text()))
-            unanswered.pop(item.call_id, None)
-            outputs_run.append((call_order[item.call_id], out.messages[-1]))
-            if not isinstance(items[i + 1] if i + 1 < len(items) else None, FunctionCallOutputItem):
+                raise APIError(f"No tool call found for {item.type} with call_id {call_id}.",
+                               param=f"input[{i}].{'id' if isinstance(item, LocalShellCallOutputItem) else 'call_id'}")
+            text = item.output if isinstance(item, LocalShellCallOutputItem) else item.text()
+            out.messages.append(tool_message(recipient_of(name), text))
+            unanswered.pop(call_id, None)
+            outputs_run.append((call_order[call_id], out.messages[-1]))
+            if not isinstance(items[i + 1] if i + 1 < len(items) else None, OUTPUTS):
                 _in_call_order(out.messages, outputs_run)
                 outputs_run = []
         elif isinstance(item, LenientItem):
             out.messages += _replayed_call(item)
     for call_id, (item, message) in unanswered.items():
-        if item.status in ("incomplete", "in_progress"):  # cut short (the token limit): nobody could run it
+        # A call cut short (the token limit): nobody could run it.
+        if getattr(item, "status", None) in ("incomplete", "in_progress"):
             out.messages = [m for m in out.messages if m is not message]
         else:  # the model would read a call with no result after it
             raise APIError(f"No tool output found for function call {call_id}.", param="input")
     return out
+
+
+def _opened(blob: str, open_reasoning: Callable[[str], str] | None, index: int) -> str:
+    from agent_server.reasoning_seal import SealError
+
+    param = f"input[{index}].encrypted_content"
+    if open_reasoning is None:
+        raise APIError("Encrypted reasoning cannot be read by this server.", param=param,
+                       code="invalid_encrypted_content")
+    try:
+        return open_reasoning(blob)
+    except SealError as e:
+        raise APIError(f"Invalid 'encrypted_content': {e}. Send reasoning items back as this server returned them.",
+                       param=param, code="invalid_encrypted_content") from None
 
 
 def _in_call_order(messages: list[Message], run: list[tuple[int, Message]]) -> None:

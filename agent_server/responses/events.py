@@ -28,6 +28,9 @@ from openai.types.responses import (
     ResponseContentPartAddedEvent,
     ResponseContentPartDoneEvent,
     ResponseCreatedEvent,
+    ResponseCustomToolCall,
+    ResponseCustomToolCallInputDeltaEvent,
+    ResponseCustomToolCallInputDoneEvent,
     ResponseFailedEvent,
     ResponseFunctionCallArgumentsDeltaEvent,
     ResponseFunctionCallArgumentsDoneEvent,
@@ -58,11 +61,7 @@ from openai.types.responses import (
     ResponseWebSearchCallSearchingEvent,
 )
 from openai.types.responses.response_code_interpreter_tool_call import OutputLogs
-from openai.types.responses.response_output_item import (
-    McpCall,
-    McpListTools,
-    McpListToolsTool,
-)
+from openai.types.responses.response_output_item import LocalShellCall, McpCall, McpListTools, McpListToolsTool
 from openai.types.responses.response_output_text import AnnotationURLCitation
 from openai.types.responses.response_reasoning_item import Content as ReasoningContent
 
@@ -85,8 +84,20 @@ def new_id(prefix: str) -> str:
 
 
 def dump(model: Any) -> dict[str, Any]:
-    """JSON-ready dict of an SDK object, leaving out optional fields never set."""
-    return model.model_dump(mode="json", exclude_unset=True, by_alias=True)
+    """JSON-ready dict of an SDK object, leaving out optional fields never set; a response's
+    times (its own, or an event's response's) in whole seconds."""
+    data = model.model_dump(mode="json", exclude_unset=True, by_alias=True)
+    whole_seconds(data.get("response") if isinstance(data.get("response"), dict) else data)
+    return data
+
+
+def whole_seconds(response: dict[str, Any]) -> None:
+    """`created_at` / `completed_at` as integers, as OpenAI sends them: the SDK types them as
+    floats, so they come out of it as 1700000000.0."""
+    for key in ("created_at", "completed_at"):
+        value = response.get(key)
+        if isinstance(value, float) and value.is_integer():
+            response[key] = int(value)
 
 
 class ResponseEvents:
@@ -112,7 +123,7 @@ class ResponseEvents:
     def finish(self, status: str) -> None:
         self.response.status = status
         if status == "completed":
-            self.response.completed_at = time.time()
+            self.response.completed_at = int(time.time())
         self.lifecycle(TERMINAL_EVENT[status])
 
     def add_item(self, item: Any) -> int:
@@ -129,8 +140,9 @@ class ResponseEvents:
 class ReasoningWriter:
     """A `reasoning` item carrying the analysis channel as `reasoning_text` content."""
 
-    def __init__(self, events: ResponseEvents):
+    def __init__(self, events: ResponseEvents, seal: Callable[[str], str] | None = None):
         self.events = events
+        self.seal = seal
         self.item = ResponseReasoningItem(id=new_id("rs"), type="reasoning", summary=[], content=[],
                                           status="in_progress")
         self.index = events.add_item(self.item)
@@ -152,6 +164,8 @@ class ReasoningWriter:
         ev.emit(ResponseContentPartDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
                 part={"type": "reasoning_text", "text": self.text})
         self.item.status = status
+        if self.seal is not None:
+            self.item.encrypted_content = self.seal(self.text)
         ev.item_done(self.index)
 
 
@@ -174,12 +188,16 @@ class MessageWriter:
     def text(self) -> str:
         return self.part.text
 
-    def delta(self, text: str) -> None:
+    def delta(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """`logprobs`: entries (`logprob_entry`) of the tokens this text completes, when asked for."""
         if not text:
             return
         self.part.text += text
+        if logprobs:
+            self.part.logprobs += ResponseOutputText.model_validate(
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": logprobs}).logprobs
         self.events.emit(ResponseTextDeltaEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                         delta=text, logprobs=[])
+                         delta=text, logprobs=_without_bytes(logprobs or []))
 
     def annotate(self, url: str, title: str, start_index: int, end_index: int) -> None:
         annotation = AnnotationURLCitation(type="url_citation", url=url, title=title, start_index=start_index,
@@ -192,20 +210,29 @@ class MessageWriter:
     def done(self, status: str = "completed") -> None:
         ev = self.events
         ev.emit(ResponseTextDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                text=self.part.text, logprobs=[])
+                text=self.part.text, logprobs=_without_bytes([dump(lp) for lp in self.part.logprobs]))
         ev.emit(ResponseContentPartDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
                 part=self.part.model_copy(deep=True))
         self.item.status = status
         ev.item_done(self.index)
 
 
+def _without_bytes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logprob entries as the text delta and done events carry them (no `bytes`)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
+
+
 class FunctionCallWriter:
     """A `function_call` for the client to run; arguments stream as they are generated."""
 
-    def __init__(self, events: ResponseEvents, name: str):
+    def __init__(self, events: ResponseEvents, name: str, namespace: str | None = None):
         self.events = events
         self.item = ResponseFunctionToolCall(id=new_id("fc"), call_id=new_id("call"), type="function_call",
                                              name=name, arguments="", status="in_progress")
+        if namespace:
+            self.item.namespace = namespace
         self.index = events.add_item(self.item)
 
     def delta(self, text: str) -> None:
@@ -218,6 +245,58 @@ class FunctionCallWriter:
     def done(self, status: str = "completed") -> None:
         self.events.emit(ResponseFunctionCallArgumentsDoneEvent, item_id=self.item.id, output_index=self.index,
                          arguments=self.item.arguments)
+        self.item.status = status
+        self.events.item_done(self.index)
+
+
+class CustomToolCallWriter:
+    """A `custom_tool_call` for the client to run: freeform text input, streamed as generated
+    and made plain at the end (`custom_input`: the model may have quoted it as a JSON string)."""
+
+    def __init__(self, events: ResponseEvents, name: str, namespace: str | None = None,
+                 final_input: Callable[[str], str] = lambda text: text):
+        self.events = events
+        self.final_input = final_input
+        self.item = ResponseCustomToolCall(id=new_id("ctc"), call_id=new_id("call"), type="custom_tool_call",
+                                           name=name, input="")
+        if namespace:
+            self.item.namespace = namespace
+        self.raw = ""
+        self.index = events.add_item(self.item)
+
+    def delta(self, text: str) -> None:
+        if not text:
+            return
+        self.raw += text
+        self.item.input = self.raw
+        self.events.emit(ResponseCustomToolCallInputDeltaEvent, item_id=self.item.id, output_index=self.index,
+                         delta=text)
+
+    def done(self, status: str = "completed") -> None:
+        self.item.input = self.final_input(self.raw)
+        self.events.emit(ResponseCustomToolCallInputDoneEvent, item_id=self.item.id, output_index=self.index,
+                         input=self.item.input)
+        self.events.item_done(self.index)
+
+
+class LocalShellCallWriter:
+    """A `local_shell_call` for the client to run; its action is read from the model's arguments
+    once they are complete (`action_of`)."""
+
+    def __init__(self, events: ResponseEvents, action_of: Callable[[str], dict[str, Any]]):
+        self.events = events
+        self.action_of = action_of
+        self.arguments = ""
+        self.item = LocalShellCall(id=new_id("lsh"), call_id=new_id("call"), type="local_shell_call",
+                                   status="in_progress", action={"type": "exec", "command": [], "env": {}})
+        self.index = events.add_item(self.item)
+
+    def delta(self, text: str) -> None:
+        self.arguments += text
+
+    def done(self, status: str = "completed") -> None:
+        self.item.action = LocalShellCall.model_validate(
+            {**dump(self.item), "action": self.action_of(self.arguments)}).action
         self.item.status = status
         self.events.item_done(self.index)
 
@@ -340,7 +419,8 @@ def warm_up() -> None:
     events.lifecycle("response.created")
     for writer in (ReasoningWriter(events), MessageWriter(events, phase="final_answer"),
                    FunctionCallWriter(events, "f"), CodeInterpreterWriter(events, "cntr_warmup"),
-                   McpCallWriter(events, "label", "tool")):
+                   McpCallWriter(events, "label", "tool"), CustomToolCallWriter(events, "c", "ns"),
+                   LocalShellCallWriter(events, lambda arguments: {"type": "exec", "command": ["x"], "env": {}})):
         writer.delta("x")
         if isinstance(writer, MessageWriter):
             writer.annotate("https://example.org", "t", 0, 1)

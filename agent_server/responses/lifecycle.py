@@ -102,5 +102,5 @@ def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Mes
         mcp_listed=prepared.mcp_listed,
         chain_item_ids=prepared.chain_item_ids,
         events=[dump(e) for e in run.events] if prepared.request.background else None,
-        created_at=prepared.response.created_at,
+        created_at=prepared.created,
     )

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from openai.types.responses import Response as SDKResponse
+from openai.types.responses import Tool as SDKTool
 from openai_harmony import Message, Role
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from agent_server.agent.loop import AgentTask
 from agent_server.agent.tool_registry import ActiveTools
@@ -32,15 +33,18 @@ from schemas.responses import (
     InputItem,
     ItemReference,
     MessageItem,
+    ReasoningOptions,
     ResponseCreateRequest,
-    TextFormatJsonObject,
-    TextFormatJsonSchema,
+    ToolChoiceAllowed,
     ToolChoiceBuiltin,
+    ToolChoiceCustom,
     ToolChoiceFunction,
     ToolChoiceMcp,
 )
 
+from agent_server.request_settings import request_settings
 INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
+SDK_TOOL = TypeAdapter(SDKTool)
 
 
 
@@ -62,6 +66,8 @@ class PreparedResponse:
     input_instructions: list[str] = field(default_factory=list)  # system/developer input, whole chain
     mcp_listed: list[str] = field(default_factory=list)  # server labels listed, whole chain
     chain_item_ids: list[str] = field(default_factory=list)  # item ids of the earlier responses of the chain
+    # When it was created, to the microsecond: the store orders by it (`created_at` is whole seconds).
+    created: float = field(default_factory=time.time)
 
 
 async def prepare(state: ServerState, req: ResponseCreateRequest, started: float) -> PreparedResponse:
@@ -75,9 +81,6 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     if req.background and not req.store:
         raise APIError("Background responses must be stored: set store=true.", param="background")
     include = set(req.include or [])
-    if "reasoning.encrypted_content" in include:
-        raise APIError("'reasoning.encrypted_content' is not supported: this server does not encrypt reasoning. "
-                       "Keep responses stored and continue with previous_response_id instead.", param="include")
 
     items = await _resolve_references(state, req.input_items())
     _check_item_ids(items)
@@ -97,22 +100,23 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         listed_mcp = set(previous.mcp_listed) | {o.get("server_label") for o in previous.response.get("output", [])
                                                  if o.get("type") == "mcp_list_tools"}
 
-    active = state.tools.select(req.tools, enabled=req.tool_choice != "none")
-    notes = _tool_choice_notes(req)
+    settings = request_settings(req, items)
+    active = state.tools.select(settings.tools, enabled=req.tool_choice != "none")
+    notes = settings.notes + _tool_choice_notes(req, settings.tools)
     _check_mcp_choice(req, active)
-    converted = input_to_messages(items, known_calls)
+    converted = input_to_messages(items, known_calls, open_reasoning=_opener(state, items))
     input_instructions = chain_instructions + converted.instructions
     instructions = "\n\n".join(t for t in [req.instructions, *input_instructions, *notes] if t)
     prompt_config = PromptConfig(
-        reasoning_effort=req.effort,
+        reasoning_effort=settings.effort,
         instructions=instructions or None,
         function_tools=active.function_descriptions(),
         tool_namespaces=active.namespaces(),
-        response_format=_response_format(req),
+        response_format=settings.response_format,
         conversation_start_date=datetime.date.today().isoformat(),
     )
     head, conversation = preamble(prompt_config), history + converted.messages
-    prompt = render_prompt(head + conversation)
+    prompt = render_prompt(head + conversation, keep_analysis=settings.keep_analysis)
     if req.truncation == "auto" and not _fits(prompt, engine.max_model_len, req.max_output_tokens):
         prompt = _truncated(head, conversation, engine.max_model_len, req.max_output_tokens) or prompt
     why = _why_truncation_did_not_help(head, conversation) if req.truncation == "auto" else ""
@@ -127,9 +131,12 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     max_output_tokens = config.output_limit(req.max_output_tokens, room)
 
     response_id = new_id("resp")
+    # Logprobs of the answer's tokens when asked for, with `top_logprobs` alternatives each.
+    top_logprobs = (req.top_logprobs or 0) if "message.output_text.logprobs" in include else None
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
+        logprobs=top_logprobs,
     )
     container = next((t.container for t in req.tools if t.type == "code_interpreter"), "auto")
     task = AgentTask(
@@ -145,6 +152,8 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         started=started,
         tool_timeout=config.tool_timeout,
         parallel_tool_calls=req.parallel_tool_calls,
+        seal_reasoning=state.seal.seal if "reasoning.encrypted_content" in include else None,
+        top_logprobs=top_logprobs,
     )
     return PreparedResponse(
         request=req,
@@ -158,6 +167,13 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         mcp_listed=sorted(listed_mcp | {b.label for b in active.mcp.values()}),
         chain_item_ids=chain_ids,
     )
+
+
+def _opener(state: ServerState, items: list[Any]):
+    """`ReasoningSeal.open`, when an item needs it (the key is read on first use)."""
+    if any(getattr(item, "encrypted_content", None) for item in items if getattr(item, "type", "") == "reasoning"):
+        return state.seal.open
+    return None
 
 
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
@@ -271,16 +287,18 @@ def _check_mcp_choice(req: ResponseCreateRequest, active: ActiveTools) -> None:
                            param="tool_choice.name")
 
 
-def _tool_choice_notes(req: ResponseCreateRequest) -> list[str]:
+def _tool_choice_notes(req: ResponseCreateRequest, tools: list[Any]) -> list[str]:
     """Harmony has no forced tool calls; the choice becomes an instruction (and is checked)."""
     choice = req.tool_choice
-    if choice == "required" and not req.tools:
+    if isinstance(choice, ToolChoiceAllowed):
+        choice = "required" if choice.mode == "required" else "auto"
+    if choice == "required" and not tools:
         raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
     if isinstance(choice, str):
         return [TOOL_CHOICE_NOTES[choice]] if choice in TOOL_CHOICE_NOTES else []
-    if isinstance(choice, ToolChoiceFunction):
-        if not any(t.type == "function" and t.name == choice.name for t in req.tools):
-            raise APIError(f"Tool choice '{choice.name}' is not one of the functions in 'tools'.",
+    if isinstance(choice, (ToolChoiceFunction, ToolChoiceCustom)):
+        if not any(t.type == choice.type and t.name == choice.name for t in tools):
+            raise APIError(f"Tool choice '{choice.name}' is not one of the {choice.type} tools in 'tools'.",
                            param="tool_choice")
         return [f"You must call the function `{choice.name}`."]
     if isinstance(choice, ToolChoiceBuiltin):
@@ -288,25 +306,15 @@ def _tool_choice_notes(req: ResponseCreateRequest) -> list[str]:
             raise APIError("Invalid value for 'tool_choice.type': 'web_search'; use 'web_search_preview', which "
                            "chooses the web_search tool as well.", param="tool_choice.type", code="invalid_value")
         wanted = "code_interpreter" if choice.type == "code_interpreter" else "web_search"
-        if not any(t.type.startswith(wanted) for t in req.tools):
+        if not any(t.type.startswith(wanted) for t in tools):
             raise APIError(f"Tool choice '{choice.type}' is not in 'tools'.", param="tool_choice")
         return ["You must use the python tool." if wanted == "code_interpreter" else "You must use the browser tool."]
     if isinstance(choice, ToolChoiceMcp):
-        if not any(t.type == "mcp" and t.server_label == choice.server_label for t in req.tools):
+        if not any(t.type == "mcp" and t.server_label == choice.server_label for t in tools):
             raise APIError(f"Tool choice server '{choice.server_label}' is not in 'tools'.", param="tool_choice")
         target = f"the tool `{choice.name}` of" if choice.name else "a tool of"
         return [f"You must call {target} the `{choice.server_label}` server."]
     return []
-
-
-def _response_format(req: ResponseCreateRequest) -> dict[str, Any] | None:
-    fmt = req.text.format if req.text else None
-    if isinstance(fmt, TextFormatJsonSchema):
-        return {"name": fmt.name, "schema": fmt.schema_, "description": fmt.description}
-    if isinstance(fmt, TextFormatJsonObject):
-        return {"name": "json_object", "schema": {"type": "object"},
-                "description": "Answer with a single JSON object and nothing else."}
-    return None
 
 
 def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str,
@@ -314,14 +322,16 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
     """max_output_tokens: the limit the response runs under (the request's, or the server's default)."""
     text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
     text.setdefault("format", {"type": "text"})
-    reasoning = {"effort": req.effort}
-    if req.reasoning and (req.reasoning.summary or req.reasoning.generate_summary):
-        reasoning["summary"] = req.reasoning.summary or req.reasoning.generate_summary
+    text.setdefault("verbosity", "medium")
+    asked = req.reasoning or ReasoningOptions()
+    # The effort asked for (gpt-oss runs it at `req.effort`); no summary is ever written (docs/api.md).
+    reasoning = {"effort": asked.effort or "medium", "summary": asked.summary or asked.generate_summary}
     tool_choice = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump(exclude_none=True)
     snapshot = {
         "id": response_id,
         "object": "response",
-        "created_at": time.time(),
+        "created_at": int(time.time()),  # whole seconds, as OpenAI's
+        "completed_at": None,
         "model": req.model,
         "status": "queued" if req.background else "in_progress",
         "background": req.background,
@@ -338,20 +348,49 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "tool_choice": tool_choice,
-        # MCP headers (credentials, often) are neither echoed nor stored, as in OpenAI.
-        "tools": [t.model_dump(by_alias=True, exclude_none=True, exclude={"headers"}) for t in req.tools],
+        "tools": [echoed_tool(t) for t in req.tools],
         "metadata": req.metadata or {},
         "user": req.user,
         "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": req.prompt_cache_retention,
         "safety_identifier": req.safety_identifier,
         "service_tier": "default",  # the processing actually used, whatever was asked for
         "usage": None,
         "truncation": req.truncation or "disabled",
+        "store": req.store,
+        "top_logprobs": req.top_logprobs or 0,
+        # Not in the SDK's Response type, but in OpenAI's responses: no penalties in this API.
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "conversation": None,
     }
     try:
         return SDKResponse.model_validate(snapshot)
     except ValidationError as e:  # a request field our schema let through but a Response cannot hold
         raise from_validation_error(e, snapshot) from None
+
+
+def echoed_tool(tool: Any) -> dict[str, Any]:
+    """A request tool as the response echoes it: every field of OpenAI's tool object, null where
+    not given (a function's `strict` too), but MCP headers and authorization (credentials,
+    often), which OpenAI neither echoes nor stores."""
+    data = tool.model_dump(by_alias=True, exclude={"headers", "authorization"})
+    try:
+        return _declared(data, SDK_TOOL.validate_python(data))
+    except ValidationError:  # the snapshot's validation names what is wrong with it (a 400)
+        return data
+
+
+def _declared(data: Any, sdk: Any) -> Any:
+    """`data` without the nulls of fields the SDK's type of it does not declare (our request
+    models take every alias of a tool type, whose fields differ)."""
+    if isinstance(data, list) and isinstance(sdk, list):
+        return [_declared(d, s) for d, s in zip(data, sdk, strict=False)]
+    if not (isinstance(data, dict) and isinstance(sdk, BaseModel)):
+        return data
+    fields = {f.alias or name: name for name, f in type(sdk).model_fields.items()}
+    return {key: _declared(value, getattr(sdk, fields[key], None)) if key in fields else value
+            for key, value in data.items() if key in fields or value is not None}
 
 
 def listed_input_items(items: list[Any]) -> list[dict[str, Any]]:

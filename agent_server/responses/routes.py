@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 UNSUPPORTED = {
     "conversation": "conversations are not stored here; continue with previous_response_id",
     "prompt": "there are no stored prompt templates here; send instructions and input",
-    "top_logprobs": "this server's Responses API does not return logprobs (Chat Completions does)",
+    "moderation": "this server runs no moderation model",
 }
 
 

@@ -312,7 +312,7 @@ def test_validation_errors_name_the_parameter():
         "temperature": {"model": "m", "input": "x", "temperature": 7},
         "foo": {"model": "m", "input": "x", "foo": 1},
         "model": {"input": "x"},
-        "input[1].content": {"model": "m", "input": [{"role": "user", "content": "a"},
+        "input[1].content[0]": {"model": "m", "input": [{"role": "user", "content": "a"},
                                                     {"role": "user", "content": [{"type": "input_image"}]}]},
         "tools[0].name": {"model": "m", "input": "x", "tools": [{"type": "function", "name": "bad name!"}]},
         "reasoning.effort": {"model": "m", "input": "x", "reasoning": {"effort": "extreme"}},

@@ -22,7 +22,7 @@ from tests import conftest
 from tests.conftest import MODEL, LiveServer, make_app
 from tests.fake_engine import ScriptedEngine
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "playground"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "playground"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TIMEOUT_MS = 45_000  # waits, not assertions: a loaded 2-core CI machine renders slowly

@@ -52,6 +52,11 @@ class BrowserToolServer:
                            "gpt-oss and Harmony)", backend.document_count, DEMO_CORPUS)
         return cls(backend, **options)
 
+    @property
+    def live_web(self) -> bool:
+        """Whether searches reach the live web (Exa), not local documents only."""
+        return self.backend.source_name == "web"
+
     def harmony_namespace(self) -> ToolNamespaceConfig:
         config = ToolNamespaceConfig.browser()
         source = self.backend.source_name

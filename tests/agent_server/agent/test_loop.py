@@ -39,7 +39,7 @@ from tests.agent_server.responses.test_routes import check_stream_invariants, st
 from tests.tools.test_mcp_client import make_server
 from tests.tools.python.test_sandbox import Listeners, require
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 
 

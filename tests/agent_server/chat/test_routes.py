@@ -43,7 +43,8 @@ def collect(stream):
             acc = choices.setdefault(c.index, {"content": "", "reasoning": "", "calls": {}, "finish": None,
                                                "logprobs": []})
             acc["content"] += c.delta.content or ""
-            acc["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            acc["reasoning"] += getattr(c.delta, "reasoning", None) or ""
+            assert getattr(c.delta, "reasoning", None) == getattr(c.delta, "reasoning_content", None)
             for call in c.delta.tool_calls or []:
                 slot = acc["calls"].setdefault(call.index, {"id": None, "name": "", "arguments": ""})
                 slot["id"] = call.id or slot["id"]
@@ -72,7 +73,7 @@ def test_plain_text_with_reasoning(live_server):
         assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
         return
     assert choice.message.content == "Hello, world!" and choice.finish_reason == "stop"
-    assert choice.message.reasoning_content == "Simple greeting."
+    assert choice.message.reasoning == choice.message.reasoning_content == "Simple greeting."
     assert usage.completion_tokens == len(harmony_tokens(REASONED))
     assert usage.completion_tokens_details.reasoning_tokens == len(
         harmony_tokens("<|channel|>analysis<|message|>Simple greeting.<|end|>"))
@@ -235,9 +236,10 @@ def test_bad_chat_requests(fake_server):
     assert error({"model": MODEL, "messages": HELLO, "logit_bias": {"999999": 1}})["param"] == "logit_bias"
     assert error({"model": MODEL, "messages": HELLO, "logit_bias": {"abc": 1}})["param"] == "logit_bias"
     assert error({"model": MODEL, "messages": HELLO, "n": 0})["param"] == "n"
-    assert error({"model": MODEL, "messages": HELLO, "reasoning_effort": "max"})["param"] == "reasoning_effort"
-    assert error({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
-                 )["param"] == "messages[0].content"
+    assert error({"model": MODEL, "messages": HELLO, "reasoning_effort": "extreme"})["param"] == "reasoning_effort"
+    image = error({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    assert image["param"] == "messages[0].content[0]" and image["code"] == "unsupported_value"
+    assert "gpt-oss reads text only" in image["message"]
     assert error({"model": MODEL, "messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}]}
                  )["param"] == "messages[0].tool_call_id"
     assert error({"model": MODEL, "messages": HELLO, "response_format": {
@@ -420,7 +422,8 @@ def test_every_streamed_chunk_is_exactly_an_sdk_chunk(fake_server, n):
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{fake_server.url}/v1/chat/completions", json=body) as r:
             raw = r.read().decode()
-    payloads = [line[6:] for line in raw.split("\r\n") if line.startswith("data: ")]
+    assert "\r" not in raw  # lines end in "\n", as OpenAI's
+    payloads = [line[6:] for line in raw.split("\n") if line.startswith("data: ")]
     assert payloads[-1] == "[DONE]"
     kinds = set()
     for payload in payloads[:-1]:
@@ -429,7 +432,7 @@ def test_every_streamed_chunk_is_exactly_an_sdk_chunk(fake_server, n):
         assert chunk.model_dump(mode="json", exclude_unset=True) == data
         for c in chunk.choices:
             kinds |= {k for k, v in c.delta.model_dump(exclude_unset=True).items() if v}
-    assert {"role", "reasoning_content", "tool_calls"} <= kinds
+    assert {"role", "reasoning", "reasoning_content", "tool_calls"} <= kinds
     assert json.loads(payloads[-2])["usage"]["completion_tokens"] > 0
 
 

@@ -303,7 +303,7 @@ def test_uvicorns_own_log_lines_have_the_servers_format(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # fails to load: exits
     result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tmp_path), "--port", "0",
                              "--store", str(tmp_path / "r.db")], capture_output=True, text=True, timeout=300,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=str(Path(__file__).resolve().parents[3]))
     lines = [line for line in result.stderr.splitlines() if "Started server process" in line or "Shutting down" in line]
     assert lines and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO \S+ \[-\] ", line) for line in lines)
 
@@ -314,7 +314,7 @@ def test_every_flag_the_readme_names_exists():
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     table = readme.split("### Serving options", 1)[1].split("\n#", 1)[0]
     serve_lines = "\n".join(re.findall(r"oss-agent serve[^\n]*", readme))
     flags = set(re.findall(r"--[a-z][a-z0-9-]*", table + serve_lines))
@@ -349,7 +349,7 @@ def test_a_bad_tool_server_or_device_is_one_line_before_the_server_starts(argv, 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # (a machine with no GPU, even on a GPU host)
     result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tiny_checkpoint),
                              "--store", str(tmp_path / "r.db"), "--port", "0", *argv], capture_output=True, text=True,
-                            timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            timeout=120, env=env, cwd=str(Path(__file__).resolve().parents[3]))
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and errors[0].split(" [-] ", 1)[1].startswith(message.format(port=port)), result.stderr
@@ -414,7 +414,7 @@ def test_a_tool_server_that_is_there_but_no_mcp_server_fails_in_one_line(tiny_ch
         result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tiny_checkpoint),
                                  "--store", str(tmp_path / "r.db"), "--port", "0", "--tool-server", spec,
                                  "--tool-timeout", "10"], capture_output=True, text=True, timeout=300,
-                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                                cwd=str(Path(__file__).resolve().parents[3]))
     finally:
         web.shutdown()
     assert result.returncode == 1, result.stderr

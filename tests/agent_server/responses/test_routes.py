@@ -656,11 +656,11 @@ def test_bad_requests_get_openai_errors(fake_server):
     assert error({"model": "other-model", "input": "x"}, 404)["param"] == "model"
     assert error(None)["code"] == "invalid_json"
     assert error({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}
-                 )["param"] == "input[0].content"
+                 )["param"] == "input[0].content[0]"
     assert error({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "s",
                                                                      "schema": {"type": "nonsense"}}}}
                  )["param"] == "text.format.schema"
-    assert error({"model": MODEL, "input": "x", "include": ["reasoning.encrypted_content"]})["param"] == "include"
+    assert error({"model": MODEL, "input": "x", "include": ["reasoning.everything"]})["param"] == "include[0]"
     assert error({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, 404)["param"] == \
         "previous_response_id"
     assert error({"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}

@@ -38,7 +38,7 @@ from tests.engine_runs import drain, tokens_of
 
 SHAPES = dict(intermediate_size=96, vocab_size=1001)
 OPTIONS = dict(device="cpu", page_size=4, num_pages=96, max_num_batched_tokens=16, max_model_len=256)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

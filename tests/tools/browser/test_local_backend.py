@@ -239,7 +239,7 @@ async def test_the_demo_corpus_is_the_projects_docs_and_queries_find_different_o
     backend = await LocalSearchBackend.open(DEMO_CORPUS)
     names = {Path(url).name for (url,) in backend.db.execute("SELECT url FROM documents")}
     assert {"README.md", "BENCHMARKS.md", "harmony-format.md"} <= names and backend.document_count >= 5
-    readme = Path(__file__).resolve().parent.parent / "README.md"
+    readme = Path(__file__).resolve().parents[3] / "README.md"
     assert (DEMO_CORPUS / "README.md").read_text() == readme.read_text()
 
     async def first(query: str) -> str:
@@ -270,7 +270,7 @@ def test_an_installed_server_has_the_demo_corpus(tmp_path):
     import sys
     import zipfile
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(root)], check=True, capture_output=True, timeout=600)
     [wheel] = tmp_path.glob("*.whl")

@@ -24,7 +24,7 @@ import pytest
 from tools.python.sandbox import PythonSandbox, SandboxLimits, probe_isolation
 from tools.python.server import PythonToolServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 FAST = SandboxLimits(wall_seconds=3.0, interrupt_grace_seconds=1.0, cpu_seconds=60)
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
 
