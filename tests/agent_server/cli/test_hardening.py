@@ -7,6 +7,7 @@ import logging
 import socket
 
 import pytest
+from pathlib import Path
 
 from agent_server.cli.main import build_parser
 from agent_server.request_ids import RequestIdFilter
@@ -295,7 +296,6 @@ def test_uvicorns_own_log_lines_have_the_servers_format(tmp_path):
     # One format for every line (time, level, logger, request id): uvicorn's start-up lines and
     # its errors were written in its own ("INFO:     Started server process ...").
     import json
-    import os
     import re
     import subprocess
     import sys
@@ -402,7 +402,6 @@ def test_a_tool_server_that_is_there_but_no_mcp_server_fails_in_one_line(tiny_ch
     # Something listens, so the check before startup passes; the MCP handshake then fails while
     # the server starts. That is the configuration's fault: one line, not two chained tracebacks.
     import http.server
-    import os
     import subprocess
     import sys
     import threading
