@@ -1,40 +1,55 @@
 """The process side of the Python tool's sandbox: confines itself, then runs cells like a notebook.
 
 Started by `tools.python.sandbox` as `python -I -u <this file> <config json>` with a scrubbed
-environment, stdin/stdout/stderr on pipes, in its own session. It imports only the standard
-library (`-I` keeps the package, the working directory and PYTHON* variables out of `sys.path`).
+environment, in its own session: stdin carries requests, stdout/stderr are plain pipes that
+take the cells' output, and one more pipe (`control_fd`) carries the sandbox's own messages. It
+imports only the standard library (`-I` keeps the package, the working directory and PYTHON*
+variables out of `sys.path`).
 
 Confinement, each step best effort and reported back, strongest first:
+  0. cgroup: when the server made one for the session, this process joins it before anything
+     else, so every process the session ever starts is in it (one memory cap for them all,
+     and the server can kill them all).
   1. Namespaces. As root: new mount, network, PID, IPC and UTS namespaces. Otherwise the same
      inside a new user namespace, if the kernel lets unprivileged users create one. The network
      namespace has no interfaces up, so nothing (not even the host's loopback) is reachable.
-     In a PID namespace this process forks the namespace's init, which reaps orphans and whose
-     death (it has PR_SET_PDEATHSIG on us) kills every process the model started.
+     In a PID namespace this process forks the namespace's init, whose death (it has
+     PR_SET_PDEATHSIG on us) kills every process the model started.
   2. Mounts (with a mount namespace): a fresh /proc showing only the sandbox's processes, a
      tmpfs over /mnt with the scratch directory bound at /mnt/data (the path gpt-oss's Python
      tool description promises), and, when dropping root, a tmpfs over any directory the
      unprivileged uid could not traverse on the way to the Python installation (so e.g. a
      pyenv under /root works while the rest of /root stays hidden).
-  3. Privileges. Root switches to a throwaway uid chosen by the parent; a user-namespace
-     process drops its capabilities; root that cannot switch (Python unreachable for another
-     uid and no mount namespace) drops all capabilities and locks them out.
+  3. Privileges. Root switches to a throwaway uid chosen by the parent (in every mode: model
+     code never runs as root; where the Python installation is out of that uid's reach and
+     there is no mount namespace to fix that, the sandbox refuses to start); a user-namespace
+     process drops its capabilities.
   4. Landlock (Linux >= 5.13): reads only from system directories, the Python installation,
      the scratch directory and (if private) /proc; writes only inside the scratch directory;
      no TCP bind/connect (ABI >= 4); no signals to or abstract sockets of outside processes
      (ABI >= 6). PR_SET_NO_NEW_PRIVS first, so setuid binaries cannot undo any of it.
   5. rlimits: CPU seconds, address space, processes, file size, open files, no core dumps.
-  6. seccomp: socket() and socketpair() work only for AF_UNIX (everything else, e.g. AF_INET,
-     AF_INET6, AF_PACKET, AF_VSOCK, AF_NETLINK, fails with EPERM), io_uring (which can create
-     sockets without the socket() syscall) is refused, and so is any syscall of another ABI
-     (x32, i386 compat) whose numbers the filter does not check. Applied in both modes: in a
-     network namespace it is a second wall; without one it is what stops UDP and raw sockets,
-     since Landlock only governs TCP.
+  6. seccomp: no socket() at all, so no connection to anything, the host's UNIX sockets
+     (pathname or abstract) included; socketpair() only for AF_UNIX stream or seqpacket pairs
+     (already connected: asyncio and multiprocessing pipes work, and a pair cannot be pointed
+     elsewhere, as a datagram one could with sendto); io_uring (which can create sockets
+     without socket()) is refused, and so is any syscall of another ABI (x32, i386 compat)
+     whose numbers the filter does not check. Applied in both modes.
+
+Processes. After confining itself, the process (the namespace's init, or itself without
+namespaces, then a child subreaper) becomes the session's keeper and forks the notebook. The
+keeper alone holds the control pipe: the notebook closes it before any cell runs, and the
+keeper is not dumpable, so no cell can read or write the sandbox's messages (it can write
+only to its own output pipes, which the server reads as plain, bounded text). The keeper reaps
+orphans, passes interrupts on to the notebook, and when the notebook ends, kills what is left
+of the session (a PID namespace dies with its init; without one, every process of the session's
+uid or Landlock domain) before it exits.
 
 Wire protocol. Requests arrive on the original stdin: a 4-byte big-endian length, then a JSON
-object {"code": str, "nonce": str}. Cell output goes to stdout/stderr as the code writes it.
-After a cell, the worker writes `\\0<nonce>:<status>\\0` to stdout and `\\0<nonce>\\0` to stderr;
-the parent reads each stream up to its marker. Once confined, the worker announces itself the
-same way with the nonce from the config and a JSON report as the status.
+object {"code": str}. After a cell the notebook tells the keeper its status (a line on a pipe
+between them), and the keeper sends a JSON line on the control pipe: {"event": "ready",
+"report": {...}} once confined, {"event": "done", "status": "ok"|"error"|"interrupted"} after
+each cell, {"event": "exit", "code": n} when the notebook ended.
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ import json
 import linecache
 import os
 import resource
+import select
 import signal
 import stat
 import sys
@@ -66,12 +82,11 @@ CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
-PR_SET_SECUREBITS = 28
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
-# SECBIT_NOROOT, NO_SETUID_FIXUP, KEEP_CAPS and NO_CAP_AMBIENT_RAISE, each with its lock bit.
-LOCKED_SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
+PR_SET_CHILD_SUBREAPER = 36
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_CREATE_RULESET_VERSION = 1
 LANDLOCK_RULE_PATH_BENEATH = 1
@@ -83,6 +98,14 @@ NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 AF_UNIX = 1
+SOCK_STREAM, SOCK_SEQPACKET, SOCK_TYPE_MASK = 1, 5, 0xF
+CELL_STATUSES = (b"ok", b"error", b"interrupted")
+MAX_REQUEST_BYTES = 64 << 20
+ROOT_REFUSAL = ("refusing to run model code as root: this machine gives the sandbox no Linux "
+                "namespaces, and without a mount namespace another uid cannot reach the Python "
+                "installation ({paths}). Run the server as a non-root user, allow namespaces "
+                "(e.g. a container with CAP_SYS_ADMIN or user namespaces), or install Python where "
+                "every user can read it")
 
 SYSTEM_READ_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
                     "/sys/devices/system/cpu")
@@ -147,14 +170,11 @@ def enter_namespaces(report: dict) -> bool:
     return True
 
 
-def _forward_interrupts(pid: int) -> None:
-    signal.signal(signal.SIGINT, lambda signum, frame: os.kill(pid, signal.SIGINT))
-
-
 def run_as_launcher(child: int) -> None:
     """The original process after the fork into the PID namespace: pass interrupts on to the
-    namespace's init, wait for it, pass on its exit status."""
-    _forward_interrupts(child)
+    namespace's init, wait for it, pass on its exit status. (Its death kills the init, by
+    PR_SET_PDEATHSIG, and so the namespace.)"""
+    signal.signal(signal.SIGINT, lambda signum, frame: os.kill(child, signal.SIGINT))
     while True:
         try:
             _, status = os.waitpid(child, 0)
@@ -163,22 +183,6 @@ def run_as_launcher(child: int) -> None:
             continue
     code = os.waitstatus_to_exitcode(status)
     os._exit(128 - code if code < 0 else code)
-
-
-def run_as_init(worker: int) -> None:
-    """PID 1 of the sandbox: pass interrupts on to the worker, reap every orphan, exit with the
-    worker's status."""
-    _forward_interrupts(worker)
-    while True:
-        try:
-            pid, status = os.waitpid(-1, 0)
-        except InterruptedError:
-            continue
-        except ChildProcessError:
-            os._exit(70)
-        if pid == worker:
-            code = os.waitstatus_to_exitcode(status)
-            os._exit(128 - code if code < 0 else code)
 
 
 # ---------------------------------------------------------------- 2. mounts
@@ -264,9 +268,8 @@ class _CapData(ctypes.Structure):
                 ("inheritable", ctypes.c_uint32)]
 
 
-def drop_capabilities(lock_root: bool) -> None:
-    """Empty the bounding, ambient, permitted and effective sets. With lock_root, also set the
-    securebits that stop uid 0 from regaining capabilities on exec."""
+def drop_capabilities() -> None:
+    """Empty the bounding, ambient, permitted and effective sets."""
     try:
         last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
     except OSError:
@@ -276,8 +279,6 @@ def drop_capabilities(lock_root: bool) -> None:
             if ctypes.get_errno() != errno.EINVAL:
                 raise SetupError(f"dropping capability {cap}: {os.strerror(ctypes.get_errno())}")
     libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), 0, 0, 0)
-    if lock_root:
-        _prctl(PR_SET_SECUREBITS, LOCKED_SECUREBITS)
     header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
     data = (_CapData * 2)()
     _check(libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset")
@@ -415,11 +416,12 @@ SYSCALLS = {
     "aarch64": _SyscallTable(0xC00000B7, 198, 199, 425, None),
 }
 # Classic BPF opcodes and seccomp return values (linux/filter.h, linux/seccomp.h).
-BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K, BPF_AND_K = 0x20, 0x15, 0x35, 0x06, 0x54
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 # Offsets into struct seccomp_data {int nr; u32 arch; u64 ip; u64 args[6];}.
 DATA_NR, DATA_ARCH = 0, 4
-DATA_ARG0_LOW = 16 if sys.byteorder == "little" else 20  # socket()'s int domain
+LOW_WORD = 0 if sys.byteorder == "little" else 4
+DATA_ARG0_LOW, DATA_ARG1_LOW = 16 + LOW_WORD, 24 + LOW_WORD  # socketpair()'s domain and type
 
 
 def socket_filter(table: _SyscallTable) -> list[tuple[int, int, int, int]]:
@@ -433,17 +435,22 @@ def socket_filter(table: _SyscallTable) -> list[tuple[int, int, int, int]]:
     if table.foreign_from is not None:
         program.append((BPF_JGE_K, table.foreign_from, "deny", None))
     program += [
-        (BPF_JEQ_K, table.socket, "check_family", None),
-        (BPF_JEQ_K, table.socketpair, "check_family", None),
+        (BPF_JEQ_K, table.socket, "deny", None),
+        (BPF_JEQ_K, table.socketpair, "check_pair", None),
         (BPF_JEQ_K, table.io_uring_setup, "deny", None),
         (BPF_RET_K, SECCOMP_RET_ALLOW, None, None),
     ]
-    labels = {"check_family": len(program)}
+    labels = {"check_pair": len(program)}
     program += [
         (BPF_LD_W_ABS, DATA_ARG0_LOW, None, None),
         (BPF_JEQ_K, AF_UNIX, None, "deny"),
-        (BPF_RET_K, SECCOMP_RET_ALLOW, None, None),
+        (BPF_LD_W_ABS, DATA_ARG1_LOW, None, None),
+        (BPF_AND_K, SOCK_TYPE_MASK, None, None),  # (SOCK_NONBLOCK, SOCK_CLOEXEC are fine)
+        (BPF_JEQ_K, SOCK_STREAM, "allow", None),
+        (BPF_JEQ_K, SOCK_SEQPACKET, "allow", "deny"),
     ]
+    labels["allow"] = len(program)
+    program.append((BPF_RET_K, SECCOMP_RET_ALLOW, None, None))
     labels["deny"] = len(program)
     program.append((BPF_RET_K, SECCOMP_RET_ERRNO | errno.EPERM, None, None))
 
@@ -476,24 +483,22 @@ def confine(config: dict, report: dict, in_namespaces: bool) -> str:
     workdir = config["scratch"]
     if in_namespaces:
         workdir = set_up_mounts(config, report, dropping_root=root)
-    switched = (root and all(_reachable(p) for p in python_paths)
-                and _blocked_ancestor(os.path.dirname(config["scratch"])) is None)
-    if switched:
+    if root:
+        unreachable = [p for p in python_paths if not _reachable(p)]
+        if _blocked_ancestor(os.path.dirname(config["scratch"])) is not None:
+            unreachable.append(os.path.dirname(config["scratch"]))
+        if unreachable:
+            raise SetupError(ROOT_REFUSAL.format(paths=", ".join(unreachable)))
         os.chown(config["scratch"], sandbox_uid, sandbox_uid)
         switch_user(sandbox_uid)
         report["user"] = f"uid {sandbox_uid}"
-    elif root:
-        drop_capabilities(lock_root=True)
-        report["user"] = "root without capabilities"
-        report["notes"].append("stayed uid 0 (the Python installation is not reachable by another "
-                               "uid), so the process limit does not apply")
     else:
         if in_namespaces:
-            drop_capabilities(lock_root=False)
+            drop_capabilities()
         report["user"] = "the server's user"
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid switch, which clears it
 
-    set_limits(config["limits"], shared_uid=not in_namespaces and not switched)
+    set_limits(config["limits"], shared_uid=not in_namespaces and not root)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     if config.get("use_seccomp", True):
         try:
@@ -524,9 +529,9 @@ class Notebook:
     """Runs cells in one persistent namespace, like a Jupyter kernel: the value of a final
     expression is shown, tracebacks point into the cell, top-level `await` works."""
 
-    def __init__(self, stdout_fd: int, stderr_fd: int):
+    def __init__(self, status_fd: int):
         self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
-        self.stdout_fd, self.stderr_fd = stdout_fd, stderr_fd
+        self.status_fd = status_fd  # to the keeper
         self.cell_count = 0
         self.in_cell = False
         self.pid = os.getpid()
@@ -590,33 +595,39 @@ class Notebook:
             header = _read_exact(requests, 4)
             if header is None:
                 return
-            body = _read_exact(requests, int.from_bytes(header, "big"))
+            length = int.from_bytes(header, "big")
+            if length > MAX_REQUEST_BYTES:
+                return  # not from our server: end the session
+            body = _read_exact(requests, length)
             if body is None:
                 return
-            request = json.loads(body)
-            status = self.run_cell(request["code"])
+            status = self.run_cell(json.loads(body)["code"])
             if os.getpid() != self.pid:
                 os._exit(0)  # a child the cell forked fell through to here; it has no say
-            self.finish(request["nonce"], status)
+            self.finish(status)
 
-    def finish(self, nonce: str, status: str) -> None:
+    def finish(self, status: str) -> None:
+        """Tell the keeper the cell ended, once all it printed is in the output pipes."""
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001 - the cell may have closed or replaced it
                 pass
-        _write_all(self.stdout_fd, b"\0" + nonce.encode() + b":" + status.encode() + b"\0")
-        _write_all(self.stderr_fd, b"\0" + nonce.encode() + b"\0")
+        libc.fflush(None)  # what C code printed through stdio
+        try:  # (the first newline ends whatever the cell itself wrote to this pipe)
+            _write_all(self.status_fd, b"\n" + status.encode() + b"\n")
+        except OSError:
+            os._exit(71)  # the cell closed the pipe to the keeper: this session cannot go on
 
 
 def _read_exact(stream, n: int) -> bytes | None:
-    data = b""
+    data = bytearray()
     while len(data) < n:
         chunk = stream.read(n - len(data))
         if not chunk:
             return None
         data += chunk
-    return data
+    return bytes(data)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -624,11 +635,120 @@ def _write_all(fd: int, data: bytes) -> None:
         data = data[os.write(fd, data):]
 
 
+# ---------------------------------------------------------------- the keeper
+
+
+class Keeper:
+    """The session's first process once confined: forks the notebook, relays its cell
+    statuses as control messages, reaps orphans, passes interrupts on, and when the notebook
+    ends kills what is left of the session."""
+
+    def __init__(self, control_fd: int, report: dict, in_namespaces: bool):
+        self.control_fd = control_fd
+        self.report = report
+        self.in_namespaces = in_namespaces
+        self.notebook = 0
+
+    def send(self, message: dict) -> None:
+        try:
+            _write_all(self.control_fd, json.dumps(message).encode() + b"\n")
+        except OSError:
+            pass  # the server is gone; PR_SET_PDEATHSIG ends us
+
+    def run(self, requests, workdir: str):
+        status_r, status_w = os.pipe()  # (close-on-exec: a program the cell runs gets neither)
+        if not self.in_namespaces:
+            _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the session stay ours to reap and kill
+        keeper = os.getpid()
+        self.notebook = os.fork()
+        if self.notebook == 0:
+            os.close(self.control_fd)
+            os.close(status_r)
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != keeper:
+                os._exit(70)
+            run_notebook(requests, status_w, workdir)
+            os._exit(0)
+        os.close(status_w)
+        requests.close()
+        # Not dumpable: a cell (same uid, same Landlock domain) can neither ptrace us nor open
+        # our file descriptors through /proc, so the control pipe stays out of its reach.
+        _prctl(PR_SET_DUMPABLE, 0)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.signal(signal.SIGINT, lambda signum, frame: os.kill(self.notebook, signal.SIGINT))
+        self.send({"event": "ready", "report": self.report})
+        self.serve(status_r, wake_r)
+
+    def serve(self, status_r: int, wake_r: int):
+        pending = b""
+        watched = [status_r, wake_r]
+        while True:
+            for fd in select.select(watched, [], [], 1.0)[0]:
+                data = os.read(fd, 256)
+                if fd == status_r:
+                    if not data:
+                        watched.remove(status_r)
+                    pending = self.relay(pending + data)
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    pid = 0
+                if pid == 0:
+                    break
+                if pid == self.notebook:
+                    self.end(os.waitstatus_to_exitcode(status))
+
+    def relay(self, pending: bytes) -> bytes:
+        """Pass on each complete status line; anything else a cell wrote to the pipe is dropped
+        (a cell can end its own call early this way, and do nothing more)."""
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line in CELL_STATUSES:
+                self.send({"event": "done", "status": line.decode()})
+        return pending[-64:]
+
+    def end(self, code: int):
+        self.send({"event": "exit", "code": code})
+        if not self.in_namespaces:  # (a PID namespace ends with its init: nothing to do)
+            self.kill_session()
+        os._exit(128 - code if code < 0 else min(code, 255))
+
+    def kill_session(self) -> None:
+        """SIGKILL every process of the session but this one, detached ones included, where
+        "every process we may signal" is exactly that: our own uid when it is the session's,
+        or a Landlock domain that scopes signals. Else the process group, and the server's
+        cgroup, if any, does the rest."""
+        if self.report["user"].startswith("uid ") or self.report["landlock_abi"] >= 6:
+            # One pass reaches every process there is; a few more, any forked meanwhile. (It
+            # keeps reporting success while processes it may not signal exist.)
+            for _ in range(10):
+                try:
+                    os.kill(-1, signal.SIGKILL)
+                except OSError:
+                    break  # none left
+        else:
+            os.killpg(0, signal.SIGKILL)  # (this process too, its message sent)
+
+
+def run_notebook(requests, status_fd: int, workdir: str) -> None:
+    sys.stdout.reconfigure(write_through=True)
+    sys.stderr.reconfigure(write_through=True)
+    sys.path.insert(0, workdir)  # modules the model writes to its directory can be imported
+    Notebook(status_fd).serve(requests)
+
+
 def main() -> None:
     config = json.loads(sys.argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the notebook process takes interrupts
+    if config.get("cgroup_procs"):
+        _write_file(config["cgroup_procs"], "0")  # before any fork: the session's every process
     requests = os.fdopen(_high_fd(0), "rb", buffering=0)
-    stdout_fd, stderr_fd = _high_fd(1), _high_fd(2)
+    control_fd = _high_fd(int(config["control_fd"]))
+    os.close(int(config["control_fd"]))
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -642,16 +762,7 @@ def main() -> None:
         if child:
             run_as_launcher(child)
     workdir = confine(config, report, in_namespaces)
-    if in_namespaces:
-        worker = os.fork()
-        if worker:
-            run_as_init(worker)
-    sys.stdout.reconfigure(write_through=True)
-    sys.stderr.reconfigure(write_through=True)
-    sys.path.insert(0, workdir)  # modules the model writes to its directory can be imported
-    notebook = Notebook(stdout_fd, stderr_fd)
-    notebook.finish(config["nonce"], json.dumps(report))
-    notebook.serve(requests)
+    Keeper(control_fd, report, in_namespaces).run(requests, workdir)
 
 
 if __name__ == "__main__":

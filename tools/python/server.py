@@ -18,7 +18,7 @@ import weakref
 from openai_harmony import ToolNamespaceConfig
 
 from tools.python.sandbox import (DATA_MOUNT_HINT, IsolationReport, PythonSandbox, SandboxError,
-                             SandboxLimits, probe_isolation)
+                             SandboxLimits, clean_stale_sessions, probe_isolation)
 from tools.protocol import ToolResult
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,12 @@ class PythonToolServer:
 
     @classmethod
     async def start(cls, limits: SandboxLimits | None = None, **sandbox_options) -> PythonToolServer:
-        """Check that sandboxes start here, and warn once about protections this OS lacks."""
+        """Delete what a server that crashed left behind, check that sandboxes start here, and
+        warn once about protections this OS lacks."""
+        stale = await clean_stale_sessions(sandbox_options.get("scratch_root"))
+        if stale:
+            logger.info("python tool: removed the sessions of %d server(s) gone: %s", len(stale),
+                        ", ".join(stale))
         report = await probe_isolation(limits, **sandbox_options)
         if not report.namespaces:  # don't try (and fail) again for every session
             sandbox_options["use_namespaces"] = False
