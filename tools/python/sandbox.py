@@ -4,7 +4,7 @@ One `PythonSandbox` is one notebook-like session: a long-lived worker process
 (`sandbox_worker.py`) that keeps its variables between cells, as the gpt-oss `python`
 tool ("a stateful Jupyter notebook environment") promises. The worker never shares memory with
 the server, gets no environment variable of the server's, works in a scratch directory of its
-own (`python_scratch`) and confines itself before it runs anything (namespaces, another uid,
+own (`tools/python/scratch.py`) and confines itself before it runs anything (namespaces, another uid,
 Landlock, rlimits, a seccomp filter that leaves no way to open a socket: see the worker's
 docstring). What a session may use:
 
@@ -15,7 +15,7 @@ docstring). What a session may use:
   (`memory_bytes`), processes (`max_processes`), file size (`max_file_bytes`), open files
   (`max_open_files`);
 - memory of all its processes together (`session_memory_bytes`): capped by a cgroup where the
-  server can make one (`python_cgroup`), else measured every `WATCH_SECONDS` and the session
+  server can make one (`tools/python/cgroup.py`), else measured every `WATCH_SECONDS` and the session
   stopped once over;
 - its scratch directory (`scratch_bytes`, `scratch_entries`), measured while it runs and after
   each cell: over either, the session is stopped and the files deleted;
@@ -42,9 +42,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import python_cgroup
-from .python_scratch import empty_folder, scratch_area, usage
-from .python_watch import tree_memory
+from tools.python import cgroup as python_cgroup
+from tools.python.scratch import empty_folder, scratch_area, usage
+from tools.python.watch import tree_memory
 
 logger = logging.getLogger(__name__)
 
