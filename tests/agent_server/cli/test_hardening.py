@@ -137,7 +137,7 @@ def test_tool_timeouts_reach_the_tool_servers(tiny_checkpoint, tmp_path, monkeyp
     import asyncio
 
     import agent_server.app
-    import tools.protocol
+    import tools.servers
 
     factories, started = [], {}
 
@@ -150,7 +150,7 @@ def test_tool_timeouts_reach_the_tool_servers(tiny_checkpoint, tmp_path, monkeyp
         return []
 
     monkeypatch.setattr(agent_server.app, "create_app", fake_create_app)
-    monkeypatch.setattr(tools.protocol, "start_tool_servers", fake_start_tool_servers)
+    monkeypatch.setattr(tools.servers, "start_tool_servers", fake_start_tool_servers)
     with socket.create_server(("127.0.0.1", 0)) as listening:  # (serve checks that an MCP server is there)
         port = listening.getsockname()[1]
         serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"),
