@@ -172,7 +172,7 @@ async def test_unreachable_server_fails_start():
 def test_tool_server_values_are_checked_before_anything_starts():
     # (`serve --tool-server bogus` started uvicorn, then failed with two chained tracebacks; the
     # list of valid values it gave left out browser and python)
-    from tools.protocol import check_specs
+    from tools.servers import check_specs
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -87,10 +87,17 @@ class LocalSearchBackend:
     source_name = "local"
 
     def __init__(self, folder: str | os.PathLike, *, base_url: str | None = None,
-                 max_file_bytes: int = 5 << 20):
+                 max_file_bytes: int = 5 << 20, trusted_links: bool = False):
+        """`trusted_links`: the folder is one this project ships (the demo corpus), whose own
+        symlinks may lead out of it (to the repository's docs): their targets are served too.
+        A user's folder never gets this."""
         self.folder = Path(folder).resolve()
         if not self.folder.is_dir():
             raise ValueError(f"search folder {self.folder} is not a directory")
+        self.linked_files: set[Path] = set()
+        if trusted_links:
+            self.linked_files = {entry.resolve() for entry in self.folder.iterdir()
+                                 if entry.is_symlink() and entry.resolve().is_file()}
         self.base_url = base_url.rstrip("/") + "/" if base_url else None
         self.max_file_bytes = max_file_bytes
         self.db = sqlite3.connect(":memory:", check_same_thread=False)
@@ -157,7 +164,7 @@ class LocalSearchBackend:
             info = resolved.stat()
         except (OSError, ValueError, RuntimeError):  # (RuntimeError: a symlink loop)
             return None
-        if (not resolved.is_relative_to(self.folder) or not stat.S_ISREG(info.st_mode)
+        if (not self._inside(resolved) or not stat.S_ISREG(info.st_mode)
                 or any(part.startswith(".") for part in relative.parts)):
             return None
         return resolved
@@ -209,16 +216,21 @@ class LocalSearchBackend:
         parsed = urlparse(url)
         if parsed.scheme == "file":
             path = Path(os.path.normpath(unquote(parsed.path)))
-            if path.is_relative_to(self.folder) and self._servable(path) is not None:
+            if self._inside(path) and self._servable(path) is not None:
                 return _Document(self.url_for(path), path, KINDS[path.suffix.lower()], "")
         return None
+
+    def _inside(self, resolved: Path) -> bool:
+        """Whether a resolved path is one this backend may serve: under the folder, or a file
+        the shipped corpus links to."""
+        return resolved.is_relative_to(self.folder) or resolved in self.linked_files
 
     def _read(self, path: Path) -> tuple[str, int | None]:
         """The text of the document at `path`, checked again as it is opened (the folder may
         have changed since it was indexed), and its size in bytes when it is over the limit
         (then the text is its first `max_file_bytes`)."""
         resolved = path.resolve(strict=True)
-        if not resolved.is_relative_to(self.folder):
+        if not self._inside(resolved):
             raise PermissionError(f"{path.name} leads outside the search folder")
         # O_NOFOLLOW|O_NONBLOCK: a last component swapped for a symlink or a FIFO since the
         # check fails instead of leading elsewhere or blocking.
@@ -229,7 +241,7 @@ class LocalSearchBackend:
                 opened = Path(os.readlink(f"/proc/self/fd/{fd}"))
             except OSError:
                 opened = resolved
-            if not stat.S_ISREG(info.st_mode) or not opened.is_relative_to(self.folder):
+            if not stat.S_ISREG(info.st_mode) or not self._inside(opened):
                 raise PermissionError(f"{path.name} is not a file of the search folder")
             data = f.read(self.max_file_bytes + 1)
         if len(data) <= self.max_file_bytes:

@@ -46,7 +46,7 @@ class BrowserToolServer:
             backend = ExaBackend(exa_api_key, base_url=exa_base_url or EXA_API_URL)
             logger.info("browser: searching the web through Exa")
         else:
-            backend = await LocalSearchBackend.open(DEMO_CORPUS)
+            backend = await LocalSearchBackend.open(DEMO_CORPUS, trusted_links=True)
             logger.warning("browser: no --search-dir and no EXA_API_KEY; searching only the %d bundled demo "
                            "documents in %s (this project's README and BENCHMARKS, and three pages about "
                            "gpt-oss and Harmony)", backend.document_count, DEMO_CORPUS)
