@@ -42,6 +42,11 @@ WORLD_SIZES = (2, 4, 8)  # the sizes PyTorch's two-shot kernel is built for
 SELF_TEST_TIMEOUT_S = 20.0
 
 
+class PeerMemoryHang(RuntimeError):
+    """A peer-memory all-reduce never finished: its kernel still waits on the GPU, and nothing
+    queued behind it can run, NCCL included. The process cannot go on."""
+
+
 def disable_multicast_environment() -> None:
     """The variables that keep symmetric memory off NVLink multicast and on the CUDA backend.
     PyTorch reads them once, at first use: set them before any symmetric-memory call."""
@@ -58,12 +63,23 @@ class PeerAllReduce:
 
         self.group_name = group.group_name
         self.rank, self.size = group.rank(), group.size()
-        self.device = torch.device(device)
+        device = torch.device(device)
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.capacity = capacity_bytes // 4 * 4
         self.buffer = symm_mem.empty(self.capacity // 4, dtype=torch.float32, device=self.device)
         self.buffer.zero_()
         torch.cuda.synchronize(self.device)
-        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        try:
+            self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        except RuntimeError as e:
+            # Older PyTorch wants the group registered first. Newer has it deprecated, and there a
+            # registered group costs a store round trip in every op's look-up: only where needed.
+            if "group info" not in str(e):
+                raise
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(self.group_name)
+            self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
         ops = torch.ops.symm_mem
         # One launch for copy-in and reduce where this PyTorch has it.
         self._one_shot_copy = ops.one_shot_all_reduce_copy_out if hasattr(ops, "one_shot_all_reduce_copy_out") else None
@@ -79,8 +95,11 @@ class PeerAllReduce:
             return None, reason or "another rank cannot use symmetric memory"
         disable_multicast_environment()
         try:
-            peer = cls(group, device, min(capacity_bytes, MAX_BYTES))
-            reason = peer.self_test()
+            with torch.cuda.device(device):  # the ops launch on the current device's stream
+                peer = cls(group, device, min(capacity_bytes, MAX_BYTES))
+                reason = peer.self_test()
+        except PeerMemoryHang:
+            raise
         except Exception as e:  # (a rank failing here may leave the others waiting on the exchange)
             peer, reason = None, f"symmetric memory failed: {type(e).__name__}: {e}"
         if not _all_agree(reason is None, device, group):
@@ -115,13 +134,20 @@ class PeerAllReduce:
             if rows * 1024 * 4 > self.capacity:
                 continue
             x = torch.full((rows, 1024), float(self.rank + 1), dtype=torch.float32, device=self.device)
-            got = self(x)
+            try:
+                got = self(x)
+            except (RuntimeError, TypeError) as e:  # (checked on the host, so on every rank alike)
+                if self._one_shot_copy is None or rows * 4096 > self.one_shot_max_bytes:
+                    raise
+                log.info("one_shot_all_reduce_copy_out failed (%s); copying in a launch of its own", e)
+                self._one_shot_copy = None
+                got = self(x)
             done = torch.cuda.Event()
             done.record()
             deadline = time.monotonic() + SELF_TEST_TIMEOUT_S
             while not done.query():
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the symmetric-memory all-reduce of {rows} rows did not finish in "
+                    raise PeerMemoryHang(f"the symmetric-memory all-reduce of {rows} rows did not finish in "
                                        f"{SELF_TEST_TIMEOUT_S:.0f} s (peers unreachable?)")
                 time.sleep(0.001)
             if not torch.all(got == want):
@@ -148,14 +174,6 @@ def _local_obstacle(group, device: torch.device, peer_devices: list[int]) -> str
     blocked = [d for d in peer_devices if d != mine and not torch.cuda.can_device_access_peer(mine, d)]
     if blocked:
         return f"cuda:{mine} cannot access the memory of cuda:{', cuda:'.join(map(str, blocked))} (no P2P)"
-    with warnings.catch_warnings():  # needed by older PyTorch, deprecated (and a no-op) in newer
-        warnings.simplefilter("ignore")
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
-            try:
-                enable(group.group_name)
-            except Exception as e:
-                return f"symmetric memory cannot be enabled for the group: {e}"
     return None
 
 

@@ -16,7 +16,7 @@ A rank that dies or hangs must not leave the engine waiting in a collective (und
 peer-memory barrier spins forever). Every worker beats a heartbeat (a shared timestamp, from a
 thread of its own) and counts the steps it has finished (on GPU: once the device has run them);
 a watchdog thread on rank 0 fails the engine when a worker has exited, has not beaten for
-HEARTBEAT_TIMEOUT_S (stopped, frozen), or has left a step unfinished for
+HEARTBEAT_TIMEOUT_S and is stopped (or for SILENT_TIMEOUT_S, frozen), or has left a step unfinished for
 `EngineConfig.tp_step_timeout` seconds (hung in a kernel or a collective). It then kills every
 worker, which ends rank 0's waiting collective on gloo, and calls `on_failure`: an engine
 process (`process.py`) that is still stuck after that (a GPU spinning in a collective) reports
@@ -29,6 +29,7 @@ What each rank holds: `inference/distributed/sharding.py`; the collectives: `inf
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pickle
@@ -54,7 +55,11 @@ RENDEZVOUS_HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 600.0  # a worker's import + CUDA init + process-group join
 LEAVE_TIMEOUT_S = 30.0  # shutdown: how long a rank may take to leave the group before it is killed
 HEARTBEAT_INTERVAL_S = 0.5
-HEARTBEAT_TIMEOUT_S = 5.0  # a worker silent this long is stopped or frozen: the engine fails
+# A worker silent this long, and stopped (SIGSTOP, a debugger), fails the engine; one silent for
+# SILENT_TIMEOUT_S fails it whatever its state (frozen). A running process can miss beats while a
+# long call holds its GIL (a Triton compile step), hence the longer wait without a clear sign.
+HEARTBEAT_TIMEOUT_S = 5.0
+SILENT_TIMEOUT_S = 20.0
 WATCH_INTERVAL_S = 0.25
 
 
@@ -298,8 +303,10 @@ class WorkerProcesses:
         now = time.monotonic() if now is None else now
         for rank, (proc, beat) in enumerate(zip(self.procs, self.beats), start=1):
             if now - beat > HEARTBEAT_TIMEOUT_S:
-                return (f"tensor-parallel rank {rank} stopped responding: no heartbeat for {now - beat:.0f} s "
-                        f"(process {proc.pid} {_process_state(proc.pid)})")
+                state = process_state(proc.pid)
+                if state == "stopped" or now - beat > SILENT_TIMEOUT_S:
+                    return (f"tensor-parallel rank {rank} stopped responding: no heartbeat for {now - beat:.0f} s "
+                            f"(process {proc.pid} {state})")
         with self._lock:
             finished = min(self.done)
             for step in [s for s in self._sent_at if s <= finished]:
@@ -383,7 +390,7 @@ def _stop_workers(conns, procs, timeout: float = LEAVE_TIMEOUT_S) -> None:
         conn.close()
 
 
-def _process_state(pid: int) -> str:
+def process_state(pid: int) -> str:
     """What /proc says of a process: "stopped" (SIGSTOP), "sleeping", ... ("gone" if it is)."""
     try:
         state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
@@ -393,17 +400,34 @@ def _process_state(pid: int) -> str:
             "Z": "a zombie"}.get(state, f"in state {state}")
 
 
-def _beat(beats, index: int) -> None:
-    """The worker's heartbeat: the time, every HEARTBEAT_INTERVAL_S, from a thread of its own (it
-    goes on while the main thread waits in a collective, and stops with the whole process)."""
+class _Progress:
+    """A worker's side of the watchdog: its heartbeat (the time, every HEARTBEAT_INTERVAL_S, from a
+    thread of its own: it goes on while the main thread waits in a collective, and stops with the
+    whole process) and its count of finished steps. On GPU a step is finished once the device has
+    run it: the main thread records an event after each step and goes on (it never waits for the
+    device), and the heartbeat's thread counts the events that have completed."""
 
-    def beat():
+    def __init__(self, beats, done, index: int):
+        self.beats, self.done, self.index = beats, done, index
+        self.pending: collections.deque = collections.deque()  # events of steps still on the device
+        beats[index] = time.monotonic()
+        threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
         while True:
-            beats[index] = time.monotonic()
+            self.beats[self.index] = time.monotonic()
+            while self.pending and self.pending[0].query():
+                self.pending.popleft()
+                self.done[self.index] += 1
             time.sleep(HEARTBEAT_INTERVAL_S)
 
-    beats[index] = time.monotonic()
-    threading.Thread(target=beat, name="tp-heartbeat", daemon=True).start()
+    def step_launched(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            self.done[self.index] += 1  # CPU steps are finished when they return
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append(event)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -420,7 +444,7 @@ def _watch_parent(parent_pid: int) -> None:
 def _worker_main(rank: int, spec: _WorkerSpec, conn, beats, done) -> None:
     """A worker rank: join the group, load the shard, build the same engine, run steps until told to stop."""
     _watch_parent(spec.parent_pid)
-    _beat(beats, rank - 1)
+    progress = _Progress(beats, done, rank - 1)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s %(message)s")
     logging.getLogger("inference.engine.core").setLevel(logging.ERROR)  # rank 0 logs the same cache warnings
     tp = None
@@ -450,8 +474,6 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn, beats, done) -> None:
         if tp is not None:
             tp.leave()
         return
-    # A step counts as done once the device has run it (a blocking event: no core spins on it).
-    finished = torch.cuda.Event(blocking=True) if device.type == "cuda" else None
     try:
         while True:
             try:
@@ -470,12 +492,9 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn, beats, done) -> None:
                 continue
             try:
                 engine.runner.execute(plan)
-                if finished is not None:
-                    finished.record()
-                    finished.synchronize()
             except Exception:  # rank 0 runs the same step, hits the same error and fails its requests
                 log.exception("tensor-parallel step failed")
-            done[rank - 1] += 1
+            progress.step_launched(device)
     finally:
         release_cuda_graphs(engine.runner)
         tp.leave()

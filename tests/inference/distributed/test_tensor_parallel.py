@@ -255,17 +255,26 @@ class _Proc:
         return self._alive
 
 
-def test_watchdog_names_the_rank_that_is_dead_silent_or_late():
+def test_watchdog_names_the_rank_that_is_dead_silent_or_late(monkeypatch):
     import threading
 
-    from inference.engine.executor import HEARTBEAT_TIMEOUT_S, WorkerProcesses
+    from inference.engine import executor
+    from inference.engine.executor import HEARTBEAT_TIMEOUT_S, SILENT_TIMEOUT_S, WorkerProcesses
 
+    states = {}
+    monkeypatch.setattr(executor, "process_state", lambda pid: states.get(pid, "sleeping"))
     w = WorkerProcesses.__new__(WorkerProcesses)
-    w.procs, w.beats, w.done = [_Proc(), _Proc(pid=os.getpid())], [100.0, 100.0], [7, 7]
+    w.procs, w.beats, w.done = [_Proc(pid=11), _Proc(pid=12)], [100.0, 100.0], [7, 7]
     w.sent, w._sent_at, w._lock = 7, {6: 90.0, 7: 99.0}, threading.Lock()
     assert w.check(step_timeout=30, now=101.0) is None and w._sent_at == {}  # finished steps are forgotten
+    # Silent a little while, still running (a long call holding its GIL): not yet.
     w.beats[1] = 100.0 - HEARTBEAT_TIMEOUT_S - 1
-    assert "rank 2 stopped responding: no heartbeat for 6 s" in w.check(30, now=100.0)
+    assert w.check(30, now=100.0) is None
+    states[12] = "stopped"  # SIGSTOP: at once
+    assert w.check(30, now=100.0) == "tensor-parallel rank 2 stopped responding: no heartbeat for 6 s (process 12 stopped)"
+    states[12] = "sleeping"
+    w.beats[1] = 100.0 - SILENT_TIMEOUT_S - 1  # silent for long, whatever its state
+    assert "rank 2 stopped responding: no heartbeat for 21 s (process 12 sleeping)" == w.check(30, now=100.0)[16:]
     w.beats[1] = 100.0
     w.sent, w._sent_at, w.done = 8, {8: 60.0}, [8, 7]
     assert w.check(30, now=85.0) is None  # 25 s: still within the step timeout
