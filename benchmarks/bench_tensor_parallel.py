@@ -24,7 +24,9 @@ Sections, in order (each prints as it finishes; `--budget` skips what would not 
 Prints Markdown tables; `--json` writes everything (rewritten after each section).
 
     python benchmarks/bench_tensor_parallel.py --quick --model 120b --tp 1,2,4      # 4 GPUs
-    python benchmarks/bench_tensor_parallel.py --quick --model 20b,120b --tp 1,2    # 2 GPUs
+    python benchmarks/bench_tensor_parallel.py --quick --model 20b --tp 1,2         # 2 GPUs
+    python benchmarks/bench_tensor_parallel.py --quick --model tiny --device cpu --tp 1,2 --prompt 16 \
+        --batches 1,4 --ep-batches 4,8                                              # the script itself, on CPU
 """
 
 from __future__ import annotations
@@ -354,7 +356,10 @@ def bench_size(model: str, size: int, args, check_prompts, reference, results: l
             else:
                 progress(f"  agreement with tp {args.tp_list[0]}: {row['agreement']}")
         if size > 1:
-            for mode in ("nccl", "none"):  # A/B, then compute alone (the engine is closed after)
+            # The A/B (all NCCL; --quick: at the largest size only), then compute alone (the
+            # engine is closed after).
+            modes = ("nccl", "none") if not args.quick or size == max(args.tp_list) else ("none",)
+            for mode in modes:
                 if not budget(f"tp_all_reduce={mode}"):
                     break
                 engine.configure_tensor_parallel(all_reduce=mode)
@@ -474,7 +479,8 @@ def main() -> None:
     parser.add_argument("--collective-rows", default="1,8,64,256")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--quick", action="store_true",
-                        help="fewer steps and prompts, and a time budget (--budget): 120b at TP 1/2/4 in ~8 min")
+                        help="fewer steps and prompts, the collectives and the NCCL A/B at the largest size only, "
+                             "and a time budget (--budget): 120b at TP 1/2/4 in ~8 min")
     parser.add_argument("--budget", type=float, help="seconds; sections that start later are skipped (quick: 540)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -506,7 +512,8 @@ def main() -> None:
 
     report["collectives"] = []
     if not args.no_collectives and args.device == "cuda":
-        for size in sorted({s for s in args.tp_list if s > 1}):
+        sizes = sorted({s for s in args.tp_list if s > 1})
+        for size in sizes[-1:] if args.quick else sizes:  # --quick: the largest only
             progress(f"collectives on {size} GPUs")
             try:
                 result = bench_collectives(size, [int(x) for x in args.collective_rows.split(",")], 20)

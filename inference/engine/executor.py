@@ -410,12 +410,17 @@ class _Progress:
     def __init__(self, beats, done, index: int):
         self.beats, self.done, self.index = beats, done, index
         self.pending: collections.deque = collections.deque()  # events of steps still on the device
+        self.device: torch.device | None = None  # the worker's GPU, once it has run a step there
         beats[index] = time.monotonic()
         threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
+        on_device = False
         while True:
             self.beats[self.index] = time.monotonic()
+            if self.pending and not on_device:  # this thread's CUDA calls on the worker's GPU, not GPU 0
+                torch.cuda.set_device(self.device)
+                on_device = True
             while self.pending and self.pending[0].query():
                 self.pending.popleft()
                 self.done[self.index] += 1
@@ -427,6 +432,7 @@ class _Progress:
             return
         event = torch.cuda.Event()
         event.record()
+        self.device = device
         self.pending.append(event)
 
 
