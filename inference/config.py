@@ -213,6 +213,10 @@ def _rope(raw: dict) -> RopeConfig:
 
 # The drafters speculative decoding can use (`inference/spec_decode/`).
 SPECULATIVE_METHODS = ("ngram", "eagle3")
+# The choices of `EngineConfig.tp_all_reduce` and `moe_parallel` (what they mean:
+# `inference/distributed/group.py`, `inference/distributed/sharding.py`).
+TP_ALL_REDUCE_MODES = ("auto", "symm_mem", "nccl", "none")
+MOE_PARALLEL_MODES = ("tensor", "expert")
 
 
 @dataclass
@@ -228,7 +232,14 @@ class EngineConfig:
     head from `draft_model` (a checkpoint directory).
 
     `tensor_parallel_size` N > 1 splits the model over N GPUs, one process each
-    (`inference/engine/executor.py`); this process stays rank 0 and runs the scheduler.
+    (`inference/engine/executor.py`); this process stays rank 0 and runs the scheduler. Then
+    `tp_all_reduce` says how partial sums are all-reduced ("auto": peer memory for decode-sized
+    messages, NCCL for the rest; "symm_mem": the same, an error without peer memory; "nccl";
+    "none", for measurements only: see `inference/distributed/group.py`), `moe_parallel` how
+    the MoE is split ("tensor": every expert's columns; "expert": whole experts, see
+    `inference/distributed/sharding.py`), and `tp_step_timeout` how many seconds a step may go
+    unfinished on a worker before the engine fails (a hung rank; a stopped or dead one fails it
+    within seconds).
 
     `async_scheduling` launches a decode step before the previous one's tokens are read
     (`inference/scheduling/async_scheduling.py`); None: on CUDA only. Never with a drafter or tensor parallelism.
@@ -247,6 +258,9 @@ class EngineConfig:
     num_draft_tokens: int = 4
     draft_model: str | None = None
     tensor_parallel_size: int = 1
+    tp_all_reduce: str = "auto"
+    moe_parallel: str = "tensor"
+    tp_step_timeout: float = 30.0
     async_scheduling: bool | None = None
 
     def validate(self) -> None:
@@ -273,5 +287,12 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be an integer >= 1")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or unset")
+        if self.tp_all_reduce not in TP_ALL_REDUCE_MODES:
+            raise ValueError(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCE_MODES)}")
+        if self.moe_parallel not in MOE_PARALLEL_MODES:
+            raise ValueError(f"moe_parallel must be one of {', '.join(MOE_PARALLEL_MODES)}")
+        if isinstance(self.tp_step_timeout, bool) or not isinstance(self.tp_step_timeout, (int, float)) \
+                or not self.tp_step_timeout > 0:
+            raise ValueError("tp_step_timeout must be a number of seconds > 0")
         if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
             raise ValueError("speculative eagle3 does not run with tensor_parallel_size > 1 (ngram does)")

@@ -10,10 +10,18 @@ What each rank holds (Megatron-style; `ShardLayout` gives the ranges):
                 gate_up rows [2s, 2e) (HF interleaves gate j at row 2j, up j at 2j+1, so a
                 contiguous row range holds matching pairs), down_proj blocks [s/32, e/32). The
                 output is all-reduced; the down bias is loaded on rank 0 only.
-    lm_head     vocabulary rows split (the last shard padded with zero rows); the logits are
-                all-gathered so rank 0 can sample.
+    lm_head     vocabulary rows split (the last shard padded with zero rows); greedy steps take
+                each rank's best token and pick among those (`inference/runner/vocab_parallel.py`),
+                the others all-gather the logits so rank 0 can sample.
     replicated  embedding, norms, router.
 Each rank reads only its slices from the safetensors files (`CheckpointReader.get_slice`).
+
+Expert parallelism (`moe_parallel="expert"`) splits the MoE the other way: rank r holds experts
+[r*E/N, (r+1)*E/N) whole (all their columns, and their own biases), N must divide E. Every rank
+still routes every token over all E experts (the router is replicated), adds the contributions
+of the experts it holds, and the same all-reduce sums them. At large batches each expert's
+weights are then read once, by one GPU, in GEMMs as wide as on one device; under tensor
+parallelism every GPU reads a slice of every expert a batch touches.
 
 `inference/distributed/group.py` holds the collectives; `inference/engine/executor.py` starts
 and owns the worker processes.
@@ -27,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from inference.config import ModelConfig
+from inference.config import MOE_PARALLEL_MODES, ModelConfig
 from inference.ops.mxfp4 import BLOCK_SIZE
 
 
@@ -43,7 +51,9 @@ class ShardLayout:
     """The slices rank `rank` of `size` holds; every range is [start, stop).
 
     heads / kv_heads: attention heads; intermediate: expert intermediate columns (whole MXFP4
-    blocks); vocab: lm_head rows it holds, padded with zero rows to `vocab_per_rank`.
+    blocks); experts: the experts it holds (all of them under tensor parallelism, E/N whole ones
+    under expert parallelism); vocab: lm_head rows it holds, padded with zero rows to
+    `vocab_per_rank`.
     """
 
     rank: int
@@ -54,6 +64,8 @@ class ShardLayout:
     vocab: tuple[int, int]
     vocab_per_rank: int
     vocab_size: int
+    experts: tuple[int, int] = (0, 0)
+    moe_parallel: str = "tensor"
 
 
 def _balanced(units: int, size: int, rank: int) -> tuple[int, int]:
@@ -68,20 +80,24 @@ def intermediate_unit(config: ModelConfig) -> int:
     return BLOCK_SIZE if config.quantized_experts else 1
 
 
-def valid_sizes(config: ModelConfig, limit: int = 64) -> list[int]:
+def valid_sizes(config: ModelConfig, limit: int = 64, moe_parallel: str = "tensor") -> list[int]:
     """Every tensor_parallel_size up to `limit` this model can be split into."""
     units = config.intermediate_size // intermediate_unit(config)
     return [
         n for n in range(1, limit + 1)
-        if config.num_attention_heads % n == 0 and config.num_key_value_heads % n == 0 and n <= units
+        if config.num_attention_heads % n == 0 and config.num_key_value_heads % n == 0
+        and (n <= units if moe_parallel == "tensor" else config.num_local_experts % n == 0)
     ]
 
 
-def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
-    """Raise TensorParallelError unless the model splits into `size` ranks."""
+def check_tensor_parallel_size(config: ModelConfig, size: int, moe_parallel: str = "tensor") -> None:
+    """Raise TensorParallelError unless the model splits into `size` ranks (the MoE by
+    `moe_parallel`: "tensor" splits each expert's columns, "expert" the experts)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise TensorParallelError(f"tensor_parallel_size must be a positive integer, got {size!r}")
-    works = ", ".join(map(str, valid_sizes(config)))
+    if moe_parallel not in MOE_PARALLEL_MODES:
+        raise TensorParallelError(f"moe_parallel must be one of {', '.join(MOE_PARALLEL_MODES)}, got {moe_parallel!r}")
+    works = ", ".join(map(str, valid_sizes(config, moe_parallel=moe_parallel)))
     for field_name in ("num_attention_heads", "num_key_value_heads"):
         value = getattr(config, field_name)
         if value % size:
@@ -89,6 +105,14 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
                 f"tensor_parallel_size {size} does not divide config field '{field_name}' ({value}); "
                 f"sizes that work for this model: {works}"
             )
+    if moe_parallel == "expert":
+        if config.num_local_experts % size:
+            raise TensorParallelError(
+                f"tensor_parallel_size {size} does not divide config field 'num_local_experts' "
+                f"({config.num_local_experts}), which expert parallelism splits; sizes that work for this "
+                f"model: {works}"
+            )
+        return
     unit = intermediate_unit(config)
     units = config.intermediate_size // unit
     if units < size:
@@ -99,13 +123,18 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
         )
 
 
-def shard_layout(config: ModelConfig, rank: int, size: int) -> ShardLayout:
-    check_tensor_parallel_size(config, size)
+def shard_layout(config: ModelConfig, rank: int, size: int, moe_parallel: str = "tensor") -> ShardLayout:
+    check_tensor_parallel_size(config, size, moe_parallel)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a group of {size}")
     heads, kv = config.num_attention_heads // size, config.num_key_value_heads // size
     unit = intermediate_unit(config)
     start, stop = _balanced(config.intermediate_size // unit, size, rank)
+    experts = (0, config.num_local_experts)
+    if moe_parallel == "expert":  # whole experts: every column of E/N of them
+        start, stop = 0, config.intermediate_size // unit
+        per = config.num_local_experts // size
+        experts = (rank * per, (rank + 1) * per)
     per_rank = -(-config.vocab_size // size)
     vocab_start = min(rank * per_rank, config.vocab_size)
     return ShardLayout(
@@ -117,6 +146,8 @@ def shard_layout(config: ModelConfig, rank: int, size: int) -> ShardLayout:
         vocab=(vocab_start, min(vocab_start + per_rank, config.vocab_size)),
         vocab_per_rank=per_rank,
         vocab_size=config.vocab_size,
+        experts=experts,
+        moe_parallel=moe_parallel,
     )
 
 
@@ -135,7 +166,7 @@ def local_config(config: ModelConfig, layout: ShardLayout) -> ModelConfig:
 # (head_dim rows or columns per head), "heads1" (one entry per head), "gate_up" (rows 2s..2e of
 # the interleaved gate/up), "inter" (intermediate columns), "inter_blocks" (MXFP4 blocks of them),
 # "vocab", "rank0" (a bias after a reduction: rank 0 holds it, the others zeros). The rest is
-# replicated.
+# replicated. Under expert parallelism every `mlp.experts.` tensor is cut by `_EXPERT_RULE` instead.
 _RULES: dict[str, tuple[str, int]] = {
     "self_attn.q_proj.weight": ("heads", 0),
     "self_attn.q_proj.bias": ("heads", 0),
@@ -158,11 +189,17 @@ _RULES: dict[str, tuple[str, int]] = {
 }
 
 
-def shard_rule(name: str) -> tuple[str, int] | None:
+# Expert parallelism: every expert tensor ([E, ...], biases included) by whole experts.
+_EXPERT_RULE = ("experts", 0)
+
+
+def shard_rule(name: str, moe_parallel: str = "tensor") -> tuple[str, int] | None:
     """(rule, dim) for a checkpoint tensor name, None when it is replicated."""
     if name == "lm_head.weight":
         return _RULES[name]
     suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    if moe_parallel == "expert" and suffix.startswith("mlp.experts."):
+        return _EXPERT_RULE
     return _RULES.get(suffix)
 
 
@@ -196,10 +233,12 @@ class ShardedTensorSource:
             return lay.intermediate[0] // BLOCK_SIZE, lay.intermediate[1] // BLOCK_SIZE
         if rule == "vocab":
             return lay.vocab
+        if rule == "experts":
+            return lay.experts
         raise ValueError(f"unknown shard rule {rule!r}")
 
     def __call__(self, name: str) -> torch.Tensor:
-        rule = shard_rule(name)
+        rule = shard_rule(name, self.layout.moe_parallel)
         if rule is None:
             return self._count(self._get(name))
         kind, dim = rule

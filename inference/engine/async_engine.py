@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from inference.engine.client import StreamingEngineClient, put_deltas
 from inference.engine.core import LLMEngine
 from inference.engine.driver import EngineDriver
 from inference.request import GenerationRequest, TokenDelta
+
+log = logging.getLogger(__name__)
 
 
 class AsyncEngine(StreamingEngineClient):
@@ -70,10 +73,20 @@ class AsyncEngine(StreamingEngineClient):
         await asyncio.to_thread(self._idle.wait)
 
     async def shutdown(self) -> None:
-        """Abort what is still running (streams end with finish_reason "abort") and stop the thread."""
+        """Abort what is still running (streams end with finish_reason "abort") and stop the thread.
+        A thread stuck in a step that cannot end (a tensor-parallel rank lost while the GPU waits
+        for it: `engine.failure` says so) is left behind after a few seconds."""
+        failure = self.engine.failure
         self._stopping = True
         self._submit(("stop",))
-        await asyncio.to_thread(self._thread.join)
+        waited = 0.0
+        while self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, 1.0)
+            waited += 1.0
+            failure = failure or self.engine.failure
+            if failure and waited >= 5 and self._thread.is_alive():
+                log.error("the engine thread is stuck after %s; shutting down without it", failure)
+                break
         await asyncio.to_thread(self.engine.close)
 
     # -- the engine thread ---------------------------------------------------------------------

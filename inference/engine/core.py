@@ -287,6 +287,23 @@ class LLMEngine:
         workers = self.runner.workers
         return workers.failure if workers is not None else None
 
+    def configure_tensor_parallel(self, all_reduce: str | None = None, decisive_routing: bool | None = None) -> None:
+        """For measurements, between steps, on every rank at once: switch how the ranks
+        all-reduce (`EngineConfig.tp_all_reduce`; the decode graphs are captured again), or turn
+        decisive routing on or off (`GptOssModel.set_decisive_routing`, also on one device)."""
+        workers = self.runner.workers
+        if workers is not None:
+            workers.call("configure_tensor_parallel", dict(all_reduce=all_reduce, decisive_routing=decisive_routing))
+        try:
+            if decisive_routing is not None:
+                self.model.set_decisive_routing(decisive_routing)
+            if all_reduce is not None and self.model.tp is not None:
+                self.model.tp.set_all_reduce(all_reduce)
+                self.runner.recapture_graphs()
+        finally:
+            if workers is not None:
+                workers.expect("called")
+
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (no step may be running). Idempotent."""
         workers, self.runner.workers = self.runner.workers, None
@@ -345,13 +362,16 @@ class LLMEngine:
         return step
 
     def _fail_step(self, batch: ScheduledBatch, e: Exception) -> list[TokenDelta]:
-        """Fail a step's requests only (those still running); the engine keeps serving."""
+        """Fail a step's requests only (those still running); the engine keeps serving, unless
+        it cannot (`failure`, then the cause is the requests' error too: a step interrupted by a
+        failed tensor-parallel rank says which rank, not what the broken collective said)."""
         log.exception("engine step failed")
+        error = self.failure or f"{type(e).__name__}: {e}"
         deltas = []
         for seq in batch.seqs:
             if seq.status == SequenceStatus.RUNNING:
                 self.scheduler.remove(seq)
-                deltas.append(self._delta(seq, [], None, "error", error=f"{type(e).__name__}: {e}"))
+                deltas.append(self._delta(seq, [], None, "error", error=error))
         return deltas
 
     def _run_synchronously(self, batch: ScheduledBatch) -> list[TokenDelta]:

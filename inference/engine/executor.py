@@ -6,9 +6,21 @@ the HTTP server). `start_tensor_parallel` spawns ranks 1..N-1; each loads its sh
 the same order), then waits for steps. Every step rank 0 sends each worker the step's plain
 description (`model_runner.StepPlan`: token ids, page tables, positions) over a pipe; all ranks
 then run the same forward and meet in its collectives. Tensors only move through
-torch.distributed (NCCL on GPU, gloo on CPU), rendezvous on 127.0.0.1. A worker exits when rank 0
+torch.distributed (NCCL on GPU, gloo on CPU) and peer memory for small all-reduces
+(`inference/distributed/peer_memory.py`), rendezvous on 127.0.0.1. A worker exits when rank 0
 closes the engine, when its pipe closes, or when its parent process disappears, so none is left
-behind. NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 in every rank.
+behind. NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 in every rank.
+
+A rank that dies or hangs must not leave the engine waiting in a collective (under CUDA graphs a
+peer-memory barrier spins forever). Every worker beats a heartbeat (a shared timestamp, from a
+thread of its own) and counts the steps it has finished (on GPU: once the device has run them);
+a watchdog thread on rank 0 fails the engine when a worker has exited, has not beaten for
+HEARTBEAT_TIMEOUT_S and is stopped (or for SILENT_TIMEOUT_S, frozen), or has left a step unfinished for
+`EngineConfig.tp_step_timeout` seconds (hung in a kernel or a collective). It then kills every
+worker, which ends rank 0's waiting collective on gloo, and calls `on_failure`: an engine
+process (`process.py`) that is still stuck after that (a GPU spinning in a collective) reports
+the cause and exits. `engine.failure` carries the cause: what `/health` answers 503 with.
 
 With tensor_parallel_size 1 none of this is used: the model holds no group and runs no collective.
 
@@ -17,6 +29,7 @@ What each rank holds: `inference/distributed/sharding.py`; the collectives: `inf
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pickle
@@ -32,6 +45,7 @@ import torch.distributed as dist
 
 from inference.config import EngineConfig, ModelConfig
 from inference.distributed.group import TensorParallelGroup, join_group
+from inference.distributed.peer_memory import disable_multicast_environment
 from inference.distributed.sharding import check_tensor_parallel_size
 from inference.model.gpt_oss import GptOssModel
 
@@ -40,6 +54,13 @@ log = logging.getLogger(__name__)
 RENDEZVOUS_HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 600.0  # a worker's import + CUDA init + process-group join
 LEAVE_TIMEOUT_S = 30.0  # shutdown: how long a rank may take to leave the group before it is killed
+HEARTBEAT_INTERVAL_S = 0.5
+# A worker silent this long, and stopped (SIGSTOP, a debugger), fails the engine; one silent for
+# SILENT_TIMEOUT_S fails it whatever its state (frozen). A running process can miss beats while a
+# long call holds its GIL (a Triton compile step), hence the longer wait without a clear sign.
+HEARTBEAT_TIMEOUT_S = 5.0
+SILENT_TIMEOUT_S = 20.0
+WATCH_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -71,6 +92,7 @@ class _WorkerSpec:
     load_options: dict
     store_port: int
     parent_pid: int
+    peer_bytes: int  # the peer-memory all-reduce buffer (`join_group`)
 
 
 def rank_devices(device, size: int) -> list[torch.device]:
@@ -106,20 +128,22 @@ def start_tensor_parallel(source: ModelSource, engine_config: EngineConfig, engi
     if size == 1:
         return engine_class(source.load(None, device=device, **load_options), engine_config, model_name=model_name)
     config = source.config()
-    check_tensor_parallel_size(config, size)
+    check_tensor_parallel_size(config, size, engine_config.moe_parallel)
     devices = rank_devices(device, size)
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group: "
                            "one tensor-parallel engine per process")
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # rank 0 is a NCCL peer too; workers inherit it
+    disable_multicast_environment()
     store = dist.TCPStore(RENDEZVOUS_HOST, 0, size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
-    spec = _WorkerSpec(source, engine_config, engine_class, tuple(str(d) for d in devices), load_options, store.port, os.getpid())
+    spec = _WorkerSpec(source, engine_config, engine_class, tuple(str(d) for d in devices), load_options, store.port,
+                       os.getpid(), peer_buffer_bytes(config, engine_config))
     workers = WorkerProcesses(spec, size)
     tp = None
     try:
         workers.expect("started")
-        tp = join_group(config, 0, size, devices[0], store)
+        tp = _join(spec, config, 0, devices[0], store)
         workers.group = tp
         model = source.load(tp, device=devices[0], **load_options)
         workers.bytes_read = [tp.bytes_read, *workers.expect("loaded")]
@@ -128,15 +152,37 @@ def start_tensor_parallel(source: ModelSource, engine_config: EngineConfig, engi
         workers.send("build")
         engine = engine_class(model, engine_config, model_name=model_name, workers=workers)
         workers.expect("ready")
+        workers.start_watchdog(engine_config.tp_step_timeout)
     except BaseException:
         workers.close()
         if tp is not None:
             tp.leave()
         raise
     gib = 1 << 30
-    log.info("tensor parallel: %d ranks on %s; checkpoint GiB read per rank: %s", size,
-             ", ".join(map(str, devices)), ", ".join(f"{b / gib:.2f}" for b in workers.bytes_read))
+    log.info("tensor parallel: %d ranks on %s (MoE split by %s, small all-reduces over %s); checkpoint GiB read "
+             "per rank: %s", size, ", ".join(map(str, devices)), engine_config.moe_parallel,
+             "peer memory" if tp.peer is not None else "NCCL", ", ".join(f"{b / gib:.2f}" for b in workers.bytes_read))
     return engine
+
+
+def peer_buffer_bytes(config: ModelConfig, engine_config: EngineConfig) -> int:
+    """The peer-memory all-reduce buffer: the partial sums (float32) of the largest step a decode
+    graph runs (`inference/runner/cuda_graphs.py`: the captured batch that covers max_num_seqs,
+    and with speculation up to 32 sequences of drafts + 1 tokens)."""
+    from inference.runner.cuda_graphs import DEFAULT_BATCH_SIZES
+
+    limit = engine_config.max_num_seqs
+    rows = min((b for b in DEFAULT_BATCH_SIZES if b >= limit), default=max(DEFAULT_BATCH_SIZES))
+    if engine_config.speculative is not None:
+        rows = max(rows, min(rows, 32) * (engine_config.num_draft_tokens + 1))
+    return rows * config.hidden_size * 4
+
+
+def _join(spec: _WorkerSpec, config: ModelConfig, rank: int, device: torch.device, store) -> TensorParallelGroup:
+    ec = spec.engine_config
+    return join_group(config, rank, len(spec.devices), device, store, moe_parallel=ec.moe_parallel,
+                      all_reduce=ec.tp_all_reduce, peer_bytes=spec.peer_bytes,
+                      devices=[torch.device(d) for d in spec.devices])
 
 
 class WorkerProcesses:
@@ -150,10 +196,20 @@ class WorkerProcesses:
         self.group: TensorParallelGroup | None = None  # rank 0's, left at close
         self.bytes_read: list[int] = []
         self.conns, self.procs = [], []
+        # Written by the workers: their last heartbeat (time.monotonic, the same clock in every
+        # process) and how many steps each has finished.
+        self.beats = ctx.RawArray("d", size - 1)
+        self.done = ctx.RawArray("q", size - 1)
+        self.sent = 0  # steps handed to the workers
+        self._sent_at: dict[int, float] = {}  # step number -> when, for steps some worker has not finished
+        self._lock = threading.Lock()
+        self._failure: str | None = None  # the watchdog's finding, once it has one
+        self._watching = threading.Event()  # set: the watchdog stops
+        self.on_failure = None  # called (from the watchdog's thread) with the cause, once the workers are killed
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, spec, theirs), name=f"oss-agent-tp{rank}",
-                               daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, spec, theirs, self.beats, self.done),
+                               name=f"oss-agent-tp{rank}", daemon=True)
             proc.start()
             theirs.close()
             self.conns.append(ours)
@@ -193,8 +249,11 @@ class WorkerProcesses:
 
     @property
     def failure(self) -> str | None:
-        """Why the group can no longer run steps (a worker exited), or None. Once closed: None."""
-        return self._dead_rank() if self._finalizer.alive else None
+        """Why the group can no longer run steps (a worker exited, stopped responding or hung:
+        see the module docstring), or None. Once closed: None."""
+        if not self._finalizer.alive:
+            return None
+        return self._failure or self._dead_rank()
 
     def _dead_rank(self) -> str | None:
         for rank, proc in enumerate(self.procs, start=1):
@@ -208,27 +267,89 @@ class WorkerProcesses:
 
     def send_step(self, plan) -> None:
         """Hand every worker the step rank 0 is about to run (they run it alongside)."""
-        dead = self._dead_rank()
-        if dead:
-            raise RuntimeError(dead)
+        failure = self.failure
+        if failure:
+            raise RuntimeError(failure)
         payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self.sent += 1
+            self._sent_at[self.sent] = time.monotonic()
         for conn in self.conns:
             conn.send_bytes(payload)
+
+    def call(self, method: str, kwargs: dict) -> None:
+        """Have every worker call `engine.<method>(**kwargs)` (between steps); `expect("called")`
+        then waits for them. For changes every rank must make together (`LLMEngine.configure_tensor_parallel`)."""
+        self.send(("call", method, kwargs))
+
+    # -- the watchdog ----------------------------------------------------------------------------
+
+    def start_watchdog(self, step_timeout: float) -> None:
+        threading.Thread(target=self._watch, args=(step_timeout,), name="tp-watchdog", daemon=True).start()
+
+    def _watch(self, step_timeout: float) -> None:
+        while not self._watching.wait(WATCH_INTERVAL_S):
+            cause = self.check(step_timeout)
+            if cause is not None:
+                self._fail(cause)
+                return
+
+    def check(self, step_timeout: float, now: float | None = None) -> str | None:
+        """What is wrong with the workers now, or None: one exited, stopped beating its
+        heartbeat, or has left a step unfinished for longer than step_timeout seconds."""
+        dead = self._dead_rank()
+        if dead:
+            return dead
+        now = time.monotonic() if now is None else now
+        for rank, (proc, beat) in enumerate(zip(self.procs, self.beats), start=1):
+            if now - beat > HEARTBEAT_TIMEOUT_S:
+                state = process_state(proc.pid)
+                if state == "stopped" or now - beat > SILENT_TIMEOUT_S:
+                    return (f"tensor-parallel rank {rank} stopped responding: no heartbeat for {now - beat:.0f} s "
+                            f"(process {proc.pid} {state})")
+        with self._lock:
+            finished = min(self.done)
+            for step in [s for s in self._sent_at if s <= finished]:
+                del self._sent_at[step]
+            late = [(step, now - at) for step, at in self._sent_at.items() if now - at > step_timeout]
+        if late:
+            step, waited = min(late)
+            ranks = ", ".join(str(r) for r, done in enumerate(self.done, start=1) if done < step)
+            return (f"tensor-parallel step {step} has not finished on rank {ranks} after {waited:.0f} s "
+                    f"(tp_step_timeout {step_timeout:g} s): a rank is hung")
+        return None
+
+    def _fail(self, cause: str) -> None:
+        """Fail the engine for good: record the cause, kill every worker (a collective rank 0
+        waits in on gloo then ends), tell `on_failure`."""
+        self._failure = cause
+        log.error("%s; the tensor-parallel engine stops", cause)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        callback = self.on_failure
+        if callback is not None:
+            callback(cause)
 
     def close(self, runner=None) -> None:
         """Stop the workers and leave the group, all ranks at once (destroying a NCCL group may
         wait for its peers); `runner`: rank 0's, whose CUDA graphs go first. Idempotent."""
         if not self._finalizer.alive:
             return
+        failed = self.failure is not None
+        self._watching.set()
         _send_stop(self.conns)
-        if runner is not None:
+        if failed:  # a peer is gone: a kernel waiting for it may never end, so do not wait for the device
+            self._finalizer()
+        elif runner is not None:
             release_cuda_graphs(runner)
         if self.group is not None:
+            timeout = 5.0 if failed else LEAVE_TIMEOUT_S
             leaving = threading.Thread(target=self.group.leave, name="tp-leave", daemon=True)
             leaving.start()
-            leaving.join(LEAVE_TIMEOUT_S)
+            leaving.join(timeout)
             if leaving.is_alive():
-                log.warning("leaving the tensor-parallel group did not finish in %.0f s; going on", LEAVE_TIMEOUT_S)
+                log.warning("leaving the tensor-parallel group did not finish in %.0f s; going on", timeout)
             self.group = None
         self._finalizer()  # waits for the workers to exit
 
@@ -269,6 +390,52 @@ def _stop_workers(conns, procs, timeout: float = LEAVE_TIMEOUT_S) -> None:
         conn.close()
 
 
+def process_state(pid: int) -> str:
+    """What /proc says of a process: "stopped" (SIGSTOP), "sleeping", ... ("gone" if it is)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped",
+            "Z": "a zombie"}.get(state, f"in state {state}")
+
+
+class _Progress:
+    """A worker's side of the watchdog: its heartbeat (the time, every HEARTBEAT_INTERVAL_S, from a
+    thread of its own: it goes on while the main thread waits in a collective, and stops with the
+    whole process) and its count of finished steps. On GPU a step is finished once the device has
+    run it: the main thread records an event after each step and goes on (it never waits for the
+    device), and the heartbeat's thread counts the events that have completed."""
+
+    def __init__(self, beats, done, index: int):
+        self.beats, self.done, self.index = beats, done, index
+        self.pending: collections.deque = collections.deque()  # events of steps still on the device
+        self.device: torch.device | None = None  # the worker's GPU, once it has run a step there
+        beats[index] = time.monotonic()
+        threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        on_device = False
+        while True:
+            self.beats[self.index] = time.monotonic()
+            if self.pending and not on_device:  # this thread's CUDA calls on the worker's GPU, not GPU 0
+                torch.cuda.set_device(self.device)
+                on_device = True
+            while self.pending and self.pending[0].query():
+                self.pending.popleft()
+                self.done[self.index] += 1
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    def step_launched(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            self.done[self.index] += 1  # CPU steps are finished when they return
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.device = device
+        self.pending.append(event)
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Exit when rank 0's process is gone (even killed outright), so no worker is orphaned."""
 
@@ -280,14 +447,16 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
+def _worker_main(rank: int, spec: _WorkerSpec, conn, beats, done) -> None:
     """A worker rank: join the group, load the shard, build the same engine, run steps until told to stop."""
     _watch_parent(spec.parent_pid)
+    progress = _Progress(beats, done, rank - 1)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s %(message)s")
     logging.getLogger("inference.engine.core").setLevel(logging.ERROR)  # rank 0 logs the same cache warnings
     tp = None
     try:
         os.environ["NCCL_NVLS_ENABLE"] = "0"
+        disable_multicast_environment()
         device = torch.device(spec.devices[rank])
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -296,7 +465,7 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
         conn.send(("started", None))
         store = dist.TCPStore(RENDEZVOUS_HOST, spec.store_port, len(spec.devices), is_master=False,
                               timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
-        tp = join_group(spec.source.config(), rank, len(spec.devices), device, store)
+        tp = _join(spec, spec.source.config(), rank, device, store)
         model = spec.source.load(tp, device=device, **spec.load_options)
         conn.send(("loaded", tp.bytes_read))
         if conn.recv() != "build":  # None: rank 0 gave up
@@ -319,10 +488,19 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
                 break
             if plan is None:
                 break
+            if isinstance(plan, tuple) and plan[0] == "call":  # `WorkerProcesses.call`
+                _, method, kwargs = plan
+                try:
+                    getattr(engine, method)(**kwargs)
+                    conn.send(("called", None))
+                except Exception:
+                    conn.send(("error", traceback.format_exc()))
+                continue
             try:
                 engine.runner.execute(plan)
             except Exception:  # rank 0 runs the same step, hits the same error and fails its requests
                 log.exception("tensor-parallel step failed")
+            progress.step_launched(device)
     finally:
         release_cuda_graphs(engine.runner)
         tp.leave()

@@ -15,7 +15,10 @@ its stream starts. Every loop pass sends one message: the pass's deltas, the eng
 cache usage, and how many commands it has applied, from which `wait_idle` knows that nothing sent
 is still pending. If the engine process dies, every open stream ends with an "error" delta and
 `generate` refuses new requests. If the server process dies, the engine process sees its command
-pipe close and exits.
+pipe close and exits. If a tensor-parallel worker dies or hangs (`executor.py`'s watchdog), the
+engine process stops with that cause, also when idle or when its own step can never finish (a
+GPU waiting in a collective for the lost rank: after STUCK_GRACE_S it reports the cause and
+exits), so the server's `/health` answers 503 with it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -38,6 +42,8 @@ from inference.scheduling.kv_cache import CacheUsage
 from inference.request import EngineStats, GenerationRequest, TokenDelta
 
 log = logging.getLogger(__name__)
+
+STUCK_GRACE_S = 3.0  # after a tensor-parallel failure, how long a step may still take to come back
 
 
 @dataclass(frozen=True)
@@ -295,6 +301,7 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
     logging.basicConfig(level=spec.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [engine process] %(message)s")
+    events = _Events(events)
     try:
         engine = spec.build()
     except BaseException:
@@ -307,9 +314,13 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
     applied = 0
     failure = None
     commands = _CommandReader(commands)
+    passes = _Passes()
+    workers = engine.runner.workers
+    if workers is not None:
+        workers.on_failure = lambda cause: _after_rank_failure(cause, commands, passes, events)
     try:
         while True:
-            applied, stop = _engine_pass(driver, commands, events, applied)
+            applied, stop = _engine_pass(driver, commands, events, applied, passes)
             if stop:
                 break
             failure = engine.failure
@@ -326,6 +337,53 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
         pass
 
 
+class _Events:
+    """The events pipe, one sender at a time (the loop, or the watchdog's last word)."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+    def try_send(self, message, timeout: float) -> None:
+        if self._lock.acquire(timeout=timeout):
+            try:
+                self._conn.send(message)
+            except OSError:
+                pass
+            finally:
+                self._lock.release()
+
+
+class _Passes:
+    """Where the loop is: inside a pass's step (`running`), and how many passes it has finished."""
+
+    def __init__(self):
+        self.running = False
+        self.count = 0
+
+
+def _after_rank_failure(cause: str, commands, passes: _Passes, events: _Events) -> None:
+    """A tensor-parallel worker failed (the watchdog has killed the workers): wake an idle loop,
+    which then sees `engine.failure` and stops; a loop still inside the same step STUCK_GRACE_S
+    later cannot come back (its GPU waits for the lost rank): report the cause and exit."""
+    commands.interrupt()
+    seen = passes.count
+
+    def stuck() -> None:
+        if passes.running and passes.count == seen:
+            log.error("%s; the engine's step cannot finish, so the engine process exits", cause)
+            events.try_send(("stopped", cause), timeout=1.0)
+            os._exit(1)
+
+    timer = threading.Timer(STUCK_GRACE_S, stuck)
+    timer.daemon = True
+    timer.start()
+
+
 class _CommandReader:
     """The command pipe, read by a thread of its own so that it never stays full. The engine
     process reads commands only between steps and may itself wait on the events pipe (its
@@ -334,6 +392,7 @@ class _CommandReader:
     forever. `recv` and `poll` as a `Connection`'s; EOFError once the pipe has closed."""
 
     _CLOSED = object()
+    _WAKE = object()
 
     def __init__(self, conn):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -356,22 +415,35 @@ class _CommandReader:
         return True
 
     def recv(self):
+        """The next command, or None where `interrupt` woke the reader."""
         item, self._next = (self._next if self._next is not None else self._queue.get()), None
         if item is self._CLOSED:
             self._next = item  # every later call says so too
             raise EOFError
-        return item
+        return None if item is self._WAKE else item
+
+    def interrupt(self) -> None:
+        """Wake a `recv` waiting for a command (it returns None)."""
+        self._queue.put(self._WAKE)
 
 
-def _engine_pass(driver: EngineDriver, commands, events, applied: int) -> tuple[int, bool]:
+def _engine_pass(driver: EngineDriver, commands, events, applied: int, passes: _Passes | None = None
+                 ) -> tuple[int, bool]:
     """One pass of the engine process's loop: take the commands (waiting for one when idle), run
     a step, send the pass's message. Returns (commands applied so far, whether it stopped)."""
     engine = driver.engine
+    passes = passes or _Passes()
     # Idle, the loop waits on the pipe itself: a request wakes it with no thread between.
     taken = [commands.recv()] if not engine.has_unfinished() else []
     while commands.poll():
         taken.append(commands.recv())
-    deltas, stop, stalled = driver.run_pass(taken)
+    taken = [command for command in taken if command is not None]  # (None: woken, see `interrupt`)
+    passes.running = True
+    try:
+        deltas, stop, stalled = driver.run_pass(taken)
+    finally:
+        passes.running = False
+        passes.count += 1
     applied += len(taken)
     if stalled:
         commands.poll(0.01)

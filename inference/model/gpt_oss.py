@@ -24,7 +24,7 @@ from inference.model.checkpoint import CheckpointReader, expected_tensors
 from inference.model.rope import cos_sin_table
 from inference.ops.attention.backend import select_attention_backend, triton_available
 from inference.ops.attention.reference import AttentionMetadata
-from inference.ops.linear.backend import use_decode_gemv
+from inference.ops.linear.backend import DecodeLinear, use_decode_gemv
 from inference.ops.moe.backend import model_output_dtype, select_moe_backend
 from inference.ops.moe.reference import ExpertWeights, MoEWeights
 from inference.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
@@ -78,8 +78,14 @@ class Attention(nn.Module):
         kind = self.cache_kind
         out = backend.rope_kv_attention(q, k, v, cos_sin, k_cache, v_cache, meta, meta.block_tables[kind],
                                         meta.slot_mapping[kind], self.sinks, self.sm_scale, self.window)
-        out = self.o_proj(out.reshape(t, q_dim))
-        return out if self.tp is None else self.tp.all_reduce(out)
+        out = out.reshape(t, q_dim)
+        if self.tp is None:
+            return self.o_proj(out)
+        # This rank's heads' share of o_proj, summed over the ranks (float32 at decode: see
+        # `inference/distributed/group.py`); the residual add takes the sum as it is.
+        dtype = self.tp.reduce_dtype(t, x.dtype)
+        partial = self.o_proj(out, out_dtype=dtype) if isinstance(self.o_proj, DecodeLinear) else self.o_proj(out)
+        return self.tp.all_reduce(partial.to(dtype))
 
 
 class MoE(nn.Module):
@@ -94,25 +100,48 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, backend, valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] normed hidden states -> [T, H]: float32 on one device where the backend
         computes in float32 (the residual add takes it as it is, see `inference.ops.moe.backend`),
-        otherwise x's dtype; under tensor parallelism always x's dtype (half the bytes to
-        all-reduce). valid_tokens: the real rows of a padded step (`GptOssModel.forward`)."""
-        if self.tp is not None:
-            return self.tp.all_reduce(backend.forward(x, self.prepared, self.top_k, self.limit,
-                                                      valid_tokens=valid_tokens))
-        return backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=model_output_dtype(backend),
-                               valid_tokens=valid_tokens)
+        otherwise x's dtype; under tensor parallelism the sum of the ranks' partial outputs, in
+        `reduce_dtype` (float32 at decode). valid_tokens: the real rows of a padded step
+        (`GptOssModel.forward`)."""
+        out = backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=self._out_dtype(x, backend),
+                              valid_tokens=valid_tokens)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def add_norm_forward(self, x, delta, norm_weight, eps, backend, add_rms_norm, valid_tokens=None):
         """(x + delta, forward(rmsnorm(x + delta) * norm_weight)): the residual add and norm in
-        the backend's own kernels where it has them (one launch fewer a layer at decode)."""
+        the backend's own kernels where it has them (one launch fewer a layer at decode; under
+        tensor parallelism delta is the all-reduced attention output, float32 at decode)."""
         fused = getattr(backend, "add_norm_forward", None)
-        if fused is not None and self.tp is None:
+        if fused is not None:
             result = fused(x, delta, norm_weight, eps, self.prepared, self.top_k, self.limit,
-                           out_dtype=model_output_dtype(backend), valid_tokens=valid_tokens)
+                           out_dtype=self._out_dtype(x, backend), valid_tokens=valid_tokens)
             if result is not None:
-                return result
+                x, out = result
+                return x, (out if self.tp is None else self.tp.all_reduce(out))
         x, h = add_rms_norm(x, delta, norm_weight, eps)
         return x, self.forward(h, backend, valid_tokens)
+
+    def _out_dtype(self, x: torch.Tensor, backend) -> torch.dtype | None:
+        if self.tp is None:
+            return model_output_dtype(backend)
+        return self.tp.reduce_dtype(x.shape[0], x.dtype)
+
+    def set_decisive_routing(self, on: bool, seed: int = 0) -> None:
+        """Give `top_k` experts of this layer's router a bias of 16 (on), or the checkpoint's
+        bias back (off): every token then takes the same experts, whatever rounding. For comparing
+        two implementations whose sums round differently (`random_tensor_source` explains why);
+        the experts come from `seed` alone, so every rank and every engine picks the same. The
+        bias is changed in place where the backend reads it, so captured graphs see it too."""
+        biases = {id(t): t for t in (self.weights.router_bias, getattr(self.prepared, "router_bias", None))
+                  if isinstance(t, torch.Tensor)}
+        if not hasattr(self, "_bias_backup"):
+            self._bias_backup = {key: t.clone() for key, t in biases.items()}
+        for key, t in biases.items():
+            t.copy_(self._bias_backup[key])
+            if on:
+                g = torch.Generator().manual_seed(seed)
+                chosen = torch.randperm(t.numel(), generator=g)[: self.top_k].to(t.device)
+                t[chosen] = 16.0
 
 
 class Block(nn.Module):
@@ -196,9 +225,23 @@ class GptOssModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [N, H] (already normed) -> logits [N, vocab] float32, written into `out` if given."""
-        logits = self.lm_head(hidden)
-        logits = logits if self.tp is None else self.tp.gather_vocab(logits)
+        return self.gather_logits(self.logits_shard(hidden), out)
+
+    def logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> this rank's logits [N, vocab_per_rank] in the model's dtype (all of
+        them on one device); padding columns past the vocabulary are zeros."""
+        return self.lm_head(hidden)
+
+    def gather_logits(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's `logits_shard` side by side (a collective under tensor parallelism):
+        [N, vocab] float32, written into `out` if given."""
+        logits = shard if self.tp is None else self.tp.gather_vocab(shard)
         return logits.float() if out is None else out.copy_(logits)
+
+    def set_decisive_routing(self, on: bool, seed: int = 0) -> None:
+        """`MoE.set_decisive_routing` in every layer (each its own experts)."""
+        for i, block in enumerate(self.layers):
+            block.mlp.set_decisive_routing(on, seed * 1000 + i)
 
     @property
     def device(self) -> torch.device:
@@ -374,6 +417,7 @@ def load_weights(model: GptOssModel, get_tensor, device, dtype, progress: bool =
             router_weight=raw(p + "mlp.router.weight").to(dtype),
             router_bias=raw(p + "mlp.router.bias").to(dtype),
             experts=experts,
+            expert_offset=model.tp.layout.experts[0] if model.tp is not None else 0,
         )
         block.mlp.prepared = model.moe_backend.prepare(block.mlp.weights)
         bar.update(1)

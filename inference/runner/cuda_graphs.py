@@ -31,6 +31,7 @@ import torch
 
 from inference.ops.attention.reference import AttentionMetadata
 from inference.runner.graph_inputs_triton import KINDS, GraphInputs, StepValues, fill_graph_inputs
+from inference.runner.vocab_parallel import vocab_parallel_argmax
 from inference.model.gpt_oss import GptOssModel
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,11 @@ class _Captured:
     cu_seqlens_q: torch.Tensor  # [B+1] int32, fixed: Q per sequence (the graph reads it: keep it alive)
     block_tables: dict[str, torch.Tensor]  # [B, P] int32 per cache kind
     graph: torch.cuda.CUDAGraph | None = None  # set by `record_graph`
-    logits: torch.Tensor | None = None  # [B*Q, V] (prefill: [R, V], see `row`) float32, written by the graph
+    # [B*Q, V] (prefill: [R, V], see `row`) float32, written by the graph; under tensor parallelism
+    # this rank's vocabulary shard [B*Q, V/N] in the model's dtype, and `greedy_ids` [B*Q] the
+    # greedy tokens (`inference/runner/vocab_parallel.py`)
+    logits: torch.Tensor | None = None
+    greedy_ids: torch.Tensor | None = None
     aux: torch.Tensor | None = None  # [B*Q, A] aux layer outputs, written by the graph
     row: torch.Tensor | None = None  # prefill: [R] int64, the rows whose logits the graph returns
     # [1] int32: the step's real tokens (the rest are padding, which the MoE routes nowhere)
@@ -142,7 +147,7 @@ class DecodeGraphRunner:
         )
         meta = self._metadata(buf, b, q)
         self._warm_up_fill(buf, b, q)
-        buf.graph, (buf.logits, buf.aux) = record_graph(lambda: self._step(buf, meta), self.pool)
+        buf.graph, (buf.logits, buf.aux, buf.greedy_ids) = record_graph(lambda: self._step(buf, meta), self.pool)
         self.pool = buf.graph.pool()
         return buf
 
@@ -180,13 +185,20 @@ class DecodeGraphRunner:
             context_lens_list=[self.max_context] * b,
         )
 
-    def _step(self, buf: _Captured, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, buf: _Captured, meta: AttentionMetadata):
+        """(logits, aux or None, greedy ids or None): see `_Captured`. Under tensor parallelism
+        the graph stops at this rank's logits shard and the greedy tokens; `execute` gathers the
+        whole logits only for steps that need them."""
+        aux = None
         if self.aux_layers:
             hidden, aux = self.model(buf.input_ids, meta, self.kv_caches, aux_layers=self.aux_layers,
                                      valid_tokens=buf.valid_tokens)
-            return self.model.compute_logits(hidden), aux
-        hidden = self.model(buf.input_ids, meta, self.kv_caches, valid_tokens=buf.valid_tokens)
-        return self.model.compute_logits(hidden), None
+        else:
+            hidden = self.model(buf.input_ids, meta, self.kv_caches, valid_tokens=buf.valid_tokens)
+        if self.model.tp is None:
+            return self.model.compute_logits(hidden), aux, None
+        shard = self.model.logits_shard(hidden)
+        return shard, aux, vocab_parallel_argmax(self.model.tp, shard)
 
     def can_run(self, batch: int, tokens_per_seq: int = 1) -> bool:
         sizes = self.sizes.get(tokens_per_seq)
@@ -197,8 +209,8 @@ class DecodeGraphRunner:
         """A step where each of B sequences runs `tokens_per_seq` new tokens (len(input_ids) = B * that).
         previous: if given, input_ids are rows of it (the previous step's sampled ids, on the device).
 
-        Returns (logits [B * tokens_per_seq, V], aux [B * tokens_per_seq, A] or None): the graph's
-        output buffers, so read them before the next `run`.
+        Returns (logits [B * tokens_per_seq, V], aux [B * tokens_per_seq, A] or None, greedy ids
+        or None): the graph's output buffers (see `_Captured`), so read them before the next `run`.
         """
         q = tokens_per_seq
         t = input_ids.shape[0]
@@ -211,7 +223,15 @@ class DecodeGraphRunner:
             q,
         )
         buf.graph.replay()
-        return buf.logits[:t], (buf.aux[:t] if buf.aux is not None else None)
+        return (buf.logits[:t], (buf.aux[:t] if buf.aux is not None else None),
+                (buf.greedy_ids[:t] if buf.greedy_ids is not None else None))
+
+    def release(self) -> None:
+        """Free the captured graphs (they hold the collectives they captured)."""
+        for captured in self.graphs.values():
+            captured.graph.reset()
+        self.graphs.clear()
+        self.pool = None
 
 
 # Tokens a step graph is captured for (a step's tokens are padded up to the next). 384 splits the

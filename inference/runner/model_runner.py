@@ -12,7 +12,9 @@ batch) replay the step graph of their token bucket; larger ones run eagerly.
 A step is first described in plain Python values (`StepPlan`), then run (`execute`): its integer
 inputs go to the device packed in one buffer with one copy (`inference/runner/step_inputs.py`). Under
 tensor parallelism rank 0 sends that plan to the other ranks (`workers`), which run the same
-`execute` on their shards; only rank 0 samples.
+`execute` on their shards; only rank 0 samples. A step whose every sampled row is plain greedy
+(`StepPlan.greedy`) takes its tokens from a vocabulary-parallel argmax, with no gather of the
+logits (`inference/runner/vocab_parallel.py`).
 
 `run` = `launch` (queue the model and the sampling on the device) then `collect` (read the
 tokens back). Between the two the engine may launch the next decode step, whose input tokens are
@@ -34,6 +36,7 @@ from inference.sample.rejection_sampler import RejectionSampler, VerifyOutput
 from inference.sample.sampler import SampledTokens
 from inference.scheduling.scheduler import ScheduledBatch, Sequence
 from inference.runner.step_inputs import StepInputPacker, StepInputs
+from inference.runner.vocab_parallel import vocab_parallel_argmax
 from inference.transfers import to_device
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,16 @@ class StepPlan:
     graph_tokens: int | None = None  # replay the captured graph of this many tokens per sequence; None: eager
     # input_ids are rows of the previous step's sampled ids (still on the device), not token ids
     inputs_from_previous: bool = False
+    # Tensor parallel: every sampled row is plain greedy (`plain_greedy`), so the ranks agree on
+    # the argmax and no rank gathers the logits.
+    greedy: bool = False
+
+
+def plain_greedy(params) -> bool:
+    """Whether a row's next token is the plain argmax of its logits: greedy, with no logprobs,
+    logit bias or penalty (which need the whole row of logits on rank 0)."""
+    return (params.greedy and params.logprobs is None and not params.logit_bias
+            and not params.frequency_penalty and not params.presence_penalty)
 
 
 @dataclass
@@ -156,6 +169,7 @@ class ModelRunner:
         self.workers = None  # tensor parallel, on rank 0: `inference.engine.executor.WorkerProcesses`, sent every step
         self.graphs = None
         self.prefill_graphs = None
+        self._graph_args = (max_model_len, max_num_seqs, num_draft_tokens)
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = self._capture_graphs(max_model_len, max_num_seqs, num_draft_tokens)
             if model.tp is None and not self.aux_layers:
@@ -177,6 +191,15 @@ class ModelRunner:
                 raise
             log.exception("CUDA graph capture failed; decode runs eagerly")
             return None
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again (after the model's collectives changed: every
+        tensor-parallel rank does it at once, as at start-up)."""
+        if self.graphs is None:
+            return
+        self.graphs.release()
+        torch.cuda.synchronize()
+        self.graphs = self._capture_graphs(*self._graph_args)
 
     def _capture_prefill_graphs(self, max_model_len: int):
         from inference.runner.cuda_graphs import PrefillGraphRunner
@@ -210,9 +233,11 @@ class ModelRunner:
         q_len = q_lens[0]
         uniform = all(n == q_len for n in q_lens) and (q_len == 1 or all(d == q_len - 1 for d in drafts))
         graph = self.graphs is not None and uniform and self.graphs.can_run(len(batch), q_len)
+        greedy = (self.model.tp is not None and bool(sample_index) and not any(drafts)
+                  and all(plain_greedy(seqs[b].sampling) for b in sample_index))
         plan = StepPlan(ids, [seq.pages.full for seq in seqs],
                         [seq.pages.sliding for seq in seqs] if self.has_sliding else None, starts, list(q_lens),
-                        sample_rows, q_len if graph else None)
+                        sample_rows, q_len if graph else None, greedy=greedy)
         return plan, sample_index, first_row
 
     def plan_after(self, batch: ScheduledBatch, after: LaunchedStep) -> tuple[StepPlan, list[int], list[int]]:
@@ -236,27 +261,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Run the model on this device (every tensor-parallel rank runs each plan).
         previous_tokens: the previous step's sampled ids [N] when plan.inputs_from_previous.
-        Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None).
-        After a graph step both may be views of the graph's output buffers: valid until the
-        next `execute`, so consume (or queue work on) them first."""
+        Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None,
+        greedy tokens [S] int64 or None): a tensor-parallel `plan.greedy` step returns the
+        tokens instead of the logits. After a graph step they may be views of the graph's
+        output buffers: valid until the next `execute`, so consume (or queue work on) them first."""
         inputs = self.prepare(plan)
         previous = previous_tokens if plan.inputs_from_previous else None
+        tp = self.model.tp
         if plan.graph_tokens is not None:  # the graph's input kernel gathers the previous ids itself
-            logits, aux = self.graphs.run(inputs.input_ids, inputs.meta, plan.graph_tokens, previous=previous)
-            if plan.sample_rows == list(range(len(plan.input_ids))):  # plain decode: every row, in order
-                return logits, aux
-            return logits[inputs.sample_rows], aux
+            logits, aux, ids = self.graphs.run(inputs.input_ids, inputs.meta, plan.graph_tokens, previous=previous)
+            if plan.sample_rows != list(range(len(plan.input_ids))):  # not plain decode (every row, in order)
+                logits = logits[inputs.sample_rows]
+                ids = ids[inputs.sample_rows] if ids is not None else None
+            if tp is None:
+                return logits, aux, None
+            if plan.greedy:
+                return None, aux, ids
+            return self.model.gather_logits(logits), aux, None  # (collective: every rank gathers)
         if self._step_graph_fits(plan):  # a prefill chunk, or requests joining a batch: one replay
             logits = self.prefill_graphs.run(inputs.input_ids, inputs.meta, inputs.sample_rows)
-            return (logits if plan.sample_rows else None), None
+            return (logits if plan.sample_rows else None), None, None
         input_ids = inputs.input_ids if previous is None else previous[inputs.input_ids]
         out = self.model(input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
         hidden, aux = out if self.aux_layers else (out, None)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows]) if plan.sample_rows else None
-        return logits, aux
+        if not plan.sample_rows:
+            return None, aux, None
+        hidden = hidden[inputs.sample_rows]
+        if tp is not None and plan.greedy:
+            return None, aux, vocab_parallel_argmax(tp, self.model.logits_shard(hidden))
+        return self.model.compute_logits(hidden), aux, None
 
     def _step_graph_fits(self, plan: StepPlan) -> bool:
         """A step no decode graph runs (prefill chunks, with or without decode rows beside them;
@@ -265,7 +301,7 @@ class ModelRunner:
                 and self.prefill_graphs.can_run(len(plan.input_ids), len(plan.q_lens), len(plan.sample_rows)))
 
     def forward_step(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """`execute` on every rank: hand the plan to the tensor-parallel workers first, if any."""
         if self.workers is not None:
             if plan.inputs_from_previous:  # the workers hold no sampled ids
@@ -283,14 +319,16 @@ class ModelRunner:
         for the device; verifying drafts does. `after`: a launched step whose sampled ids are this
         step's inputs (see `plan_after`)."""
         plan, sample_index, first_row = self.plan(batch) if after is None else self.plan_after(batch, after)
-        logits, aux = self.forward_step(plan, after.sampled.tokens if after is not None else None)
+        logits, aux, greedy_ids = self.forward_step(plan, after.sampled.tokens if after is not None else None)
         drafts = batch.num_draft or [0] * len(batch)
         rows, plain, verified = 0, [], []  # logits holds each sampling entry's 1 + drafts rows, in order
         for b in sample_index:
             (verified if drafts[b] else plain).append((b, rows))
             rows += drafts[b] + 1
         sampled = verify_out = None
-        if plain:
+        if plain and greedy_ids is not None:  # tensor-parallel greedy step: the ranks' argmax (no drafts)
+            sampled = SampledTokens(greedy_ids, [batch.seqs[b].sampling for b, _ in plain], None)
+        elif plain:
             seqs = [batch.seqs[b] for b, _ in plain]
             rows_logits = logits if not verified else logits[to_device([r for _, r in plain], torch.long, logits.device)]
             sampled = self.sampler.sample(rows_logits, [s.sampling for s in seqs], [self._history(s) for s in seqs],

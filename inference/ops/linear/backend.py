@@ -30,16 +30,18 @@ DECODE_GEMV_LAYERS = {"qkv": 1, "o_proj": GEMV_MAX_TOKENS}
 
 class DecodeLinear(nn.Linear):
     """An nn.Linear whose forward sends up to `max_tokens` rows of bf16 input through the Triton
-    kernel and everything else through `F.linear`. x: [T, in_features] -> [T, out_features]."""
+    kernel and everything else through `F.linear`. x: [T, in_features] -> [T, out_features] in
+    out_dtype (default x's; the kernel writes float32 sums unrounded, cuBLAS's are cast)."""
 
     max_tokens: int = GEMV_MAX_TOKENS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.max_tokens and x.dtype == torch.bfloat16 and x.stride(1) == 1:
             from inference.ops.linear.triton import linear_triton
 
-            return linear_triton(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return linear_triton(x, self.weight, self.bias, out_dtype=out_dtype)
+        y = F.linear(x, self.weight, self.bias)
+        return y if out_dtype is None else y.to(out_dtype)
 
     @classmethod
     def wrapping(cls, linear: nn.Linear, max_tokens: int = GEMV_MAX_TOKENS) -> "DecodeLinear":

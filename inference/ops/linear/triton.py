@@ -182,11 +182,13 @@ if triton is not None:
 
 
 def linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: LinearConfig | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: LinearConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Same contract as `linear_reference`: x [M, K] (rows with unit column stride), weight [N, K]
     (unit column stride, e.g. an nn.Linear weight or a tensor-parallel shard of one), bias [N]
-    (bf16 or float32) or None -> y [M, N] in x's dtype, float32 accumulation.
+    (bf16 or float32) or None -> y [M, N] in out_dtype (default x's), float32 accumulation (a
+    tensor-parallel shard asks for float32: its partial sum is reduced before any rounding).
 
     `config` overrides the `linear_config` heuristic (the benchmark's sweep)."""
     m, k = x.shape
@@ -197,7 +199,7 @@ def linear_triton(
         raise ValueError("linear_triton needs x and weight rows with unit column stride")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     cfg = config or linear_config(m, n, k, multiprocessors(x.device))

@@ -228,6 +228,9 @@ class FlashInferMoEBackend:
 
     def prepare(self, weights: MoEWeights):
         experts = weights.experts
+        if weights.expert_offset or experts.num_experts != weights.router_weight.shape[0]:
+            raise ValueError("the flashinfer MoE backend holds every expert: for expert parallelism "
+                             "(moe_parallel='expert') use the triton backend")
         if not experts.is_mxfp4:
             return weights
         prepared = prepare_flashinfer_weights(weights)

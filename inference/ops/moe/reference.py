@@ -50,9 +50,14 @@ class ExpertWeights:
 
 @dataclass
 class MoEWeights:
+    """One layer's MoE. Under expert parallelism `experts` holds experts [expert_offset,
+    expert_offset + its count) of the router's E: a token routed elsewhere gets nothing here
+    (another rank adds that expert's share)."""
+
     router_weight: torch.Tensor  # [E, H]
     router_bias: torch.Tensor  # [E]
     experts: ExpertWeights
+    expert_offset: int = 0
 
 
 def route(x: torch.Tensor, weights: MoEWeights, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,15 +82,19 @@ def moe_reference(
     x: torch.Tensor, weights: MoEWeights, top_k: int, swiglu_limit: float, alpha: float = 1.702,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The whole MoE block in float32 math. x: [T, H] -> [T, H] in out_dtype (default x's)."""
+    """The whole MoE block in float32 math. x: [T, H] -> [T, H] in out_dtype (default x's).
+    With a subset of the experts (`MoEWeights.expert_offset`), their share of it."""
     expert_ids, routing = route(x, weights, top_k)
     xf = x.float()
     out = torch.zeros_like(xf)
     ex = weights.experts
+    first, count = weights.expert_offset, ex.num_experts
     for e in torch.unique(expert_ids).tolist():
+        if not first <= e < first + count:
+            continue
         token_idx, slot = torch.where(expert_ids == e)
-        w1, w2 = ex.expert_matrices(e)
-        h = xf[token_idx] @ w1 + ex.gate_up_bias[e].float()
-        y = swiglu(h, swiglu_limit, alpha) @ w2 + ex.down_bias[e].float()
+        w1, w2 = ex.expert_matrices(e - first)
+        h = xf[token_idx] @ w1 + ex.gate_up_bias[e - first].float()
+        y = swiglu(h, swiglu_limit, alpha) @ w2 + ex.down_bias[e - first].float()
         out.index_add_(0, token_idx, y * routing[token_idx, slot, None])
     return out.to(out_dtype or x.dtype)

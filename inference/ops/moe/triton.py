@@ -80,6 +80,9 @@ class TritonMoEWeights:
     s2: torch.Tensor  # [E, H/8, P2, 8] int32
     b2: torch.Tensor  # [E, H] float32
     max_scale: int  # the largest scale byte; the decode GEMVs take up to GEMV_MAX_SCALE
+    # Expert parallelism: w1..b2 hold experts [expert_offset, expert_offset + num_experts) of the
+    # router's; pairs routed to the others are skipped (another rank adds them).
+    expert_offset: int = 0
 
     @property
     def large_scales(self) -> bool:
@@ -88,7 +91,12 @@ class TritonMoEWeights:
 
     @property
     def num_experts(self) -> int:
+        """The experts held here (all of the router's, except under expert parallelism)."""
         return self.w1.shape[0]
+
+    @property
+    def router_experts(self) -> int:
+        return self.router_weight.shape[0]
 
     @property
     def hidden_size(self) -> int:
@@ -147,8 +155,8 @@ def prepare_moe_weights(weights: MoEWeights) -> TritonMoEWeights:
     ex = weights.experts
     if not ex.is_mxfp4:
         raise ValueError("the Triton MoE kernels need MXFP4 experts")
-    e_count, hidden = weights.router_weight.shape
-    two_i = ex.gate_up_bias.shape[1]
+    hidden = weights.router_weight.shape[1]
+    e_count, two_i = ex.gate_up_bias.shape  # the experts held (expert parallelism: a share)
     inter = two_i // 2
     expect = {
         "gate_up_blocks": (ex.gate_up_blocks, (e_count, two_i, hidden // BLOCK_SIZE, 16)),
@@ -171,6 +179,7 @@ def prepare_moe_weights(weights: MoEWeights) -> TritonMoEWeights:
         s2=s2,
         b2=ex.down_bias.float().contiguous(),
         max_scale=int(torch.maximum(ex.gate_up_scales.max(), ex.down_scales.max())),
+        expert_offset=weights.expert_offset,
     )
 
 
@@ -687,7 +696,7 @@ def _gemv_loop(acc, w_rows, s_rows, x_row, num_tiles, CHUNK: tl.constexpr, BLOCK
 @triton.jit
 def _gemv_gate_up_kernel(
     xh_ptr, inv_scale_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr, valid_ptr,
-    I, E, num_tiles, num_pairs, k_pad, i_pad, limit, alpha, act_scale,
+    I, E, E0, E_LOCAL, num_tiles, num_pairs, k_pad, i_pad, limit, alpha, act_scale,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_U: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -696,7 +705,8 @@ def _gemv_gate_up_kernel(
     groups past I/8 write the zeros of i_pad's padding); BLOCK_U 64-value K tiles per step.
     w_ptr / s_ptr: the weights as int32 words, the scale words; xh_ptr: x as the router kernel
     scales it ([T, k_pad] fp16). valid_ptr: None, or the number of real tokens (int32 [1]); the
-    programs of the rest return right after the wait, leaving their act rows unwritten."""
+    programs of the rest return right after the wait, leaving their act rows unwritten. E0,
+    E_LOCAL: the experts held (of the router's E); a pair routed elsewhere returns too."""
     pair = tl.program_id(0)
     group = tl.program_id(1)
     if valid_ptr is not None:
@@ -712,6 +722,9 @@ def _gemv_gate_up_kernel(
         return
     token = pair // TOP_K
     e, _ = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
+    if (e < E0) | (e >= E0 + E_LOCAL):  # another rank's expert (expert parallelism)
+        return
+    e = e - E0
     chunk = (e.to(tl.int64) * (I // _GROUP) + group) * num_pairs  # this group's pair 0
     r = tl.arange(0, 2 * _GROUP)  # the group's 8 gate rows, then its 8 up rows: one chunk
     CHUNK: tl.constexpr = 2 * _GROUP * 16  # int32 words of a pair's gate and up rows
@@ -736,7 +749,7 @@ def _gemv_gate_up_kernel(
 @triton.jit
 def _gemv_down_kernel(
     act_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, out_ptr, valid_ptr,
-    H, E, num_tiles, num_pairs, i_pad, inv_act_scale,
+    H, E, E0, E_LOCAL, num_tiles, num_pairs, i_pad, inv_act_scale,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_U: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -745,7 +758,8 @@ def _gemv_down_kernel(
     output ([T*k, i_pad], scaled by 1 / inv_act_scale).
     PDL (`dependent_launch`): launched as the gate_up GEMV's dependent, the program picks its
     expert from the router's logits (complete before the gate_up GEMV started) before it waits
-    for act. valid_ptr: as in the gate_up GEMV; only the real tokens' rows are added to."""
+    for act. valid_ptr, E0, E_LOCAL: as in the gate_up GEMV; only the real tokens' rows get the
+    pairs of the experts held."""
     pair = tl.program_id(0)
     group = tl.program_id(1)
     if valid_ptr is not None:
@@ -754,6 +768,9 @@ def _gemv_down_kernel(
     n = group * _GROUP + tl.arange(0, _GROUP)
     token = pair // TOP_K
     e, gate = _top_k_slot(logits_ptr, token, E, pair % TOP_K, TOP_K, BLOCK_E)
+    if (e < E0) | (e >= E0 + E_LOCAL):
+        return
+    e = e - E0
     chunk = (e.to(tl.int64) * (H // _GROUP) + group) * num_pairs
     r = tl.arange(0, _GROUP)
     CHUNK: tl.constexpr = _GROUP * 16
@@ -814,7 +831,7 @@ def _align_kernel(
 @triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
-    H, I, num_tiles, num_pairs, stride_x, limit, alpha,
+    H, I, E0, E_LOCAL, num_tiles, num_pairs, stride_x, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -824,14 +841,15 @@ def _grouped_gate_up_kernel(
     the MMA's register operand and the gathered activations its shared-memory one. The bytes
     and scales are loaded in the operand's register layout and dequantised there (no shared-
     memory round trip); scales as 32-bit words (a tile pair's 4 bytes), which the pipeliner can
-    copy ahead like the weights.
+    copy ahead like the weights. E0, E_LOCAL: the experts held; blocks of the others (and past
+    the last, -1) return at once.
     """
     wait_for_previous(PDL)
     mb = tl.program_id(1)
     e = tl.load(block_expert_ptr + mb)
-    if e < 0:
+    if (e < E0) | (e >= E0 + E_LOCAL):
         return
-    e = e.to(tl.int64)
+    e = (e - E0).to(tl.int64)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
     valid = pair >= 0
@@ -878,19 +896,19 @@ def _grouped_gate_up_kernel(
 @triton.jit
 def _grouped_down_kernel(
     act_ptr, sorted_ptr, block_expert_ptr, gates_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    H, I, num_tiles, num_pairs,
+    H, I, E0, E_LOCAL, num_tiles, num_pairs,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[token, n] += gate * (act[row] W2[e]^T + b2[e]) for one block of one expert's rows
     (fp32 atomics: the k experts of a token meet in its output row, no extra pass). Loads and
-    dequantises like `_grouped_gate_up_kernel`."""
+    dequantises like `_grouped_gate_up_kernel` (E0, E_LOCAL too)."""
     wait_for_previous(PDL)
     mb = tl.program_id(1)
     e = tl.load(block_expert_ptr + mb)
-    if e < 0:
+    if (e < E0) | (e >= E0 + E_LOCAL):
         return
-    e = e.to(tl.int64)
+    e = (e - E0).to(tl.int64)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
     valid = pair >= 0
@@ -1069,7 +1087,9 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
     if valid_tokens is not None and (valid_tokens.dtype != torch.int32 or valid_tokens.numel() != 1):
         raise ValueError("valid_tokens must be an int32 tensor of one element")
     t_count, hidden = x.shape
-    num_experts, inter = w.num_experts, w.intermediate_size
+    # Routing is over the router's experts; the expert kernels skip those not held (E0, E_LOCAL).
+    num_experts, inter = w.router_experts, w.intermediate_size
+    e0, e_local = w.expert_offset, w.num_experts
     if hidden != w.hidden_size:
         raise ValueError(f"x has hidden size {hidden}, the weights {w.hidden_size}")
     out_dtype = out_dtype or x.dtype
@@ -1095,11 +1115,12 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
                     num_warps=cfg.gemv_warps)
         _gemv_gate_up_kernel[(pairs, i_pad // ROW_GROUP)](
             x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, valid_tokens, inter, num_experts,
-            2 * pairs1, pairs1, k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, **gemv,
+            e0, e_local, 2 * pairs1, pairs1, k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, **gemv,
             **pdl_options(dev, dependent=False),
         )
         _gemv_down_kernel[(pairs, hidden // ROW_GROUP)](
-            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, valid_tokens, hidden, num_experts, 2 * pairs2,
+            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, valid_tokens, hidden, num_experts, e0, e_local,
+            2 * pairs2,
             pairs2, i_pad, 1.0 / act_scale, **gemv, **pdl_options(dev, dependent=True),
         )
         return residual, out32.to(out_dtype)  # no copy when float32 was asked for
@@ -1151,11 +1172,11 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
     # Grids run the column blocks of one token block side by side (axis 0 is launched first):
     # they share its activation rows while those are in cache (4-5% faster at 2048 tokens, H200).
     _grouped_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
-        x, sorted_pairs, block_expert, w.w1, w.s1, w.b1, act, hidden, inter, tiles1, pairs1, x.stride(0),
+        x, sorted_pairs, block_expert, w.w1, w.s1, w.b1, act, hidden, inter, e0, e_local, tiles1, pairs1, x.stride(0),
         swiglu_limit, SWIGLU_ALPHA, BLOCK_N=cfg.block_n, num_warps=cfg.warps, **common,
     )
     _grouped_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), max_blocks)](
-        act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, tiles2, pairs2,
+        act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, e0, e_local, tiles2, pairs2,
         BLOCK_N=cfg.down_block_n, num_warps=cfg.down_warps or cfg.warps, **common,
     )
     return residual, out32.to(out_dtype)

@@ -1,10 +1,14 @@
-"""Tensor parallelism on CPU: two ranks (this process and one spawned worker) over gloo.
+"""Tensor parallelism on CPU: two ranks (this process and one spawned worker) over gloo, and four.
 
 The tiny model is reshaped so every split is exercised: 4 attention heads and 2 KV heads (2 and 1
 per rank), intermediate_size 96 = 3 MXFP4 blocks (rank 0 holds 2, rank 1 holds 1: an uneven
-split), vocab 1001 (rank 1's lm_head shard is padded with a zero row). The single-device engine
-on the same checkpoint is the oracle: logits must agree to float32 rounding (the split only
-reorders sums) and greedy generation token for token.
+split), vocab 1001 (rank 1's lm_head shard is padded with a zero row). A second checkpoint with 4
+KV heads and 4 blocks splits over 4 ranks (vocab 1001: 251 a rank, 3 padding rows on the last),
+by expert columns and by whole experts (expert parallelism). The single-device engine on the same
+checkpoint is the oracle: logits must agree to float32 rounding (the split only reorders sums)
+and greedy generation token for token, through the vocabulary-parallel argmax (greedy steps) and
+the gathered logits (steps with logprobs) alike. A worker that stops (SIGSTOP) fails the engine
+within seconds, naming the rank.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from inference.request import GenerationRequest, SamplingParams
 from inference.distributed.group import TensorParallelGroup
 from inference.distributed.sharding import TensorParallelError, check_tensor_parallel_size, shard_layout, valid_sizes
 from inference.model.tiny_checkpoint import hf_config_dict, write_tiny_checkpoint
+from inference.runner.vocab_parallel import vocab_parallel_argmax
 from tests.engine_runs import drain, tokens_of
 
 SHAPES = dict(intermediate_size=96, vocab_size=1001)
+SHAPES4 = dict(intermediate_size=128, vocab_size=1001, num_key_value_heads=4)  # splits over 4 ranks
 OPTIONS = dict(device="cpu", page_size=4, num_pages=96, max_num_batched_tokens=16, max_model_len=256)
 REPO = Path(__file__).resolve().parents[3]
 
@@ -44,6 +50,11 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tp"), seed=3, **SHAPES)
+
+
+@pytest.fixture(scope="module")
+def checkpoint4(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tp4"), seed=5, **SHAPES4)
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +187,103 @@ def test_random_weights_shard_like_the_whole_model(checkpoint):
     assert torch.equal(part.layers[1].mlp.weights.router_weight, full.layers[1].mlp.weights.router_weight)
 
 
+def test_expert_parallelism_splits_whole_experts():
+    real = ModelConfig()  # 120b-like: 32 experts here (the 20b's), 8 KV heads
+    assert valid_sizes(real, moe_parallel="expert") == [1, 2, 4, 8]
+    layouts = [shard_layout(real, r, 4, "expert") for r in range(4)]
+    assert [lay.experts for lay in layouts] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert all(lay.intermediate == (0, 2880) for lay in layouts)  # every column of its experts
+    assert shard_layout(real, 1, 4).experts == (0, 32)  # tensor parallelism: all experts, a slice each
+    six = ModelConfig.from_dict(hf_config_dict({"num_local_experts": 6, "num_attention_heads": 4,
+                                                "num_key_value_heads": 4}))
+    with pytest.raises(TensorParallelError, match=r"'num_local_experts' \(6\).*work for this model: 1, 2$"):
+        check_tensor_parallel_size(six, 4, "expert")
+    with pytest.raises(TensorParallelError, match="moe_parallel"):
+        check_tensor_parallel_size(six, 2, "pipeline")
+
+
+def test_an_expert_parallel_rank_holds_whole_experts(checkpoint):
+    config = ModelConfig.from_file(checkpoint)  # 4 experts: 2 a rank
+    full = GptOssModel.from_pretrained(checkpoint, device="cpu")
+    group = TensorParallelGroup(shard_layout(config, 1, 2, "expert"), "cpu")
+    part = GptOssModel.from_pretrained(checkpoint, device="cpu", tensor_parallel=group)
+    ex, ex1 = full.layers[0].mlp.weights.experts, part.layers[0].mlp.weights.experts
+    assert part.layers[0].mlp.weights.expert_offset == 2
+    for name in ("gate_up_blocks", "gate_up_scales", "gate_up_bias", "down_blocks", "down_scales", "down_bias"):
+        assert torch.equal(getattr(ex1, name), getattr(ex, name)[2:4]), name  # biases too: each expert's own
+    assert torch.equal(part.layers[0].mlp.weights.router_weight, full.layers[0].mlp.weights.router_weight)
+    assert part.layers[0].attn.num_heads == 2  # attention still split by heads
+
+
+def test_vocab_parallel_argmax_is_the_argmax_of_the_whole_row():
+    """Each rank's best of its vocabulary slice, combined: the first index of the row's maximum,
+    whatever slice it is in. Rows: random; every logit negative (the last rank's zero padding
+    columns must not win); a tie across ranks (the lower id wins); a tie inside one rank; NaN
+    (read as +inf, as the sampler's argmax does)."""
+    config = ModelConfig.from_dict(hf_config_dict(SHAPES4))
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 1001, generator=g)
+    rows[1] = -rows[1].abs() - 1
+    rows[2, 100] = rows[2, 700] = 50.0
+    rows[3, 260] = rows[3, 300] = 50.0
+    rows[4, 800] = float("nan")
+    want = [int(rows[i].nan_to_num(nan=float("inf")).argmax()) for i in range(6)]
+    want[2], want[3] = 100, 260
+    for size in (2, 4):
+        layouts = [shard_layout(config, r, size) for r in range(size)]
+        sent = []
+        groups = []
+        for lay in layouts:  # each rank's step up to its all-reduce
+            tp = TensorParallelGroup(lay, "cpu")
+            tp.all_reduce = lambda x, sent=sent: sent.append(x.clone()) or x
+            shard = torch.zeros(6, lay.vocab_per_rank)  # padding columns: zero logits, as the lm_head gives
+            shard[:, : lay.vocab[1] - lay.vocab[0]] = rows[:, lay.vocab[0]:lay.vocab[1]]
+            vocab_parallel_argmax(tp, shard)
+            groups.append((tp, shard))
+        total = sum(sent)
+        for tp, shard in groups:  # ... and after it, with every rank's candidates summed
+            tp.all_reduce = lambda x, total=total: total.clone()
+            assert vocab_parallel_argmax(tp, shard).tolist() == want, size
+    assert layouts[-1].vocab_per_rank * 4 - 1001 == 3  # the last rank had padding columns
+
+
+class _Proc:
+    def __init__(self, alive=True, pid=12345):
+        self.pid, self.exitcode, self._alive = pid, None if alive else -9, alive
+
+    def is_alive(self):
+        return self._alive
+
+
+def test_watchdog_names_the_rank_that_is_dead_silent_or_late(monkeypatch):
+    import threading
+
+    from inference.engine import executor
+    from inference.engine.executor import HEARTBEAT_TIMEOUT_S, SILENT_TIMEOUT_S, WorkerProcesses
+
+    states = {}
+    monkeypatch.setattr(executor, "process_state", lambda pid: states.get(pid, "sleeping"))
+    w = WorkerProcesses.__new__(WorkerProcesses)
+    w.procs, w.beats, w.done = [_Proc(pid=11), _Proc(pid=12)], [100.0, 100.0], [7, 7]
+    w.sent, w._sent_at, w._lock = 7, {6: 90.0, 7: 99.0}, threading.Lock()
+    assert w.check(step_timeout=30, now=101.0) is None and w._sent_at == {}  # finished steps are forgotten
+    # Silent a little while, still running (a long call holding its GIL): not yet.
+    w.beats[1] = 100.0 - HEARTBEAT_TIMEOUT_S - 1
+    assert w.check(30, now=100.0) is None
+    states[12] = "stopped"  # SIGSTOP: at once
+    assert w.check(30, now=100.0) == "tensor-parallel rank 2 stopped responding: no heartbeat for 6 s (process 12 stopped)"
+    states[12] = "sleeping"
+    w.beats[1] = 100.0 - SILENT_TIMEOUT_S - 1  # silent for long, whatever its state
+    assert "rank 2 stopped responding: no heartbeat for 21 s (process 12 sleeping)" == w.check(30, now=100.0)[16:]
+    w.beats[1] = 100.0
+    w.sent, w._sent_at, w.done = 8, {8: 60.0}, [8, 7]
+    assert w.check(30, now=85.0) is None  # 25 s: still within the step timeout
+    cause = w.check(30, now=95.0)
+    assert "step 8 has not finished on rank 2 after 35 s" in cause and "hung" in cause
+    w.procs[0] = _Proc(alive=False)
+    assert w.check(30, now=95.0) == "tensor-parallel rank 1 has exited (code -9)"
+
+
 # ----------------------------------------------------------------------------- running split
 
 
@@ -278,6 +386,17 @@ def test_workers_exit_when_rank_0_is_killed(checkpoint, tmp_path):
         proc.wait()
 
 
+def test_tensor_parallel_options_are_checked():
+    from inference.config import EngineConfig
+
+    EngineConfig(tensor_parallel_size=2, tp_all_reduce="nccl", moe_parallel="expert", tp_step_timeout=5).validate()
+    for bad, match in [(dict(tp_all_reduce="multimem"), "tp_all_reduce must be one of auto, symm_mem, nccl, none"),
+                       (dict(moe_parallel="data"), "moe_parallel must be one of tensor, expert"),
+                       (dict(tp_step_timeout=0), "tp_step_timeout"), (dict(tp_step_timeout=True), "tp_step_timeout")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad).validate()
+
+
 def test_serve_flag_reaches_the_engine_config():
     import argparse
 
@@ -328,4 +447,136 @@ async def test_a_dead_worker_fails_the_engine_where_the_server_sees_it(checkpoin
             await asyncio.sleep(0.05)
         assert "rank 1" in (process.failure or "")
     finally:
+        await process.shutdown()
+
+
+def test_switching_collectives_and_routing_on_every_rank(engines):
+    """`configure_tensor_parallel` reaches every rank: with no all-reduce ("none") each rank keeps
+    its partial sums and the logits are wrong; back on ("auto"), right again. Decisive routing
+    (the same experts for every token, on every rank) changes the model the same way on one
+    device and on two."""
+    single, split = engines
+    tokens = prompt(3, 9)
+
+    def logits(engine):
+        table = PageTable()
+        engine.cache.reserve(table, 0, len(tokens))
+        try:
+            plan = StepPlan(tokens, [table.full], [table.sliding], [0], [len(tokens)], list(range(len(tokens))))
+            return engine.runner.forward_step(plan)[0]
+        finally:
+            engine.cache.release(table)
+
+    want = logits(single)
+    try:
+        split.configure_tensor_parallel(all_reduce="none")
+        assert (logits(split) - want).abs().max() > 0.1
+        split.configure_tensor_parallel(all_reduce="auto")
+        torch.testing.assert_close(logits(split), want, rtol=1e-4, atol=1e-4)
+        for engine in (single, split):
+            engine.configure_tensor_parallel(decisive_routing=True)
+        decisive = logits(single)
+        assert (decisive - want).abs().max() > 0.1
+        torch.testing.assert_close(logits(split), decisive, rtol=1e-4, atol=1e-4)
+    finally:
+        for engine in (single, split):
+            engine.configure_tensor_parallel(decisive_routing=False)
+    torch.testing.assert_close(logits(split), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="symm_mem.*unavailable"):  # peer memory needs CUDA
+        split.configure_tensor_parallel(all_reduce="symm_mem")
+
+
+def greedy_runs(engine, prompts: list[list[int]], logprobs: int | None) -> dict[str, tuple[list[int], list]]:
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=0, max_tokens=10,
+                                                                         logprobs=logprobs)))
+    return tokens_and_logprobs(engine)
+
+
+@pytest.mark.parametrize("size,moe_parallel", [(4, "tensor"), (4, "expert"), (2, "expert")])
+def test_greedy_generation_over_more_ranks_and_experts_equals_single_device(checkpoint, checkpoint4, shared_engines,
+                                                                          size, moe_parallel):
+    """TP 4 (heads, expert columns and vocabulary split four ways), EP 4 (one whole expert a rank)
+    and EP 2: greedy tokens equal one device's. Greedy steps without logprobs never gather the
+    logits (each rank's argmax, combined); steps with logprobs gather them, and match too."""
+    if "split" in shared_engines:  # one tensor-parallel group per process
+        shared_engines.pop("split").close()
+    path = checkpoint4 if size == 4 else checkpoint
+    lengths = [3, 9, 14, 21, 30]  # 21 and 30 prefill in chunks beside decodes
+    prompts = [prompt(40 + i, n) for i, n in enumerate(lengths)]
+    single = LLMEngine.from_pretrained(path, **OPTIONS)
+    split = LLMEngine.from_pretrained(path, tensor_parallel_size=size, moe_parallel=moe_parallel, **OPTIONS)
+    try:
+        assert split.model.tp.layout.moe_parallel == moe_parallel and split.model.tp.size == size
+        gathers = []
+        gather = split.model.tp.gather_vocab
+        split.model.tp.gather_vocab = lambda logits: gathers.append(logits.shape) or gather(logits)
+        want, got = greedy_runs(single, prompts, None), greedy_runs(split, prompts, None)
+        assert {rid: t for rid, (t, _) in got.items()} == {rid: t for rid, (t, _) in want.items()}
+        assert gathers == []  # every step took the vocabulary-parallel argmax
+        want, got = greedy_runs(single, prompts, 2), greedy_runs(split, prompts, 2)
+        assert gathers  # logprobs need the whole row: gathered
+        for rid in want:
+            assert got[rid][0] == want[rid][0], f"request {rid}"
+            for w, g in zip(want[rid][1], got[rid][1]):
+                assert abs(w.logprob - g.logprob) < 1e-4 and [t for t, _ in w.top] == [t for t, _ in g.top]
+    finally:
+        split.close()
+
+
+async def test_a_stopped_worker_fails_the_engine_within_seconds(checkpoint, shared_engines):
+    """kill -STOP on a worker mid-generation: rank 0 waits in a collective that never ends; its
+    watchdog sees the worker's heartbeat stop, kills the workers (the collective then fails)
+    and fails the engine: the stream ends with an error naming the rank and what is wrong, within
+    seconds, and `failure` (what /health reports) says the same."""
+    from inference.engine.executor import HEARTBEAT_TIMEOUT_S
+
+    if "split" in shared_engines:
+        shared_engines.pop("split").close()
+    engine = AsyncEngine(LLMEngine.from_pretrained(checkpoint, tensor_parallel_size=2, **OPTIONS))
+    worker = engine.engine.runner.workers.pids[0]
+    try:
+        stream = engine.generate(GenerationRequest("long", prompt(8, 6), SamplingParams(temperature=0,
+                                                                                         max_tokens=200)))
+        first = await anext(stream)
+        assert first.finish_reason is None
+        os.kill(worker, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        deltas = [d async for d in stream]
+        took = time.monotonic() - stopped_at
+        last = deltas[-1]
+        assert last.finish_reason == "error"
+        assert "rank 1 stopped responding" in last.error and "stopped)" in last.error, last.error
+        assert took < HEARTBEAT_TIMEOUT_S + 10, took
+        assert "rank 1 stopped responding" in (engine.failure or "")
+        assert not alive(worker)  # killed, not left stopped
+        with pytest.raises(RuntimeError, match="rank 1"):
+            engine.generate(GenerationRequest("next", prompt(9, 6), SamplingParams(temperature=0, max_tokens=4)))
+    finally:
+        if alive(worker):
+            os.kill(worker, signal.SIGKILL)
+        await engine.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
+async def test_an_idle_engine_process_stops_when_a_worker_stops(checkpoint, shared_engines):
+    """In an engine process the watchdog wakes the idle loop, which stops and tells the server
+    why: the server's `failure` (its /health) names the rank without any request to notice it."""
+    from inference.engine.process import EngineProcess, EngineSpec
+
+    if "split" in shared_engines:
+        shared_engines.pop("split").close()
+    process = EngineProcess(EngineSpec(model_dir=str(checkpoint), options={**OPTIONS, "tensor_parallel_size": 2}))
+    worker = None
+    try:
+        await process.wait_idle()
+        worker = int(Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()[0])
+        os.kill(worker, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while process.failure is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert "rank 1 stopped responding" in (process.failure or ""), process.failure
+    finally:
+        if worker is not None and alive(worker):
+            os.kill(worker, signal.SIGKILL)
         await process.shutdown()

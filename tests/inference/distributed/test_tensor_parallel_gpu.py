@@ -1,8 +1,11 @@
-"""Tensor parallelism on 2 GPUs over NCCL (Triton kernels, CUDA-graph decode), against 1 GPU.
-Skips with fewer than 2 GPUs; the CPU tests (`test_tensor_parallel.py`, gloo) cover the logic.
+"""Tensor parallelism on 2 and 4 GPUs (Triton kernels, CUDA-graph decode, small all-reduces over
+peer memory, NCCL for the rest), against 1 GPU. Skips without the GPUs; the CPU tests
+(`test_tensor_parallel.py`, gloo) cover the logic.
 
-* float32, tiny model: greedy tokens of the 2-GPU engine must equal the 1-GPU engine's, token for
-  token, up to a sequence's first step whose 1-GPU top-2 margin is a near tie (below 0.01 logits).
+* float32, tiny model: greedy tokens of the 2- and 4-GPU engines (the MoE split by expert
+  columns, and on 4 by whole experts) must equal the 1-GPU engine's, token for token, up to a
+  sequence's first step whose 1-GPU top-2 margin is a near tie (below 0.01 logits); the greedy
+  steps without logprobs (vocabulary-parallel argmax) the same as far as both run.
 * bfloat16, gpt-oss-20b shapes, random weights (the same seed: the same model, with decisive
   routers, see `inference.model.gpt_oss.random_tensor_source`): the whole prefill logits agree (relative
   L2 error), greedy tokens agree up to near ties, and every 2-GPU choice is within a stated
@@ -21,7 +24,6 @@ import torch
 
 from tests.gpu_comparison import choice_gaps, compare_greedy, greedy, prompts
 
-pytestmark = pytest.mark.gpu(count=2)
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
@@ -40,27 +42,45 @@ def all_logits(engine, tokens: list[int]) -> torch.Tensor:
         engine.cache.release(table)
 
 
-def test_tiny_model_float32_two_gpus_equal_one(tmp_path):
+@pytest.mark.parametrize("size,moe_parallel", [
+    pytest.param(2, "tensor", marks=pytest.mark.gpu(count=2)),
+    pytest.param(4, "tensor", marks=pytest.mark.gpu(count=4)),
+    pytest.param(4, "expert", marks=pytest.mark.gpu(count=4)),
+])
+def test_tiny_model_float32_n_gpus_equal_one(tmp_path, size, moe_parallel):
     from inference.engine.core import LLMEngine
     from inference.model.tiny_checkpoint import write_tiny_checkpoint
+    from tests.engine_runs import drain, tokens_of
+    from inference.request import GenerationRequest, SamplingParams
 
-    path = write_tiny_checkpoint(tmp_path / "tiny", seed=0, intermediate_size=96)  # uneven expert split
+    shapes = dict(intermediate_size=96) if size == 2 else dict(intermediate_size=160, num_key_value_heads=4)
+    path = write_tiny_checkpoint(tmp_path / "tiny", seed=0, **shapes)  # uneven expert-column splits
     batch = prompts(6, 150)
     options = dict(device="cuda", dtype=torch.float32, num_pages=512, page_size=16, max_num_batched_tokens=8)
     one = LLMEngine.from_pretrained(path, **options)
-    two = LLMEngine.from_pretrained(path, tensor_parallel_size=2, **options)
+    many = LLMEngine.from_pretrained(path, tensor_parallel_size=size, moe_parallel=moe_parallel, **options)
     try:
-        assert two.runner.graphs is not None and two.model.attention_backend.name in ("triton", "flashinfer")
-        assert two.kv_caches[0][0].shape[2] == 1 and one.kv_caches[0][0].shape[2] == 2  # KV heads per rank
-        compared, total = compare_greedy(greedy(one, batch, 40), greedy(two, batch, 40), near_tie=0.01)
-        print(f"float32 tiny, 2 GPUs: {compared} of {total} greedy tokens compared, all equal")
+        assert many.runner.graphs is not None and many.model.attention_backend.name in ("triton", "flashinfer")
+        assert many.model.tp.mode == "peer", many.model.tp.peer_unavailable  # small all-reduces over peer memory
+        assert many.kv_caches[0][0].shape[2] == 1  # one KV head a rank
+        reference = greedy(one, batch, 40)
+        compared, total = compare_greedy(reference, greedy(many, batch, 40), near_tie=0.01)
+        print(f"float32 tiny, {size} GPUs ({moe_parallel}): {compared} of {total} greedy tokens compared, all equal")
         # Not a vacuous comparison: a third of the tokens before any near tie. 2 GPUs against 1
         # compared 115 of 240 on 2 H200s (2026-11-24); the 1-GPU engine against the CPU, 161.
         assert compared >= total // 3
+        # Greedy without logprobs: the vocabulary-parallel argmax, no gathered logits.
+        for i, p in enumerate(batch):
+            many.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=40)))
+        plain = [tokens_of(ds) for _, ds in sorted(drain(many).items(), key=lambda kv: int(kv[0]))]
+        for i, ((ref_tokens, _, margins), tokens) in enumerate(zip(reference, plain)):
+            upto = next((k for k, m in enumerate(margins) if m < 0.01), len(margins))
+            assert tokens[:upto] == ref_tokens[:upto], f"sequence {i}"
     finally:
-        two.close()
+        many.close()
 
 
+@pytest.mark.gpu(count=2)
 def test_full_size_random_20b_two_gpus_match_one():
     from inference.config import GPT_OSS_SHAPES, ModelConfig
     from inference.config import EngineConfig

@@ -136,6 +136,24 @@ def test_triton_kernel_matches_reference(kernels, m, n, k, config):
 
 
 @needs_triton
+@pytest.mark.parametrize("m,split_k", [(1, 1), (1, 4), (5, 1)])
+def test_triton_kernel_writes_the_dtype_asked_for(kernels, m, split_k):
+    """out_dtype float32 (a tensor-parallel partial sum): the float32 accumulation written as it is,
+    through the split-K reduction too; on a GPU from bf16 inputs, closer to the float32 reference
+    than the bf16 output."""
+    g = torch.Generator().manual_seed(7)
+    x, w = poisoned(m, 256, g), poisoned(48, 256, g, scale=256**-0.5)
+    bias = (torch.randn(48, generator=g) * 0.5).to(DTYPE).to(DEVICE)
+    cfg = LinearConfig(block_n=16, block_k=64, split_k=split_k, num_warps=4, num_stages=1, dot=m > 1)
+    y = kernels.linear_triton(x, w, bias, cfg, out_dtype=torch.float32)
+    ref = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    assert y.dtype == torch.float32 and y.shape == (m, 48)
+    assert rel_err(y, ref) < (1e-5 if not CUDA else 1e-3)
+    if CUDA:
+        assert rel_err(y, ref) < rel_err(kernels.linear_triton(x, w, bias, cfg), ref)
+
+
+@needs_triton
 def test_triton_kernel_nan_input_reaches_only_its_row(kernels):
     """A NaN in one token's input poisons that token's outputs and no other row's."""
     g = torch.Generator().manual_seed(5)
@@ -209,9 +227,10 @@ def test_decode_linear_routes_only_few_bf16_rows_to_the_kernel(monkeypatch):
     kernels = importlib.import_module("inference.ops.linear.triton")
     calls = []
 
-    def recording(x, weight, bias=None, config=None):
+    def recording(x, weight, bias=None, config=None, out_dtype=None):
         calls.append(x.shape[0])
-        return torch.nn.functional.linear(x, weight, bias)
+        y = torch.nn.functional.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
 
     monkeypatch.setattr(kernels, "linear_triton", recording)
     layer = _dense()
@@ -227,10 +246,14 @@ def test_decode_linear_routes_only_few_bf16_rows_to_the_kernel(monkeypatch):
     one_row(torch.randn(2, 16, dtype=torch.bfloat16))
     one_row(torch.randn(1, 16, dtype=torch.bfloat16))
     assert calls == [1, limit, 1]
+    # A tensor-parallel shard's partial sum in float32, from either path.
+    assert layer(torch.randn(1, 16, dtype=torch.bfloat16), out_dtype=torch.float32).dtype == torch.float32
+    assert layer(torch.randn(limit + 1, 16, dtype=torch.bfloat16), out_dtype=torch.float32).dtype == torch.float32
+    assert calls == [1, limit, 1, 1]
     layer.max_tokens = 0  # switched off: nn.Linear's own result
     x = torch.randn(1, 16, dtype=torch.bfloat16)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert calls == [1, limit, 1]
+    assert calls == [1, limit, 1, 1]
 
 
 def test_decode_linear_shares_the_wrapped_parameters():

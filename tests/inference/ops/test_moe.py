@@ -147,6 +147,33 @@ def test_reference_backend_packed_equals_dense():
     torch.testing.assert_close(packed_out[0], y, rtol=1e-5, atol=1e-5)
 
 
+def expert_share(w: MoEWeights, first: int, count: int) -> MoEWeights:
+    """Experts [first, first + count) of w, as an expert-parallel rank holds them (the router whole)."""
+    ex = w.experts
+    part = ExpertWeights(**{f.name: t[first:first + count] for f in dataclasses.fields(ex)
+                            if (t := getattr(ex, f.name)) is not None})
+    return dataclasses.replace(w, experts=part, expert_offset=first)
+
+
+def test_reference_expert_shares_sum_to_the_block():
+    """Expert parallelism on the reference path: each rank's share (its experts' contributions to
+    the tokens routed to them, nothing for the others) sums over the ranks to the whole block."""
+    w = float_copy(make_weights(8, 64, 32, seed=2, device="cpu"))
+    x = torch.randn(11, 64)
+    backend = ReferenceMoEBackend()
+    whole = backend.forward(x, backend.prepare(w), 3, LIMIT)
+    for ranks in (2, 4):
+        shares = [backend.forward(x, backend.prepare(expert_share(w, r * 8 // ranks, 8 // ranks)), 3, LIMIT)
+                  for r in range(ranks)]
+        assert all(share.abs().sum() > 0 for share in shares)
+        torch.testing.assert_close(sum(shares), whole, rtol=1e-5, atol=1e-5)
+    # A token whose experts are all elsewhere gets exactly nothing from this rank.
+    ids, _ = route(x, w, 3)
+    share0 = backend.forward(x, backend.prepare(expert_share(w, 0, 2)), 3, LIMIT)
+    none_here = ~((ids == 0) | (ids == 1)).any(dim=1)
+    assert none_here.any() and not share0[none_here].any()
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_row_group_layout_round_trip():
     """The kernels' layout holds exactly the checkpoint's values (decoded here in torch): each
@@ -624,6 +651,45 @@ def test_triton_valid_tokens_route_padding_nowhere(path):
         assert torch.count_nonzero(fused[n:]) == 0
     with pytest.raises(ValueError, match="valid_tokens"):
         backend.forward(x, prepared, 2, LIMIT, valid_tokens=torch.tensor([3], device=DEVICE))
+
+
+@needs_triton
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+def test_triton_expert_shares_sum_to_the_block(path):
+    """Expert parallelism in the kernels: a rank holding experts [first, first + count) of the
+    router's routes every token over all of them and adds only its own experts' pairs; the
+    ranks' shares sum to the whole block, with the fused add + norm too, and padding rows
+    (valid_tokens) stay zero. (The decode GEMVs are slow under the interpreter: 2 tokens, 2 ranks.)"""
+    mt = _kernels()
+    w = make_weights(8, 64, 64, seed=21)
+    tokens, rank_counts = (2, (2,)) if path == "decode" else (6, (2, 4))
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(tokens, 64, generator=g).to(DEVICE, DTYPE)
+    backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=tokens if path == "decode" else 0,
+                                                decode_max_pairs_per_expert=None))
+    whole = backend.forward(x, prepared_copy(backend, w), 2, LIMIT, out_dtype=torch.float32)
+    assert_close(whole, reference(x, w, 2), max(TOL, DECODE_TOL) if path == "decode" else TOL)
+    rel = 1e-2 if CUDA else 1e-5
+    for ranks in rank_counts:
+        per = 8 // ranks
+        prepared = [prepared_copy(backend, expert_share(w, r * per, per)) for r in range(ranks)]
+        assert prepared[1].num_experts == per and prepared[1].router_experts == 8 and prepared[1].expert_offset == per
+        shares = [backend.forward(x, p, 2, LIMIT, out_dtype=torch.float32) for p in prepared]
+        assert all(share.abs().sum() > 0 for share in shares)
+        assert_close(sum(shares), whole, rel)
+    delta = torch.randn(tokens, 64, generator=g).to(DEVICE, DTYPE)
+    norm = torch.ones(64, device=DEVICE, dtype=DTYPE)
+    _, fused_whole = backend.add_norm_forward(x, delta, norm, 1e-5, prepared_copy(backend, w), 2, LIMIT,
+                                              out_dtype=torch.float32)
+    fused = [backend.add_norm_forward(x, delta, norm, 1e-5, prepared_copy(backend, expert_share(w, r * 4, 4)), 2,
+                                      LIMIT, out_dtype=torch.float32)[1] for r in range(2)]
+    assert_close(sum(fused), fused_whole, rel)
+    if path == "grouped":
+        valid = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+        padded = [backend.forward(x, prepared_copy(backend, expert_share(w, r * 4, 4)), 2, LIMIT,
+                                  out_dtype=torch.float32, valid_tokens=valid) for r in range(2)]
+        assert_close(sum(padded)[:4], whole[:4], rel)
+        assert all(torch.count_nonzero(share[4:]) == 0 for share in padded)
 
 
 @needs_triton

@@ -1,0 +1,115 @@
+"""`oss-agent serve --tensor-parallel-size 4` on 4 GPUs: the Responses API answers, and a rank
+that stops mid-stream ends the stream and turns /health 503 within seconds, naming the rank.
+
+The server runs as the command (a process of its own, its engine in a process of its own on
+CUDA, that one's 3 workers beside it), on a tiny random checkpoint shaped to split 4 ways (4 KV
+heads, 4 MXFP4 blocks of expert columns). Skips without 4 GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.gpu(count=4)
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started with multiprocessing's spawn (not its resource tracker)."""
+    try:
+        pids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+    return [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def _wait(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"{what} not within {timeout:.0f} s")
+
+
+def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
+    from openai import OpenAI
+
+    from inference.model.tiny_checkpoint import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "tiny-tp4", seed=0, num_key_value_heads=4, intermediate_size=128)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "agent_server.cli", "serve", "--model", str(model), "--served-model-name", "tiny-tp4",
+         "--tensor-parallel-size", "4", "--port", str(port), "--store", str(tmp_path / "r.db"),
+         "--num-pages", "512", "--max-model-len", "2048", "--max-num-seqs", "16"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def ready():
+            if server.poll() is not None:
+                raise AssertionError(f"the server exited ({server.returncode}):\n{(tmp_path / 'serve.log').read_text()}")
+            try:
+                return httpx.get(f"{base}/ready", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait(ready, 900, "the server ready", poll=1.0)
+        engine = next(pid for pid in _children(server.pid) if len(_children(pid)) == 3)
+        workers = _children(engine)
+
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        reply = client.responses.create(model="tiny-tp4", input="Say hi.", max_output_tokens=24)
+        assert reply.status in ("completed", "incomplete") and reply.usage.output_tokens > 0
+        assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+
+        ended = {}
+
+        def stream():  # a long generation, its stream read to the end (or to its error)
+            try:
+                with client.responses.stream(model="tiny-tp4", input="Count.", max_output_tokens=4000) as events:
+                    for event in events:
+                        ended.setdefault("first", time.monotonic())
+            except Exception as e:
+                ended["error"] = repr(e)
+            ended["at"] = time.monotonic()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        _wait(lambda: "first" in ended, 120, "the stream's first event")
+        os.kill(workers[1], signal.SIGSTOP)  # a rank, mid-generation: rank 0 waits in a collective
+        stopped = time.monotonic()
+        health = _wait(lambda: (r := httpx.get(f"{base}/health", timeout=5)).status_code == 503 and r, 30,
+                       "/health 503")
+        took = time.monotonic() - stopped
+        assert re.search(r"rank [123] stopped responding", health.json()["error"]), health.json()
+        assert took < 20, took
+        reader.join(30)
+        assert "at" in ended, "the stream did not end"
+    finally:
+        for pid in [p for e in _children(server.pid) for p in _children(e)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
