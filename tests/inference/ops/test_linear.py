@@ -296,9 +296,9 @@ def test_gpu_model_logits_with_kernel_match_nn_linear(tiny_checkpoint, monkeypat
     kernels = _kernels()
     real, calls = kernels.linear_triton, []
 
-    def counting(x, weight, bias=None, config=None):
+    def counting(x, weight, bias=None, config=None, **options):
         calls.append(x.shape[0])
-        return real(x, weight, bias, config)
+        return real(x, weight, bias, config, **options)
 
     monkeypatch.setattr(kernels, "linear_triton", counting)
     from inference.runner.single_sequence import SingleSequenceCache
