@@ -13,7 +13,8 @@ import pytest
 from openai.types.chat.completion_create_params import CompletionCreateParamsNonStreaming
 from openai.types.responses.response_create_params import ResponseCreateParamsNonStreaming
 
-from agent_server import chat_api, responses_api
+from agent_server.chat import routes as chat_api
+from agent_server.responses import routes as responses_api
 from agent_server.errors import APIError
 from agent_server.request_parsing import validate_body
 from schemas.chat import ChatCompletionRequest
