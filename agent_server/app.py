@@ -27,6 +27,7 @@ from tools.servers import ToolServerError
 
 from agent_server import playground
 from agent_server.chat import routes as chat_routes
+from agent_server.conversations import routes as conversations_routes
 from agent_server.responses import routes as responses_routes
 from agent_server.auth import ApiKeyMiddleware
 from agent_server.errors import APIError, UnexpectedErrorMiddleware, internal_error, not_found
@@ -247,6 +248,7 @@ def create_app(
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         *responses_routes.routes,
+        *conversations_routes.routes,
         *chat_routes.routes,
         *playground.routes,
     ]
