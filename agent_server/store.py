@@ -252,7 +252,8 @@ class SQLiteResponseStore:
 
     def _create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
         with self._lock, self._db:
-            self._db.execute("INSERT INTO conversations (id, created_at, metadata, version, state) VALUES (?, ?, ?, ?, ?)",
+            self._db.execute("INSERT INTO conversations (id, created_at, metadata, version, state) "
+                             "VALUES (?, ?, ?, ?, ?)",
                              (conversation.id, conversation.created_at, json.dumps(conversation.metadata),
                               conversation.version, json.dumps(conversation.state) if conversation.state else None))
             self._append_items(conversation.id, items)
@@ -263,7 +264,8 @@ class SQLiteResponseStore:
 
     def _update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None:
         with self._lock, self._db:
-            self._db.execute("UPDATE conversations SET metadata = ? WHERE id = ?", (json.dumps(metadata), conversation_id))
+            self._db.execute("UPDATE conversations SET metadata = ? WHERE id = ?",
+                             (json.dumps(metadata), conversation_id))
             return self._conversation_row(conversation_id)
 
     def _delete_conversation(self, conversation_id: str) -> bool:

@@ -24,13 +24,12 @@ from typing import Any, Callable
 from openai.types.responses import ResponseCompactionCompactingEvent, ResponseCompactionItem
 from openai_harmony import Message, Role
 
-from inference.request import EngineClient, GenerationRequest, SamplingParams
-from inference.tokenizer import CALL, RETURN
-
 from agent_server.errors import APIError
 from agent_server.harmony import HarmonyStream, MessageEnd, PromptConfig, message_text, preamble, render_prompt
 from agent_server.metrics import Metrics
 from agent_server.responses.events import ResponseEvents, new_id
+from inference.request import EngineClient, GenerationRequest, SamplingParams
+from inference.tokenizer import CALL, RETURN
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ def test_a_compaction_is_carried_into_a_later_turn(fake_server):
     summarising = prompt_text(engine.calls[-1])
     assert COMPACTION_REQUEST in summarising and "Understood: Tuesday" in summarising
     kept, item = compacted["output"][:-1], compacted["output"][-1]
-    assert [(m["type"], m["role"], m["content"][0]["text"]) for m in kept] == [("message", "user", HISTORY[0]["content"])]
+    assert [(m["type"], m["role"], m["content"][0]["text"]) for m in kept] == [
+        ("message", "user", HISTORY[0]["content"])]
     assert item["type"] == "compaction" and item["id"].startswith("cmp_")
     assert SUMMARY not in item["encrypted_content"] and seal.open_summary(item["encrypted_content"]) == SUMMARY
     usage = compacted["usage"]
