@@ -34,11 +34,14 @@ log = logging.getLogger(__name__)
 
 
 def start_run(state: ServerState, prepared: PreparedResponse,
-              keep: Callable[[StoredResponse], None] | None = None) -> ResponseRun:
-    """`keep`: takes the record of a store=false response that can be continued."""
+              keep: Callable[[StoredResponse], None] | None = None, generate: bool = True) -> ResponseRun:
+    """`keep`: takes the record of a store=false response that can be continued. `generate`
+    False: the response ends at once with no output, a conversation to continue (a client's
+    prewarm, over a WebSocket)."""
     req = prepared.request
     run = ResponseRun(prepared.response.id, background=req.background)
     run.keep = keep
+    run.generate = generate
     run.store = req.store
     run.snapshot = prepared.response
     run.input_items = prepared.input_items
@@ -61,6 +64,9 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
         events.lifecycle("response.in_progress")
         if run.cancel_requested:  # cancelled before it started: the engine never sees it
             outcome = AgentOutcome(status="cancelled")
+        elif not run.generate:
+            outcome = AgentOutcome(status="completed")
+            run.engine_started.set()
         else:
             run.work = asyncio.create_task(_work(state, run, prepared, events, sessions))
             await asyncio.wait({run.work})

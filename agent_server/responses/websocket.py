@@ -6,6 +6,8 @@ The client sends JSON messages, one per WebSocket message:
   `background`, which is not taken here), with an optional `stream_id`. The response's events
   come back one message each, the same objects as the SSE stream's `data`, carrying the
   `stream_id` when the request gave one. Several responses may run at once on a connection.
+  With `generate: false` (Codex's prewarm) the response completes at once with no output: a
+  conversation that `previous_response_id` continues.
 - `response.cancel`, as in OpenAI's Realtime API: stops the response `response_id`, or every
   response running on the connection when it names none. Its events end as a cancelled
   response's do over HTTP.
@@ -115,10 +117,10 @@ class ResponsesSocket:
         if body.get("background") is True:
             raise APIError("Background responses are not supported over a WebSocket; create them with POST "
                            "/v1/responses.", param="background", code="unsupported_parameter")
-        if body.get("generate") is False:
-            raise APIError("'generate': false is not supported by this server.", param="generate",
-                           code="unsupported_parameter")
-        for implied in ("stream", "background", "generate"):  # (over a WebSocket, the stream is the point)
+        generate = body.pop("generate", True)
+        if not isinstance(generate, bool):
+            raise APIError("Invalid type for 'generate': expected a boolean.", param="generate", code="invalid_type")
+        for implied in ("stream", "background"):  # (over a WebSocket, the stream is the point)
             body.pop(implied, None)
         config = self.state.config
         req = validate_body(body, ResponseCreateRequest, unsupported=UNSUPPORTED,
@@ -129,7 +131,7 @@ class ResponsesSocket:
             if req.previous_response_id:  # a failed continuation: the connection forgets what it named
                 self.kept.pop(req.previous_response_id, None)
             raise
-        run = start_run(self.state, prepared, keep=self.keep)
+        run = start_run(self.state, prepared, keep=self.keep, generate=generate)
         self.runs[run.response_id] = run
         task = asyncio.create_task(self.forward(run, stream_id))
         self.forwarding.add(task)

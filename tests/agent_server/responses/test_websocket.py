@@ -64,6 +64,22 @@ def test_two_responses_and_a_cancel_over_one_connection(fake_server):
         assert client.responses.retrieve(created.response.id).status == "cancelled"  # (store=true: kept)
 
 
+def test_a_prewarm_is_continued(fake_server):
+    """`generate: false`, as Codex sends first: no output, nothing generated, and the next turn
+    continues it with only its new input."""
+    engine, client = fake_server.engine, fake_server.client()
+    with client.responses.connect() as connection:
+        connection.response.create(model=MODEL, input="You are terse.", instructions="Be brief.", store=False,
+                                   generate=False)
+        warm = until_done(connection)
+        assert [e.type for e in warm] == ["response.created", "response.in_progress", "response.completed"]
+        assert warm[-1].response.output == [] and not engine.calls
+        connection.response.create(model=MODEL, input="Hi", store=False, previous_response_id=warm[-1].response.id)
+        assert until_done(connection)[-1].response.output_text == "OK."
+        text = prompt_text(engine.calls[-1])
+        assert text.index("You are terse.") < text.index("Hi") and len(engine.calls) == 1
+
+
 def test_lanes_errors_and_forgetting(fake_server):
     engine, client = fake_server.engine, fake_server.client()
     with client.responses.connect() as connection:
