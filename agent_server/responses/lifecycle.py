@@ -136,7 +136,7 @@ async def _compact_first(state: ServerState, prepared: PreparedResponse, events:
     older, rest = prepared.compaction
     writer = CompactionWriter(events)
     summary = await summarise(state.engine, older, prepared.instructions, f"{prepared.response.id}/compaction",
-                              metrics=state.metrics)
+                              max_tokens=state.config.default_max_output_tokens, metrics=state.metrics)
     writer.done(state.seal.seal_summary(summary.text))
     prepared.history, prepared.new_messages = compacted(older, summary.text), rest
     prepared.task.prompt = render_prompt(prepared.head + prepared.history + rest, keep_analysis=prepared.keep_analysis)
