@@ -27,7 +27,9 @@ from tools.servers import ToolServerError
 
 from agent_server import playground
 from agent_server.chat import routes as chat_routes
+from agent_server.conversations import routes as conversations_routes
 from agent_server.responses import routes as responses_routes
+from agent_server.responses import websocket as responses_websocket
 from agent_server.auth import ApiKeyMiddleware
 from agent_server.errors import APIError, UnexpectedErrorMiddleware, internal_error, not_found
 from agent_server.metrics import Metrics, MetricsMiddleware
@@ -160,13 +162,15 @@ class ReadinessGate:
         self.state = state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self.state.ready \
+        if scope["type"] in ("http", "websocket") and scope["path"].startswith("/v1/") and not self.state.ready \
                 and not scope["path"].startswith("/v1/models"):
             error = self.state.extra.get("load_error")
             message = (f"The model failed to load: {error}" if error else
                        "The model is still loading; retry shortly (GET /ready answers 200 once it is loaded).")
-            return await APIError(message, status=503, code="model_not_ready", type="server_error").response()(
-                scope, receive, send)
+            refusal = APIError(message, status=503, code="model_not_ready", type="server_error")
+            if scope["type"] == "websocket":
+                return await refusal.refuse_websocket(scope, receive, send)
+            return await refusal.response()(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -247,6 +251,8 @@ def create_app(
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         *responses_routes.routes,
+        *responses_websocket.routes,
+        *conversations_routes.routes,
         *chat_routes.routes,
         *playground.routes,
     ]

@@ -1,4 +1,5 @@
-"""`--api-key`: every endpoint but /health wants `Authorization: Bearer <key>`.
+"""`--api-key`: every endpoint but /health wants `Authorization: Bearer <key>`; so does the
+WebSocket handshake of `/v1/responses` (a refused one gets the 401 as its HTTP response).
 
 A pure ASGI middleware (it must not buffer streams). Keys are compared with
 `hmac.compare_digest` on their SHA-256 digests, so the time taken says nothing about the key,
@@ -30,7 +31,7 @@ class ApiKeyMiddleware:
         return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.expected is None or scope["type"] != "http" or self.is_public(scope["path"]):
+        if self.expected is None or scope["type"] not in ("http", "websocket") or self.is_public(scope["path"]):
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), b"")
         scheme, _, token = header.strip().partition(b" ")
@@ -42,6 +43,8 @@ class ApiKeyMiddleware:
                              status=401, code="invalid_api_key")
         else:
             return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await error.refuse_websocket(scope, receive, send, {"www-authenticate": "Bearer"})
         response = error.response()
         response.headers["www-authenticate"] = "Bearer"
         return await response(scope, receive, send)

@@ -41,6 +41,17 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
 
+    async def refuse_websocket(self, scope, receive, send, headers: dict[str, str] | None = None) -> None:
+        """Refuse a WebSocket handshake with this error as an HTTP response (uvicorn sends it
+        through the ASGI WebSocket denial response extension; without it, the close is bare)."""
+        await receive()  # websocket.connect
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        response = self.response()
+        response.headers.update(headers or {})
+        await response(scope, receive, send)
+
 
 def not_found(kind: str, ident: str, param: str | None = None) -> APIError:
     return APIError(f"{kind} with id '{ident}' not found.", status=404, param=param, code="not_found")

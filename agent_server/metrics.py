@@ -19,7 +19,7 @@ from inference.request import TokenDelta
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.5, 1, 2.5)
-ID_SEGMENT = re.compile(r"/(resp|msg|rs|fc|ws|ci|mcp|chatcmpl)_[A-Za-z0-9]+")
+ID_SEGMENT = re.compile(r"/(resp|msg|rs|fc|ws|ci|mcp|chatcmpl|conv|item|fco|cmp|ctc|lsh|mcpl)_[A-Za-z0-9]+")
 
 
 class EngineCollector:
@@ -112,6 +112,8 @@ class Metrics:
 
 KNOWN_ENDPOINTS = {
     "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/cancel", "/v1/responses/{id}/input_items",
+    "/v1/responses/compact", "/v1/responses/input_tokens", "/v1/conversations", "/v1/conversations/{id}",
+    "/v1/conversations/{id}/items", "/v1/conversations/{id}/items/{id}",
     "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics",
 }
 

@@ -186,3 +186,18 @@ def validate_body(body: dict[str, Any], schema: type[Model], *, max_items: Mappi
         return schema.model_validate(body, strict=True, context={SCHEMA_BUDGET: MAX_REQUEST_SCHEMA_BYTES})
     except ValidationError as e:
         raise from_validation_error(e, body) from None
+
+
+def int_query(request: Request, name: str, default: int, low: int, high: int) -> int:
+    """A query parameter that is an integer in [low, high], or `default` when not given."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise APIError(f"Invalid value for '{name}': expected an integer.", param=name, code="invalid_type") from None
+    if not low <= value <= high:
+        raise APIError(f"Invalid value for '{name}': must be between {low} and {high}.", param=name,
+                       code="invalid_value")
+    return value

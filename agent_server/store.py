@@ -4,6 +4,9 @@
 survives restarts). A record holds the public `Response`, the request's input items, the
 Harmony messages of the conversation so far (what `previous_response_id` continues from) and,
 for background responses, the event stream so `?stream=true&starting_after=N` can replay it.
+
+Conversations (`/v1/conversations`) live beside responses, in tables of their own: a
+conversation's items in order, and the Harmony state its last response left (`ConversationStore`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,51 @@ class ResponseStore(Protocol):
     async def close(self) -> None: ...
 
 
+@dataclass
+class StoredConversation:
+    id: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    version: int = 0  # counts the changes to its items
+    # What the model saw when the last response in it ended, as a StoredResponse's fields
+    # (`conversation`, `function_calls`, `input_instructions`, `mcp_listed`) with the `version`
+    # of the items it matches. Once items were added or deleted otherwise, it no longer
+    # matches, and the items themselves are what a response continues from.
+    state: dict[str, Any] | None = None
+
+    @property
+    def current_state(self) -> dict[str, Any] | None:
+        return self.state if self.state is not None and self.state.get("version") == self.version else None
+
+
+class ConversationStore(Protocol):
+    async def create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None: ...
+
+    async def get_conversation(self, conversation_id: str) -> StoredConversation | None: ...
+
+    async def update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None:
+        ...
+
+    async def delete_conversation(self, conversation_id: str) -> bool: ...
+
+    async def conversation_items(self, conversation_id: str, *, after: str | None = None, limit: int | None = None,
+                                 descending: bool = False) -> list[dict[str, Any]] | None:
+        """Its items in order (newest first when `descending`), those after `after` in that order,
+        at most `limit`; None when it does not exist, KeyError when `after` is not one of them."""
+
+    async def conversation_item(self, conversation_id: str, item_id: str) -> dict[str, Any] | None: ...
+
+    async def add_conversation_items(self, conversation_id: str, items: list[dict[str, Any]],
+                                     state: dict[str, Any] | None = None,
+                                     from_version: int | None = None) -> StoredConversation | None:
+        """Append items (each with an id none of its items has: ValueError otherwise). `state`
+        becomes its state if it was still at `from_version` (nothing else changed it since the
+        response that brings the items began). None when it does not exist."""
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None:
+        """None when the conversation or the item does not exist."""
+
+
 class SQLiteResponseStore:
     """Records as JSON in one SQLite table. Calls run in a worker thread, one at a time."""
 
@@ -77,6 +125,7 @@ class SQLiteResponseStore:
             if "status" not in [row[1] for row in self._db.execute("PRAGMA table_info(responses)")]:
                 self._db.execute("ALTER TABLE responses ADD COLUMN status TEXT")
             self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_status ON responses (status)")
+        self._create_conversation_tables()
         self._fill_in_statuses()
         self._open_existing()
 
@@ -163,6 +212,143 @@ class SQLiteResponseStore:
     async def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+    # -- conversations ------------------------------------------------------------------------
+
+    def _create_conversation_tables(self) -> None:
+        with self._lock, self._db:
+            self._db.execute("CREATE TABLE IF NOT EXISTS conversations (id TEXT PRIMARY KEY, created_at REAL, "
+                             "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT)")
+            # An item's place in its conversation: `position` orders them (gaps where items were deleted).
+            self._db.execute("CREATE TABLE IF NOT EXISTS conversation_items (conversation_id TEXT NOT NULL, "
+                             "position INTEGER NOT NULL, id TEXT NOT NULL, item TEXT NOT NULL, "
+                             "PRIMARY KEY (conversation_id, position))")
+            self._db.execute("CREATE UNIQUE INDEX IF NOT EXISTS conversation_items_by_id "
+                             "ON conversation_items (conversation_id, id)")
+
+    def _conversation_row(self, conversation_id: str) -> StoredConversation | None:
+        row = self._db.execute("SELECT created_at, metadata, version, state FROM conversations WHERE id = ?",
+                               (conversation_id,)).fetchone()
+        if row is None:
+            return None
+        return StoredConversation(id=conversation_id, created_at=row[0], metadata=json.loads(row[1]), version=row[2],
+                                  state=json.loads(row[3]) if row[3] else None)
+
+    def _append_items(self, conversation_id: str, items: list[dict[str, Any]]) -> None:
+        ids = [item["id"] for item in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("the items' ids are not unique")
+        taken = self._db.execute(f"SELECT id FROM conversation_items WHERE conversation_id = ? AND id IN "
+                                 f"({','.join('?' * len(ids))})", (conversation_id, *ids)).fetchall() if ids else []
+        if taken:
+            raise ValueError(f"the conversation already holds an item with id '{taken[0][0]}'")
+        last = self._db.execute("SELECT MAX(position) FROM conversation_items WHERE conversation_id = ?",
+                                (conversation_id,)).fetchone()[0]
+        start = 0 if last is None else last + 1
+        self._db.executemany("INSERT INTO conversation_items (conversation_id, position, id, item) VALUES (?, ?, ?, ?)",
+                             [(conversation_id, start + n, item["id"], json.dumps(item, separators=(",", ":")))
+                              for n, item in enumerate(items)])
+
+    def _create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
+        with self._lock, self._db:
+            self._db.execute("INSERT INTO conversations (id, created_at, metadata, version, state) "
+                             "VALUES (?, ?, ?, ?, ?)",
+                             (conversation.id, conversation.created_at, json.dumps(conversation.metadata),
+                              conversation.version, json.dumps(conversation.state) if conversation.state else None))
+            self._append_items(conversation.id, items)
+
+    def _get_conversation(self, conversation_id: str) -> StoredConversation | None:
+        with self._lock:
+            return self._conversation_row(conversation_id)
+
+    def _update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None:
+        with self._lock, self._db:
+            self._db.execute("UPDATE conversations SET metadata = ? WHERE id = ?",
+                             (json.dumps(metadata), conversation_id))
+            return self._conversation_row(conversation_id)
+
+    def _delete_conversation(self, conversation_id: str) -> bool:
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (conversation_id,))
+            return self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,)).rowcount > 0
+
+    def _conversation_items(self, conversation_id: str, after: str | None, limit: int | None,
+                            descending: bool) -> list[dict[str, Any]] | None:
+        order, beyond = ("DESC", "<") if descending else ("ASC", ">")
+        with self._lock:
+            if self._conversation_row(conversation_id) is None:
+                return None
+            query, args = "SELECT item FROM conversation_items WHERE conversation_id = ?", [conversation_id]
+            if after is not None:
+                row = self._db.execute("SELECT position FROM conversation_items WHERE conversation_id = ? AND id = ?",
+                                       (conversation_id, after)).fetchone()
+                if row is None:
+                    raise KeyError(after)
+                query += f" AND position {beyond} ?"
+                args.append(row[0])
+            query += f" ORDER BY position {order}"
+            if limit is not None:
+                query += " LIMIT ?"
+                args.append(limit)
+            return [json.loads(raw) for (raw,) in self._db.execute(query, args).fetchall()]
+
+    def _conversation_item(self, conversation_id: str, item_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT item FROM conversation_items WHERE conversation_id = ? AND id = ?",
+                                   (conversation_id, item_id)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def _add_conversation_items(self, conversation_id: str, items: list[dict[str, Any]], state: dict[str, Any] | None,
+                                from_version: int | None) -> StoredConversation | None:
+        with self._lock, self._db:
+            conversation = self._conversation_row(conversation_id)
+            if conversation is None:
+                return None
+            self._append_items(conversation_id, items)
+            conversation.version += 1
+            if state is not None and from_version == conversation.version - 1:
+                conversation.state = {**state, "version": conversation.version}
+            self._db.execute("UPDATE conversations SET version = ?, state = ? WHERE id = ?",
+                             (conversation.version, json.dumps(conversation.state) if conversation.state else None,
+                              conversation_id))
+            return conversation
+
+    def _delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None:
+        with self._lock, self._db:
+            deleted = self._db.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND id = ?",
+                                       (conversation_id, item_id)).rowcount
+            if not deleted:
+                return None
+            self._db.execute("UPDATE conversations SET version = version + 1 WHERE id = ?", (conversation_id,))
+            return self._conversation_row(conversation_id)
+
+    async def create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
+        await asyncio.to_thread(self._create_conversation, conversation, items)
+
+    async def get_conversation(self, conversation_id: str) -> StoredConversation | None:
+        return await asyncio.to_thread(self._get_conversation, conversation_id)
+
+    async def update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None:
+        return await asyncio.to_thread(self._update_conversation, conversation_id, metadata)
+
+    async def delete_conversation(self, conversation_id: str) -> bool:
+        return await asyncio.to_thread(self._delete_conversation, conversation_id)
+
+    async def conversation_items(self, conversation_id: str, *, after: str | None = None, limit: int | None = None,
+                                 descending: bool = False) -> list[dict[str, Any]] | None:
+        return await asyncio.to_thread(self._conversation_items, conversation_id, after, limit, descending)
+
+    async def conversation_item(self, conversation_id: str, item_id: str) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self._conversation_item, conversation_id, item_id)
+
+    async def add_conversation_items(self, conversation_id: str, items: list[dict[str, Any]],
+                                     state: dict[str, Any] | None = None,
+                                     from_version: int | None = None) -> StoredConversation | None:
+        return await asyncio.to_thread(self._add_conversation_items, conversation_id, items, state, from_version)
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None:
+        return await asyncio.to_thread(self._delete_conversation_item, conversation_id, item_id)
 
 
 def _items(record: StoredResponse) -> list[dict[str, Any]]:

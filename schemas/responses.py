@@ -313,13 +313,25 @@ class ToolSearchOutputItem(LenientItem):
     model_config = ConfigDict(extra="forbid")
 
 
-NO_COMPACTION = "this server has no compaction endpoint; send the conversation itself"
+class CompactionItem(StrictModel):
+    """A compaction item of this server (`POST /v1/responses/compact`, or a response that
+    compacted by `context_management`), sent back as input: it stands for the conversation it
+    summarises, whose summary it carries sealed."""
+
+    type: Literal["compaction"]
+    encrypted_content: str
+    id: str | None = None
+    created_by: str | None = None
+
+
+NO_COMPACTION_TRIGGER = ("compact with POST /v1/responses/compact, or set context_management's compact_threshold "
+                         "on the request")
 NO_PROGRAMS = "this server does not run programmatic tool calling; call the tools directly"
 RefusedItem = refused("RefusedItem", (
     "file_search_call", "computer_call", "computer_call_output", "image_generation_call",
 ), "input items", "this server has no file search, computer use or image generation tool (gpt-oss reads and "
    "writes text only)")
-RefusedCompaction = refused("RefusedCompaction", ("compaction", "compaction_trigger"), "input items", NO_COMPACTION)
+RefusedCompaction = refused("RefusedCompaction", ("compaction_trigger",), "input items", NO_COMPACTION_TRIGGER)
 RefusedProgram = refused("RefusedProgram", ("program", "program_output"), "input items", NO_PROGRAMS)
 RefusedApproval = refused("RefusedApproval", ("mcp_approval_request", "mcp_approval_response"), "input items",
                           "MCP tool approvals are not supported; use require_approval='never'")
@@ -362,6 +374,7 @@ InputItem = Annotated[
         Annotated[ToolSearchOutputItem, Tag("tool_search_output")],
         Annotated[AdditionalToolsItem, Tag("additional_tools")],
         Annotated[ConfigurationUpdateItem, Tag("configuration_update")],
+        Annotated[CompactionItem, Tag("compaction")],
         *_REFUSED_ITEMS,
     )],
     Discriminator(_item_kind),
@@ -630,10 +643,23 @@ class StreamOptions(StrictModel):
 
 
 class ContextManagement(StrictModel):
-    """Server-side compaction settings: accepted; compaction is a separate endpoint here (none)."""
+    """`compaction`: when the prompt passes `compact_threshold` tokens, the model first
+    summarises the conversation into a compaction item, and the response runs on that."""
 
     type: str
-    compact_threshold: int | None = None
+    compact_threshold: int | None = Field(default=None, ge=1)
+
+    @field_validator("type")
+    @classmethod
+    def _compaction_only(cls, value: str) -> str:
+        if value != "compaction":
+            raise PydanticCustomError("unsupported_value", "'{kind}' context management is not supported: only "
+                                      "'compaction' is", {"kind": value})
+        return value
+
+
+class ConversationReference(StrictModel):
+    id: str = Field(min_length=1)
 
 
 class PromptCacheOptions(StrictModel):
@@ -661,6 +687,20 @@ class ImageOptions(StrictModel):
 AdditionalToolsItem.model_rebuild()
 ToolSearchOutputItem.model_rebuild()
 ConfigurationUpdateItem.model_rebuild()
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on `metadata`: 16 keys of at most 64 characters, values of at most 512."""
+    if value is None:
+        return value
+    if len(value) > 16:
+        raise ValueError("at most 16 metadata keys are allowed")
+    for key, text in value.items():
+        if len(key) > 64:
+            raise ValueError(f"metadata key {key[:20]!r}... is longer than 64 characters")
+        if len(text) > 512:
+            raise ValueError(f"metadata value for {key!r} is longer than 512 characters")
+    return value
 
 
 class ResponseCreateRequest(StrictModel):
@@ -694,6 +734,9 @@ class ResponseCreateRequest(StrictModel):
     prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None
     context_management: list[ContextManagement] | None = None
+    # A stored conversation (`/v1/conversations`): its items come before `input`, and this
+    # response's input and output items are added to it.
+    conversation: Union[str, ConversationReference, None] = None
     background_options: BackgroundOptions | None = None
     access_programs: AccessPrograms | None = None
     image: ImageOptions | None = None
@@ -703,16 +746,7 @@ class ResponseCreateRequest(StrictModel):
     @field_validator("metadata")
     @classmethod
     def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > 16:
-            raise ValueError("at most 16 metadata keys are allowed")
-        for key, text in value.items():
-            if len(key) > 64:
-                raise ValueError(f"metadata key {key[:20]!r}... is longer than 64 characters")
-            if len(text) > 512:
-                raise ValueError(f"metadata value for {key!r} is longer than 512 characters")
-        return value
+        return check_metadata(value)
 
     @property
     def effort(self) -> str:
@@ -720,10 +754,66 @@ class ResponseCreateRequest(StrictModel):
         asked = self.reasoning.effort if self.reasoning and self.reasoning.effort else "medium"
         return HARMONY_EFFORT[asked]
 
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationReference) else self.conversation
+
+    @property
+    def compact_threshold(self) -> int | None:
+        """The prompt length past which the conversation is compacted first (`context_management`)."""
+        thresholds = [c.compact_threshold for c in self.context_management or [] if c.compact_threshold is not None]
+        return min(thresholds) if thresholds else None
+
     def input_items(self) -> list[Any]:
         """`input` as a list of items (a plain string is one user message)."""
-        if self.input is None:
-            return []
-        if isinstance(self.input, str):
-            return [MessageItem(role="user", content=self.input)]
-        return list(self.input)
+        return input_item_list(self.input)
+
+
+def input_item_list(value: Union[str, list[Any], None]) -> list[Any]:
+    """An `input` as a list of items (a plain string is one user message)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [MessageItem(role="user", content=value)]
+    return list(value)
+
+
+class ResponseCompactRequest(StrictModel):
+    """`POST /v1/responses/compact`: the conversation (`input`, after `previous_response_id`'s)
+    to summarise into a compaction item."""
+
+    model: str
+    input: Union[str, list[InputItem], None] = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    # Accepted as on create (the engine caches prompt prefixes by itself).
+    prompt_cache_key: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    service_tier: Literal["auto", "default", "fast", "flex", "priority"] | None = None
+    image: ImageOptions | None = None
+
+
+class InputTokensRequest(StrictModel):
+    """`POST /v1/responses/input_tokens`: the parameters of a create request that shape its
+    prompt, whose tokens are counted."""
+
+    model: str | None = None  # optional here: the server's model
+    input: Union[str, list[InputItem], None] = None
+    instructions: str | None = None
+    conversation: Union[str, ConversationReference, None] = None
+    previous_response_id: str | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's model personalities: gpt-oss has none, so it changes nothing in the prompt.
+    personality: str | None = None
+    reasoning: ReasoningOptions | None = None
+    text: TextOptions | None = None
+    tool_choice: ToolChoice | None = None
+    tools: list[Tool] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+    def create_request(self, model: str) -> ResponseCreateRequest:
+        """The create request whose prompt this is (`model`: when the body names none)."""
+        given = {name: getattr(self, name) for name in self.model_fields_set
+                 if name not in ("model", "personality") and getattr(self, name) is not None}
+        return ResponseCreateRequest(model=self.model or model, **given)

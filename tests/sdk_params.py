@@ -19,6 +19,10 @@ from typing import Any, Iterator, Literal, Union, get_args, get_origin, get_type
 import typing_extensions
 from typing_extensions import is_typeddict
 
+# Keys the SDK types as any string but documents one value for ("Currently only 'compaction' is
+# supported"): the server refuses the others, so a case uses that value.
+DOCUMENTED = {("ContextManagement", "type"): "compaction"}
+
 _REQUIRED = {typing.Required, typing_extensions.Required}
 _NOT_REQUIRED = {typing.NotRequired, typing_extensions.NotRequired}
 _LISTS = {list, typing.List, collections.abc.Iterable, collections.abc.Sequence}
@@ -87,7 +91,8 @@ def sample(t: Any, key: str = "") -> Any:
 
 def instance(td: type, **values: Any) -> dict[str, Any]:
     """A TypedDict with its required keys sampled, and `values` set."""
-    out = {key: sample(t, key) for key, (t, required) in fields(td).items() if required}
+    out = {key: DOCUMENTED.get((td.__name__, key), sample(t, key)) for key, (t, required) in fields(td).items()
+           if required}
     out.update(values)
     return out
 
@@ -179,6 +184,7 @@ def field_cases(root: type, base: dict[str, Any], skip: set[str] = frozenset()) 
         for key, (t, _) in fields(td).items():
             if td is root and key in skip:
                 continue
-            for value in variants(t, key):
+            documented = DOCUMENTED.get((td.__name__, key))
+            for value in [documented] if documented is not None else variants(t, key):
                 body, path = _place(places, td, key, value, base)
                 yield Case(f"{td.__module__.rsplit('.', 1)[-1]}.{td.__name__}", key, value, body, path)

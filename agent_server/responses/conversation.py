@@ -2,6 +2,7 @@
 
 user text -> user message; assistant text -> final-channel message (commentary for preambles);
 `reasoning` -> analysis message (its sealed `encrypted_content` opened, when it has one);
+`compaction` -> the summary it carries, as an assistant message (`responses/compaction.py`);
 `function_call` -> commentary message to `functions.<name>` (or `<namespace>.<name>`,
 JSON-constrained); `custom_tool_call` the same with its freeform input; `local_shell_call` a
 call of `functions.local_shell`; their outputs -> a tool message from that recipient, found
@@ -24,6 +25,7 @@ from agent_server.errors import APIError
 from agent_server.harmony import tool_message
 from schemas.responses import (
     CodeInterpreterCallItem,
+    CompactionItem,
     CustomToolCallItem,
     CustomToolCallOutputItem,
     FunctionCallItem,
@@ -37,6 +39,7 @@ from schemas.responses import (
 )
 
 from agent_server.client_tools import LOCAL_SHELL, local_shell_arguments, recipient_of
+from agent_server.responses.compaction import summary_message
 
 OUTPUTS = (FunctionCallOutputItem, CustomToolCallOutputItem, LocalShellCallOutputItem)
 
@@ -57,10 +60,12 @@ def assistant_call(recipient: str, arguments: str, channel: str = "commentary", 
 
 
 def input_to_messages(items: list[Any], known_calls: dict[str, str],
-                      open_reasoning: Callable[[str], str] | None = None) -> ConvertedInput:
+                      open_reasoning: Callable[[str], str] | None = None,
+                      open_summary: Callable[[str], str] | None = None) -> ConvertedInput:
     """Convert validated input items. `known_calls` maps call ids of earlier responses in the
     chain to function names; `open_reasoning` opens a reasoning item's `encrypted_content`
-    (`ReasoningSeal.open`). APIError names the offending item."""
+    (`ReasoningSeal.open`), `open_summary` a compaction item's (`ReasoningSeal.open_summary`).
+    APIError names the offending item."""
     out = ConvertedInput()
     unanswered: dict[str, tuple[Any, Message]] = {}  # client tool calls of this input, no output yet
     shell_calls: dict[str, str] = {}  # local_shell_call item id -> its call id (an output names either)
@@ -78,7 +83,7 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str],
                 out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel))
         elif isinstance(item, ReasoningItem):
             if item.encrypted_content:  # what the model wrote, authenticated: it wins over `content`
-                text = _opened(item.encrypted_content, open_reasoning, i)
+                text = _opened(item.encrypted_content, open_reasoning, i, "reasoning")
             else:
                 text = "".join(p.text for p in item.content or []) or "".join(s.text for s in item.summary)
             if text:
@@ -111,6 +116,8 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str],
             if not isinstance(items[i + 1] if i + 1 < len(items) else None, OUTPUTS):
                 _in_call_order(out.messages, outputs_run)
                 outputs_run = []
+        elif isinstance(item, CompactionItem):
+            out.messages.append(summary_message(_opened(item.encrypted_content, open_summary, i, "compaction")))
         elif isinstance(item, LenientItem):
             out.messages += _replayed_call(item)
     for call_id, (item, message) in unanswered.items():
@@ -122,17 +129,18 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str],
     return out
 
 
-def _opened(blob: str, open_reasoning: Callable[[str], str] | None, index: int) -> str:
+def _opened(blob: str, opener: Callable[[str], str] | None, index: int, kind: str) -> str:
     from agent_server.reasoning_seal import SealError
 
     param = f"input[{index}].encrypted_content"
-    if open_reasoning is None:
-        raise APIError("Encrypted reasoning cannot be read by this server.", param=param,
-                       code="invalid_encrypted_content")
+    if opener is None:
+        what = "Encrypted reasoning" if kind == "reasoning" else "A compaction item"
+        raise APIError(f"{what} cannot be read by this server.", param=param, code="invalid_encrypted_content")
     try:
-        return open_reasoning(blob)
+        return opener(blob)
     except SealError as e:
-        raise APIError(f"Invalid 'encrypted_content': {e}. Send reasoning items back as this server returned them.",
+        items = "reasoning items" if kind == "reasoning" else "compaction items"
+        raise APIError(f"Invalid 'encrypted_content': {e}. Send {items} back as this server returned them.",
                        param=param, code="invalid_encrypted_content") from None
 
 

@@ -1,8 +1,10 @@
 """A create request, checked and made ready to run: the Harmony prompt, tools and sampling.
 
-`prepare` validates what the body alone cannot (the `previous_response_id` chain, item ids and
-references, tool choice, the context length), continues the stored Harmony conversation, and
-returns the `AgentTask` the run will execute with the response snapshot it starts from.
+`prepare` validates what the body alone cannot (the `previous_response_id` chain or the
+`conversation`, item ids and references, tool choice, the context length), continues the stored
+Harmony conversation, and returns the `AgentTask` the run will execute with the response
+snapshot it starts from. A prompt past `context_management`'s compaction threshold is marked
+for compaction, which the run does first (`PreparedResponse.compaction`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from openai.types.responses import Response as SDKResponse
 from openai.types.responses import Tool as SDKTool
@@ -21,13 +23,15 @@ from agent_server.agent.loop import AgentTask
 from agent_server.agent.tool_registry import ActiveTools
 from agent_server.errors import APIError, from_validation_error, not_found
 from agent_server.harmony import PromptConfig, preamble, render_prompt
+from agent_server.responses.compaction import split_for_compaction
 from agent_server.responses.conversation import input_to_messages, messages_from_json
 from agent_server.responses.events import new_id
 from agent_server.responses.runs import TERMINAL
 from agent_server.state import ServerState
-from agent_server.store import StoredResponse
+from agent_server.store import StoredConversation, StoredResponse
 from inference.request import SamplingParams
 from schemas.responses import (
+    CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
@@ -68,31 +72,53 @@ class PreparedResponse:
     chain_item_ids: list[str] = field(default_factory=list)  # item ids of the earlier responses of the chain
     # When it was created, to the microsecond: the store orders by it (`created_at` is whole seconds).
     created: float = field(default_factory=time.time)
+    # What the prompt is rendered from, for a run that compacts first: the system and developer
+    # messages, the instructions they hold, and whether earlier turns' analysis is kept.
+    head: list[Message] = field(default_factory=list)
+    instructions: str | None = None
+    keep_analysis: bool = False
+    # (what to compact, what follows it) when the prompt passed context_management's threshold.
+    compaction: tuple[list[Message], list[Message]] | None = None
+    conversation: StoredConversation | None = None  # the `conversation` it runs in, as it was then
 
 
-async def prepare(state: ServerState, req: ResponseCreateRequest, started: float) -> PreparedResponse:
-    """Validate what the schema cannot, and build the agent's task and the first snapshot."""
+async def prepare(state: ServerState, req: ResponseCreateRequest, started: float, *,
+                  local_responses: Mapping[str, StoredResponse] | None = None,
+                  counting: bool = False) -> PreparedResponse:
+    """Validate what the schema cannot, and build the agent's task and the first snapshot.
+    `local_responses`: store=false responses a `previous_response_id` may name besides the
+    stored ones (those of a WebSocket connection). `counting`: only the prompt is wanted (its
+    tokens are counted), so a prompt longer than the context is no error."""
     config, engine = state.config, state.engine
     if not config.serves(req.model):
         raise APIError(f"The model '{req.model}' does not exist; this server serves '{config.model_name}'.",
                        status=404, param="model", code="model_not_found")
-    if req.input is None and req.previous_response_id is None:
+    if req.input is None and req.previous_response_id is None and req.conversation is None:
         raise APIError("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
+    if req.conversation is not None and req.previous_response_id is not None:
+        raise APIError("'previous_response_id' cannot be used together with 'conversation': a conversation "
+                       "continues from its own items.", param="previous_response_id")
     if req.background and not req.store:
         raise APIError("Background responses must be stored: set store=true.", param="background")
     include = set(req.include or [])
 
-    items = await _resolve_references(state, req.input_items())
-    _check_item_ids(items)
+    items = await resolve_references(state, req.input_items())
+    check_item_ids(items)
     history: list[Message] = []
     known_calls: dict[str, str] = {}
     chain_instructions: list[str] = []
     listed_mcp: set[str] = set()
     chain_ids: list[str] = []
+    stored_conversation = None
+    if req.conversation is not None:
+        stored_conversation = await _conversation(state, req.conversation_id)
+        chain_ids = await _conversation_item_ids(state, stored_conversation)
+        check_item_ids(items, chain_ids)
+        history, known_calls, chain_instructions, listed_mcp = await _conversation_history(state, stored_conversation)
     if req.previous_response_id:
-        previous = await _previous(state, req.previous_response_id)
+        previous = await _previous(state, req.previous_response_id, local_responses)
         chain_ids = _chain_item_ids(previous)
-        _check_item_ids(items, chain_ids)
+        check_item_ids(items, chain_ids)
         _check_calls_answered(previous, items)
         history = messages_from_json(previous.conversation)
         known_calls = dict(previous.function_calls)
@@ -104,7 +130,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     active = state.tools.select(settings.tools, enabled=req.tool_choice != "none")
     notes = settings.notes + _tool_choice_notes(req, settings.tools)
     _check_mcp_choice(req, active)
-    converted = input_to_messages(items, known_calls, open_reasoning=_opener(state, items))
+    converted = input_to_messages(items, known_calls, **_openers(state, items))
     input_instructions = chain_instructions + converted.instructions
     instructions = "\n\n".join(t for t in [req.instructions, *input_instructions, *notes] if t)
     prompt_config = PromptConfig(
@@ -120,10 +146,12 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     if req.truncation == "auto" and not _fits(prompt, engine.max_model_len, req.max_output_tokens):
         prompt = _truncated(head, conversation, engine.max_model_len, req.max_output_tokens) or prompt
     why = _why_truncation_did_not_help(head, conversation) if req.truncation == "auto" else ""
-    if len(prompt) >= engine.max_model_len:
+    if len(prompt) >= engine.max_model_len and not counting:
         raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens."
                        f"{why}", param="input", code="context_length_exceeded")
-    room = engine.max_model_len - len(prompt)
+    threshold = req.compact_threshold
+    compaction = split_for_compaction(conversation) if threshold is not None and len(prompt) > threshold else None
+    room = max(engine.max_model_len - len(prompt), 1)
     if req.max_output_tokens is not None and req.max_output_tokens > room:
         raise APIError(f"'max_output_tokens' is too large: the input is {len(prompt)} tokens and this model's "
                        f"context is {engine.max_model_len}, so at most {room} output tokens fit; got "
@@ -166,14 +194,22 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         input_instructions=input_instructions,
         mcp_listed=sorted(listed_mcp | {b.label for b in active.mcp.values()}),
         chain_item_ids=chain_ids,
+        head=head,
+        instructions=instructions or None,
+        keep_analysis=settings.keep_analysis,
+        compaction=compaction,
+        conversation=stored_conversation,
     )
 
 
-def _opener(state: ServerState, items: list[Any]):
-    """`ReasoningSeal.open`, when an item needs it (the key is read on first use)."""
+def _openers(state: ServerState, items: list[Any]) -> dict[str, Any]:
+    """`ReasoningSeal.open` and `open_summary`, when items need them (the key is read on first use)."""
+    openers: dict[str, Any] = {}
     if any(getattr(item, "encrypted_content", None) for item in items if getattr(item, "type", "") == "reasoning"):
-        return state.seal.open
-    return None
+        openers["open_reasoning"] = state.seal.open
+    if any(isinstance(item, CompactionItem) for item in items):
+        openers["open_summary"] = state.seal.open_summary
+    return openers
 
 
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
@@ -209,7 +245,10 @@ def _truncated(head: list[Message], conversation: list[Message], max_model_len: 
     return best
 
 
-async def _previous(state: ServerState, response_id: str) -> StoredResponse:
+async def _previous(state: ServerState, response_id: str,
+                    local_responses: Mapping[str, StoredResponse] | None = None) -> StoredResponse:
+    if local_responses is not None and response_id in local_responses:
+        return local_responses[response_id]
     run = state.runs.live(response_id)
     if run is not None:
         if run.snapshot.status in TERMINAL:  # its last event is out, its record being stored
@@ -219,14 +258,49 @@ async def _previous(state: ServerState, response_id: str) -> StoredResponse:
                            param="previous_response_id", code="previous_response_in_progress")
     record = await state.store.get(response_id)
     if record is None:
-        raise not_found("Previous response", response_id, param="previous_response_id")
+        raise APIError(f"Previous response with id '{response_id}' not found.", status=404,
+                       param="previous_response_id", code="previous_response_not_found")
     if record.status not in ("completed", "incomplete"):
         raise APIError(f"Previous response '{response_id}' has status '{record.status}' and cannot be continued.",
                        param="previous_response_id")
     return record
 
 
-async def _resolve_references(state: ServerState, items: list[Any]) -> list[Any]:
+async def _conversation(state: ServerState, conversation_id: str) -> StoredConversation:
+    found = await state.store.get_conversation(conversation_id)
+    if found is None:
+        raise not_found("Conversation", conversation_id, param="conversation")
+    return found
+
+
+async def _conversation_item_ids(state: ServerState, conversation: StoredConversation) -> list[str]:
+    items = await state.store.conversation_items(conversation.id) or []
+    return [item["id"] for item in items]
+
+
+async def _conversation_history(state: ServerState, conversation: StoredConversation
+                                ) -> tuple[list[Message], dict[str, str], list[str], set[str]]:
+    """(Harmony messages, call names, instructions, listed MCP servers) a response in the
+    conversation continues from: what its last response left, while no item was added or
+    deleted since; otherwise its items, converted as input is."""
+    saved = conversation.current_state
+    if saved is not None:
+        return (messages_from_json(saved["conversation"]), dict(saved["function_calls"]),
+                list(saved["input_instructions"]), set(saved["mcp_listed"]))
+    stored = await state.store.conversation_items(conversation.id) or []
+    items = []
+    for item in stored:
+        try:
+            items.append(INPUT_ITEM.validate_python({k: v for k, v in item.items() if v is not None}))
+        except ValidationError:
+            raise APIError(f"Item '{item.get('id')}' of conversation '{conversation.id}' cannot be given to the "
+                           "model.", param="conversation") from None
+    converted = input_to_messages(items, {}, **_openers(state, items))
+    listed = {item.get("server_label") for item in stored if item.get("type") == "mcp_list_tools"}
+    return converted.messages, converted.function_calls, converted.instructions, listed
+
+
+async def resolve_references(state: ServerState, items: list[Any]) -> list[Any]:
     """`item_reference` items replaced by the stored items they name."""
     resolved = []
     for i, item in enumerate(items):
@@ -242,7 +316,7 @@ async def _resolve_references(state: ServerState, items: list[Any]) -> list[Any]
     return resolved
 
 
-def _check_item_ids(items: list[Any], earlier: Iterable[str] = ()) -> None:
+def check_item_ids(items: list[Any], earlier: Iterable[str] = ()) -> None:
     """Input item ids are unique, and none is one of the `earlier` items (the previous_response_id
     chain's), as OpenAI requires: `/input_items` pages by them, and the model would see an item
     twice."""
@@ -362,7 +436,7 @@ def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions
         # Not in the SDK's Response type, but in OpenAI's responses: no penalties in this API.
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
-        "conversation": None,
+        "conversation": {"id": req.conversation_id} if req.conversation is not None else None,
     }
     try:
         return SDKResponse.model_validate(snapshot)

@@ -1,5 +1,6 @@
 """`/v1/responses`: create (plain, streamed or background), retrieve (or resume its stream),
-delete, cancel, and list input items.
+delete, cancel, list input items; compact a conversation, count a prompt's tokens. (The
+WebSocket transport of create is `agent_server/responses/websocket.py`.)
 
 A create request is validated, turned into an `AgentTask` (Harmony prompt, tools, sampling),
 and run as a task that writes events into a `ResponseRun`; the HTTP side only reads that log.
@@ -17,8 +18,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agent_server.errors import APIError, not_found
-from agent_server.request_parsing import read_request
-from agent_server.responses.events import TERMINAL_EVENT, dump
+from agent_server.request_parsing import int_query, read_request
+from agent_server.responses.compaction import compaction_item, kept_items, summarise, usage_json
+from agent_server.responses.events import TERMINAL_EVENT, dump, new_id
 from agent_server.responses.lifecycle import start_run
 from agent_server.responses.prepare import prepare
 from agent_server.responses.runs import TERMINAL, ResponseRun
@@ -26,6 +28,8 @@ from agent_server.sse import sdk_event, sse_response
 from agent_server.state import ServerState
 from agent_server.store import StoredResponse
 from schemas.responses import (
+    InputTokensRequest,
+    ResponseCompactRequest,
     ResponseCreateRequest,
 )
 
@@ -33,7 +37,6 @@ log = logging.getLogger(__name__)
 
 # Parameters of OpenAI's Responses API this server does not take, and why.
 UNSUPPORTED = {
-    "conversation": "conversations are not stored here; continue with previous_response_id",
     "prompt": "there are no stored prompt templates here; send instructions and input",
     "moderation": "this server runs no moderation model",
 }
@@ -66,14 +69,14 @@ async def create_response(request: Request) -> Response:
     return JSONResponse(dump(run.snapshot))
 
 
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _wait_unless_disconnected(request: Request, run: ResponseRun) -> None:
     """Wait for the run; if the client hangs up first, stop generating for it."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.create_task(disconnected())
+    watcher = asyncio.create_task(_disconnected(request))
     finished = asyncio.create_task(run.done.wait())
     try:
         await asyncio.wait({watcher, finished}, return_when=asyncio.FIRST_COMPLETED)
@@ -85,7 +88,55 @@ async def _wait_unless_disconnected(request: Request, run: ResponseRun) -> None:
         finished.cancel()
 
 
-# --- running ------------------------------------------------------------------------------
+# --- compact, count ------------------------------------------------------------------------
+
+
+async def compact_response(request: Request) -> Response:
+    """The conversation (`previous_response_id`'s, then `input`) summarised by the model into a
+    compaction item, after the messages a compaction keeps (`responses/compaction.py`)."""
+    state: ServerState = request.app.state.server
+    started = time.perf_counter()
+    config = state.config
+    body = await read_request(request, ResponseCompactRequest, config.max_request_bytes,
+                              max_items={"input": config.max_input_items})
+    create = ResponseCreateRequest(model=body.model, input=body.input, instructions=body.instructions,
+                                   previous_response_id=body.previous_response_id, store=False)
+    prepared = await prepare(state, create, started)
+    conversation = prepared.history + prepared.new_messages
+    compaction_id = new_id("resp")
+    work = asyncio.create_task(summarise(state.engine, conversation, prepared.instructions,
+                                         f"{compaction_id}/compaction", max_tokens=config.default_max_output_tokens,
+                                         metrics=state.metrics))
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():  # the client hung up: stop writing the summary
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():  # nobody is left to answer
+        raise APIError("The client disconnected before the compaction ended.", code="client_disconnected")
+    summary = work.result()
+    return JSONResponse({
+        "id": compaction_id,
+        "object": "response.compaction",
+        "created_at": int(time.time()),
+        "output": [*kept_items(prepared.input_instructions, conversation),
+                   compaction_item(state.seal.seal_summary, summary.text)],
+        "usage": usage_json(summary.usage),
+    })
+
+
+async def count_input_tokens(request: Request) -> Response:
+    """The tokens of the prompt a create request with these parameters would run on."""
+    state: ServerState = request.app.state.server
+    config = state.config
+    body = await read_request(request, InputTokensRequest, config.max_request_bytes,
+                              max_items={"input": config.max_input_items, "tools": config.max_tools})
+    prepared = await prepare(state, body.create_request(config.model_name), time.perf_counter(), counting=True)
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prepared.task.prompt)})
+
 
 
 # --- retrieve, delete, cancel, input items ------------------------------------------------
@@ -98,20 +149,6 @@ async def _stored(state: ServerState, response_id: str) -> StoredResponse:
     return record
 
 
-def _int_query(request: Request, name: str, default: int, low: int, high: int) -> int:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise APIError(f"Invalid value for '{name}': expected an integer.", param=name, code="invalid_type") from None
-    if not low <= value <= high:
-        raise APIError(f"Invalid value for '{name}': must be between {low} and {high}.", param=name,
-                       code="invalid_value")
-    return value
-
-
 async def retrieve_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
@@ -121,7 +158,7 @@ async def retrieve_response(request: Request) -> Response:
         if run is not None:
             return JSONResponse(dump(run.snapshot))
         return JSONResponse((await _stored(state, response_id)).response)
-    starting_after = _int_query(request, "starting_after", -1, -1, 1 << 62)
+    starting_after = int_query(request, "starting_after", -1, -1, 1 << 62)
     if run is not None and run.background:
         return sse_response((sdk_event(e) async for e in run.stream(starting_after)),
                             ping_seconds=state.config.sse_ping_seconds)
@@ -178,7 +215,7 @@ async def cancel_response(request: Request) -> Response:
 async def list_input_items(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
-    limit = _int_query(request, "limit", 20, 1, 100)
+    limit = int_query(request, "limit", 20, 1, 100)
     order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise APIError("Invalid value for 'order': must be 'asc' or 'desc'.", param="order", code="invalid_value")
@@ -203,6 +240,8 @@ async def list_input_items(request: Request) -> Response:
 
 routes = [
     Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/compact", compact_response, methods=["POST"]),
+    Route("/v1/responses/input_tokens", count_input_tokens, methods=["POST"]),
     Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),

@@ -25,6 +25,8 @@ class ResponseRun:
         self.cancel_requested = False  # cancelled (or deleted) before or while the agent loop ran
         self.store = True  # False: never visible through GET (store=false)
         self.input_items: list[dict[str, Any]] = []
+        self.keep: Any = None  # takes the record of a store=false response (a WebSocket connection's)
+        self.generate = True  # False: it ends with no output (`start_run`)
         self.snapshot: Any = None  # the live Response (ResponseEvents.response)
         # Set once the agent loop has handed its first request to the engine, or the run ended.
         self.engine_started = asyncio.Event()

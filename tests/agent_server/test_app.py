@@ -9,6 +9,7 @@ import time
 import httpx
 import openai
 import pytest
+import websockets
 
 from agent_server.cli.main import build_parser
 from tests.conftest import MODEL, LiveServer, make_app
@@ -147,6 +148,10 @@ def test_model_endpoints_wait_for_the_engine(tmp_path):
         r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
         assert "GET /ready answers 200 once it is loaded" in r.json()["error"]["message"]
+        with pytest.raises(websockets.InvalidStatus) as info:  # the WebSocket of /v1/responses too
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).responses.connect():
+                pass
+        assert info.value.response.status_code == 503 and b"model_not_ready" in info.value.response.body
     finally:
         server.server.should_exit = True
         server.thread.join(timeout=30)

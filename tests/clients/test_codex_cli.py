@@ -86,3 +86,34 @@ def test_codex_runs_a_shell_call_and_a_follow_up_turn(fake_server, tmp_path):
     replayed = decode(engine.calls[2].request.prompt_token_ids)
     assert f"The command printed {MARKER}.<|end|><|start|>user<|message|>Anything else?<|end|>" in replayed
     assert len(engine.calls) == 3
+
+
+def test_codex_over_a_websocket(fake_server, tmp_path, monkeypatch):
+    """Codex's WebSocket mode (`supports_websockets` on its provider): a prewarm (generate=false),
+    the turn, and its continuation after the shell call by previous_response_id on the same
+    connection, store=false throughout."""
+    from agent_server.responses.websocket import ResponsesSocket
+
+    binary = codex_binary()
+    engine = fake_server.engine
+    home, workdir = codex_home(tmp_path, fake_server.url), tmp_path / "work"
+    workdir.mkdir()
+    config = home / "config.toml"
+    config.write_text(config.read_text().replace('wire_api = "responses"',
+                                                 'wire_api = "responses"\nsupports_websockets = true'))
+    created = []
+    original = ResponsesSocket.create
+
+    async def create(self, body, stream_id):
+        created.append({key: body.get(key) for key in ("generate", "previous_response_id", "store")})
+        return await original(self, body, stream_id)
+
+    monkeypatch.setattr(ResponsesSocket, "create", create)
+    engine.say(CALL, ANSWER)
+    answer, log = codex(binary, home, workdir, "Run the echo command.")
+    assert answer == f"The command printed {MARKER}."
+    assert f"echo {MARKER}" in log and "succeeded" in log
+    assert [c["generate"] for c in created] == [False, None, None] and all(c["store"] is False for c in created)
+    assert created[2]["previous_response_id"] and len(engine.calls) == 2
+    after_call = harmony_encoding().decode(engine.calls[1].request.prompt_token_ids)
+    assert "<|channel|>analysis<|message|>I will run the command.<|end|>" in after_call and MARKER in after_call

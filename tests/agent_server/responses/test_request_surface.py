@@ -14,9 +14,9 @@ from openai.types.chat.completion_create_params import CompletionCreateParamsNon
 from openai.types.responses.response_create_params import ResponseCreateParamsNonStreaming
 
 from agent_server.chat import routes as chat_api
-from agent_server.responses import routes as responses_api
 from agent_server.errors import APIError
 from agent_server.request_parsing import validate_body
+from agent_server.responses import routes as responses_api
 from schemas.chat import ChatCompletionRequest
 from schemas.responses import ResponseCreateRequest
 from tests.sdk_params import field_cases
