@@ -180,15 +180,14 @@ class GrammarMatcher:
                 bits[t // 32] |= np.uint32(1 << (t % 32))
         return bool(row.any())
 
-    def fill_masks_for_drafts(self, drafts: list[int], rows: np.ndarray) -> bool:
+    def fill_masks_for_drafts(self, drafts: list[int], rows: np.ndarray) -> None:
         """Masks for verifying `drafts`: rows[i] the tokens allowed after drafts[:i], for
         i = 0 .. len(drafts) (rows: [len(drafts) + 1, words]). The drafts must be allowed (see
-        `valid_prefix`); the matcher ends where it began. False if some row allows nothing."""
-        ok = True
+        `valid_prefix`); the matcher ends where it began."""
         taken = 0
         try:
             for i in range(len(drafts) + 1):
-                ok &= self.fill_mask(rows[i])
+                self.fill_mask(rows[i])
                 if i < len(drafts):
                     if not self.accept(drafts[i]):
                         raise ValueError(f"draft token {drafts[i]} is not allowed by the grammar")
@@ -196,7 +195,6 @@ class GrammarMatcher:
         finally:
             if taken:
                 self._matcher.rollback(taken)
-        return ok
 
 
 class GrammarCompiler:

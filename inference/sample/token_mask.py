@@ -61,11 +61,13 @@ class TokenMaskBuilder:
             n = len(e.drafts) + 1
             block = host[at : at + n]
             if e.drafts:
-                ok = e.matcher.fill_masks_for_drafts(list(e.drafts), block)
+                e.matcher.fill_masks_for_drafts(list(e.drafts), block)
             else:
-                ok = e.matcher.fill_mask(block[0])
-            if not ok:  # a matcher in an error state allows nothing: leave its rows free; the
-                block[:] = -1  # engine ends the request when its next token is refused
+                e.matcher.fill_mask(block[0])
+            # A row that allows nothing is left free: after drafts that complete the grammar (the
+            # request ends at the last one, that row is never used), or a matcher in an error
+            # state (the engine ends the request when its grammar refuses the token).
+            block[~block.any(axis=1)] = -1
             at += n
         bits = self.staging.send(nbytes).view(torch.int32).view(len(rows), words)
         return TokenMasks(rows, bits)

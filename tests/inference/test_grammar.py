@@ -80,7 +80,7 @@ def test_draft_masks_are_the_masks_after_each_draft_and_leave_the_matcher_where_
     drafts = encode_text('45, "tag"')
     before = allowed(m)
     rows = np.zeros((len(drafts) + 1, m.words), dtype=np.int32)
-    assert m.fill_masks_for_drafts(drafts, rows)
+    m.fill_masks_for_drafts(drafts, rows)
     twin = compiler.compile(Grammar.json_schema(SCHEMA), [])
     walk(twin, encode_text('{"n": '))
     for i, token in enumerate(drafts + [None]):
