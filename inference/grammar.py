@@ -63,7 +63,7 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, schema: dict) -> Grammar:
-        return cls("json_schema", json.dumps(schema, separators=(",", ":"), sort_keys=True))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 def _llguidance_grammar(grammar: Grammar) -> str:
@@ -182,16 +182,21 @@ class GrammarMatcher:
 
     def fill_masks_for_drafts(self, drafts: list[int], rows: np.ndarray) -> None:
         """Masks for verifying `drafts`: rows[i] the tokens allowed after drafts[:i], for
-        i = 0 .. len(drafts) (rows: [len(drafts) + 1, words]). The drafts must be allowed (see
-        `valid_prefix`); the matcher ends where it began."""
+        i = 0 .. len(drafts) (rows: [len(drafts) + 1, words]); the matcher ends where it began.
+        Drafts are cut beforehand to those the grammar allows (`valid_prefix`), but that check
+        does not see every limit (a rule's max_tokens): a draft its row refuses is rejected by
+        verification, so the rows after it are never used and are left free."""
         taken = 0
         try:
             for i in range(len(drafts) + 1):
                 self.fill_mask(rows[i])
-                if i < len(drafts):
-                    if not self.accept(drafts[i]):
-                        raise ValueError(f"draft token {drafts[i]} is not allowed by the grammar")
-                    taken += 1
+                if i == len(drafts):
+                    break
+                t = drafts[i]
+                if not (rows[i].view(np.uint32)[t // 32] >> np.uint32(t % 32)) & 1 or not self.accept(t):
+                    rows[i + 1:] = -1
+                    break
+                taken += 1
         finally:
             if taken:
                 self._matcher.rollback(taken)

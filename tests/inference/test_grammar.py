@@ -77,7 +77,7 @@ def test_harmony_special_tokens_match_only_themselves(compiler):
 def test_draft_masks_are_the_masks_after_each_draft_and_leave_the_matcher_where_it_was(compiler):
     m = compiler.compile(Grammar.json_schema(SCHEMA), [])
     walk(m, encode_text('{"n": '))
-    drafts = encode_text('45, "tag"')
+    drafts = encode_text('45, "')
     before = allowed(m)
     rows = np.zeros((len(drafts) + 1, m.words), dtype=np.int32)
     m.fill_masks_for_drafts(drafts, rows)
@@ -129,3 +129,16 @@ def test_a_grammar_kind_must_be_known():
 def test_an_unknown_special_token_fails_when_compiled(compiler):
     with pytest.raises(ValueError, match="unknown special token"):
         compiler.compile(Grammar("lark", 'start: <|nonesuch|> "x"'), [])
+
+
+def test_a_draft_its_row_refuses_leaves_the_rows_after_it_free(compiler):
+    m = compiler.compile(Grammar.json_schema(SCHEMA), [])
+    walk(m, encode_text('{"n": 1, "tag'))
+    drafts = encode_text('"') + encode_text(":")  # `":` spelled in two tokens, not as gpt-oss writes it
+    assert m.valid_prefix(drafts) == 2  # the cheap check lets it through,
+    rows = np.zeros((3, m.words), dtype=np.int32)
+    m.fill_masks_for_drafts(drafts, rows)
+    bits = np.unpackbits(rows[0].view(np.uint8), bitorder="little")
+    assert not bits[drafts[0]]  # its row does not: verification rejects it, and never reads the rows after
+    assert (rows[1:] == -1).all()
+    walk(m, encode_text('": "a"}'))  # the matcher had not moved
