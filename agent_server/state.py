@@ -34,6 +34,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight responses get to finish when stopping
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
     sse_ping_seconds: float = 15.0
+    # Hold every generated turn to Harmony's structure (`agent_server/turn_grammar.py`); off, only
+    # what a request asks to be enforced is (strict schemas, json_object, a forced tool).
+    harmony_grammar: bool = True
 
     def serves(self, model: str) -> bool:
         return model == self.model_name or model in self.aliases

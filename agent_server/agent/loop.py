@@ -38,6 +38,7 @@ from agent_server.agent.tool_items import ToolCallItem, open_tool_item
 from agent_server.responses.events import McpListToolsWriter, MessageWriter, ReasoningWriter, ResponseEvents
 from agent_server.tokenization_cost import fit_tokenization_budget
 from agent_server.agent.tool_registry import ActiveTools, Route, ToolSessions
+from agent_server.turn_grammar import TurnRules
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class AgentTask:
     # False: at most one function call per response. Harmony lets the model chain several calls
     # in one turn (`<|end|>` between them), so the turn is cut after the first one.
     parallel_tool_calls: bool = True
+    # The grammar each turn is held to (the first one to a forced call, if any); None: none.
+    rules: TurnRules | None = None
 
 
 @dataclass
@@ -166,7 +169,8 @@ class AgentLoop:
             budget = min(budget, self.task.max_output_tokens - self.usage["output"])
         if budget <= 0:
             return [], "length", None
-        sampling = replace(self.task.sampling, max_tokens=budget, stop_token_ids=[RETURN, CALL])
+        grammar = self.task.rules.grammar(forced=first, budget=budget) if self.task.rules is not None else None
+        sampling = replace(self.task.sampling, max_tokens=budget, stop_token_ids=[RETURN, CALL], grammar=grammar)
         request = GenerationRequest(request_id, prompt, sampling, keep_alive=self.task.tools.any_builtin,
                                     continue_from=parked)
         self.request_id = request_id

@@ -25,6 +25,7 @@ from schemas.chat import (
 from agent_server.responses.conversation import assistant_call
 from agent_server.errors import APIError
 from agent_server.harmony import PromptConfig, preamble, render_prompt, tool_message
+from agent_server.turn_grammar import CallTarget, TurnRules, check_strict_schema, function_arguments
 
 
 def chat_prompt(req: ChatCompletionRequest) -> list[int]:
@@ -74,16 +75,14 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise APIError("Function names in 'tools' must be unique.", param="tools")
-    choice = req.tool_choice
+    choice = req.tool_choice  # (the turn grammar forces the call: `chat_turn_rules`)
     if isinstance(choice, NamedToolChoice):
         if not any(t.function.name == choice.function.name for t in tools):
             raise APIError(f"Tool choice '{choice.function.name}' is not one of the functions in 'tools'.",
                            param="tool_choice")
-        instructions.append(f"You must call the function `{choice.function.name}`.")
     elif choice == "required":
         if not tools:
             raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
-        instructions.append("You must call one of the available functions before giving your final answer.")
     functions = [] if choice == "none" else [
         ToolDescription.new(t.function.name, t.function.description or "", parameters=t.function.parameters)
         for t in tools
@@ -96,6 +95,46 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
         conversation_start_date=datetime.date.today().isoformat(),
     )
     return render_prompt(preamble(config) + messages)
+
+
+def chat_turn_rules(req: ChatCompletionRequest, structure: bool) -> TurnRules | None:
+    """What the turn grammar holds each choice to (`agent_server/turn_grammar.py`): Harmony's
+    structure where `structure` is on, and in any case what the request asks to be enforced: a
+    strict schema or `json_object` for the content, strict function arguments, a forced call.
+    None: nothing (also with `ignore_eos`, which generates past the end of the turn)."""
+    if req.ignore_eos:
+        return None
+    tools = [] if req.tool_choice == "none" else req.tools or []
+    strict = False
+    for i, tool in enumerate(tools):
+        f = tool.function
+        if f.strict and f.parameters is not None:
+            strict = True
+            error = check_strict_schema(f.parameters)
+            if error:
+                raise APIError(f"Invalid schema for function '{f.name}': {error}", param=f"tools[{i}].function.parameters",
+                               code="invalid_function_parameters")
+    answer = None
+    fmt = req.response_format
+    if isinstance(fmt, ResponseFormatJsonObject):
+        answer = {"type": "object"}
+    elif isinstance(fmt, ResponseFormatJsonSchema) and fmt.json_schema.strict and fmt.json_schema.schema_ is not None:
+        answer = fmt.json_schema.schema_
+        error = check_strict_schema(answer)
+        if error:
+            raise APIError(f"Invalid schema for response_format '{fmt.json_schema.name}': {error}",
+                           param="response_format.json_schema.schema", code="invalid_json_schema")
+    choice = req.tool_choice
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    forced = [CallTarget(f"functions.{t.function.name}", "commentary",
+                         function_arguments(t.function.parameters, strict=t.function.strict, forced=True))
+              for t in tools if choice == "required" or t.function.name == named]
+    if not (structure or forced or answer is not None or strict):
+        return None
+    calls = [CallTarget(f"functions.{t.function.name}", "commentary",
+                        function_arguments(t.function.parameters, strict=t.function.strict, forced=False))
+             for t in tools]
+    return TurnRules(calls, forced, answer, parallel_calls=req.parallel_tool_calls is not False)
 
 
 def _unanswered(pending: dict[str, str], index: int) -> None:

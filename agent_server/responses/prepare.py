@@ -25,10 +25,12 @@ from agent_server.responses.events import new_id
 from agent_server.responses.runs import TERMINAL
 from agent_server.state import ServerState
 from agent_server.store import StoredResponse
+from agent_server.turn_grammar import TurnRules, check_strict_schema
 from inference.request import SamplingParams
 from schemas.responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
+    FunctionTool,
     InputItem,
     ItemReference,
     MessageItem,
@@ -41,13 +43,6 @@ from schemas.responses import (
 )
 
 INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
-
-
-
-
-TOOL_CHOICE_NOTES = {
-    "required": "You must call one of the available tools before giving your final answer.",
-}
 
 
 @dataclass
@@ -98,11 +93,12 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
                                                  if o.get("type") == "mcp_list_tools"}
 
     active = state.tools.select(req.tools, enabled=req.tool_choice != "none")
-    notes = _tool_choice_notes(req)
+    _check_tool_choice(req)
     _check_mcp_choice(req, active)
+    rules = _turn_rules(req, active, config.harmony_grammar)
     converted = input_to_messages(items, known_calls)
     input_instructions = chain_instructions + converted.instructions
-    instructions = "\n\n".join(t for t in [req.instructions, *input_instructions, *notes] if t)
+    instructions = "\n\n".join(t for t in [req.instructions, *input_instructions] if t)
     prompt_config = PromptConfig(
         reasoning_effort=req.effort,
         instructions=instructions or None,
@@ -143,6 +139,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         started=started,
         tool_timeout=config.tool_timeout,
         parallel_tool_calls=req.parallel_tool_calls,
+        rules=rules,
     )
     return PreparedResponse(
         request=req,
@@ -258,32 +255,58 @@ def _check_mcp_choice(req: ResponseCreateRequest, active: ActiveTools) -> None:
                            param="tool_choice.name")
 
 
-def _tool_choice_notes(req: ResponseCreateRequest) -> list[str]:
-    """Harmony has no forced tool calls; the choice becomes an instruction (and is checked)."""
+def _check_tool_choice(req: ResponseCreateRequest) -> None:
+    """A tool choice names a tool of `tools` (the turn grammar then forces the call)."""
     choice = req.tool_choice
     if choice == "required" and not req.tools:
         raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
-    if isinstance(choice, str):
-        return [TOOL_CHOICE_NOTES[choice]] if choice in TOOL_CHOICE_NOTES else []
     if isinstance(choice, ToolChoiceFunction):
         if not any(t.type == "function" and t.name == choice.name for t in req.tools):
             raise APIError(f"Tool choice '{choice.name}' is not one of the functions in 'tools'.",
                            param="tool_choice")
-        return [f"You must call the function `{choice.name}`."]
-    if isinstance(choice, ToolChoiceBuiltin):
+    elif isinstance(choice, ToolChoiceBuiltin):
         if choice.type == "web_search":  # not a tool choice type (the SDK's Response cannot hold it)
             raise APIError("Invalid value for 'tool_choice.type': 'web_search'; use 'web_search_preview', which "
                            "chooses the web_search tool as well.", param="tool_choice.type", code="invalid_value")
         wanted = "code_interpreter" if choice.type == "code_interpreter" else "web_search"
         if not any(t.type.startswith(wanted) for t in req.tools):
             raise APIError(f"Tool choice '{choice.type}' is not in 'tools'.", param="tool_choice")
-        return ["You must use the python tool." if wanted == "code_interpreter" else "You must use the browser tool."]
-    if isinstance(choice, ToolChoiceMcp):
+    elif isinstance(choice, ToolChoiceMcp):
         if not any(t.type == "mcp" and t.server_label == choice.server_label for t in req.tools):
             raise APIError(f"Tool choice server '{choice.server_label}' is not in 'tools'.", param="tool_choice")
-        target = f"the tool `{choice.name}` of" if choice.name else "a tool of"
-        return [f"You must call {target} the `{choice.server_label}` server."]
-    return []
+
+
+def _turn_rules(req: ResponseCreateRequest, active: ActiveTools, structure: bool) -> TurnRules | None:
+    """What the turn grammar holds this response's turns to (`agent_server/turn_grammar.py`):
+    every turn's Harmony structure where `structure` is on, and in any case what the request
+    asks to be enforced (a strict answer format or function, a forced tool); None: nothing."""
+    answer = _answer_schema(req)
+    strict = False
+    for i, tool in enumerate(req.tools):
+        if isinstance(tool, FunctionTool) and tool.strict and tool.parameters is not None:
+            strict = True
+            error = check_strict_schema(tool.parameters)
+            if error:
+                raise APIError(f"Invalid schema for function '{tool.name}': {error}", param=f"tools[{i}].parameters",
+                               code="invalid_function_parameters")
+    forced = active.forced_targets(req.tool_choice)
+    if not (structure or forced or answer is not None or strict):
+        return None
+    return TurnRules(active.call_targets(), forced, answer, parallel_calls=req.parallel_tool_calls)
+
+
+def _answer_schema(req: ResponseCreateRequest) -> dict[str, Any] | None:
+    """The schema a strict `json_schema` format (or `json_object`) holds the answer to."""
+    fmt = req.text.format if req.text else None
+    if isinstance(fmt, TextFormatJsonObject):
+        return {"type": "object"}
+    if isinstance(fmt, TextFormatJsonSchema) and fmt.strict:
+        error = check_strict_schema(fmt.schema_)
+        if error:
+            raise APIError(f"Invalid schema for response_format '{fmt.name}': {error}", param="text.format.schema",
+                           code="invalid_json_schema")
+        return fmt.schema_
+    return None
 
 
 def _response_format(req: ResponseCreateRequest) -> dict[str, Any] | None:
