@@ -13,8 +13,9 @@ hand the parser a malformed header:
 with `<|start|>assistant` between messages. Recipients are only those the request enables;
 arguments are JSON (of the tool's schema where it is strict, or forced, or the server's own
 tool; any JSON object otherwise); the answer is JSON of the response format's schema where a
-strict `json_schema` or `json_object` format asks for it. JSON is written in gpt-oss's layout
-(`inference.grammar.JSON_LAYOUT`). Built-in and MCP calls may be on either channel, function
+strict `json_schema` or `json_object` format asks for it; reasoning before such an answer is held
+to at most half of the turn's budget, so the answer always has room (and no preamble joins its
+text). JSON is written in gpt-oss's layout (`inference.grammar.JSON_LAYOUT`). Built-in and MCP calls may be on either channel, function
 calls on commentary; a function call may end in `<|end|>` and be followed by more messages when
 parallel calls are allowed.
 
@@ -35,6 +36,8 @@ from inference.grammar import JSON_LAYOUT, Grammar, grammar_error
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # Tokens a forced python call's header and end take, kept out of its code's budget.
 CALL_FRAME_TOKENS = 16
+# Reasoning messages a turn may hold before a constrained answer.
+MAX_NOTES = 2
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,8 @@ class TurnRules:
 
     def grammar(self, *, forced: bool = False, budget: int | None = None) -> Grammar:
         """The turn's grammar; `forced`: this turn must be one of the forced calls; `budget`: the
-        tokens it may generate."""
+        tokens it may generate (a forced python cell and the messages before a constrained answer
+        are bounded by it)."""
         return Grammar("lark", turn_lark(self, forced=forced and bool(self.forced), budget=budget))
 
 
@@ -113,10 +117,18 @@ def turn_lark(rules: TurnRules, *, forced: bool = False, budget: int | None = No
     if forced:
         head = ["start: " + " | ".join(calls)]
     else:
+        notes, note_text, channels = "*", "TEXT", '("analysis" | "commentary")'
+        if rules.answer_schema is not None:
+            channels = '"analysis"'  # a preamble's text would join the answer's (output_text, content)
+            if budget is not None:
+                # The answer always has room: before it at most MAX_NOTES messages, together at
+                # most half the budget.
+                notes, note_text = f" ~ 0..{MAX_NOTES}", "note_text"
+                lines.append(f"note_text[max_tokens={max(budget // (2 * MAX_NOTES), 1)}]: TEXT")
         head = [
             "start: turn",
-            'turn: (note <|end|> <|start|> "assistant")* last',
-            'note: <|channel|> ("analysis" | "commentary") <|message|> TEXT',
+            f'turn: (note <|end|> <|start|> "assistant"){notes} last',
+            f"note: <|channel|> {channels} <|message|> {note_text}",
             "last: " + " | ".join(["answer", *calls]),
             'answer: <|channel|> "final" <|message|> answer_body <|return|>',
             "answer_body: " + (_json(rules.answer_schema) if rules.answer_schema is not None else "TEXT"),
