@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.conftest import MODEL
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run_example(server, name: str, *args: str) -> str:
