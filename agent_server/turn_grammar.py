@@ -48,6 +48,9 @@ class CallTarget:
     channel: str = "commentary"  # of its header when the call is forced
     arguments: dict[str, Any] | None = None  # JSON Schema of its arguments; None: any JSON object
     code: bool = False  # free text in a " code" message (python), not JSON
+    # With `code`: the grammar ("lark" or "regex") the text must follow, as a custom tool's
+    # `format` gives it; None: any text.
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -86,6 +89,19 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _text_body(grammar: Grammar | None) -> str:
+    """A free-text body: any text, or the text a Lark grammar or a regular expression accepts."""
+    if grammar is None:
+        return "TEXT"
+    if grammar.kind == "lark":
+        return "%lark {\n" + grammar.text + "\n}"
+    if grammar.kind == "regex":
+        from llguidance import regex_to_lark
+
+        return f"/{regex_to_lark(grammar.text)}/"
+    raise ValueError(f"a tool's text follows a lark or regex grammar, not {grammar.kind}")
+
+
 def _json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
 
@@ -105,7 +121,7 @@ def turn_lark(rules: TurnRules, *, forced: bool = False, budget: int | None = No
             header = f'{channels} {_literal(" to=" + target.recipient + " code")} <|message|>'
             code_budget = budget - CALL_FRAME_TOKENS if forced and budget is not None else None
             limit = f"[max_tokens={code_budget}]" if code_budget is not None and code_budget > 0 else ""
-            lines.append(f"body_{i}{limit}: TEXT")
+            lines.append(f"body_{i}{limit}: {_text_body(target.grammar)}")
         else:
             header = f'{channels} {_literal(" to=" + target.recipient + " ")} <|constrain|> "json" <|message|>'
             lines.append(f"body_{i}: {_json(target.arguments or ANY_OBJECT)}")

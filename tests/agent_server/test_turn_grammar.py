@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agent_server.turn_grammar import ANY_OBJECT, CallTarget, TurnRules, function_arguments
-from inference.grammar import GrammarCompiler
+from inference.grammar import Grammar, GrammarCompiler
 from inference.tokenizer import CALL, RETURN, harmony_encoding
 from tests.fake_engine import harmony_tokens
 
@@ -108,3 +108,18 @@ def test_which_function_schemas_hold():
     assert function_arguments(WEATHER, strict=None, forced=True) == WEATHER
     assert function_arguments({"type": "strin"}, strict=None, forced=True) == ANY_OBJECT  # cannot hold it
     assert function_arguments(None, strict=True, forced=True) == ANY_OBJECT
+
+
+@pytest.mark.parametrize("grammar, good, bad", [
+    (Grammar("lark", 'start: "add(" NUM ", " NUM ")"\nNUM: /[0-9]+/'), "add(1, 22)", "add(1,22)"),
+    (Grammar("regex", r"[a-z]+/[0-9]{2}"), "abc/42", "abc/4x"),
+])
+def test_a_tool_whose_text_follows_a_grammar(compiler, grammar, good, bad):
+    """A custom tool's input with a Lark or regex format (the request schema's `custom` tools
+    wire here: a code target with that grammar)."""
+    rules = TurnRules([CallTarget("functions.calc", "commentary", code=True, grammar=grammar)],
+                      forced=[CallTarget("functions.calc", "commentary", code=True, grammar=grammar)])
+    call = "<|channel|>commentary to=functions.calc code<|message|>{}<|call|>"
+    for g in (rules.grammar(), rules.grammar(forced=True, budget=100)):
+        assert accepted(compiler, g, call.format(good)) is None
+        assert accepted(compiler, g, call.format(bad)) is not None
