@@ -12,12 +12,14 @@ hand the parser a malformed header:
 
 with `<|start|>assistant` between messages. Recipients are only those the request enables;
 arguments are JSON (of the tool's schema where it is strict, or forced, or the server's own
-tool; any JSON object otherwise); the answer is JSON of the response format's schema where a
-strict `json_schema` or `json_object` format asks for it; reasoning before such an answer is held
-to at most half of the turn's budget, so the answer always has room (and no preamble joins its
-text). JSON is written in gpt-oss's layout (`inference.grammar.JSON_LAYOUT`). Built-in and MCP calls may be on either channel, function
-calls on commentary; a function call may end in `<|end|>` and be followed by more messages when
-parallel calls are allowed.
+tool; any JSON object otherwise) in gpt-oss's layout (`inference.grammar.JSON_LAYOUT`). Built-in
+and MCP calls may be on either channel, function calls on commentary; a function call may end in
+`<|end|>` and be followed by more messages when parallel calls are allowed.
+
+The answer is JSON of the response format's schema where a strict `json_schema` or `json_object`
+format asks for it. Reasoning before such an answer is held to at most half of the turn's budget,
+so the answer always has room (a reasoning model given a tight `max_output_tokens` answers rather
+than ending incomplete), and no preamble comes before it (its text would join the answer's).
 
 A forced tool (`tool_choice` "required", a named function, a built-in tool, an MCP server or
 tool) makes the turn one call, to one of the forced recipients, written from its first token in
