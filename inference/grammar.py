@@ -157,7 +157,7 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        return self._matcher.get_error() or None if self._matcher.is_error() else None
+        return (self._matcher.get_error() or "error") if self._matcher.is_error() else None
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False (and an error state) if the grammar does not allow it."""
