@@ -50,6 +50,10 @@ class ClientTool:
     name: str
     namespace: str | None = None  # None: Harmony's `functions`
     grammar: CustomGrammarFormat | None = None  # a custom tool's, for constrained decoding
+    # The JSON Schema of its arguments as the turn grammar holds them (`turn_grammar.function_arguments`):
+    # a function's parameters, a custom tool's one string, local_shell's command.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # held to `parameters` in every turn, not only when forced
 
     @property
     def qualified_name(self) -> str:
@@ -84,15 +88,16 @@ class ClientTools:
 
     def _register(self, tool: Any, namespace: str | None, where: str) -> ToolDescription:
         if isinstance(tool, LocalShellTool):
-            entry = ClientTool("local_shell", LOCAL_SHELL)
+            entry = ClientTool("local_shell", LOCAL_SHELL, parameters=LOCAL_SHELL_PARAMETERS)
             description = ToolDescription.new(LOCAL_SHELL, LOCAL_SHELL_DESCRIPTION, parameters=LOCAL_SHELL_PARAMETERS)
         elif isinstance(tool, CustomTool):
             grammar = tool.format if isinstance(tool.format, CustomGrammarFormat) else None
-            entry = ClientTool("custom", tool.name, namespace, grammar)
+            # Its input is one JSON string (`custom_input` reads it); its own grammar is only shown.
+            entry = ClientTool("custom", tool.name, namespace, grammar, parameters={"type": "string"}, strict=True)
             description = ToolDescription.new(tool.name, _custom_description(tool, grammar),
                                               parameters={"type": "string"})
         else:
-            entry = ClientTool("function", tool.name, namespace)
+            entry = ClientTool("function", tool.name, namespace, parameters=tool.parameters, strict=tool.strict)
             description = ToolDescription.new(tool.name, tool.description or "", parameters=tool.parameters)
         if entry.recipient in self.by_recipient:
             what = f"in namespace '{namespace}'" if namespace else "in 'tools'"

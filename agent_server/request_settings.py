@@ -35,6 +35,7 @@ class RequestSettings:
     tools: list[Any] = field(default_factory=list)
     effort: str = "medium"  # Harmony's
     response_format: dict[str, Any] | None = None
+    text_format: Any = None  # the `text.format` in effect (the turn grammar enforces a strict one)
     notes: list[str] = field(default_factory=list)  # instructions for the model
     keep_analysis: bool = False
 
@@ -58,8 +59,8 @@ def request_settings(req: ResponseCreateRequest, items: list[Any]) -> RequestSet
         if isinstance(tool, WebSearchTool):
             notes += _web_search_notes(tool)
     context = req.reasoning.context if req.reasoning else None
-    return RequestSettings(tools=tools, effort=effort, response_format=response_format(fmt), notes=notes,
-                           keep_analysis=context == "all_turns")
+    return RequestSettings(tools=tools, effort=effort, response_format=response_format(fmt), text_format=fmt,
+                           notes=notes, keep_analysis=context == "all_turns")
 
 
 def response_format(fmt: Any) -> dict[str, Any] | None:

@@ -40,6 +40,9 @@ class ServerConfig:
     random_weights: bool = False  # the tiny default model: /v1/models says so, and the playground
     # The key that seals reasoning for stateless clients; None: reasoning.key beside the store.
     reasoning_key_file: Path | None = None
+    # Hold every generated turn to Harmony's structure (`agent_server/turn_grammar.py`); off, only
+    # what a request asks to be enforced is (strict schemas, json_object, a forced tool).
+    harmony_grammar: bool = True
 
     @property
     def reasoning_key_path(self) -> Path:

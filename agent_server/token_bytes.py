@@ -1,27 +1,12 @@
 """The exact bytes of each token, for logprobs (`token`, `bytes`).
 
-Decoding one token at a time loses bytes when a character spans tokens, so ordinary tokens are
-read from the o200k vocabulary file (base64 bytes and rank per line); Harmony's special tokens,
-which are not in it, are their names.
+Ordinary tokens are their bytes in the o200k vocabulary (`inference/tokenizer.py`); Harmony's
+special tokens, which are not in it, are their names.
 """
 
 from __future__ import annotations
 
-import base64
-import functools
-
-from inference.tokenizer import VOCAB_FILE, harmony_encoding, vocab_dir
-
-
-@functools.lru_cache(maxsize=1)
-def _vocabulary() -> dict[int, bytes]:
-    table: dict[int, bytes] = {}
-    with open(vocab_dir() / VOCAB_FILE, "rb") as f:
-        for line in f:
-            if line.strip():
-                token, rank = line.split()
-                table[int(rank)] = base64.b64decode(token)
-    return table
+from inference.tokenizer import harmony_encoding, ordinary_token_bytes as _vocabulary
 
 
 def token_bytes(token_id: int) -> bytes:

@@ -15,6 +15,8 @@ by the measured copy bandwidth.
     python benchmarks/bench_engine.py --model 20b --speculative ngram   # batch-1 decode with / without drafts
     python benchmarks/bench_engine.py --model 20b --async-scheduling --batches 1,8,64   # engine decode, overlap off / on
     python benchmarks/bench_engine.py --model 20b --timeline 1   # kernel timeline of engine steps (gaps)
+    python benchmarks/bench_engine.py --model 20b --constrained --batches 1,64   # a JSON-schema request in the batch
+    python benchmarks/bench_engine.py --model tiny --device cpu --constrained --batches 1,4 --context 64 --steps 20
 
 With --speculative the script instead times batch-1 decode through the engine (scheduler, CUDA
 graphs for decode and verification steps, sampler) on a repetitive prompt, with and without the
@@ -29,6 +31,13 @@ size (every sequence at `--context` tokens, greedy), with async scheduling off a
 (`inference/scheduling/async_scheduling.py`), beside the CUDA-graph replay alone. Host µs per step is the
 engine thread's time per step outside waiting for sampled ids (the device's share): with the
 overlap on, it is hidden as long as it stays below the graph's own step time.
+
+With --constrained the script instead times decode through the engine at each batch size (async
+scheduling on CUDA, greedy), once with every request free and once with one of them held to a
+JSON schema (`inference/grammar.py`): tok/s of the whole batch and of its free rows, and the free
+rows' slowdown. The constrained row's mask is computed on the host and applied on the device each
+step; its step launched ahead samples once the previous token has advanced its grammar.
+`--model tiny --device cpu` runs the same on the tiny random shapes, as a check of the script.
 """
 
 from __future__ import annotations
@@ -402,9 +411,91 @@ def bench_async_scheduling(model, args) -> dict:
     return results
 
 
+# A typical structured-output schema; its arrays and strings are open, so a random model stays
+# inside it for the whole timed window (the row stays constrained).
+CONSTRAINED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                           "price": {"type": "number"}, "tags": {"type": "array", "items": {"type": "string"}},
+                           "status": {"enum": ["active", "inactive", "pending"]}},
+            "required": ["id", "name", "price", "tags", "status"], "additionalProperties": False}},
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+def bench_constrained(model, args) -> dict:
+    """Decode through the engine at each batch size, all rows free, then one row held to
+    CONSTRAINED_SCHEMA. Returns {batch: {free_tok_s, mixed_tok_s, mixed_free_rows_tok_s,
+    constrained_active}}."""
+    import random
+
+    from inference.config import EngineConfig
+    from inference.engine.core import LLMEngine
+    from inference.grammar import Grammar
+    from inference.request import GenerationRequest, SamplingParams
+
+    device = model.device
+    batches = [int(b) for b in args.batches.split(",")]
+    pages = max(batches) * decode_pages_per_seq(args) + 8
+    engine = LLMEngine(model, EngineConfig(num_pages=pages, num_sliding_pages=pages, max_model_len=decode_max_len(args),
+                                           max_num_seqs=max(batches), page_size=args.page_size,
+                                           async_scheduling=device.type == "cuda"))
+    grammar = Grammar.json_schema(CONSTRAINED_SCHEMA)
+    engine.grammars.compile(grammar, [])  # the vocabulary's tables and this grammar, before timing
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    rng = random.Random(0)
+    results = {}
+    for b in batches:
+        row = results[b] = {}
+        for mode in ("free", "mixed"):
+            progress(f"batch {b}: {'one constrained request' if mode == 'mixed' else 'every request free'}")
+            ids = [f"{mode}-{b}-{i}" for i in range(b)]
+            constrained = ids[0] if mode == "mixed" else None
+            for rid in ids:
+                prompt = [rng.randrange(200_000) for _ in range(args.context)]
+                engine.add_request(GenerationRequest(rid, prompt, SamplingParams(
+                    temperature=0.0, max_tokens=args.steps + 24, grammar=grammar if rid == constrained else None)))
+            produced = dict.fromkeys(ids, 0)
+            while min(produced.values()) < 4:  # every prefill done, decoding under way
+                for d in engine.step():
+                    produced[d.request_id] += len(d.token_ids)
+            sync()
+            counts, t0 = dict.fromkeys(ids, 0), time.perf_counter()
+            for _ in range(args.steps):
+                for d in engine.step():
+                    counts[d.request_id] += len(d.token_ids)
+            sync()
+            seconds = time.perf_counter() - t0
+            row[f"{mode}_tok_s"] = sum(counts.values()) / seconds
+            if mode == "mixed":
+                row["mixed_free_rows_tok_s"] = sum(n for rid, n in counts.items() if rid != constrained) / seconds
+                live = engine.scheduler.find(constrained)
+                row["constrained_active"] = live is not None and counts[constrained] > 0
+            for rid in ids:
+                engine.abort(rid)
+            while engine.has_unfinished():
+                engine.step()
+            sync()
+        row["free_rows_per_row_ratio"] = ((row["mixed_free_rows_tok_s"] / max(b - 1, 1)) / (row["free_tok_s"] / b)
+                                          if b > 1 else None)
+    engine.close()
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=list(GPT_OSS_SHAPES), default="20b")
+    ap.add_argument("--model", choices=[*GPT_OSS_SHAPES, "tiny"], default="20b",
+                    help="gpt-oss shapes (tiny: the test checkpoint's, for --constrained on CPU)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (only with --constrained)")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
@@ -427,10 +518,18 @@ def main() -> None:
                     help="distinct words of the repetitive prompt; the output is confined to them (0: no bias)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="time decode through the engine at --batches with async scheduling off and on instead")
+    ap.add_argument("--constrained", action="store_true",
+                    help="time engine decode at --batches with every request free, then with one held to a JSON "
+                         "schema, instead")
     ap.add_argument("--timeline", type=int, metavar="BATCH",
                     help="instead profile --steps engine decode steps (async scheduling) at this batch and "
                          "print their kernel timeline: busy time, span, gaps between kernels")
     args = ap.parse_args()
+    if args.constrained:
+        run_constrained(args)
+        return
+    if args.model == "tiny" or args.device != "cuda":
+        ap.error("--model tiny and --device cpu run only with --constrained")
 
     torch.backends.cuda.matmul.allow_tf32 = True
     gpu = torch.cuda.get_device_name()
@@ -554,6 +653,28 @@ def main() -> None:
         print(f"\ntransformers batch 1 (bf16, eager, generate): {rate_hf:.1f} tok/s{ratio}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def run_constrained(args) -> None:
+    raw = hf_config_dict() if args.model == "tiny" else hf_config_dict(GPT_OSS_SHAPES[args.model])
+    config = ModelConfig.from_dict(raw)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    progress(f"building gpt-oss-{args.model} with random weights on {where}")
+    model = GptOssModel.from_random(config, device=args.device, attention_backend=args.attention,
+                                    moe_backend=args.moe, max_positions=decode_max_len(args) + 32)
+    rows = bench_constrained(model, args)
+    print(f"\ngpt-oss-{args.model} random weights on {where}; decode through the engine, greedy, every sequence at "
+          f"~{args.context} tokens of context; {args.steps} timed steps; async scheduling "
+          f"{'on' if args.device == 'cuda' else 'off'}")
+    print("\n| batch | all free tok/s | one constrained: batch tok/s | its free rows tok/s | free rows, per row "
+          "vs all free | constrained row still running |\n| ---: | ---: | ---: | ---: | ---: | --- |")
+    for b, r in rows.items():
+        ratio = f"{r['free_rows_per_row_ratio']:.3f}" if r["free_rows_per_row_ratio"] is not None else "n/a"
+        print(f"| {b} | {r['free_tok_s']:,.0f} | {r['mixed_tok_s']:,.0f} | {r['mixed_free_rows_tok_s']:,.0f} | "
+              f"{ratio} | {'yes' if r['constrained_active'] else 'no'} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "model": args.model, "context": args.context,
+                                               "date": time.strftime("%Y-%m-%d"), "decode": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ response = client.responses.create(
     model=model,
     input=question,
     tools=[{"type": "web_search_preview"}],
+    tool_choice={"type": "web_search_preview"},  # search first, whatever the model (the default tiny one too)
     include=["web_search_call.action.sources"],
 )
 searches = [item for item in response.output if item.type == "web_search_call"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal, Protocol
 
+from inference.grammar import Grammar, check_grammar
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 # Temperatures below this sample greedily, as 0 does: the limit they tend to. Far smaller ones
@@ -33,6 +35,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     # Number of top alternatives to return with each sampled token's logprob; None: no logprobs.
     logprobs: int | None = None
+    # What the generated tokens must spell (`inference/grammar.py`); None: anything.
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
@@ -55,6 +59,8 @@ class SamplingParams:
         for tok in list(self.logit_bias) + list(self.stop_token_ids):
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"token id {tok} is outside the vocabulary")
+        if self.grammar is not None:
+            check_grammar(self.grammar)
 
 
 @dataclass

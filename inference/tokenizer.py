@@ -7,6 +7,7 @@ and would download it otherwise. We ship the file in the package and point the v
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import os
@@ -58,6 +59,20 @@ def harmony_encoding():
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding
 
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+@functools.lru_cache(maxsize=1)
+def ordinary_token_bytes() -> dict[int, bytes]:
+    """The exact bytes of every ordinary token, read from the o200k vocabulary file (base64 bytes
+    and rank per line). Harmony's special tokens are not in it. Decoding one token at a time
+    would lose bytes where a character spans tokens."""
+    table: dict[int, bytes] = {}
+    with open(vocab_dir() / VOCAB_FILE, "rb") as f:
+        for line in f:
+            if line.strip():
+                token, rank = line.split()
+                table[int(rank)] = base64.b64decode(token)
+    return table
 
 
 def encode_text(text: str) -> list[int]:

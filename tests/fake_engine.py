@@ -224,7 +224,9 @@ class TeacherForcedEngine:
         forced = GenerationRequest(
             request.request_id,
             list(request.prompt_token_ids) + script[:-1],
-            replace(request.sampling, temperature=0.0, max_tokens=1, logit_bias={script[-1]: 100.0}, logprobs=None),
+            # (the script, not a grammar, says what comes: the turn grammar would refuse a malformed one)
+            replace(request.sampling, temperature=0.0, max_tokens=1, logit_bias={script[-1]: 100.0}, logprobs=None,
+                    grammar=None),
             keep_alive=request.keep_alive,
             continue_from=request.continue_from,
         )

@@ -39,6 +39,7 @@ from agent_server.responses.events import McpListToolsWriter, MessageWriter, Rea
 from agent_server.tokenization_cost import fit_tokenization_budget
 from agent_server.agent.tool_registry import ActiveTools, Route, ToolSessions
 from agent_server.token_bytes import is_special, logprob_entry
+from agent_server.turn_grammar import TurnRules
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class AgentTask:
     # include "message.output_text.logprobs": how many alternatives each answer token lists
     # (`sampling.logprobs` asks the engine for them).
     top_logprobs: int | None = None
+    # The grammar each turn is held to (the first one to a forced call, if any); None: none.
+    rules: TurnRules | None = None
 
 
 @dataclass
@@ -173,7 +176,8 @@ class AgentLoop:
             budget = min(budget, self.task.max_output_tokens - self.usage["output"])
         if budget <= 0:
             return [], "length", None
-        sampling = replace(self.task.sampling, max_tokens=budget, stop_token_ids=[RETURN, CALL])
+        grammar = self.task.rules.grammar(forced=first, budget=budget) if self.task.rules is not None else None
+        sampling = replace(self.task.sampling, max_tokens=budget, stop_token_ids=[RETURN, CALL], grammar=grammar)
         request = GenerationRequest(request_id, prompt, sampling, keep_alive=self.task.tools.any_builtin,
                                     continue_from=parked)
         self.request_id = request_id

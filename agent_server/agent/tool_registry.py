@@ -17,12 +17,43 @@ from typing import Any
 
 from openai_harmony import ToolDescription, ToolNamespaceConfig
 
-from schemas.responses import CodeInterpreterTool, McpTool, WebSearchTool
+from schemas.responses import (
+    CodeInterpreterTool,
+    McpTool,
+    ToolChoiceAllowed,
+    ToolChoiceBuiltin,
+    ToolChoiceCustom,
+    ToolChoiceFunction,
+    ToolChoiceMcp,
+    WebSearchTool,
+)
 from tools.protocol import ToolServer, ToolSession
 
 from agent_server.client_tools import ClientTool, ClientTools
 from agent_server.errors import APIError
 from agent_server.harmony import recipient_kind
+from agent_server.turn_grammar import CallTarget, function_arguments
+
+# The browser's arguments as the turn grammar holds them: Harmony's browser tool schemas, with
+# bounds no real call comes near (a model that wanders, or a random one, still ends its call).
+_COUNT = {"type": "integer", "minimum": -1, "maximum": 1_000_000}
+BROWSER_ARGUMENTS: dict[str, dict[str, Any]] = {
+    "search": {"type": "object", "properties": {
+        "query": {"type": "string", "minLength": 1, "maxLength": 256},
+        "topn": {"type": "integer", "minimum": 1, "maximum": 50},
+        "source": {"type": "string", "maxLength": 64},
+    }, "required": ["query"], "additionalProperties": False},
+    "open": {"type": "object", "properties": {
+        "id": {"anyOf": [_COUNT, {"type": "string", "maxLength": 2048}]},
+        "cursor": _COUNT, "loc": _COUNT, "num_lines": _COUNT,
+        "view_source": {"type": "boolean"},
+        "source": {"type": "string", "maxLength": 64},
+    }, "additionalProperties": False},
+    "find": {"type": "object", "properties": {
+        "pattern": {"type": "string", "minLength": 1, "maxLength": 256},
+        "cursor": _COUNT,
+    }, "required": ["pattern"], "additionalProperties": False},
+}
 
 
 @dataclass
@@ -58,6 +89,49 @@ class ActiveTools:
         """Namespaces for the system message, browser and python first as gpt-oss expects."""
         spaces = [s.harmony_namespace() for s in (self.browser, self.python) if s is not None]
         return spaces + [b.namespace for b in self.mcp.values()] + self.client.namespaces
+
+    def call_targets(self, *, forced: bool = False) -> list[CallTarget]:
+        """Every recipient the model may address, with what its message holds (`turn_grammar.py`):
+        the client's tools on commentary, built-ins and MCP tools on analysis (their forced headers).
+        `forced`: as the targets of a forced call (a function's schema then holds where it
+        compiles, strict or not)."""
+        targets = [CallTarget(recipient, "commentary", function_arguments(t.parameters, strict=t.strict, forced=forced))
+                   for recipient, t in self.client.by_recipient.items()]
+        if self.browser is not None:
+            name = self.browser.harmony_namespace().name
+            targets += [CallTarget(f"{name}.{tool}", "analysis", args) for tool, args in BROWSER_ARGUMENTS.items()]
+        if self.python is not None:
+            targets.append(CallTarget(self.python.harmony_namespace().name, "analysis", code=True))
+        for namespace, binding in self.mcp.items():
+            targets += [CallTarget(f"{namespace}.{t.name}", "analysis",
+                                   function_arguments(t.parameters, strict=False, forced=forced))
+                        for t in binding.namespace.tools]
+        return targets
+
+    def forced_targets(self, choice: Any) -> list[CallTarget]:
+        """The calls a `tool_choice` forces (none for "auto" and "none"): "required" any tool (an
+        `allowed_tools` choice in "required" mode: any of those it allows, the tools enabled), a
+        named function or custom tool that one, a built-in tool its first call (a search, a python
+        cell), an MCP server its tools (or the one named)."""
+        if isinstance(choice, ToolChoiceAllowed):
+            choice = choice.mode
+        targets = self.call_targets(forced=True)
+        if choice == "required":
+            return targets
+        if isinstance(choice, (ToolChoiceFunction, ToolChoiceCustom)):
+            wanted = {f"functions.{choice.name}"}
+        elif isinstance(choice, ToolChoiceBuiltin):
+            server = self.python if choice.type == "code_interpreter" else self.browser
+            if server is None:
+                return []
+            name = server.harmony_namespace().name
+            wanted = {name if server is self.python else f"{name}.search"}
+        elif isinstance(choice, ToolChoiceMcp):
+            wanted = {f"{namespace}.{t.name}" for namespace, b in self.mcp.items() if b.label == choice.server_label
+                      for t in b.namespace.tools if choice.name in (None, t.name)}
+        else:
+            return []
+        return [t for t in targets if t.recipient in wanted]
 
     def function_descriptions(self) -> list[ToolDescription]:
         return self.client.functions

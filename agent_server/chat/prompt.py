@@ -29,6 +29,7 @@ from schemas.chat import (
 from agent_server.responses.conversation import assistant_call
 from agent_server.errors import APIError
 from agent_server.harmony import PromptConfig, preamble, render_prompt, tool_message, verbosity_note
+from agent_server.turn_grammar import CallTarget, TurnRules, check_strict_schema, function_arguments
 
 
 def chat_prompt(req: ChatCompletionRequest) -> list[int]:
@@ -88,22 +89,14 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise APIError("Function names in 'tools' must be unique.", param="tools")
-    choice = req.tool_choice
-    if isinstance(choice, AllowedToolsChoice):
-        tools, required = _allowed(tools, choice), choice.allowed_tools.mode == "required"
-        choice = "required" if required else "auto"
-    if isinstance(choice, NamedCustomChoice):
-        raise APIError("Unsupported value for 'tool_choice': custom tools are not supported by this server's Chat "
-                       "Completions.", param="tool_choice", code="unsupported_value")
+    tools, choice = _tools_and_choice(req)  # (the turn grammar forces the call: `chat_turn_rules`)
     if isinstance(choice, NamedToolChoice):
         if not any(t.function.name == choice.function.name for t in tools):
             raise APIError(f"Tool choice '{choice.function.name}' is not one of the functions in 'tools'.",
                            param="tool_choice")
-        instructions.append(f"You must call the function `{choice.function.name}`.")
     elif choice == "required":
         if not tools:
             raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
-        instructions.append("You must call one of the available functions before giving your final answer.")
     functions = [] if choice == "none" else [
         ToolDescription.new(t.function.name, t.function.description or "", parameters=t.function.parameters)
         for t in tools
@@ -116,6 +109,60 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
         conversation_start_date=datetime.date.today().isoformat(),
     )
     return render_prompt(preamble(config) + messages)
+
+
+def chat_turn_rules(req: ChatCompletionRequest, structure: bool) -> TurnRules | None:
+    """What the turn grammar holds each choice to (`agent_server/turn_grammar.py`): Harmony's
+    structure where `structure` is on, and in any case what the request asks to be enforced: a
+    strict schema or `json_object` for the content, strict function arguments, a forced call.
+    None: nothing (also with `ignore_eos`, which generates past the end of the turn)."""
+    if req.ignore_eos:
+        return None
+    tools, choice = _tools_and_choice(req)
+    tools = [] if choice == "none" else tools
+    strict = False
+    for tool in tools:
+        f = tool.function
+        if f.strict and f.parameters is not None:
+            i = next(k for k, t in enumerate(req.tools or []) if t is tool)
+            strict = True
+            error = check_strict_schema(f.parameters)
+            if error:
+                raise APIError(f"Invalid schema for function '{f.name}': {error}", param=f"tools[{i}].function.parameters",
+                               code="invalid_function_parameters")
+    answer = None
+    fmt = req.response_format
+    if isinstance(fmt, ResponseFormatJsonObject):
+        answer = {"type": "object"}
+    elif isinstance(fmt, ResponseFormatJsonSchema) and fmt.json_schema.strict and fmt.json_schema.schema_ is not None:
+        answer = fmt.json_schema.schema_
+        error = check_strict_schema(answer)
+        if error:
+            raise APIError(f"Invalid schema for response_format '{fmt.json_schema.name}': {error}",
+                           param="response_format.json_schema.schema", code="invalid_json_schema")
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    forced = [CallTarget(f"functions.{t.function.name}", "commentary",
+                         function_arguments(t.function.parameters, strict=t.function.strict, forced=True))
+              for t in tools if choice == "required" or t.function.name == named]
+    if not (structure or forced or answer is not None or strict):
+        return None
+    calls = [CallTarget(f"functions.{t.function.name}", "commentary",
+                        function_arguments(t.function.parameters, strict=t.function.strict, forced=False))
+             for t in tools]
+    return TurnRules(calls, forced, answer, parallel_calls=req.parallel_tool_calls is not False)
+
+
+def _tools_and_choice(req: ChatCompletionRequest) -> tuple[list[ChatTool], object]:
+    """The tools the model may call and the tool choice: an `allowed_tools` choice narrows the
+    tools and becomes "required" or "auto" (a custom choice is refused)."""
+    tools, choice = req.tools or [], req.tool_choice
+    if isinstance(choice, AllowedToolsChoice):
+        tools, required = _allowed(tools, choice), choice.allowed_tools.mode == "required"
+        choice = "required" if required else "auto"
+    if isinstance(choice, NamedCustomChoice):
+        raise APIError("Unsupported value for 'tool_choice': custom tools are not supported by this server's Chat "
+                       "Completions.", param="tool_choice", code="unsupported_value")
+    return tools, choice
 
 
 def _allowed(tools: list[ChatTool], choice: AllowedToolsChoice) -> list[ChatTool]:

@@ -21,11 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from inference.request import DeltaStream, GenerationRequest, SamplingParams, TokenLogprob
+from inference.request import DeltaStream, GenerationRequest, Grammar, SamplingParams, TokenLogprob
 from inference.tokenizer import CALL, RETURN
 from schemas.chat import ChatCompletionRequest
 
-from agent_server.chat.prompt import chat_prompt
+from agent_server.chat.prompt import chat_prompt, chat_turn_rules
 from agent_server.errors import APIError, engine_unavailable, internal_error
 from agent_server.harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, recipient_kind
 from agent_server.request_parsing import read_request
@@ -214,7 +214,8 @@ class ChoiceStream:
 # --- the endpoint -------------------------------------------------------------------------
 
 
-def _sampling(req: ChatCompletionRequest, index: int, max_tokens: int, vocab_size: int) -> SamplingParams:
+def _sampling(req: ChatCompletionRequest, index: int, max_tokens: int, vocab_size: int,
+              grammar: Grammar | None = None) -> SamplingParams:
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -225,6 +226,7 @@ def _sampling(req: ChatCompletionRequest, index: int, max_tokens: int, vocab_siz
         max_tokens=max_tokens,
         stop_token_ids=[] if req.ignore_eos else [RETURN, CALL],
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        grammar=grammar,
     )
     try:
         params.validate(vocab_size)
@@ -262,10 +264,13 @@ async def create_chat_completion(request: Request) -> Response:
                        f"is {engine.max_model_len}, so at most {room} tokens fit; got {req.token_limit}.",
                        param=param, code="context_length_exceeded")
     max_tokens = config.output_limit(req.token_limit, room) or room
+    rules = chat_turn_rules(req, config.harmony_grammar)
+    grammar = rules.grammar(forced=True, budget=max_tokens) if rules is not None else None
     completion_id = f"chatcmpl-{secrets.token_hex(12)}"
     choices = [
         ChoiceStream(state, i, GenerationRequest(f"{completion_id}/{i}", prompt,
-                                                 _sampling(req, i, max_tokens, engine.vocab_size)), req, started)
+                                                 _sampling(req, i, max_tokens, engine.vocab_size, grammar)),
+                     req, started)
         for i in range(req.n)
     ]
     header = {"id": completion_id, "created": int(time.time()), "model": req.model}

@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
                              "steps under (default: on with CUDA, off on CPU)")
+    parser.add_argument("--harmony-grammar", action=argparse.BooleanOptionalAction, default=True,
+                        help="hold every generated turn to Harmony's structure with a grammar (headers, channels, "
+                             "the request's tools as recipients); off, only strict schemas, json_object and forced "
+                             "tools are enforced (default: on)")
     parser.add_argument("--tool-timeout", type=positive_float, default=300.0,
                         help="seconds a built-in tool call may take")
     parser.add_argument("--python-timeout", type=float, metavar="SECONDS",
@@ -312,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         max_input_items=args.max_input_items,
         shutdown_timeout=args.shutdown_timeout,
+        harmony_grammar=args.harmony_grammar,
     )
     failed: list[str] = []
 

@@ -29,16 +29,21 @@ from agent_server.responses.events import new_id
 from agent_server.responses.runs import TERMINAL
 from agent_server.state import ServerState
 from agent_server.store import StoredConversation, StoredResponse
+from agent_server.turn_grammar import TurnRules, check_strict_schema
 from inference.request import SamplingParams
 from schemas.responses import (
     CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,
+    FunctionTool,
     InputItem,
     ItemReference,
     MessageItem,
+    NamespaceTool,
     ReasoningOptions,
     ResponseCreateRequest,
+    TextFormatJsonObject,
+    TextFormatJsonSchema,
     ToolChoiceAllowed,
     ToolChoiceBuiltin,
     ToolChoiceCustom,
@@ -46,16 +51,9 @@ from schemas.responses import (
     ToolChoiceMcp,
 )
 
-from agent_server.request_settings import request_settings
+from agent_server.request_settings import RequestSettings, request_settings
 INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
 SDK_TOOL = TypeAdapter(SDKTool)
-
-
-
-
-TOOL_CHOICE_NOTES = {
-    "required": "You must call one of the available tools before giving your final answer.",
-}
 
 
 @dataclass
@@ -128,11 +126,12 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
 
     settings = request_settings(req, items)
     active = state.tools.select(settings.tools, enabled=req.tool_choice != "none")
-    notes = settings.notes + _tool_choice_notes(req, settings.tools)
+    _check_tool_choice(req, settings.tools)
     _check_mcp_choice(req, active)
+    rules = _turn_rules(req, settings, active, config.harmony_grammar)
     converted = input_to_messages(items, known_calls, **_openers(state, items))
     input_instructions = chain_instructions + converted.instructions
-    instructions = "\n\n".join(t for t in [req.instructions, *input_instructions, *notes] if t)
+    instructions = "\n\n".join(t for t in [req.instructions, *input_instructions, *settings.notes] if t)
     prompt_config = PromptConfig(
         reasoning_effort=settings.effort,
         instructions=instructions or None,
@@ -182,6 +181,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         parallel_tool_calls=req.parallel_tool_calls,
         seal_reasoning=state.seal.seal if "reasoning.encrypted_content" in include else None,
         top_logprobs=top_logprobs,
+        rules=rules,
     )
     return PreparedResponse(
         request=req,
@@ -361,34 +361,74 @@ def _check_mcp_choice(req: ResponseCreateRequest, active: ActiveTools) -> None:
                            param="tool_choice.name")
 
 
-def _tool_choice_notes(req: ResponseCreateRequest, tools: list[Any]) -> list[str]:
-    """Harmony has no forced tool calls; the choice becomes an instruction (and is checked)."""
+def _check_tool_choice(req: ResponseCreateRequest, tools: list[Any]) -> None:
+    """A tool choice names a tool of `tools` (the turn grammar then forces the call)."""
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceAllowed):
         choice = "required" if choice.mode == "required" else "auto"
     if choice == "required" and not tools:
         raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
-    if isinstance(choice, str):
-        return [TOOL_CHOICE_NOTES[choice]] if choice in TOOL_CHOICE_NOTES else []
     if isinstance(choice, (ToolChoiceFunction, ToolChoiceCustom)):
         if not any(t.type == choice.type and t.name == choice.name for t in tools):
             raise APIError(f"Tool choice '{choice.name}' is not one of the {choice.type} tools in 'tools'.",
                            param="tool_choice")
-        return [f"You must call the function `{choice.name}`."]
-    if isinstance(choice, ToolChoiceBuiltin):
+    elif isinstance(choice, ToolChoiceBuiltin):
         if choice.type == "web_search":  # not a tool choice type (the SDK's Response cannot hold it)
             raise APIError("Invalid value for 'tool_choice.type': 'web_search'; use 'web_search_preview', which "
                            "chooses the web_search tool as well.", param="tool_choice.type", code="invalid_value")
         wanted = "code_interpreter" if choice.type == "code_interpreter" else "web_search"
         if not any(t.type.startswith(wanted) for t in tools):
             raise APIError(f"Tool choice '{choice.type}' is not in 'tools'.", param="tool_choice")
-        return ["You must use the python tool." if wanted == "code_interpreter" else "You must use the browser tool."]
-    if isinstance(choice, ToolChoiceMcp):
+    elif isinstance(choice, ToolChoiceMcp):
         if not any(t.type == "mcp" and t.server_label == choice.server_label for t in tools):
             raise APIError(f"Tool choice server '{choice.server_label}' is not in 'tools'.", param="tool_choice")
-        target = f"the tool `{choice.name}` of" if choice.name else "a tool of"
-        return [f"You must call {target} the `{choice.server_label}` server."]
-    return []
+
+
+def _turn_rules(req: ResponseCreateRequest, settings: RequestSettings, active: ActiveTools,
+                structure: bool) -> TurnRules | None:
+    """What the turn grammar holds this response's turns to (`agent_server/turn_grammar.py`):
+    every turn's Harmony structure where `structure` is on, and in any case what the request
+    asks to be enforced (a strict answer format or function, a forced tool); None: nothing."""
+    answer = _answer_schema(settings.text_format)
+    strict = False
+    for tool, param in _function_tools(req, settings.tools):
+        if tool.strict and tool.parameters is not None:
+            strict = True
+            error = check_strict_schema(tool.parameters)
+            if error:
+                raise APIError(f"Invalid schema for function '{tool.name}': {error}", param=param,
+                               code="invalid_function_parameters")
+    forced = active.forced_targets(req.tool_choice)
+    if not (structure or forced or answer is not None or strict):
+        return None
+    return TurnRules(active.call_targets(), forced, answer, parallel_calls=req.parallel_tool_calls)
+
+
+def _function_tools(req: ResponseCreateRequest, tools: list[Any]) -> Iterable[tuple[FunctionTool, str]]:
+    """The function tools among `tools` (a namespace's too), each with the parameter naming its
+    schema (`input` for one an input item added)."""
+    for tool in tools:
+        i = next((k for k, t in enumerate(req.tools) if t is tool), None)
+        where = f"tools[{i}]" if i is not None else "input"
+        if isinstance(tool, FunctionTool):
+            yield tool, f"{where}.parameters" if i is not None else where
+        elif isinstance(tool, NamespaceTool):
+            for k, inner in enumerate(tool.tools):
+                if isinstance(inner, FunctionTool):
+                    yield inner, f"{where}.tools[{k}].parameters" if i is not None else where
+
+
+def _answer_schema(fmt: Any) -> dict[str, Any] | None:
+    """The schema a strict `json_schema` format (or `json_object`) holds the answer to."""
+    if isinstance(fmt, TextFormatJsonObject):
+        return {"type": "object"}
+    if isinstance(fmt, TextFormatJsonSchema) and fmt.strict:
+        error = check_strict_schema(fmt.schema_)
+        if error:
+            raise APIError(f"Invalid schema for response_format '{fmt.name}': {error}", param="text.format.schema",
+                           code="invalid_json_schema")
+        return fmt.schema_
+    return None
 
 
 def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str,

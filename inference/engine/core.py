@@ -9,7 +9,10 @@
 
 Each step: the scheduler picks sequences and token counts, the model runner runs them and
 samples, and the engine appends tokens, checks stop conditions, and turns results into
-`TokenDelta`s. With async scheduling (`inference/scheduling/async_scheduling.py`) the next step,
+`TokenDelta`s. A request with a grammar (`SamplingParams.grammar`, `inference/grammar.py`) waits
+outside the scheduler while its grammar compiles on the compiler's thread, then runs like any
+other, its grammar advanced with each token it keeps (drafts included: a drafter's proposals are
+cut where the grammar refuses them). With async scheduling (`inference/scheduling/async_scheduling.py`) the next step,
 where it is plain decode, is launched before this step's tokens are read, so that host work
 overlaps the device.
 
@@ -23,6 +26,7 @@ processes that `executor.py` starts and owns.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -30,6 +34,7 @@ import torch
 
 from inference.config import EngineConfig, ModelConfig
 from inference.engine import executor
+from inference.grammar import GrammarCompiler
 from inference.model.gpt_oss import GptOssModel
 from inference.request import EngineStats, GenerationRequest, TokenDelta, check_request
 from inference.runner.model_runner import LaunchedStep, ModelRunner
@@ -151,6 +156,10 @@ class LLMEngine:
         if overlap and self.drafter is None and model.tp is None:
             self.overlap = StepOverlap(self.scheduler, self.cache, self.max_model_len)
         self._inflight: LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
+        self.grammars = GrammarCompiler(c.vocab_size)
+        if device.type == "cuda":  # a served model: build the vocabulary's tables now, not for the first grammar
+            self.grammars.warm_up()
+        self.compiling: dict[str, tuple[Sequence, Future]] = {}  # constrained requests waiting for their grammar
         # Set last: while the engine is built every rank runs the same collectives (memory profile,
         # CUDA graphs) on its own; from here on each step's plan goes to the workers first.
         self.runner.workers = workers
@@ -243,7 +252,7 @@ class LLMEngine:
 
     def add_request(self, request: GenerationRequest) -> None:
         self.check_request(request)
-        if self.scheduler.find(request.request_id) is not None:
+        if self.scheduler.find(request.request_id) is not None or request.request_id in self.compiling:
             raise ValueError(f"request id {request.request_id!r} is already running")
         sampling = request.sampling
         seq = Sequence(
@@ -257,11 +266,33 @@ class LLMEngine:
         if sampling.seed is not None and not sampling.greedy:
             seq.generator = torch.Generator(device=self.model.device)
             seq.generator.manual_seed(sampling.seed)
+        if sampling.grammar is not None:
+            self.compiling[seq.request_id] = (seq, self.grammars.submit(sampling.grammar, sampling.stop_token_ids))
+            return
         self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> list[TokenDelta]:
+        """Hand the requests whose grammar is compiled to the scheduler; end those whose grammar
+        failed to compile ("error")."""
+        deltas = []
+        for request_id, (seq, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                seq.grammar = future.result()
+            except Exception as e:
+                deltas.append(self._delta(seq, [], None, "error", error=str(e)))
+                continue
+            self.scheduler.add(seq)
+        return deltas
 
     def abort(self, request_id: str) -> TokenDelta | None:
         """Stop a request and free its pages now; returns its final delta (None if not live).
         Aborting a parked request's id releases the parked sequence."""
+        if request_id in self.compiling:
+            seq, _ = self.compiling.pop(request_id)
+            return self._delta(seq, [], None, "abort")
         seq = self.scheduler.find(request_id)
         if seq is None:
             self.scheduler.release_parked(request_id)
@@ -274,7 +305,12 @@ class LLMEngine:
         return self.scheduler.release_parked(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or self._inflight is not None or bool(self.compiling)
+
+    def live_request_ids(self) -> list[str]:
+        """Every request not finished yet: running, waiting, or waiting for its grammar."""
+        s = self.scheduler
+        return [seq.request_id for seq in [*s.running, *s.waiting]] + list(self.compiling)
 
     @property
     def in_flight(self) -> bool:
@@ -309,11 +345,15 @@ class LLMEngine:
         workers, self.runner.workers = self.runner.workers, None
         if workers is not None:
             workers.close(self.runner)
+        self.grammars.close()
 
     def fail_all(self, error: str) -> list[TokenDelta]:
         """End every running and waiting request with finish_reason "error" (after a bug)."""
         self._inflight = None
         deltas = []
+        compiling, self.compiling = [seq for seq, _ in self.compiling.values()], {}
+        for seq in compiling:
+            deltas.append(self._delta(seq, [], None, "error", error=error))
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             try:
                 self.scheduler.remove(seq)
@@ -327,25 +367,39 @@ class LLMEngine:
     def step(self) -> list[TokenDelta]:
         """Run one step; its deltas. With async scheduling that step may have been launched by the
         previous call, and the next one may already be running on the device when this returns."""
+        admitted = self._admit_compiled() if self.compiling else []
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
         else:
             batch = self.scheduler.schedule()
             if not batch.seqs:
-                return []
+                return admitted
             self.steps += 1
             if self.overlap is None:
-                return self._run_synchronously(batch)
+                return admitted + self._run_synchronously(batch)
             try:
                 launched = self.runner.launch(batch)
             except Exception as e:
-                return self._fail_step(batch, e)
+                return admitted + self._fail_step(batch, e)
         self._inflight = self._launch_next(launched)  # queued behind `launched` on the device
         try:
             out = self.runner.collect(launched)
         except Exception as e:
-            return self._fail_step(launched.batch, e)
-        return self._apply_step(launched.batch, out)[0]
+            return admitted + self._fail_step(launched.batch, e) + self._sample_inflight()
+        return admitted + self._apply_step(launched.batch, out)[0] + self._sample_inflight()
+
+    def _sample_inflight(self) -> list[TokenDelta]:
+        """Queue the sampling of the step launched ahead, if it waited for the grammars to take
+        the tokens just applied (`ModelRunner.sample_pending`)."""
+        step = self._inflight
+        if step is None or step.pending is None:
+            return []
+        try:
+            self.runner.sample_pending(step)
+        except Exception as e:
+            self._inflight = None
+            return self._fail_step(step.batch, e)
+        return []
 
     def _launch_next(self, launched: LaunchedStep) -> LaunchedStep | None:
         """Launch the decode step after `launched`, its inputs `launched`'s sampled ids, if the
@@ -423,9 +477,13 @@ class LLMEngine:
         seq.draft_ids.clear()
         finish = stop_token = None
         emitted = []
+        error = None
         for token in tokens:
             seq.token_ids.append(token)
             emitted.append(token)
+            if seq.grammar is not None and token not in seq.sampling.stop_token_ids and not seq.grammar.accept(token):
+                finish, error = "error", f"token {token} is outside the request's grammar: {seq.grammar.error}"
+                break
             finish, stop_token = self._finish_reason(seq, token)
             if finish is not None:
                 break
@@ -441,7 +499,7 @@ class LLMEngine:
             self.cache.truncate(seq.pages, seq.num_computed)  # a page reserved ahead (async scheduling)
             self.scheduler.finish(seq)
         lps = logprobs[: len(emitted)] if logprobs else None
-        return self._delta(seq, emitted, lps, finish, stop_token), seq.num_computed - start
+        return self._delta(seq, emitted, lps, finish, stop_token, error=error), seq.num_computed - start
 
     def _propose(self, batch, out, starts: list[int], kept: list[int]) -> None:
         """Ask the drafter for each still-decoding sequence's next drafts."""
@@ -460,11 +518,16 @@ class LLMEngine:
             limits.append(max(limit, 0))
         ctx = DraftContext(list(batch.seqs), starts, kept, out.first_row, limits, out.aux_hidden)
         for seq, proposal, limit in zip(batch.seqs, self.drafter.propose(ctx), limits):
-            seq.draft_ids[:] = proposal[:limit]
+            proposal = list(proposal[:limit])
+            if seq.grammar is not None:  # verify only drafts the grammar allows
+                proposal = proposal[: seq.grammar.valid_prefix(proposal)]
+            seq.draft_ids[:] = proposal
 
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         if token in seq.sampling.stop_token_ids:
             return "stop", token
+        if seq.grammar is not None and seq.grammar.finished:  # the grammar allows nothing more
+            return "stop", None
         if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length", None
         return None, None
@@ -488,7 +551,7 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(
             running=len(s.running),
-            waiting=len(s.waiting),
+            waiting=len(s.waiting) + len(self.compiling),
             parked=len(s.parked),
             pages_total=self.cache.full.num_pages,
             pages_used=self.cache.full.num_used,

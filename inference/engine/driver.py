@@ -81,7 +81,7 @@ class EngineDriver:
         """End every request ("abort") and free the parked sequences: the engine is stopping."""
         engine = self.engine
         try:
-            deltas = [engine.abort(seq.request_id) for seq in [*engine.scheduler.running, *engine.scheduler.waiting]]
+            deltas = [engine.abort(request_id) for request_id in engine.live_request_ids()]
             for request_id in list(engine.scheduler.parked):
                 engine.release(request_id)
             return [d for d in deltas if d is not None]

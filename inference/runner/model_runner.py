@@ -20,6 +20,11 @@ logits (`inference/runner/vocab_parallel.py`).
 tokens back). Between the two the engine may launch the next decode step, whose input tokens are
 this step's sampled ids taken on the device (`launch(..., after=)`; async scheduling,
 `inference/scheduling/async_scheduling.py`).
+
+Rows of constrained requests are sampled under their grammar's mask (`inference/sample/token_mask.py`),
+which depends on every token before: a step launched ahead queues its model work at once but its
+sampling only once the engine has read the previous step's tokens and advanced the grammars
+(`sample_pending`), when a row of it has a grammar.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from inference.model.gpt_oss import GptOssModel
 from inference.request import TokenLogprob
 from inference.sample.rejection_sampler import RejectionSampler, VerifyOutput
 from inference.sample.sampler import SampledTokens
-from inference.scheduling.scheduler import ScheduledBatch, Sequence
+from inference.sample.token_mask import MaskedEntry, TokenMaskBuilder, TokenMasks
+from inference.scheduling.scheduler import ScheduledBatch, Sequence, SequenceStatus
 from inference.runner.step_inputs import StepInputPacker, StepInputs
 from inference.runner.vocab_parallel import vocab_parallel_argmax
 from inference.transfers import to_device
@@ -63,9 +69,9 @@ class StepPlan:
 
 def plain_greedy(params) -> bool:
     """Whether a row's next token is the plain argmax of its logits: greedy, with no logprobs,
-    logit bias or penalty (which need the whole row of logits on rank 0)."""
+    logit bias, penalty or grammar (which need the whole row of logits on rank 0)."""
     return (params.greedy and params.logprobs is None and not params.logit_bias
-            and not params.frequency_penalty and not params.presence_penalty)
+            and not params.frequency_penalty and not params.presence_penalty and params.grammar is None)
 
 
 @dataclass
@@ -92,6 +98,9 @@ class LaunchedStep:
     sampled: SampledTokens | None
     verified: list[int]  # batch entries whose drafts were verified (already on the host)
     verify_out: VerifyOutput | None
+    # Launched ahead with a constrained row: (the plain rows' logits, their sequences), sampled
+    # by `ModelRunner.sample_pending` once the previous step's tokens are applied.
+    pending: tuple[torch.Tensor, list[Sequence]] | None = None
 
     def token_rows(self) -> dict[Sequence, int]:
         """Each plainly sampled sequence's row in `sampled.tokens` (which holds its next token)."""
@@ -164,6 +173,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = model.device
         self.sampler = RejectionSampler()
+        self.masks = TokenMaskBuilder(self.device)
         self.aux_layers = tuple(aux_layers)
         self.packer = StepInputPacker(page_size, self.device)
         self.workers = None  # tensor parallel, on rank 0: `inference.engine.executor.WorkerProcesses`, sent every step
@@ -325,27 +335,54 @@ class ModelRunner:
         for b in sample_index:
             (verified if drafts[b] else plain).append((b, rows))
             rows += drafts[b] + 1
-        sampled = verify_out = None
+        sampled = verify_out = pending = None
         if plain and greedy_ids is not None:  # tensor-parallel greedy step: the ranks' argmax (no drafts)
             sampled = SampledTokens(greedy_ids, [batch.seqs[b].sampling for b, _ in plain], None)
         elif plain:
             seqs = [batch.seqs[b] for b, _ in plain]
             rows_logits = logits if not verified else logits[to_device([r for _, r in plain], torch.long, logits.device)]
-            sampled = self.sampler.sample(rows_logits, [s.sampling for s in seqs], [self._history(s) for s in seqs],
-                                          [s.generator for s in seqs])
+            if after is not None and any(s.grammar is not None for s in seqs):
+                pending = (rows_logits, seqs)  # its masks need `after`'s tokens
+            else:
+                sampled = self._sample(rows_logits, seqs)
         if verified:
             seqs = [batch.seqs[b] for b, _ in verified]
             row_index = [r + i for b, r in verified for i in range(drafts[b] + 1)]
             draft_ids = [s.draft_ids[: drafts[b]] for (b, _), s in zip(verified, seqs)]
+            firsts = [0]
+            for d in draft_ids:
+                firsts.append(firsts[-1] + len(d) + 1)
+            masks = self.masks.build([MaskedEntry(first, s.grammar, tuple(d))
+                                      for s, d, first in zip(seqs, draft_ids, firsts) if s.grammar is not None])
             verify_out = self.sampler.verify(
                 logits[to_device(row_index, torch.long, logits.device)], draft_ids,
                 [s.sampling for s in seqs], [self._history(s) for s in seqs], [s.generator for s in seqs],
+                masks=masks,
             )
         return LaunchedStep(batch, first_row, aux, [b for b, _ in plain], sampled, [b for b, _ in verified],
-                            verify_out)
+                            verify_out, pending)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+        return self.sampler.sample(logits, [s.sampling for s in seqs], [self._history(s) for s in seqs],
+                                   [s.generator for s in seqs], self._masks(seqs))
+
+    def _masks(self, seqs: list[Sequence]) -> TokenMasks | None:
+        """Grammar masks of the rows of `seqs` that have a grammar (not of sequences that ended
+        while their row was queued: that row is dropped)."""
+        return self.masks.build([MaskedEntry(j, s.grammar) for j, s in enumerate(seqs)
+                                 if s.grammar is not None and s.status == SequenceStatus.RUNNING])
+
+    def sample_pending(self, step: LaunchedStep) -> None:
+        """Queue the sampling of a step launched ahead with constrained rows, now that the
+        previous step's tokens have advanced their grammars."""
+        if step.pending is not None:
+            logits, seqs = step.pending
+            step.pending = None
+            step.sampled = self._sample(logits, seqs)
 
     def collect(self, step: LaunchedStep) -> StepOutput:
         """Wait for a launched step's tokens (only its own work, not steps launched after it)."""
+        self.sample_pending(step)
         n = len(step.batch)
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[TokenLogprob] | None] = [None] * n

@@ -15,9 +15,10 @@ the n-gram and EAGLE-3 drafters are):
 This is the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023): each
 emitted token is distributed exactly as the target's, whatever the drafts were. Here p_i is the
 distribution the plain sampler would draw from at that point (logit bias, penalties counting
-the drafts before it as generated, temperature, top_k / top_p / min_p), so speculation never
-changes what a request can produce. Samples use the exponential race, like `Sampler`; a seeded
-request draws from its own generator, so it stays reproducible (for a given drafter).
+the drafts before it as generated, the grammar after the drafts before it, temperature, top_k /
+top_p / min_p), so speculation never changes what a request can produce. Samples use the
+exponential race, like `Sampler`; a seeded request draws from its own generator, so it stays
+reproducible (for a given drafter).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from inference.sample.argmax_triton import argmax_rows
 from inference.request import SamplingParams, TokenLogprob
 from inference.sample.sampler import Sampler
+from inference.sample.token_mask import TokenMasks, apply_token_masks
 
 
 @dataclass
@@ -50,11 +52,14 @@ class RejectionSampler(Sampler):
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
         draft_probs: list[torch.Tensor | None] | None = None,
+        masks: TokenMasks | None = None,
     ) -> VerifyOutput:
         """logits: [R, V] float32, R = sum(len(d) + 1 for d in drafts): sequence b's rows are
         consecutive, one per draft and one more after them. draft_probs[b]: [len(drafts[b]), V]
         distributions the drafts were sampled from, or None for deterministic drafts (one-hot).
-        output_ids[b]: tokens b has generated before this step (for penalties)."""
+        output_ids[b]: tokens b has generated before this step (for penalties). masks: grammar
+        masks of the rows that have one (a constrained sequence's drafts are ones its grammar
+        allows, and each of its rows holds what the grammar allows after the drafts before it)."""
         device = logits.device
         counts = [len(d) + 1 for d in drafts]
         row_params = [p for p, c in zip(params, counts) for _ in range(c)]
@@ -64,6 +69,7 @@ class RejectionSampler(Sampler):
             out + d[:i] if pen else [] for out, d, pen in zip(output_ids, drafts, penalised) for i in range(len(d) + 1)
         ]
         processed = self._apply_bias_and_penalties(logits, row_params, row_history)
+        processed = apply_token_masks(processed, masks, inplace=processed is not logits)
         best = argmax_rows(processed)  # [R]
         first = [0]
         for c in counts:

@@ -3,6 +3,7 @@
 Order of operations per row, all on the logits' device:
     logits += logit_bias
     logits -= frequency_penalty * count + presence_penalty * (count > 0)   (count: generated tokens)
+    logits[t] = -inf for each token t the row's grammar disallows (rows with one: `token_mask.py`)
     temperature 0  -> argmax (and any below GREEDY_TEMPERATURE)
     otherwise      -> logits / temperature, keep the top_k, keep the smallest set with mass
                       >= top_p, drop tokens below min_p * p_max, sample
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.sample.argmax_triton import argmax_rows
+from inference.sample.token_mask import TokenMasks, apply_token_masks
 from inference.request import SamplingParams, TokenLogprob
 from inference.transfers import HostCopy, to_device
 
@@ -61,9 +63,11 @@ class Sampler:
         params: list[SamplingParams],
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
+        masks: TokenMasks | None = None,
     ) -> SamplerOutput:
-        """logits: [N, V] float32, one row per sequence; output_ids: tokens each has generated."""
-        return self.sample(logits, params, output_ids, generators).result()
+        """logits: [N, V] float32, one row per sequence; output_ids: tokens each has generated;
+        masks: the grammar masks of the rows that have one."""
+        return self.sample(logits, params, output_ids, generators, masks).result()
 
     @staticmethod
     def warm_up(vocab_size: int, device: torch.device) -> None:
@@ -79,10 +83,12 @@ class Sampler:
         params: list[SamplingParams],
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
+        masks: TokenMasks | None = None,
     ) -> SampledTokens:
         """As calling the sampler, but the ids stay on the device until `result()` is asked for."""
         device = logits.device
         processed = self._apply_bias_and_penalties(logits, params, output_ids)
+        processed = apply_token_masks(processed, masks, inplace=processed is not logits)
         tokens = argmax_rows(processed)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference.grammar import GrammarMatcher
 from inference.scheduling.kv_cache import KVCacheManager, PageTable
 from inference.request import SamplingParams
 
@@ -51,6 +52,7 @@ class Sequence:
     counted_prefix: bool = False  # prefix-cache lookup already counted in the stats
     # Speculative decoding: tokens a drafter guessed to follow token_ids, verified next step.
     draft_ids: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # where a constrained request is in its grammar
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,15 @@ def prompt_text(engine, index: int = -1) -> str:
     return harmony_encoding().decode(engine.calls[index].request.prompt_token_ids)
 
 
+def forced_recipients(engine) -> list[str]:
+    """The recipients the grammar of the last request forces its first turn to call."""
+    grammar = engine.calls[-1].request.sampling.grammar
+    if grammar is None or not grammar.text.startswith("start: call_"):
+        return []
+    return sorted(line.split(" to=")[1].split(" ")[0] for line in grammar.text.splitlines()
+                  if line.startswith("call_"))
+
+
 def post(server, body, status=200):
     r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=120)
     assert r.status_code == status, r.text
@@ -118,11 +127,14 @@ def test_allowed_tools_and_custom_choices(fake_server):
     post(fake_server, {"input": "x", "tools": [weather, PATCH], "tool_choice": {
         "type": "allowed_tools", "mode": "required", "tools": [{"type": "custom", "name": "apply_patch"}]}})
     text = prompt_text(engine)
-    assert "apply_patch" in text and "type weather" not in text
-    assert "You must call one of the available tools" in text
+    assert "apply_patch" in text and "type weather" not in text and "You must" not in text
+    assert forced_recipients(engine) == ["functions.apply_patch"]  # the allowed tools only, through the grammar
     post(fake_server, {"input": "x", "tools": [weather, PATCH], "tool_choice": {"type": "custom",
                                                                                 "name": "apply_patch"}})
-    assert "You must call the function `apply_patch`." in prompt_text(engine)
+    assert forced_recipients(engine) == ["functions.apply_patch"] and "You must" not in prompt_text(engine)
+    post(fake_server, {"input": "x", "tools": [weather, PATCH], "tool_choice": {
+        "type": "allowed_tools", "mode": "auto", "tools": [{"type": "custom", "name": "apply_patch"}]}})
+    assert forced_recipients(engine) == []  # "auto" mode forces nothing
     error = post(fake_server, {"input": "x", "tools": [weather], "tool_choice": {
         "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]}}, 400)["error"]
     assert error["param"] == "tool_choice.tools[0]"
@@ -203,3 +215,30 @@ def test_a_namespace_may_not_take_a_reserved_name(fake_server):
     bad = {**NAMESPACE, "name": "functions"}
     assert post(fake_server, {"input": "x", "tools": [bad]}, 400)["error"]["param"] == "tools[0].name"
     assert len(harmony_tokens(DONE)) > 0
+
+
+def test_the_turn_grammar_addresses_every_client_tool(fake_server):
+    """Client tools are the grammar's recipients: a function with its arguments, a custom tool
+    with one JSON string (its input), local_shell, and a namespace's tools under their namespace."""
+    engine = fake_server.engine
+    weather = {"type": "function", "name": "weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}
+    post(fake_server, {"input": "x", "tools": [weather, PATCH, SHELL, NAMESPACE], "tool_choice": "required"})
+    assert forced_recipients(engine) == ["functions.apply_patch", "functions.local_shell", "functions.weather",
+                                         "multi_agent.close_agent", "multi_agent.note"]
+    lines = engine.calls[-1].request.sampling.grammar.text.splitlines()
+    bodies = {line.split(" to=")[1].split(" ")[0]: line.split("<|message|> ")[1].split(" ")[0]
+              for line in lines if line.startswith("call_")}
+    body_of = {line.split(":")[0]: line for line in lines if line.startswith("body_")}
+    assert '"type": "string"' in body_of[bodies["functions.apply_patch"]]
+    assert '"city"' in body_of[bodies["functions.weather"]]
+    assert '"command"' in body_of[bodies["functions.local_shell"]]
+
+
+def test_a_strict_schema_that_cannot_be_enforced_is_refused_in_a_namespace_too(fake_server):
+    broken = {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}
+    space = {**NAMESPACE, "tools": [{**NAMESPACE["tools"][0], "strict": True, "parameters": broken}]}
+    error = post(fake_server, {"input": "x", "tools": [space]}, 400)["error"]
+    assert error["code"] == "invalid_function_parameters" and error["param"] == "tools[0].tools[0].parameters"
+    post(fake_server, {"input": "x", "tools": [{**space, "tools": [{**space["tools"][0], "strict": False}]}]})

@@ -26,6 +26,8 @@ def test_web_search_agent(fake_server):
         "<|channel|>final<|message|>It is an open-weight model 【0†L1-L3】.<|return|>",
     )
     out = run_example(fake_server, "web_search_agent.py", "What is gpt-oss?")
+    grammar = fake_server.engine.calls[0].request.sampling.grammar
+    assert grammar.text.startswith("start: call_0\n") and "to=browser.search" in grammar.text  # the search is forced
     assert "[search] gpt-oss" in out
     assert "It is an open-weight model [gpt-oss release notes]." in out
     assert "cited: gpt-oss release notes <https://example.org/oss>" in out

@@ -367,9 +367,11 @@ def test_logprobs_match_transformers_on_the_tiny_checkpoint(tiny_engine_server, 
     from agent_server.token_bytes import token_bytes
     from schemas.chat import ChatCompletionRequest
 
+    # ignore_eos: no turn grammar (it would mask the logits, and the random model's tokens would
+    # go to reasoning, which has no logprobs), so the served tokens are the model's own argmax.
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 8, "temperature": 0, "logprobs": True,
             "top_logprobs": 4}
-    completion = tiny_engine_server.client().chat.completions.create(**body)
+    completion = tiny_engine_server.client().chat.completions.create(**body, extra_body={"ignore_eos": True})
     served = completion.choices[0].logprobs.content
     assert len(served) == completion.usage.completion_tokens == 8
 

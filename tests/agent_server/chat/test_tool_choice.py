@@ -1,9 +1,11 @@
 """Chat Completions `tool_choice` and the `developer` role against the live server.
 
 The scripted engine keeps each `GenerationRequest`, so the tests read the Harmony prompt the
-model was given: `none` leaves the functions out, `required` and a named function become
-developer instructions next to the function definitions, and a developer message joins the
-instructions like a system one. The developer role also runs on the tiny real engine.
+model was given and the grammar its turn is held to: `none` leaves the functions out, `required`
+and a named function force the call through the grammar (`agent_server/turn_grammar.py`; the
+live tests on the tiny model are in `tests/agent_server/test_turn_grammar_live.py`), and a
+developer message joins the instructions like a system one. The developer role also runs on the
+tiny real engine.
 """
 
 from __future__ import annotations
@@ -35,14 +37,23 @@ def test_tool_choice_none_leaves_the_functions_out(fake_server):
     assert "namespace functions" not in hidden and "get_weather" not in hidden and "get_time" not in hidden
 
 
-def test_tool_choice_required_is_an_instruction_and_the_call_comes_back(fake_server):
+def forced_recipients(engine) -> list[str]:
+    """The recipients the grammar of the last request forces its turn to call (none: not forced)."""
+    grammar = engine.calls[-1].request.sampling.grammar
+    if grammar is None or not grammar.text.startswith("start: call_"):
+        return []
+    return sorted(line.split(" to=")[1].split(" ")[0] for line in grammar.text.splitlines()
+                  if line.startswith("call_"))
+
+
+def test_tool_choice_required_forces_a_call_and_the_call_comes_back(fake_server):
     engine, client = fake_server.engine, fake_server.client()
     engine.say(ONE_CALL)
     _, choices = collect(client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS,
                                                         tool_choice="required", stream=True))
+    assert forced_recipients(engine) == ["functions.get_time", "functions.get_weather"]
     developer = developer_message(prompt_text(engine))
-    assert "You must call one of the available functions before giving your final answer." in developer
-    assert "type get_weather" in developer
+    assert "You must" not in developer and "type get_weather" in developer
     (call,) = choices[0]["calls"].values()
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
     assert choices[0]["finish"] == "tool_calls"
@@ -55,10 +66,10 @@ def test_named_tool_choice(fake_server):
         "type": "function", "function": {"name": "get_time"}})
     (call,) = completion.choices[0].message.tool_calls
     assert call.function.name == "get_time" and completion.choices[0].finish_reason == "tool_calls"
-    developer = developer_message(prompt_text(engine))
-    assert "You must call the function `get_time`." in developer and "type get_weather" in developer
+    assert forced_recipients(engine) == ["functions.get_time"]
+    assert "type get_weather" in developer_message(prompt_text(engine))  # every function is still described
     client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS)
-    assert "You must" not in prompt_text(engine)  # auto adds nothing
+    assert forced_recipients(engine) == []  # auto forces nothing
 
     r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={
         "model": MODEL, "messages": HELLO, "tools": TOOLS, "tool_choice": {"type": "function",

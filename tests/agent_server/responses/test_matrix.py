@@ -463,19 +463,29 @@ def test_tool_choice_none_hides_every_tool(fake_server, fake_tools):
     assert fake_tools["python"].calls == []
 
 
-def test_tool_choice_required_and_named_become_instructions(fake_server):
+def forced_recipients(engine) -> list[str]:
+    """The recipients the grammar of the last request forces its turn to call (none: not forced)."""
+    grammar = engine.calls[-1].request.sampling.grammar
+    if grammar is None or not grammar.text.startswith("start: call_"):
+        return []
+    return sorted(line.split(" to=")[1].split(" ")[0].rstrip('"') for line in grammar.text.splitlines()
+                  if line.startswith("call_"))
+
+
+def test_tool_choice_required_and_named_force_the_call(fake_server):
     engine, client = fake_server.engine, fake_server.client()
     client.responses.create(model=MODEL, input="Hi", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
-    assert "You must call one of the available tools" in developer_message(prompt_text(engine.calls[-1]))
+    assert forced_recipients(engine) == ["functions.get_time", "functions.get_weather"]
     response = client.responses.create(model=MODEL, input="Hi", tools=[WEATHER_TOOL, TIME_TOOL],
                                        tool_choice={"type": "function", "name": "get_time"})
     assert response.tool_choice.name == "get_time"
+    assert forced_recipients(engine) == ["functions.get_time"]
     developer = developer_message(prompt_text(engine.calls[-1]))
-    assert "You must call the function `get_time`." in developer and "type get_weather" in developer
+    assert "You must" not in developer and "type get_weather" in developer
     client.responses.create(model=MODEL, input="Hi", tools=[CODE_TOOL], tool_choice={"type": "code_interpreter"})
-    assert "You must use the python tool." in prompt_text(engine.calls[-1])
+    assert forced_recipients(engine) == ["python"]
     client.responses.create(model=MODEL, input="Hi", tools=[WEATHER_TOOL])
-    assert "You must" not in prompt_text(engine.calls[-1])
+    assert forced_recipients(engine) == []
 
 
 def test_function_call_items_come_with_their_outputs(fake_server):

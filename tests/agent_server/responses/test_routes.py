@@ -718,7 +718,9 @@ def test_requests_openai_refuses_are_refused(fake_server):
     assert error["param"] == "tool_choice.name" and "get_horoscope" in error["message"]
     chosen = client.responses.create(model=MODEL, input="x", tools=[mcp], tool_choice={
         "type": "mcp", "server_label": "weather", "name": "get_forecast"})
-    assert "`get_forecast` of the `weather` server" in prompt_text(engine.calls[-1]) and chosen.status == "completed"
+    grammar = engine.calls[-1].request.sampling.grammar.text  # the turn grammar forces that tool
+    assert grammar.startswith("start: call_0\n") and "to=weather.get_forecast " in grammar and "call_1" not in grammar
+    assert chosen.status == "completed"
     # A response that ended in function calls continues with their outputs.
     engine.say(WEATHER_CALL)
     first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER_TOOL])
