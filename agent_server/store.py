@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,7 +63,8 @@ class SQLiteResponseStore:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _keep_private(self.path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False)
         with self._lock, self._db:
@@ -163,6 +168,20 @@ class SQLiteResponseStore:
     async def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _keep_private(path: Path) -> None:
+    """The store holds every prompt and answer: its file is created readable by its owner only,
+    and an existing one (with its WAL and shared-memory files) is made so. SQLite gives the WAL
+    and shared-memory files it creates the database file's mode, so creating the file first is
+    enough (a umask change would be process-wide, and other threads create files too)."""
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))  # (an empty file is an empty database)
+    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), Path(f"{path}-journal")):
+        try:
+            if name.exists() and name.stat().st_mode & 0o077:
+                os.chmod(name, 0o600)
+        except OSError as e:  # (not our file): serve anyway, but say so
+            log.warning("could not make %s readable by its owner only: %s", name, e)
 
 
 def _items(record: StoredResponse) -> list[dict[str, Any]]:
