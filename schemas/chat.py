@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from .responses import check_json_schema
+from .responses import Identifier, Metadata, check_json_schema
 
 
 class StrictModel(BaseModel):
@@ -203,12 +203,12 @@ class ChatCompletionRequest(StrictModel):
     logit_bias: dict[str, float] | None = None
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    user: str | None = None
-    metadata: dict[str, str] | None = None
+    user: Identifier | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    safety_identifier: Identifier | None = None
+    prompt_cache_key: Identifier | None = None
     # Not OpenAI's: keep generating past the end of the turn (<|return|>, <|call|>) until the token
     # limit, for benchmarks that need exact output lengths. vLLM and SGLang take the same field.
     ignore_eos: bool = False

@@ -273,6 +273,14 @@ ToolChoice = Union[
 # --- other options --------------------------------------------------------------------------
 
 
+# Strings the server echoes and stores, bounded as OpenAI bounds them: metadata is at most 16
+# pairs, keys up to 64 characters and values up to 512; `user`, `safety_identifier` and
+# `prompt_cache_key` up to 64 characters.
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
+Identifier = Annotated[str, Field(max_length=64)]
+
+
 class ReasoningOptions(StrictModel):
     effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -332,28 +340,14 @@ class ResponseCreateRequest(StrictModel):
     store: bool = True
     previous_response_id: str | None = None
     background: bool = False
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: Metadata | None = None
+    user: Identifier | None = None
     include: list[Includable] | None = None
     # "disabled" (default): an input longer than the context gets a 400; "auto": the oldest items go.
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > 16:
-            raise ValueError("at most 16 metadata keys are allowed")
-        for key, text in value.items():
-            if len(key) > 64:
-                raise ValueError(f"metadata key {key[:20]!r}... is longer than 64 characters")
-            if len(text) > 512:
-                raise ValueError(f"metadata value for {key!r} is longer than 512 characters")
-        return value
+    prompt_cache_key: Identifier | None = None
+    safety_identifier: Identifier | None = None
 
     @property
     def effort(self) -> ReasoningEffort:

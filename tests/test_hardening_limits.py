@@ -173,7 +173,7 @@ RESPONSES_INVALID = [
      "text.format.schema", "invalid_value"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": 5}}]},
      "tools[0].parameters", "invalid_value"),
-    ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "invalid_value"),
+    ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "object_above_max_properties"),
     ({"input": "hi", "include": ["everything"]}, "include[0]", "invalid_value"),
     # Our own output items sent back: the fields the server replays are typed.
     ({"input": [{"type": "code_interpreter_call", "id": "c", "code": 5}]}, "input[0].code", "invalid_type"),
@@ -209,6 +209,49 @@ CHAT_INVALID = [
         "name": "f", "parameters": {"type": "object", "required": "city"}}}]},
      "tools[0].function.parameters", "invalid_value"),
 ]
+
+
+# Strings the server echoes back and stores, with OpenAI's limits and words: (field, value, param,
+# code, message).
+ECHOED_TOO_LONG = [
+    ("user", "u" * 65, "user", "string_above_max_length",
+     "Invalid 'user': string too long. Expected a string with maximum length 64, but got a string with length 65 "
+     "instead."),
+    ("safety_identifier", "s" * 1000, "safety_identifier", "string_above_max_length",
+     "Invalid 'safety_identifier': string too long. Expected a string with maximum length 64, but got a string with "
+     "length 1000 instead."),
+    ("prompt_cache_key", "é" * 65, "prompt_cache_key", "string_above_max_length",
+     "Invalid 'prompt_cache_key': string too long. Expected a string with maximum length 64, but got a string with "
+     "length 65 instead."),
+    ("metadata", {f"k{i}": "v" for i in range(17)}, "metadata", "object_above_max_properties",
+     "Invalid 'metadata': too many properties. Expected an object with at most 16 properties, but got an object "
+     "with 17 properties instead."),
+    ("metadata", {"a.b" + "k" * 62: "v"}, "metadata.a.b" + "k" * 62, "property_name_above_max_length",
+     "Invalid property name in 'metadata': 'a.b" + "k" * 62 + "' is too long. Expected a string with maximum length "
+     "64, but got a string with length 65 instead."),
+    ("metadata", {"topic": "x" * 513}, "metadata.topic", "string_above_max_length",
+     "Invalid 'metadata.topic': string too long. Expected a string with maximum length 512, but got a string with "
+     "length 513 instead."),
+]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+@pytest.mark.parametrize("field,value,param,code,message", ECHOED_TOO_LONG)
+def test_echoed_strings_have_openais_limits(server, api, field, value, param, code, message):
+    send = respond if api == "responses" else chat
+    base = {"input": "hi"} if api == "responses" else {"messages": [USER]}
+    error = error_of(send(server, **base, **{field: value}))
+    assert (error["param"], error["code"], error["message"]) == (param, code, message)
+
+
+def test_echoed_strings_at_their_limits_are_echoed(fake_server):
+    limits = {"user": "u" * 64, "safety_identifier": "s" * 64, "prompt_cache_key": "p" * 64,
+              "metadata": {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}}
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", **limits})
+    assert r.status_code == 200, r.text[:300]
+    assert {k: r.json()[k] for k in limits} == limits
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={"model": MODEL, "messages": [USER], **limits})
+    assert r.status_code == 200, r.text[:300]
 
 
 @pytest.mark.parametrize("body,param,code", RESPONSES_INVALID)
