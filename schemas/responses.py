@@ -224,16 +224,46 @@ class FunctionTool(StrictModel):
         return None if value is None else check_json_schema(value, info)
 
 
+class UserLocation(StrictModel):
+    type: Literal["approximate"] = "approximate"
+    city: str | None = None
+    country: str | None = None
+    region: str | None = None
+    timezone: str | None = None
+
+
+class WebSearchFilters(StrictModel):
+    allowed_domains: list[str] | None = None
+
+
 class WebSearchTool(StrictModel):
     type: Literal["web_search_preview", "web_search_preview_2025_03_11", "web_search"]
     search_context_size: Literal["low", "medium", "high"] | None = None
-    user_location: dict[str, Any] | None = None
-    filters: dict[str, Any] | None = None
+    user_location: UserLocation | None = None
+    filters: WebSearchFilters | None = None
+
+
+class ContainerAuto(StrictModel):
+    type: Literal["auto"]
+    file_ids: list[str] | None = None
+    memory_limit: Literal["1g", "4g", "16g", "64g"] | None = None
 
 
 class CodeInterpreterTool(StrictModel):
     type: Literal["code_interpreter"]
-    container: Union[str, dict[str, Any]] = "auto"
+    container: Union[str, ContainerAuto] = "auto"
+
+
+class McpToolFilter(StrictModel):
+    """Which tools of an MCP server: by name, and (read_only) those it marks read-only."""
+
+    read_only: bool | None = None
+    tool_names: list[str] | None = None
+
+
+class McpApprovalFilter(StrictModel):
+    always: McpToolFilter | None = None
+    never: McpToolFilter | None = None
 
 
 class McpTool(StrictModel):
@@ -241,8 +271,8 @@ class McpTool(StrictModel):
     server_label: str
     server_url: str | None = None
     server_description: str | None = None
-    allowed_tools: Union[list[str], dict[str, Any], None] = None
-    require_approval: Union[Literal["always", "never"], dict[str, Any], None] = None
+    allowed_tools: Union[list[str], McpToolFilter, None] = None
+    require_approval: Union[Literal["always", "never"], McpApprovalFilter, None] = None
     headers: dict[str, str] | None = None
 
 

@@ -267,12 +267,13 @@ def test_chat_validation_errors_name_the_parameter(server, body, param, code):
 
 
 def test_fields_the_sdk_response_rejects_are_a_400(fake_server):
-    # The request schema takes any dict as a container; the SDK's Response type (which the
-    # response is built on) wants {"type": "auto", ...}: still the client's error, named.
+    # The SDK's Response type (which the response is built on) wants a container {"type": "auto",
+    # ...}; the request schema types it the same way, so the error names the field it is about
+    # (test_hardening_tool_shapes goes through every tool field).
     r = httpx.post(f"{fake_server.url}/v1/responses", json={
         "model": MODEL, "input": "hi", "tools": [{"type": "code_interpreter", "container": {"kind": "big"}}]})
     error = error_of(r)
-    assert (error["param"], error["code"]) == ("tools[0].container.type", "missing_required_parameter")
+    assert (error["param"], error["code"]) == ("tools[0].container.kind", "unknown_parameter")
 
 
 def test_missing_model_and_unknown_model(server):
