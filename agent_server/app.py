@@ -26,6 +26,7 @@ from inference.request import EngineClient
 
 from . import chat_api, playground, responses_api
 from .auth import ApiKeyMiddleware
+from .cross_site import CrossSiteGuard
 from .errors import APIError, UnexpectedErrorMiddleware, internal_error, not_found
 from .metrics import Metrics, MetricsMiddleware
 from .request_ids import RequestIdMiddleware, current_request_id, new_request_id
@@ -244,7 +245,8 @@ def create_app(
     if config.cors_origins:  # outside the key check: preflight requests carry no credentials
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
                                      allow_headers=["*"], expose_headers=["x-request-id"]))
-    middleware += [Middleware(ApiKeyMiddleware, api_key=config.api_key), Middleware(ReadinessGate, state=state)]
+    middleware += [Middleware(CrossSiteGuard, allowed_hosts=config.allowed_hosts),
+                   Middleware(ApiKeyMiddleware, api_key=config.api_key), Middleware(ReadinessGate, state=state)]
     app = Starlette(
         routes=routes,
         middleware=middleware,

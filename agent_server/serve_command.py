@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "60, or less to end before --tool-timeout)")
     parser.add_argument("--cors-origin", action="append", default=[],
                         help="allow this browser origin (CORS, off by default); repeatable, '*' for any")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="also answer requests for this host name (besides localhost, IP addresses and --host); "
+                             "repeatable, '*.example.com' for its subdomains, '*' for any")
     parser.add_argument("--max-request-bytes", type=positive_int, default=32 << 20,
                         help="largest request body accepted")
     parser.add_argument("--max-input-items", type=positive_int, default=2048,
@@ -249,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         store_path=store_path,
         tool_timeout=args.tool_timeout,
         cors_origins=args.cors_origin,
+        allowed_hosts=[args.host, *args.allowed_host],
         max_request_bytes=args.max_request_bytes,
         max_input_items=args.max_input_items,
         shutdown_timeout=args.shutdown_timeout,

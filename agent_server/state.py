@@ -33,6 +33,8 @@ class ServerConfig:
     max_tools: int = 128
     shutdown_timeout: float = 30.0  # seconds in-flight responses get to finish when stopping
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
+    # Host names answered besides loopback names and IP addresses ("*": any); see cross_site.
+    allowed_hosts: list[str] = field(default_factory=list)
     sse_ping_seconds: float = 15.0
 
     def serves(self, model: str) -> bool:

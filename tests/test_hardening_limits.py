@@ -37,7 +37,7 @@ def server(request, tmp_path_factory):
     app = make_app(lambda: engine, tmp_path_factory.mktemp("limits") / "r.db", max_request_bytes=MAX_BYTES,
                    max_input_items=MAX_ITEMS, max_tools=MAX_TOOLS)
     with LiveServer(app, kind=request.param) as live:
-        live.http = httpx.Client(base_url=live.url, timeout=120)
+        live.http = httpx.Client(base_url=live.url, timeout=120, headers={"Content-Type": "application/json"})
         assert live.engine.max_model_len == CONTEXT
         yield live
         live.http.close()
