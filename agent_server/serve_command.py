@@ -13,6 +13,8 @@ import math
 import os
 from pathlib import Path
 
+from .http_limits import HttpLimits
+
 log = logging.getLogger("oss_agent")
 
 TINY_MODEL_NAME = "gpt-oss-tiny-random"
@@ -67,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "repeatable, '*.example.com' for its subdomains, '*' for any")
     parser.add_argument("--max-request-bytes", type=positive_int, default=32 << 20,
                         help="largest request body accepted")
+    parser.add_argument("--max-header-bytes", type=positive_int, default=HttpLimits.max_head_bytes,
+                        help="largest request line and headers accepted (431 beyond)")
+    parser.add_argument("--header-timeout", type=positive_float, default=HttpLimits.head_timeout, metavar="SECONDS",
+                        help="seconds a request's line and headers may take to arrive, and a new connection may "
+                             "stay silent (408, closed)")
+    parser.add_argument("--body-timeout", type=positive_float, default=HttpLimits.body_timeout, metavar="SECONDS",
+                        help="seconds a request's body may take to arrive after its headers (closed)")
     parser.add_argument("--max-input-items", type=positive_int, default=2048,
                         help="most items in a request's input (Responses) or messages (Chat Completions)")
     parser.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
@@ -182,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .http_limits import uvicorn_options
     from .request_ids import RequestIdFilter
     from .state import ServerConfig, default_store_path
 
@@ -267,9 +277,12 @@ def run(args: argparse.Namespace) -> int:
     # Our access log (with request ids) replaces uvicorn's. On SIGTERM/SIGINT uvicorn stops
     # accepting, gives open connections the shutdown timeout, then the app drains its runs.
     # log_config=None: uvicorn's own lines go through the root handler, in the server's format.
+    limits = HttpLimits(max_head_bytes=args.max_header_bytes, head_timeout=args.header_timeout,
+                        body_timeout=args.body_timeout)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            log_config=None, access_log=False,
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+                                           timeout_graceful_shutdown=args.shutdown_timeout,
+                                           **uvicorn_options(limits)))
     server.run()
     if failed:
         log.error("exiting: startup failed: %s", failed[0])

@@ -1,18 +1,29 @@
 """The HTTP edge against clients that are not what they claim: web pages reaching a loopback
-server (DNS rebinding, cross-site POSTs) and slow or oversized request heads.
+server (DNS rebinding, cross-site POSTs) and slow or oversized request heads and bodies.
 
 Host: only served names are answered (loopback names, IP addresses, the bound host and
 `--allowed-host`), so a page whose name was rebound to 127.0.0.1 reads nothing. Content type:
 the API's POSTs want `application/json`, as OpenAI's do, so a page cannot start a generation
 with a "simple" cross-site POST. Both with the real clients still working: the openai SDK and
 the playground page.
+
+Slow clients, with real sockets against the live uvicorn server `oss-agent serve` runs
+(`agent_server.http_limits`): connections that never finish their head (slowloris), heads past
+the size limit, silent connections and trickled bodies are closed on time, while another
+client keeps getting answers quickly.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import httpx
 import pytest
 
+from agent_server.bench_server_metrics import parse_metrics
+from agent_server.http_limits import HttpLimits, LimitedHttpToolsProtocol
 from tests.conftest import MODEL, LiveServer, make_app, serve_captured
 from tests.fake_engine import ScriptedEngine
 
@@ -128,3 +139,200 @@ def test_the_sdk_and_the_playground_still_work(server):
     page = httpx.get(f"{server.url}/", headers={"Host": f"localhost:{server.port}"})
     assert page.status_code == 200 and "<html" in page.text.lower()
     assert httpx.get(f"{server.url}/static/api.js").status_code == 200
+
+
+# --- slow and oversized requests ------------------------------------------------------------
+
+LIMITS = HttpLimits(max_head_bytes=16 << 10, head_timeout=1.0, body_timeout=1.0, keep_alive_timeout=1.0)
+
+
+@pytest.fixture
+def limited(tmp_path):
+    with LiveServer(make_app(lambda: ScriptedEngine(), tmp_path / "r.db"), limits=LIMITS) as live:
+        live.port = int(live.url.rsplit(":", 1)[1])
+        yield live
+
+
+def connect(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (or 10 s pass)."""
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except (ConnectionResetError, socket.timeout):
+        pass
+    return b"".join(chunks)
+
+
+class Attack:
+    """Clients in threads: each sends `first`, then `piece` every `every` seconds until the
+    server closes the connection or `until` passes. Records what the server answered, when
+    it closed, and how many bytes got through."""
+
+    def __init__(self, server, clients: int, first: bytes, piece: bytes, every: float, until: float):
+        self.results: list[dict] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._one, args=(server, first, piece, every, until), daemon=True)
+                        for _ in range(clients)]
+
+    def _one(self, server, first, piece, every, until):
+        sock = connect(server)
+        started, sent, answer = time.monotonic(), 0, b""
+        closed_at = None
+        try:
+            sock.sendall(first)
+            sent += len(first)
+            sock.setblocking(False)
+            while time.monotonic() - started < until:
+                try:
+                    data = sock.recv(65536)
+                    if not data:
+                        closed_at = time.monotonic() - started
+                        break
+                    answer += data
+                except BlockingIOError:
+                    pass
+                try:
+                    sock.send(piece)
+                    sent += len(piece)
+                except BlockingIOError:
+                    pass
+                time.sleep(every)
+        except (BrokenPipeError, ConnectionResetError):
+            closed_at = time.monotonic() - started
+        finally:
+            sock.close()
+        with self.lock:
+            self.results.append({"answer": answer, "closed_at": closed_at, "sent": sent})
+
+    def start(self) -> "Attack":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def join(self) -> list[dict]:
+        for t in self.threads:
+            t.join(timeout=30)
+        return self.results
+
+
+def probe_latencies(server, seconds: float) -> list[float]:
+    """An ordinary client's requests during an attack: each one's time to answer."""
+    latencies = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.02)
+    return latencies
+
+
+def server_errors(server) -> float:
+    """5xx answers so far (but /ready's while the model loads)."""
+    samples = parse_metrics(httpx.get(f"{server.url}/metrics").text)
+    return sum(v for (name, labels), v in samples.items()
+               if name == "oss_agent_requests_total" and dict(labels)["status"].startswith("5")
+               and dict(labels)["endpoint"] != "/ready")
+
+
+def test_serve_runs_the_limits_it_is_given(tiny_checkpoint, tmp_path):
+    served = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"), "--max-header-bytes",
+                             "9000", "--header-timeout", "3", "--body-timeout", "7"])
+    assert issubclass(served["http"], LimitedHttpToolsProtocol)
+    assert served["http"].limits == HttpLimits(max_head_bytes=9000, head_timeout=3.0, body_timeout=7.0)
+    defaults = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db")])
+    assert defaults["http"].limits == HttpLimits() and defaults["timeout_keep_alive"] == HttpLimits().keep_alive_timeout
+
+
+def test_slowloris_does_not_hold_other_clients_and_is_cut_off(limited):
+    # 24 connections that never finish a header line, a byte every 50 ms (slowloris), and 4 that
+    # send one endless header line as fast as they can in 100-byte pieces.
+    head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+    slow = Attack(limited, 24, head, b"a", 0.05, until=6.0).start()
+    fast = Attack(limited, 4, head, b"b" * 100, 0.0005, until=6.0).start()
+    latencies = probe_latencies(limited, 2.5)
+    slow_results, fast_results = slow.join(), fast.join()
+    # The ordinary client was answered quickly throughout.
+    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    # Each slow head was cut off with a 408 soon after the head timeout.
+    for result in slow_results:
+        assert result["closed_at"] is not None and result["closed_at"] < LIMITS.head_timeout + 1.5, result
+        assert result["answer"].startswith(b"HTTP/1.1 408 "), result["answer"][:100]
+    # Each endless line was refused with a 431 once it passed the size limit.
+    for result in fast_results:
+        assert result["answer"].startswith(b"HTTP/1.1 431 "), result["answer"][:100]
+        assert result["closed_at"] is not None and result["closed_at"] < LIMITS.head_timeout + 1.5, result
+        assert b'"code": "request_header_fields_too_large"' in result["answer"]
+    assert server_errors(limited) == 0
+    assert probe_latencies(limited, 0.2)
+
+
+def test_a_silent_connection_is_closed(limited):
+    sock = connect(limited)
+    started = time.monotonic()
+    answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < LIMITS.head_timeout + 1.5
+    # Idle between requests: the keep-alive timeout closes it.
+    sock = connect(limited)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    started = time.monotonic()
+    answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1") == 1
+    assert time.monotonic() - started < LIMITS.keep_alive_timeout + 1.5
+
+
+def test_a_trickled_body_is_cut_off(limited):
+    # A body of 1000 bytes sent a byte every 50 ms would take 50 s; the body timeout is 1 s.
+    head = (b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{")
+    results = Attack(limited, 8, head, b" ", 0.05, until=6.0).start()
+    latencies = probe_latencies(limited, 1.5)
+    for result in results.join():
+        assert result["closed_at"] is not None and result["closed_at"] < LIMITS.body_timeout + 1.5, result
+        assert b"HTTP/1.1 5" not in result["answer"]
+    assert max(latencies) < 0.5
+    assert server_errors(limited) == 0
+
+
+def test_heads_in_pieces_pipelined_or_at_the_limit_are_served(limited):
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    # Byte by byte (the blank line split across reads, too).
+    sock = connect(limited)
+    for i in range(len(request)):
+        sock.sendall(request[i:i + 1])
+        time.sleep(0.005)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    assert read_all(sock).count(b"HTTP/1.1 200 ") == 2
+    # Pipelined: three requests in one write, the last closing the connection.
+    sock = connect(limited)
+    sock.sendall(request * 2 + b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    answer = read_all(sock)
+    assert answer.count(b"HTTP/1.1 200 ") == 3 and answer.endswith(b"}")
+    # A body in the same write as its head, and a head just under the size limit.
+    body = b'{"model": "%s", "input": "hi"}' % MODEL.encode()
+    padding = b"X-Pad: " + b"p" * (LIMITS.max_head_bytes - 300) + b"\r\n"
+    sock = connect(limited)
+    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\n" + padding + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"status":"completed"' in answer
+    # A small head whose body, in the same write, is far larger than the head limit.
+    body = b'{"model": "%s", "input": "hi", "instructions": "%s"}' % (MODEL.encode(), b"word " * (LIMITS.max_head_bytes // 4))
+    sock = connect(limited)
+    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"status":"completed"' in answer
+    # Bare LF line ends: answered at once one way or the other, not left waiting.
+    sock = connect(limited)
+    started = time.monotonic()
+    sock.sendall(b"GET /health HTTP/1.1\nHost: 127.0.0.1\nConnection: close\n\n")
+    answer = read_all(sock)
+    assert answer.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 400 ")) and time.monotonic() - started < 0.9
