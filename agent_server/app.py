@@ -228,6 +228,7 @@ def create_app(
                     log.exception("closing tool server %s", getattr(server, "name", server))
             if state.engine is not None:
                 await state.engine.shutdown()
+            state.renderer.shutdown()
             await state.store.close()
 
     routes = [

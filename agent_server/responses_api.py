@@ -41,6 +41,7 @@ from .agent_loop import AgentLoop, AgentOutcome, AgentTask
 from .conversation import input_to_messages, messages_from_json, messages_to_json
 from .errors import APIError, from_validation_error, not_found
 from .harmony import PromptConfig, preamble, render_prompt
+from .large_prompts import check_fits, text_chars
 from .request_parsing import read_request
 from .response_events import TERMINAL_EVENT, ResponseEvents, dump, new_id
 from .runs import ResponseRun
@@ -175,9 +176,13 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         conversation_start_date=datetime.date.today().isoformat(),
     )
     head, conversation = preamble(prompt_config), history + converted.messages
-    prompt = render_prompt(head + conversation)
-    if req.truncation == "auto" and not _fits(prompt, engine.max_model_len, req.max_output_tokens):
-        prompt = _truncated(head, conversation, engine.max_model_len, req.max_output_tokens) or prompt
+    auto = req.truncation == "auto"
+    # (the least truncation="auto" keeps: from the last user message on)
+    kept = conversation[max([i for i, m in enumerate(conversation) if i > 0 and m.author.role == Role.USER],
+                            default=0):] if auto else conversation
+    check_fits(head + kept, engine.max_model_len, "input", "input")
+    prompt = await state.renderer.run(_prompt_for, head, conversation, engine.max_model_len, req.max_output_tokens,
+                                      auto, chars=text_chars(conversation))
     if len(prompt) >= engine.max_model_len:
         raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens.",
                        param="input", code="context_length_exceeded")
@@ -219,6 +224,16 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         mcp_listed=sorted(listed_mcp | {b.label for b in active.mcp.values()}),
         chain_item_ids=chain_ids,
     )
+
+
+def _prompt_for(head: list[Message], conversation: list[Message], max_model_len: int,
+                max_output_tokens: int | None, auto_truncation: bool) -> list[int]:
+    """The prompt's tokens, truncated under truncation="auto" when it does not fit (a worker
+    process runs this for a long conversation: see large_prompts)."""
+    prompt = render_prompt(head + conversation)
+    if auto_truncation and not _fits(prompt, max_model_len, max_output_tokens):
+        prompt = _truncated(head, conversation, max_model_len, max_output_tokens) or prompt
+    return prompt
 
 
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:

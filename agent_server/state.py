@@ -8,6 +8,7 @@ from typing import Any
 
 from inference.request import EngineClient
 
+from .large_prompts import PromptRenderer
 from .metrics import Metrics
 from .runs import RunRegistry
 from .store import ResponseStore
@@ -49,6 +50,7 @@ class ServerState:
     tools: ToolRegistry = field(default_factory=ToolRegistry)
     engine: EngineClient | None = None
     store: ResponseStore | None = None
+    renderer: PromptRenderer = field(default_factory=PromptRenderer)  # long prompts are rendered off the loop
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

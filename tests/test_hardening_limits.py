@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 import httpx
 import pytest
@@ -130,6 +132,88 @@ def test_output_limit_beyond_what_fits(server):
         error = error_of(chat(server, messages=[USER], **{param: CONTEXT}))
         assert error["param"] == param and error["code"] == "context_length_exceeded"
     assert chat(server, messages=[USER], max_tokens=3).json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_the_longest_token_bounds_the_cheap_check():
+    # A conversation of C characters is at least C / MAX_TOKEN_BYTES tokens only if no token is
+    # longer: the vocabulary's longest.
+    from agent_server.large_prompts import MAX_TOKEN_BYTES
+    from agent_server.token_bytes import _vocabulary
+
+    assert max(len(b) for b in _vocabulary().values()) == MAX_TOKEN_BYTES
+
+
+def request_in_the_background(url: str, path: str, body: dict) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def send():
+        started = time.monotonic()
+        result["response"] = httpx.post(url + path, json=body, timeout=300)
+        result["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread, result
+
+
+def health_latencies_while(url: str, thread: threading.Thread) -> list[float]:
+    """Times /health takes to answer, polled until `thread` ends."""
+    latencies = []
+    with httpx.Client(timeout=60) as client:
+        while thread.is_alive():
+            started = time.monotonic()
+            assert client.get(url + "/health").status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.02)
+    return latencies
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(tmp_path, api):
+    # 8 MB of words would take the tokenizer seconds, on the event loop; at most 128 bytes a
+    # token, it cannot fit 1024 tokens, which its length says at once.
+    app = make_app(lambda: ScriptedEngine(max_model_len=CONTEXT), tmp_path / "r.db", max_request_bytes=16 << 20)
+    text = "word " * ((8 << 20) // 5)
+    path, body = (("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": text}]}) if api == "responses"
+                  else ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}))
+    with LiveServer(app) as live:
+        thread, result = request_in_the_background(live.url, path, body)
+        latencies = health_latencies_while(live.url, thread)
+        thread.join()
+    assert max(latencies, default=0) < 0.5, sorted(latencies)[-3:]
+    error = error_of(result["response"])
+    assert error["code"] == "context_length_exceeded" and error["param"] == ("input" if api == "responses"
+                                                                             else "messages")
+    assert f"at least {len(text) // 128} tokens" in error["message"] and str(CONTEXT) in error["message"]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_a_long_prompt_that_may_fit_is_tokenized_off_the_event_loop(tmp_path, api):
+    # 2.5 MB of words (625,000 tokens) fits a context of 2M tokens: it is tokenized, taking a
+    # second or more, and other clients are answered meanwhile.
+    engine = ScriptedEngine(max_model_len=2_000_000)
+    app = make_app(lambda: engine, tmp_path / "r.db", max_request_bytes=16 << 20)
+    text = "word " * 500_000
+    path, body = (("/v1/responses", {"model": MODEL, "input": text}) if api == "responses"
+                  else ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}))
+    with LiveServer(app) as live:
+        # (the first long prompt starts the worker process: not what is measured)
+        assert httpx.post(live.url + path, json=body, timeout=300).status_code == 200
+        thread, result = request_in_the_background(live.url, path, body)
+        latencies = health_latencies_while(live.url, thread)
+        thread.join()
+    assert result["response"].status_code == 200, result["response"].text[:300]
+    assert max(latencies) < 0.5, sorted(latencies)[-3:]  # the loop kept answering...
+    assert len(latencies) >= 5, (latencies, result["seconds"])  # ...while the request took a while
+    assert len(engine.calls[-1].request.prompt_token_ids) > 500_000  # the whole prompt, as the loop would render it
+    # The same tokens the event loop renders for it.
+    from agent_server.harmony import render_prompt
+    from agent_server.chat_prompt import chat_messages
+    from schemas.chat import ChatCompletionRequest
+
+    if api == "chat":
+        expected = render_prompt(chat_messages(ChatCompletionRequest.model_validate(body)))
+        assert engine.calls[-1].request.prompt_token_ids == expected
 
 
 # --- parameters -----------------------------------------------------------------------------
