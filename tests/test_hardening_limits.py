@@ -492,16 +492,18 @@ def test_a_requests_schemas_together_are_bounded(fake_server):
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 30}
                                                for i in range(800)}}
     tools = [{"type": "function", "name": f"f{i}", "parameters": schema} for i in range(5)]
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools})
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools},
+                   timeout=60)  # (seconds of jsonschema on a busy machine: more than httpx's default 5)
     error = error_of(r)
     assert (error["param"], error["code"]) == ("tools[4].parameters", "invalid_value") and "in all" in error["message"]
     r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={
         "model": MODEL, "messages": [USER], "tools": [{"type": "function", "function": {
             "name": t["name"], "parameters": schema}} for t in tools[:4]],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, timeout=60)
     assert error_of(r)["param"] == "response_format.json_schema.schema"
     # Four of them pass the schema checks (and reach the prompt, which they overfill).
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools[:4]})
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools[:4]},
+                   timeout=60)
     assert error_of(r)["code"] == "context_length_exceeded"
 
 
