@@ -38,10 +38,12 @@ from schemas.responses import (
 )
 
 from .agent_loop import AgentLoop, AgentOutcome, AgentTask
+from .auth import request_owner
 from .conversation import input_to_messages, messages_from_json, messages_to_json
 from .errors import APIError, from_validation_error, not_found
 from .harmony import PromptConfig, preamble, render_prompt
 from .large_prompts import check_fits, text_chars
+from .ownership import visible
 from .request_parsing import read_request
 from .response_events import TERMINAL_EVENT, ResponseEvents, dump, new_id
 from .run_journal import RunJournal
@@ -81,6 +83,7 @@ class PreparedResponse:
     input_instructions: list[str] = field(default_factory=list)  # system/developer input, whole chain
     mcp_listed: list[str] = field(default_factory=list)  # server labels listed, whole chain
     chain_item_ids: list[str] = field(default_factory=list)  # item ids of the earlier responses of the chain
+    owner: str | None = None  # the owner name of the request's API key (auth.py)
 
 
 # --- create -------------------------------------------------------------------------------
@@ -92,7 +95,7 @@ async def create_response(request: Request) -> Response:
     config = state.config
     body = await read_request(request, ResponseCreateRequest, config.max_request_bytes, unsupported=UNSUPPORTED,
                               max_items={"input": config.max_input_items, "tools": config.max_tools})
-    prepared = await prepare(state, body, started)
+    prepared = await prepare(state, body, started, request_owner(request))
     run = start_run(state, prepared)
     if body.stream:
         # The run reaches the engine first (a few task switches, no I/O): the prompt's prefill
@@ -129,8 +132,10 @@ async def _wait_unless_disconnected(request: Request, run: ResponseRun) -> None:
         finished.cancel()
 
 
-async def prepare(state: ServerState, req: ResponseCreateRequest, started: float) -> PreparedResponse:
-    """Validate what the schema cannot, and build the agent's task and the first snapshot."""
+async def prepare(state: ServerState, req: ResponseCreateRequest, started: float,
+                  owner: str | None = None) -> PreparedResponse:
+    """Validate what the schema cannot, and build the agent's task and the first snapshot
+    (`owner`: whose earlier responses and items it may use)."""
     config, engine = state.config, state.engine
     if not config.serves(req.model):
         raise APIError(f"The model '{req.model}' does not exist; this server serves '{config.model_name}'.",
@@ -144,7 +149,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         raise APIError("'reasoning.encrypted_content' is not supported: this server does not encrypt reasoning. "
                        "Keep responses stored and continue with previous_response_id instead.", param="include")
 
-    items = await _resolve_references(state, req.input_items())
+    items = await _resolve_references(state, req.input_items(), owner)
     _check_item_ids(items)
     history: list[Message] = []
     known_calls: dict[str, str] = {}
@@ -152,7 +157,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     listed_mcp: set[str] = set()
     chain_ids: list[str] = []
     if req.previous_response_id:
-        previous = await _previous(state, req.previous_response_id)
+        previous = await _previous(state, req.previous_response_id, owner)
         chain_ids = _chain_item_ids(previous)
         _check_item_ids(items, chain_ids)
         _check_calls_answered(previous, items)
@@ -224,6 +229,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         input_instructions=input_instructions,
         mcp_listed=sorted(listed_mcp | {b.label for b in active.mcp.values()}),
         chain_item_ids=chain_ids,
+        owner=owner,
     )
 
 
@@ -259,8 +265,8 @@ def _truncated(head: list[Message], conversation: list[Message], max_model_len: 
     return best
 
 
-async def _previous(state: ServerState, response_id: str) -> StoredResponse:
-    run = _live(state, response_id)
+async def _previous(state: ServerState, response_id: str, owner: str | None) -> StoredResponse:
+    run = _live(state, response_id, owner)
     if run is not None:
         if run.snapshot.status in TERMINAL:  # its last event is out, its record being stored
             await run.done.wait()
@@ -268,7 +274,7 @@ async def _previous(state: ServerState, response_id: str) -> StoredResponse:
             raise APIError(f"Previous response '{response_id}' is still in progress.",
                            param="previous_response_id", code="previous_response_in_progress")
     record = await state.store.get(response_id)
-    if record is None:
+    if record is None or not visible(record.owner, owner):
         raise not_found("Previous response", response_id, param="previous_response_id")
     if record.status not in ("completed", "incomplete"):
         raise APIError(f"Previous response '{response_id}' has status '{record.status}' and cannot be continued.",
@@ -276,12 +282,12 @@ async def _previous(state: ServerState, response_id: str) -> StoredResponse:
     return record
 
 
-async def _resolve_references(state: ServerState, items: list[Any]) -> list[Any]:
+async def _resolve_references(state: ServerState, items: list[Any], owner: str | None) -> list[Any]:
     """`item_reference` items replaced by the stored items they name."""
     resolved = []
     for i, item in enumerate(items):
         if isinstance(item, ItemReference):
-            found = await state.store.find_item(item.id)
+            found = await state.store.find_item(item.id, owner)
             if found is None:
                 raise not_found("Item", item.id, param=f"input[{i}].id")
             try:
@@ -454,6 +460,7 @@ def start_run(state: ServerState, prepared: PreparedResponse) -> ResponseRun:
     run.store = req.store
     run.snapshot = prepared.response
     run.input_items = prepared.input_items
+    run.owner = prepared.owner
     state.runs.add(run)
     run.task = asyncio.create_task(_execute(state, run, prepared))
     return run
@@ -545,22 +552,25 @@ def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Mes
         chain_item_ids=prepared.chain_item_ids,
         events=([dump(e) for e in run.events] if events else []) if prepared.request.background else None,
         created_at=prepared.response.created_at,
+        owner=prepared.owner,
     )
 
 
 # --- retrieve, delete, cancel, input items ------------------------------------------------
 
 
-def _live(state: ServerState, response_id: str) -> ResponseRun | None:
-    """The running response of that id, unless it is not stored or was deleted (it is still
-    winding down: its task stops generating, then ends without storing it)."""
+def _live(state: ServerState, response_id: str, owner: str | None) -> ResponseRun | None:
+    """The running response of that id, unless it is not stored, was deleted (it is still
+    winding down: its task stops generating, then ends without storing it) or is not the
+    requester's (`owner`)."""
     run = state.runs.get(response_id)
-    return run if run is not None and run.store and not run.deleted else None
+    return run if run is not None and run.store and not run.deleted and visible(run.owner, owner) else None
 
 
-async def _stored(state: ServerState, response_id: str) -> StoredResponse:
+async def _stored(state: ServerState, response_id: str, owner: str | None) -> StoredResponse:
+    """The stored response of that id; another owner's is a 404, as a missing one."""
     record = await state.store.get(response_id)
-    if record is None:
+    if record is None or not visible(record.owner, owner):
         raise not_found("Response", response_id)
     return record
 
@@ -583,16 +593,17 @@ async def retrieve_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
     stream = request.query_params.get("stream", "false").lower() == "true"
-    run = _live(state, response_id)
+    owner = request_owner(request)
+    run = _live(state, response_id, owner)
     if not stream:
         if run is not None:
             return JSONResponse(dump(run.snapshot))
-        return JSONResponse((await _stored(state, response_id)).response)
+        return JSONResponse((await _stored(state, response_id, owner)).response)
     starting_after = _int_query(request, "starting_after", -1, -1, 1 << 62)
     if run is not None and run.background:
         return sse_response((sdk_event(e) async for e in run.stream(starting_after)),
                             ping_seconds=state.config.sse_ping_seconds)
-    record = None if run is not None else await _stored(state, response_id)
+    record = None if run is not None else await _stored(state, response_id, owner)
     if record is None or record.events is None:
         raise APIError("Only background responses can be streamed again; this one was not created with "
                        "background=true.", param="stream")
@@ -616,10 +627,13 @@ async def retrieve_response(request: Request) -> Response:
 async def delete_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
-    run = _live(state, response_id)
+    owner = request_owner(request)
+    run = _live(state, response_id, owner)
     if run is not None:
         run.deleted = True
         run.cancel()
+    elif owner is not None:
+        await _stored(state, response_id, owner)  # (another owner's: a 404, and left alone)
     deleted = await state.store.delete(response_id)
     if not deleted and run is None:
         raise not_found("Response", response_id)
@@ -629,9 +643,10 @@ async def delete_response(request: Request) -> Response:
 async def cancel_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
-    run = _live(state, response_id)
+    owner = request_owner(request)
+    run = _live(state, response_id, owner)
     if run is None:
-        record = await _stored(state, response_id)
+        record = await _stored(state, response_id, owner)
         if not record.response.get("background"):
             raise APIError("Only responses created with background=true can be cancelled.", param="response_id")
         return JSONResponse(record.response)
@@ -649,8 +664,9 @@ async def list_input_items(request: Request) -> Response:
     order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise APIError("Invalid value for 'order': must be 'asc' or 'desc'.", param="order", code="invalid_value")
-    run = _live(state, response_id)
-    items = run.input_items if run is not None else (await _stored(state, response_id)).input_items
+    owner = request_owner(request)
+    run = _live(state, response_id, owner)
+    items = run.input_items if run is not None else (await _stored(state, response_id, owner)).input_items
     items = list(items) if order == "asc" else list(reversed(items))
     after = request.query_params.get("after")
     if after is not None:

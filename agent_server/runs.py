@@ -22,6 +22,7 @@ class ResponseRun:
         self.deleted = False  # deleted while running: do not store it when it ends
         self.cancel_requested = False  # cancelled (or deleted) before or while the agent loop ran
         self.store = True  # False: never visible through GET (store=false)
+        self.owner: str | None = None  # the owner name of the key that created it (auth.py)
         self.input_items: list[dict[str, Any]] = []
         self.snapshot: Any = None  # the live Response (ResponseEvents.response)
         # Set once the agent loop has handed its first request to the engine, or the run ended.

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("OSS_AGENT_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $OSS_AGENT_API_KEY)")
+    parser.add_argument("--api-keys-file", type=Path, metavar="PATH",
+                        help="file of API keys, one a line as NAME:KEY (or KEY); each key sees only the responses "
+                             "made with its name's keys (with --api-key too, whose name is 'default')")
     parser.add_argument("--tool-server", action="append", default=[], metavar="SPEC",
                         help="start a tool server (browser, python, an MCP server, or 'demo'); repeatable")
     parser.add_argument("--search-dir", help="folder of documents for the local browser backend")
@@ -199,7 +202,19 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
-    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+    api_keys: dict[str, str] = {}
+    if args.api_keys_file:
+        from .auth import read_keys_file
+
+        keys_file = args.api_keys_file.expanduser()
+        try:
+            api_keys = read_keys_file(keys_file)
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            log.error("--api-keys-file: %s", e)
+            return 2
+        if keys_file.stat().st_mode & 0o077:
+            log.warning("--api-keys-file %s can be read by other users: chmod 600 it", keys_file)
+    if not (args.api_key or api_keys) and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("Listening on %s without --api-key: anyone who can reach this port can use the model.",
                     args.host)
     if args.model:
@@ -259,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=name,
         aliases=[str(model_dir)],
         api_key=args.api_key,
+        api_keys=api_keys,
         store_path=store_path,
         tool_timeout=args.tool_timeout,
         cors_origins=args.cors_origin,

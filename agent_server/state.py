@@ -27,6 +27,7 @@ class ServerConfig:
     model_name: str  # what /v1/models lists and responses echo
     aliases: list[str] = field(default_factory=list)  # other names requests may use for it
     api_key: str | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> owner name (--api-keys-file)
     store_path: Path = field(default_factory=default_store_path)
     tool_timeout: float = 300.0  # seconds one built-in tool call may take
     max_request_bytes: int = 32 << 20

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from .ownership import visible
+
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +47,7 @@ class StoredResponse:
     chain_item_ids: list[str] = field(default_factory=list)
     events: list[dict[str, Any]] | None = None  # the SSE stream, kept for background responses
     created_at: float = field(default_factory=time.time)
+    owner: str | None = None  # the owner name of the API key that created it (auth.py)
 
     @property
     def status(self) -> str | None:
@@ -57,8 +60,9 @@ class ResponseStore(Protocol):
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
         await asyncio.to_thread(self._append_events, response_id, events)
 
-    async def find_item(self, item_id: str) -> dict[str, Any] | None:
-        """An input or output item of a stored response, by its id (`item_reference`)."""
+    async def find_item(self, item_id: str, requester: str | None = None) -> dict[str, Any] | None:
+        """An input or output item of a stored response the requester may see (auth.visible),
+        by its id (`item_reference`)."""
 
     async def put(self, record: StoredResponse) -> None: ...
 
@@ -184,14 +188,16 @@ class SQLiteResponseStore:
             self._db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
             return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
 
-    def _find_item(self, item_id: str) -> dict[str, Any] | None:
+    def _find_item(self, item_id: str, requester: str | None) -> dict[str, Any] | None:
         with self._lock:
             rows = self._db.execute(  # the newest response holding it first
                 "SELECT i.response_id FROM response_items i JOIN responses r ON r.id = i.response_id "
                 "WHERE i.id = ? ORDER BY r.created_at DESC", (item_id,)).fetchall()
         for (response_id,) in rows:
             record = self._get(response_id, events=False)
-            found = next((item for item in _items(record) if item.get("id") == item_id), None) if record else None
+            if record is None or not visible(record.owner, requester):
+                continue
+            found = next((item for item in _items(record) if item.get("id") == item_id), None)
             if found is not None:
                 return found
         return None
@@ -205,8 +211,8 @@ class SQLiteResponseStore:
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
         await asyncio.to_thread(self._append_events, response_id, events)
 
-    async def find_item(self, item_id: str) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self._find_item, item_id)
+    async def find_item(self, item_id: str, requester: str | None = None) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self._find_item, item_id, requester)
 
     async def delete(self, response_id: str) -> bool:
         return await asyncio.to_thread(self._delete, response_id)
