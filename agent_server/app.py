@@ -247,7 +247,8 @@ def create_app(
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
                                      allow_headers=["*"], expose_headers=["x-request-id"]))
     middleware += [Middleware(CrossSiteGuard, allowed_hosts=config.allowed_hosts),
-                   Middleware(ApiKeyMiddleware, api_key=config.api_key, api_keys=config.api_keys), Middleware(ReadinessGate, state=state)]
+                   Middleware(ApiKeyMiddleware, api_key=config.api_key, api_keys=config.api_keys),
+                   Middleware(ReadinessGate, state=state)]
     app = Starlette(
         routes=routes,
         middleware=middleware,

@@ -57,11 +57,8 @@ class StoredResponse:
 class ResponseStore(Protocol):
     async def get(self, response_id: str) -> StoredResponse | None: ...
 
-    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
-        await asyncio.to_thread(self._append_events, response_id, events)
-
     async def find_item(self, item_id: str, requester: str | None = None) -> dict[str, Any] | None:
-        """An input or output item of a stored response the requester may see (auth.visible),
+        """An input or output item of a stored response the requester may see (ownership.visible),
         by its id (`item_reference`)."""
 
     async def put(self, record: StoredResponse) -> None: ...

@@ -320,7 +320,8 @@ def malformed_bodies(rng: random.Random, base: dict, fields: list[str], count: i
         lambda: rng.randbytes(rng.randint(0, 300)),
         lambda: valid[:rng.randint(0, len(valid) - 1)],
         lambda: json.dumps(rng.choice(WILD)).encode(),
-        lambda: json.dumps({**base, **{rng.choice(fields): rng.choice(WILD) for _ in range(rng.randint(1, 4))}}).encode(),
+        lambda: json.dumps({**base, **{rng.choice(fields): rng.choice(WILD)
+                                       for _ in range(rng.randint(1, 4))}}).encode(),
         lambda: json.dumps({**base, "unknown_field": rng.choice(WILD)}).encode(),
         lambda: json.dumps({k: v for k, v in base.items() if k != rng.choice(list(base))}).encode(),
         lambda: (('{"model": "%s", "input": ' % MODEL) + "[" * (d := rng.randint(50, 50_000)) + "]" * d + "}").encode(),

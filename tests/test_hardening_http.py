@@ -324,7 +324,8 @@ def test_heads_in_pieces_pipelined_or_at_the_limit_are_served(limited):
     answer = read_all(sock)
     assert answer.startswith(b"HTTP/1.1 200 ") and b'"status":"completed"' in answer
     # A small head whose body, in the same write, is far larger than the head limit.
-    body = b'{"model": "%s", "input": "hi", "instructions": "%s"}' % (MODEL.encode(), b"word " * (LIMITS.max_head_bytes // 4))
+    words = b"word " * (LIMITS.max_head_bytes // 4)
+    body = b'{"model": "%s", "input": "hi", "instructions": "%s"}' % (MODEL.encode(), words)
     sock = connect(limited)
     sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)

@@ -174,8 +174,9 @@ def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(tmp_path, a
     # token, it cannot fit 1024 tokens, which its length says at once.
     app = make_app(lambda: ScriptedEngine(max_model_len=CONTEXT), tmp_path / "r.db", max_request_bytes=16 << 20)
     text = "word " * ((8 << 20) // 5)
-    path, body = (("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": text}]}) if api == "responses"
-                  else ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}))
+    message = {"role": "user", "content": text}
+    path, body = (("/v1/responses", {"model": MODEL, "input": [message]}) if api == "responses"
+                  else ("/v1/chat/completions", {"model": MODEL, "messages": [message]}))
     with LiveServer(app) as live:
         thread, result = request_in_the_background(live.url, path, body)
         latencies = health_latencies_while(live.url, thread)
@@ -207,8 +208,8 @@ def test_a_long_prompt_that_may_fit_is_tokenized_off_the_event_loop(tmp_path, ap
     assert len(latencies) >= 5, (latencies, result["seconds"])  # ...while the request took a while
     assert len(engine.calls[-1].request.prompt_token_ids) > 500_000  # the whole prompt, as the loop would render it
     # The same tokens the event loop renders for it.
-    from agent_server.harmony import render_prompt
     from agent_server.chat_prompt import chat_messages
+    from agent_server.harmony import render_prompt
     from schemas.chat import ChatCompletionRequest
 
     if api == "chat":
