@@ -188,7 +188,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
                             default=0):] if auto else conversation
     check_fits(head + kept, engine.max_model_len, "input", "input")
     prompt = await state.renderer.run(_prompt_for, head, conversation, engine.max_model_len, req.max_output_tokens,
-                                      auto, chars=text_chars(conversation))
+                                      auto, chars=text_chars(head + conversation))
     if len(prompt) >= engine.max_model_len:
         raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens.",
                        param="input", code="context_length_exceeded")

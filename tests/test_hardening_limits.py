@@ -188,18 +188,22 @@ def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(tmp_path, a
     assert f"at least {len(text) // 128} tokens" in error["message"] and str(CONTEXT) in error["message"]
 
 
-@pytest.mark.parametrize("api", ["responses", "chat"])
+@pytest.mark.parametrize("api", ["responses", "instructions", "chat"])
 def test_a_long_prompt_that_may_fit_is_tokenized_off_the_event_loop(tmp_path, api):
     # 2.5 MB of words (625,000 tokens) fits a context of 2M tokens: it is tokenized, taking a
     # second or more, and other clients are answered meanwhile.
     engine = ScriptedEngine(max_model_len=2_000_000)
     app = make_app(lambda: engine, tmp_path / "r.db", max_request_bytes=16 << 20)
     text = "word " * 500_000
-    path, body = (("/v1/responses", {"model": MODEL, "input": text}) if api == "responses"
-                  else ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}))
+    path, body = {"responses": ("/v1/responses", {"model": MODEL, "input": text}),
+                  "instructions": ("/v1/responses", {"model": MODEL, "input": "hi", "instructions": text}),
+                  "chat": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}),
+                  }[api]
     with LiveServer(app) as live:
-        # (the first long prompt starts the worker process: not what is measured)
-        assert httpx.post(live.url + path, json=body, timeout=300).status_code == 200
+        # (the first long prompt starts the worker process: not what is measured; the second is
+        # another text, as rendered instructions are kept for the next request that has them)
+        assert httpx.post(live.url + path, json=json.loads(json.dumps(body).replace("word", "wort")),
+                          timeout=300).status_code == 200
         thread, result = request_in_the_background(live.url, path, body)
         latencies = health_latencies_while(live.url, thread)
         thread.join()
