@@ -499,10 +499,28 @@ class WebSearchTool(StrictModel):
     search_content_types: list[Literal["text", "image"]] | None = None
 
 
+class ContainerAuto(StrictModel):
+    type: Literal["auto"]
+    file_ids: list[str] | None = None
+    memory_limit: Literal["1g", "4g", "16g", "64g"] | None = None
+
+
 class CodeInterpreterTool(StrictModel):
     type: Literal["code_interpreter"]
-    container: Union[str, dict[str, Any]] = "auto"
+    container: Union[str, ContainerAuto] = "auto"
     allowed_callers: Callers | None = None
+
+
+class McpToolFilter(StrictModel):
+    """Which tools of an MCP server: by name, and (read_only) those it marks read-only."""
+
+    read_only: bool | None = None
+    tool_names: list[str] | None = None
+
+
+class McpApprovalFilter(StrictModel):
+    always: McpToolFilter | None = None
+    never: McpToolFilter | None = None
 
 
 class McpTool(StrictModel):
@@ -510,8 +528,8 @@ class McpTool(StrictModel):
     server_label: str
     server_url: str | None = None
     server_description: str | None = None
-    allowed_tools: Union[list[str], dict[str, Any], None] = None
-    require_approval: Union[Literal["always", "never"], dict[str, Any], None] = None
+    allowed_tools: Union[list[str], McpToolFilter, None] = None
+    require_approval: Union[Literal["always", "never"], McpApprovalFilter, None] = None
     headers: dict[str, str] | None = None
     authorization: str | None = None
     connector_id: str | None = None
@@ -574,6 +592,14 @@ ToolChoice = Union[
 
 
 # --- other options --------------------------------------------------------------------------
+
+
+# Strings the server echoes and stores, bounded as OpenAI bounds them: metadata is at most 16
+# pairs, keys up to 64 characters and values up to 512; `user`, `safety_identifier` and
+# `prompt_cache_key` up to 64 characters.
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
+Identifier = Annotated[str, Field(max_length=64)]
 
 
 class ReasoningOptions(StrictModel):
@@ -681,18 +707,18 @@ class ResponseCreateRequest(StrictModel):
     store: bool = True
     previous_response_id: str | None = None
     background: bool = False
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: Metadata | None = None
+    user: Identifier | None = None
     include: list[Includable] | None = None
     # "disabled" (default): an input longer than the context gets a 400; "auto": the oldest items go.
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Accepted as in OpenAI; this server caches prompt prefixes by itself (docs/api.md).
-    prompt_cache_key: str | None = None
+    prompt_cache_key: Identifier | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None
-    safety_identifier: str | None = None
+    safety_identifier: Identifier | None = None
     context_management: list[ContextManagement] | None = None
     background_options: BackgroundOptions | None = None
     access_programs: AccessPrograms | None = None
@@ -700,14 +726,17 @@ class ResponseCreateRequest(StrictModel):
     # Not in the SDK but accepted by OpenAI (Codex sends it): free-form data about the client.
     client_metadata: dict[str, Any] | None = None
 
-    @field_validator("metadata")
+    @field_validator("metadata", mode="before")
     @classmethod
-    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
+    def _metadata_limits(cls, value: Any) -> Any:
+        # (before the type's own limits, for clearer messages)
+        if not isinstance(value, dict):
             return value
         if len(value) > 16:
             raise ValueError("at most 16 metadata keys are allowed")
         for key, text in value.items():
+            if not isinstance(key, str) or not isinstance(text, str):
+                continue
             if len(key) > 64:
                 raise ValueError(f"metadata key {key[:20]!r}... is longer than 64 characters")
             if len(text) > 512:

@@ -21,6 +21,8 @@ from agent_server.agent.loop import AgentTask
 from agent_server.agent.tool_registry import ActiveTools
 from agent_server.errors import APIError, from_validation_error, not_found
 from agent_server.harmony import PromptConfig, preamble, render_prompt
+from agent_server.large_prompts import check_fits, text_chars
+from agent_server.ownership import visible
 from agent_server.responses.conversation import input_to_messages, messages_from_json
 from agent_server.responses.events import new_id
 from agent_server.responses.runs import TERMINAL
@@ -66,12 +68,15 @@ class PreparedResponse:
     input_instructions: list[str] = field(default_factory=list)  # system/developer input, whole chain
     mcp_listed: list[str] = field(default_factory=list)  # server labels listed, whole chain
     chain_item_ids: list[str] = field(default_factory=list)  # item ids of the earlier responses of the chain
+    owner: str | None = None  # the owner name of the request's API key (auth.py)
     # When it was created, to the microsecond: the store orders by it (`created_at` is whole seconds).
     created: float = field(default_factory=time.time)
 
 
-async def prepare(state: ServerState, req: ResponseCreateRequest, started: float) -> PreparedResponse:
-    """Validate what the schema cannot, and build the agent's task and the first snapshot."""
+async def prepare(state: ServerState, req: ResponseCreateRequest, started: float,
+                  owner: str | None = None) -> PreparedResponse:
+    """Validate what the schema cannot, and build the agent's task and the first snapshot
+    (`owner`: whose earlier responses and items it may use)."""
     config, engine = state.config, state.engine
     if not config.serves(req.model):
         raise APIError(f"The model '{req.model}' does not exist; this server serves '{config.model_name}'.",
@@ -82,7 +87,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         raise APIError("Background responses must be stored: set store=true.", param="background")
     include = set(req.include or [])
 
-    items = await _resolve_references(state, req.input_items())
+    items = await _resolve_references(state, req.input_items(), owner)
     _check_item_ids(items)
     history: list[Message] = []
     known_calls: dict[str, str] = {}
@@ -90,7 +95,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     listed_mcp: set[str] = set()
     chain_ids: list[str] = []
     if req.previous_response_id:
-        previous = await _previous(state, req.previous_response_id)
+        previous = await _previous(state, req.previous_response_id, owner)
         chain_ids = _chain_item_ids(previous)
         _check_item_ids(items, chain_ids)
         _check_calls_answered(previous, items)
@@ -116,9 +121,13 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         conversation_start_date=datetime.date.today().isoformat(),
     )
     head, conversation = preamble(prompt_config), history + converted.messages
-    prompt = render_prompt(head + conversation, keep_analysis=settings.keep_analysis)
-    if req.truncation == "auto" and not _fits(prompt, engine.max_model_len, req.max_output_tokens):
-        prompt = _truncated(head, conversation, engine.max_model_len, req.max_output_tokens) or prompt
+    auto = req.truncation == "auto"
+    # (the least truncation="auto" keeps: from the last user message on)
+    kept = conversation[max([i for i, m in enumerate(conversation) if i > 0 and m.author.role == Role.USER],
+                            default=0):] if auto else conversation
+    check_fits(head + kept, engine.max_model_len, "input", "input")
+    prompt = await state.renderer.run(_prompt_for, head, conversation, engine.max_model_len, req.max_output_tokens,
+                                      auto, settings.keep_analysis, chars=text_chars(head + conversation))
     why = _why_truncation_did_not_help(head, conversation) if req.truncation == "auto" else ""
     if len(prompt) >= engine.max_model_len:
         raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens."
@@ -166,6 +175,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         input_instructions=input_instructions,
         mcp_listed=sorted(listed_mcp | {b.label for b in active.mcp.values()}),
         chain_item_ids=chain_ids,
+        owner=owner,
     )
 
 
@@ -174,6 +184,16 @@ def _opener(state: ServerState, items: list[Any]):
     if any(getattr(item, "encrypted_content", None) for item in items if getattr(item, "type", "") == "reasoning"):
         return state.seal.open
     return None
+
+
+def _prompt_for(head: list[Message], conversation: list[Message], max_model_len: int,
+                max_output_tokens: int | None, auto_truncation: bool, keep_analysis: bool = False) -> list[int]:
+    """The prompt's tokens, truncated under truncation="auto" when it does not fit (a worker
+    process runs this for a long conversation: see large_prompts)."""
+    prompt = render_prompt(head + conversation, keep_analysis=keep_analysis)
+    if auto_truncation and not _fits(prompt, max_model_len, max_output_tokens):
+        prompt = _truncated(head, conversation, max_model_len, max_output_tokens) or prompt
+    return prompt
 
 
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
@@ -209,8 +229,8 @@ def _truncated(head: list[Message], conversation: list[Message], max_model_len: 
     return best
 
 
-async def _previous(state: ServerState, response_id: str) -> StoredResponse:
-    run = state.runs.live(response_id)
+async def _previous(state: ServerState, response_id: str, owner: str | None) -> StoredResponse:
+    run = state.runs.live(response_id, owner)
     if run is not None:
         if run.snapshot.status in TERMINAL:  # its last event is out, its record being stored
             await run.done.wait()
@@ -218,7 +238,7 @@ async def _previous(state: ServerState, response_id: str) -> StoredResponse:
             raise APIError(f"Previous response '{response_id}' is still in progress.",
                            param="previous_response_id", code="previous_response_in_progress")
     record = await state.store.get(response_id)
-    if record is None:
+    if record is None or not visible(record.owner, owner):
         raise not_found("Previous response", response_id, param="previous_response_id")
     if record.status not in ("completed", "incomplete"):
         raise APIError(f"Previous response '{response_id}' has status '{record.status}' and cannot be continued.",
@@ -226,12 +246,12 @@ async def _previous(state: ServerState, response_id: str) -> StoredResponse:
     return record
 
 
-async def _resolve_references(state: ServerState, items: list[Any]) -> list[Any]:
+async def _resolve_references(state: ServerState, items: list[Any], owner: str | None) -> list[Any]:
     """`item_reference` items replaced by the stored items they name."""
     resolved = []
     for i, item in enumerate(items):
         if isinstance(item, ItemReference):
-            found = await state.store.find_item(item.id)
+            found = await state.store.find_item(item.id, owner)
             if found is None:
                 raise not_found("Item", item.id, param=f"input[{i}].id")
             try:
