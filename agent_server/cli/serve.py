@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         handler.addFilter(RequestIdFilter())
     api_keys: dict[str, str] = {}
     if args.api_keys_file:
-        from .auth import read_keys_file
+        from agent_server.auth import read_keys_file
 
         keys_file = args.api_keys_file.expanduser()
         try:
