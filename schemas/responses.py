@@ -475,11 +475,18 @@ class ToolSearchTool(StrictModel):
 
 
 class UserLocation(StrictModel):
-    type: Literal["approximate"] | None = None
+    # Optional in the request, as the SDK's web_search tool has it, but always echoed: the
+    # web_search_preview tool of a response requires it.
+    type: Literal["approximate"] | None = "approximate"
     city: str | None = None
     country: str | None = None
     region: str | None = None
     timezone: str | None = None
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _approximate(cls, value: Any) -> Any:
+        return "approximate" if value is None else value
 
 
 class WebSearchFilters(StrictModel):
