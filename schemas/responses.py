@@ -733,23 +733,6 @@ class ResponseCreateRequest(StrictModel):
     # Not in the SDK but accepted by OpenAI (Codex sends it): free-form data about the client.
     client_metadata: dict[str, Any] | None = None
 
-    @field_validator("metadata", mode="before")
-    @classmethod
-    def _metadata_limits(cls, value: Any) -> Any:
-        # (before the type's own limits, for clearer messages)
-        if not isinstance(value, dict):
-            return value
-        if len(value) > 16:
-            raise ValueError("at most 16 metadata keys are allowed")
-        for key, text in value.items():
-            if not isinstance(key, str) or not isinstance(text, str):
-                continue
-            if len(key) > 64:
-                raise ValueError(f"metadata key {key[:20]!r}... is longer than 64 characters")
-            if len(text) > 512:
-                raise ValueError(f"metadata value for {key!r} is longer than 512 characters")
-        return value
-
     @property
     def effort(self) -> str:
         """The Harmony reasoning effort: what was asked, mapped onto gpt-oss's three levels."""

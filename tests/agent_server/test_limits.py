@@ -212,7 +212,7 @@ def test_a_long_prompt_that_may_fit_is_tokenized_off_the_event_loop(tmp_path, ap
     assert len(latencies) >= 5, (latencies, result["seconds"])  # ...while the request took a while
     assert len(engine.calls[-1].request.prompt_token_ids) > 500_000  # the whole prompt, as the loop would render it
     # The same tokens the event loop renders for it.
-    from agent_server.chat_prompt import chat_messages
+    from agent_server.chat.prompt import chat_messages
     from agent_server.harmony import render_prompt
     from schemas.chat import ChatCompletionRequest
 
