@@ -278,7 +278,7 @@ def paced_server(tmp_path_factory):
 
 async def stream_and_maybe_hang_up(client: httpx.AsyncClient, api: str, read: int | None) -> dict:
     """One streaming request; `read`: events to read before hanging up (None: to the end)."""
-    from agent_server.bench_serve import sse_events
+    from agent_server.bench.serve import sse_events
 
     if api == "chat":
         path, body = "/v1/chat/completions", {**CHAT_BASE, "stream": True}
@@ -388,7 +388,7 @@ def test_streams_with_disconnects_and_malformed_bodies_all_at_once(paced_server)
 
 def server_errors(server) -> float:
     """5xx answers the server counted (its /metrics), but /ready's while the model loaded."""
-    from agent_server.bench_server_metrics import parse_metrics
+    from agent_server.bench.server_metrics import parse_metrics
 
     samples = parse_metrics(server.http.get("/metrics").text)
     return sum(v for (name, labels), v in samples.items() if name == "oss_agent_requests_total"
