@@ -510,6 +510,8 @@ class ContainerAuto(StrictModel):
     type: Literal["auto"]
     file_ids: list[str] | None = None
     memory_limit: Literal["1g", "4g", "16g", "64g"] | None = None
+    # Accepted as in OpenAI: the sandbox has no network either way (SECURITY.md).
+    network_policy: dict[str, Any] | None = None
 
 
 class CodeInterpreterTool(StrictModel):
