@@ -31,6 +31,7 @@ from agent_server.conversations import routes as conversations_routes
 from agent_server.responses import routes as responses_routes
 from agent_server.responses import websocket as responses_websocket
 from agent_server.auth import ApiKeyMiddleware
+from agent_server.cross_site import CrossSiteGuard
 from agent_server.errors import APIError, UnexpectedErrorMiddleware, internal_error, not_found
 from agent_server.metrics import Metrics, MetricsMiddleware
 from agent_server.request_ids import RequestIdMiddleware, current_request_id, new_request_id
@@ -242,6 +243,7 @@ def create_app(
                     log.exception("closing tool server %s", getattr(server, "name", server))
             if state.engine is not None:
                 await state.engine.shutdown()
+            state.renderer.shutdown()
             await state.store.close()
 
     routes = [
@@ -261,7 +263,9 @@ def create_app(
     if config.cors_origins:  # outside the key check: preflight requests carry no credentials
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
                                      allow_headers=["*"], expose_headers=["x-request-id"]))
-    middleware += [Middleware(ApiKeyMiddleware, api_key=config.api_key), Middleware(ReadinessGate, state=state)]
+    middleware += [Middleware(CrossSiteGuard, allowed_hosts=config.allowed_hosts),
+                   Middleware(ApiKeyMiddleware, api_key=config.api_key, api_keys=config.api_keys),
+                   Middleware(ReadinessGate, state=state)]
     app = Starlette(
         routes=routes,
         middleware=middleware,

@@ -94,12 +94,35 @@ def from_validation_error(exc: ValidationError, body: Any) -> APIError:
         return APIError(f"Unknown parameter: '{param}'.", param=param, code="unknown_parameter")
     if kind == "missing":
         return APIError(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    if kind in ("string_too_long", "too_long"):
+        owner = _param_path(tuple(error["loc"][:-2]), body, keep_last=False)  # (of a property name)
+        return _too_long(error, param, owner)
     message = error["msg"].removeprefix("Value error, ")
     if kind == "unsupported_value":  # (schemas.responses.Refused): OpenAI's, this server cannot do it
         return APIError(f"Unsupported value for '{param}': {message}.", param=param or None, code=kind)
     wrong_type = kind.endswith(("_type", "_parsing")) or kind in ("int_from_float", "model_attributes_type")
     code = "invalid_type" if wrong_type else "invalid_value"
     return APIError(f"Invalid value for '{param}': {message}.", param=param or None, code=code)
+
+
+def _too_long(error: dict[str, Any], param: str, owner: str) -> APIError:
+    """OpenAI's words for a string, an object or an array over its length limit (`owner`: the
+    object, when it is one of its property names)."""
+    value, most = error["input"], error["ctx"]["max_length"]
+    if error["loc"][-1] == "[key]":  # a property name (pydantic's location of a dict key)
+        shown = value if len(value) <= 100 else value[:100] + "..."
+        return APIError(f"Invalid property name in '{owner}': '{shown}' is too long. Expected a string with maximum "
+                        f"length {most}, but got a string with length {len(value)} instead.",
+                        param=f"{owner}.{shown}", code="property_name_above_max_length")
+    if isinstance(value, str):
+        return APIError(f"Invalid '{param}': string too long. Expected a string with maximum length {most}, but got a "
+                        f"string with length {len(value)} instead.", param=param, code="string_above_max_length")
+    if isinstance(value, dict):
+        return APIError(f"Invalid '{param}': too many properties. Expected an object with at most {most} properties, "
+                        f"but got an object with {len(value)} properties instead.", param=param,
+                        code="object_above_max_properties")
+    return APIError(f"Invalid '{param}': array too long. Expected an array with maximum length {most}, but got an "
+                    f"array with length {len(value)} instead.", param=param, code="array_above_max_length")
 
 
 def internal_error() -> APIError:

@@ -8,6 +8,7 @@ from typing import Any
 
 from inference.request import EngineClient
 
+from agent_server.large_prompts import PromptRenderer
 from agent_server.metrics import Metrics
 from agent_server.reasoning_seal import ReasoningSeal
 from agent_server.responses.runs import RunRegistry
@@ -27,6 +28,7 @@ class ServerConfig:
     model_name: str  # what /v1/models lists and responses echo
     aliases: list[str] = field(default_factory=list)  # other names requests may use for it
     api_key: str | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> owner name (--api-keys-file)
     store_path: Path = field(default_factory=default_store_path)
     tool_timeout: float = 300.0  # seconds one built-in tool call may take
     max_request_bytes: int = 32 << 20
@@ -34,6 +36,8 @@ class ServerConfig:
     max_tools: int = 128
     shutdown_timeout: float = 30.0  # seconds in-flight responses get to finish when stopping
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
+    # Host names answered besides loopback names and IP addresses ("*": any); see cross_site.
+    allowed_hosts: list[str] = field(default_factory=list)
     sse_ping_seconds: float = 15.0
     # The output limit of a request that sets none (None: the rest of the context).
     default_max_output_tokens: int | None = None
@@ -67,6 +71,7 @@ class ServerState:
     tools: ToolRegistry = field(default_factory=ToolRegistry)
     engine: EngineClient | None = None
     store: ResponseStore | None = None
+    renderer: PromptRenderer = field(default_factory=PromptRenderer)  # long prompts are rendered off the loop
     extra: dict[str, Any] = field(default_factory=dict)
     _seal: ReasoningSeal | None = None
 

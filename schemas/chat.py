@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from schemas.responses import HARMONY_EFFORT, ReasoningEffort, check_json_schema, refused
+from schemas.responses import HARMONY_EFFORT, Identifier, Metadata, ReasoningEffort, check_json_schema, refused
 
 
 class StrictModel(BaseModel):
@@ -305,12 +305,12 @@ class ChatCompletionRequest(StrictModel):
     logit_bias: dict[str, float] | None = None
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    user: str | None = None
-    metadata: dict[str, str] | None = None
+    user: Identifier | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    safety_identifier: Identifier | None = None
+    prompt_cache_key: Identifier | None = None
     # Accepted as in OpenAI; this server caches prompt prefixes by itself, in memory.
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None

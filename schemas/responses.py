@@ -488,11 +488,18 @@ class ToolSearchTool(StrictModel):
 
 
 class UserLocation(StrictModel):
-    type: Literal["approximate"] | None = None
+    # Optional in the request, as the SDK's web_search tool has it, but always echoed: the
+    # web_search_preview tool of a response requires it.
+    type: Literal["approximate"] | None = "approximate"
     city: str | None = None
     country: str | None = None
     region: str | None = None
     timezone: str | None = None
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _approximate(cls, value: Any) -> Any:
+        return "approximate" if value is None else value
 
 
 class WebSearchFilters(StrictModel):
@@ -512,10 +519,30 @@ class WebSearchTool(StrictModel):
     search_content_types: list[Literal["text", "image"]] | None = None
 
 
+class ContainerAuto(StrictModel):
+    type: Literal["auto"]
+    file_ids: list[str] | None = None
+    memory_limit: Literal["1g", "4g", "16g", "64g"] | None = None
+    # Accepted as in OpenAI: the sandbox has no network either way (SECURITY.md).
+    network_policy: dict[str, Any] | None = None
+
+
 class CodeInterpreterTool(StrictModel):
     type: Literal["code_interpreter"]
-    container: Union[str, dict[str, Any]] = "auto"
+    container: Union[str, ContainerAuto] = "auto"
     allowed_callers: Callers | None = None
+
+
+class McpToolFilter(StrictModel):
+    """Which tools of an MCP server: by name, and (read_only) those it marks read-only."""
+
+    read_only: bool | None = None
+    tool_names: list[str] | None = None
+
+
+class McpApprovalFilter(StrictModel):
+    always: McpToolFilter | None = None
+    never: McpToolFilter | None = None
 
 
 class McpTool(StrictModel):
@@ -523,8 +550,8 @@ class McpTool(StrictModel):
     server_label: str
     server_url: str | None = None
     server_description: str | None = None
-    allowed_tools: Union[list[str], dict[str, Any], None] = None
-    require_approval: Union[Literal["always", "never"], dict[str, Any], None] = None
+    allowed_tools: Union[list[str], McpToolFilter, None] = None
+    require_approval: Union[Literal["always", "never"], McpApprovalFilter, None] = None
     headers: dict[str, str] | None = None
     authorization: str | None = None
     connector_id: str | None = None
@@ -587,6 +614,14 @@ ToolChoice = Union[
 
 
 # --- other options --------------------------------------------------------------------------
+
+
+# Strings the server echoes and stores, bounded as OpenAI bounds them: metadata is at most 16
+# pairs, keys up to 64 characters and values up to 512; `user`, `safety_identifier` and
+# `prompt_cache_key` up to 64 characters.
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
+Identifier = Annotated[str, Field(max_length=64)]
 
 
 class ReasoningOptions(StrictModel):
@@ -721,18 +756,18 @@ class ResponseCreateRequest(StrictModel):
     store: bool = True
     previous_response_id: str | None = None
     background: bool = False
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: Metadata | None = None
+    user: Identifier | None = None
     include: list[Includable] | None = None
     # "disabled" (default): an input longer than the context gets a 400; "auto": the oldest items go.
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Accepted as in OpenAI; this server caches prompt prefixes by itself (docs/api.md).
-    prompt_cache_key: str | None = None
+    prompt_cache_key: Identifier | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None
-    safety_identifier: str | None = None
+    safety_identifier: Identifier | None = None
     context_management: list[ContextManagement] | None = None
     # A stored conversation (`/v1/conversations`): its items come before `input`, and this
     # response's input and output items are added to it.
@@ -742,11 +777,6 @@ class ResponseCreateRequest(StrictModel):
     image: ImageOptions | None = None
     # Not in the SDK but accepted by OpenAI (Codex sends it): free-form data about the client.
     client_metadata: dict[str, Any] | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(value)
 
     @property
     def effort(self) -> str:

@@ -38,14 +38,18 @@ TINY_ENGINE_OPTIONS = dict(device="cpu", max_model_len=1024, num_pages=256, enfo
 class LiveServer:
     """An ASGI app served by uvicorn on 127.0.0.1 (a free port) in a background thread."""
 
-    def __init__(self, app, *, kind: str = "fake", api_key: str | None = None):
+    def __init__(self, app, *, kind: str = "fake", api_key: str | None = None, limits=None):
         import uvicorn
+
+        from agent_server.http_limits import HttpLimits, uvicorn_options
 
         self.app = app
         self.kind = kind
         self.api_key = api_key
+        # The connection limits `oss-agent serve` runs with (`limits`: other values).
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=5))
+                                                    lifespan="on", timeout_graceful_shutdown=5,
+                                                    **uvicorn_options(limits or HttpLimits())))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""
 
@@ -118,7 +122,8 @@ def serve_captured(argv: list[str]) -> dict:
     class CapturedServer:
         def __init__(self, config):
             captured.update(app=config.app, timeout_graceful_shutdown=config.timeout_graceful_shutdown,
-                            access_log=config.access_log, port=config.port)
+                            access_log=config.access_log, port=config.port, http=config.http,
+                            timeout_keep_alive=config.timeout_keep_alive)
             self.should_exit = False
 
         def run(self):

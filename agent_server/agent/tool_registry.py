@@ -19,7 +19,9 @@ from openai_harmony import ToolDescription, ToolNamespaceConfig
 
 from schemas.responses import (
     CodeInterpreterTool,
+    McpApprovalFilter,
     McpTool,
+    McpToolFilter,
     ToolChoiceAllowed,
     ToolChoiceBuiltin,
     ToolChoiceCustom,
@@ -201,7 +203,7 @@ class ToolRegistry:
         return servers[0]
 
     def _mcp(self, tool: McpTool, param: str) -> McpBinding:
-        if tool.require_approval == "always" or isinstance(tool.require_approval, dict):
+        if tool.require_approval == "always" or isinstance(tool.require_approval, McpApprovalFilter):
             raise APIError("MCP tool approvals are not supported; use require_approval='never'.",
                            param=f"{param}.require_approval")
         server = next((s for s in self.by_kind("mcp") if s.name == tool.server_label), None)
@@ -214,16 +216,29 @@ class ToolRegistry:
                 code="tool_not_available",
             )
         namespace = server.harmony_namespace()
-        allowed = tool.allowed_tools
-        if isinstance(allowed, dict):
-            allowed = allowed.get("tool_names")
+        allowed = _allowed_names(tool.allowed_tools, server)
         if allowed is not None:
             namespace = ToolNamespaceConfig(
                 name=namespace.name,
                 description=namespace.description,
-                tools=[t for t in namespace.tools if t.name in set(allowed)],
+                tools=[t for t in namespace.tools if t.name in allowed],
             )
         return McpBinding(tool.server_label, server, namespace)
+
+
+def _allowed_names(allowed: list[str] | McpToolFilter | None, server: Any) -> set[str] | None:
+    """The tool names `allowed_tools` keeps (None: all). `read_only` keeps the tools the server
+    marks read-only (MCP's readOnlyHint annotation): one that says nothing is not."""
+    if allowed is None:
+        return None
+    if isinstance(allowed, list):
+        return set(allowed)
+    names = set(allowed.tool_names) if allowed.tool_names is not None else None
+    if allowed.read_only:
+        read_only = {t.name for t in getattr(server, "tools", [])
+                     if (getattr(t, "annotations", None) or {}).get("readOnlyHint") is True}
+        names = read_only if names is None else names & read_only
+    return names
 
 
 class ToolSessions:

@@ -34,6 +34,12 @@ from agent_server.turn_grammar import CallTarget, TurnRules, check_strict_schema
 
 def chat_prompt(req: ChatCompletionRequest) -> list[int]:
     """The request's conversation rendered for the assistant's next turn."""
+    return render_prompt(chat_messages(req))
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[Message]:
+    """The request's conversation as Harmony messages, the system and developer ones first
+    (APIError for messages that do not pair up as OpenAI requires)."""
     instructions: list[str] = []
     messages: list[Message] = []
     call_names: dict[str, str] = {}
@@ -108,7 +114,7 @@ def chat_prompt(req: ChatCompletionRequest) -> list[int]:
         response_format=_response_format(req),
         conversation_start_date=datetime.date.today().isoformat(),
     )
-    return render_prompt(preamble(config) + messages)
+    return preamble(config) + messages
 
 
 def chat_turn_rules(req: ChatCompletionRequest, structure: bool) -> TurnRules | None:

@@ -25,9 +25,10 @@ from inference.request import DeltaStream, GenerationRequest, Grammar, SamplingP
 from inference.tokenizer import CALL, RETURN
 from schemas.chat import ChatCompletionRequest
 
-from agent_server.chat.prompt import chat_prompt, chat_turn_rules
+from agent_server.chat.prompt import chat_messages, chat_turn_rules
 from agent_server.errors import APIError, engine_unavailable, internal_error
-from agent_server.harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, recipient_kind
+from agent_server.harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, recipient_kind, render_prompt
+from agent_server.large_prompts import check_fits, text_chars
 from agent_server.request_parsing import read_request
 from agent_server.sse import data_only, sse_response
 from agent_server.state import ServerState
@@ -253,7 +254,9 @@ async def create_chat_completion(request: Request) -> Response:
     if req.parallel_tool_calls is not None and not req.tools:
         raise APIError("Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when 'tools' "
                        "are specified.", param="parallel_tool_calls")
-    prompt = chat_prompt(req)
+    messages = chat_messages(req)
+    check_fits(messages, engine.max_model_len, "messages", "messages")
+    prompt = await state.renderer.run(render_prompt, messages, chars=text_chars(messages))
     room = engine.max_model_len - len(prompt)
     if room <= 0:
         raise APIError(f"The messages are {len(prompt)} tokens; this model's context is {engine.max_model_len} "

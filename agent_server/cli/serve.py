@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from agent_server import default_model
+from agent_server.http_limits import HttpLimits
 
 log = logging.getLogger("oss_agent")
 
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("OSS_AGENT_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $OSS_AGENT_API_KEY)")
+    parser.add_argument("--api-keys-file", type=Path, metavar="PATH",
+                        help="file of API keys, one a line as NAME:KEY (or KEY); each key sees only the responses "
+                             "made with its name's keys (with --api-key too, whose name is 'default')")
     parser.add_argument("--tool-server", action="append", default=[], metavar="SPEC",
                         help="start a tool server (browser, python, an MCP server, or 'demo'); repeatable")
     parser.add_argument("--search-dir", help="folder of documents for the local browser backend")
@@ -74,8 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "60, or less to end before --tool-timeout)")
     parser.add_argument("--cors-origin", action="append", default=[],
                         help="allow this browser origin (CORS, off by default); repeatable, '*' for any")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="also answer requests for this host name (besides localhost, IP addresses and --host); "
+                             "repeatable, '*.example.com' for its subdomains, '*' for any")
     parser.add_argument("--max-request-bytes", type=positive_int, default=32 << 20,
                         help="largest request body accepted")
+    parser.add_argument("--max-header-bytes", type=positive_int, default=HttpLimits.max_head_bytes,
+                        help="largest request line and headers accepted (431 beyond)")
+    parser.add_argument("--header-timeout", type=positive_float, default=HttpLimits.head_timeout, metavar="SECONDS",
+                        help="seconds a request's line and headers may take to arrive, and a new connection may "
+                             "stay silent (408, closed)")
+    parser.add_argument("--body-timeout", type=positive_float, default=HttpLimits.body_timeout, metavar="SECONDS",
+                        help="seconds a request's body may take to arrive after its headers (closed)")
     parser.add_argument("--max-input-items", type=positive_int, default=2048,
                         help="most items in a request's input (Responses) or messages (Chat Completions)")
     parser.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
@@ -223,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from agent_server.app import create_app
+    from agent_server.http_limits import uvicorn_options
     from agent_server.request_ids import RequestIdFilter
     from agent_server.state import ServerConfig, default_store_path
 
@@ -230,7 +245,19 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
-    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+    api_keys: dict[str, str] = {}
+    if args.api_keys_file:
+        from agent_server.auth import read_keys_file
+
+        keys_file = args.api_keys_file.expanduser()
+        try:
+            api_keys = read_keys_file(keys_file)
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            log.error("--api-keys-file: %s", e)
+            return 2
+        if keys_file.stat().st_mode & 0o077:
+            log.warning("--api-keys-file %s can be read by other users: chmod 600 it", keys_file)
+    if not (args.api_key or api_keys) and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("Listening on %s without --api-key: anyone who can reach this port can use the model.",
                     args.host)
     if args.model:
@@ -309,10 +336,12 @@ def run(args: argparse.Namespace) -> int:
         default_max_output_tokens=max_output_tokens or None,
         random_weights=random_weights,
         api_key=args.api_key,
+        api_keys=api_keys,
         store_path=store_path,
         reasoning_key_file=args.reasoning_key_file.expanduser() if args.reasoning_key_file else None,
         tool_timeout=args.tool_timeout,
         cors_origins=args.cors_origin,
+        allowed_hosts=[args.host, *args.allowed_host],
         max_request_bytes=args.max_request_bytes,
         max_input_items=args.max_input_items,
         shutdown_timeout=args.shutdown_timeout,
@@ -328,9 +357,12 @@ def run(args: argparse.Namespace) -> int:
     # Our access log (with request ids) replaces uvicorn's. On SIGTERM/SIGINT uvicorn stops
     # accepting, gives open connections the shutdown timeout, then the app drains its runs.
     # log_config=None: uvicorn's own lines go through the root handler, in the server's format.
+    limits = HttpLimits(max_head_bytes=args.max_header_bytes, head_timeout=args.header_timeout,
+                        body_timeout=args.body_timeout)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            log_config=None, access_log=False,
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+                                           timeout_graceful_shutdown=args.shutdown_timeout,
+                                           **uvicorn_options(limits)))
     server.run()
     if failed:
         log.error("exiting: startup failed: %s", failed[0])

@@ -27,6 +27,7 @@ from agent_server.responses.conversation import messages_to_json
 from agent_server.responses.events import ResponseEvents, dump
 from agent_server.responses.prepare import PreparedResponse
 from agent_server.responses.runs import TERMINAL, ResponseRun
+from agent_server.run_journal import RunJournal
 from agent_server.state import ServerState
 from agent_server.store import StoredResponse
 
@@ -45,6 +46,7 @@ def start_run(state: ServerState, prepared: PreparedResponse,
     run.store = req.store
     run.snapshot = prepared.response
     run.input_items = prepared.input_items
+    run.owner = prepared.owner
     state.runs.add(run)
     run.task = asyncio.create_task(_execute(state, run, prepared))
     return run
@@ -52,11 +54,22 @@ def start_run(state: ServerState, prepared: PreparedResponse,
 
 async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedResponse) -> None:
     req, response = prepared.request, prepared.response
-    events = ResponseEvents(response, run.publish)
+    # A stored response is written while it runs too, so a crash does not lose it.
+    journal = RunJournal(state.store, run, lambda: _record(prepared, run, [], events=False),
+                         keep_events=req.background) if req.store else None
+
+    def publish(event) -> None:
+        run.publish(event)
+        if journal is not None:
+            journal.published(event)
+
+    events = ResponseEvents(response, publish)
     sessions = ToolSessions()
     try:
         if req.background:  # stored at once, so it can be polled (and failed if we restart)
             await _store(state, run, _record(prepared, run, []))
+        elif journal is not None:  # (written beside the prefill, not before it)
+            journal.start()
         events.lifecycle("response.created")
         if req.background:
             events.lifecycle("response.queued")
@@ -80,6 +93,8 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
                 {**dump(response), "error": {"code": "server_error", "message": outcome.error or "failed"}}
             ).error
         events.finish(outcome.status)
+        if journal is not None:
+            await journal.close()
         record = None
         if req.store and not run.deleted:
             record = _record(prepared, run, outcome.new_messages, outcome.function_calls)
@@ -98,7 +113,12 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
                 {**dump(response), "error": {"code": "server_error", "message": "internal error"}}
             ).error
             events.finish("failed")
+        if journal is not None and not run.deleted:  # (what the journal wrote read in_progress)
+            await journal.close()
+            await asyncio.gather(_store(state, run, _record(prepared, run, [])), return_exceptions=True)
     finally:
+        if journal is not None:
+            await journal.close()
         await sessions.close()
         run.finished()
         state.runs.remove(run.response_id)
@@ -169,7 +189,9 @@ async def _store(state: ServerState, run: ResponseRun, record: StoredResponse) -
 
 
 def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Message],
-            new_calls: dict[str, str] | None = None) -> StoredResponse:
+            new_calls: dict[str, str] | None = None, events: bool = True) -> StoredResponse:
+    """The run's record as it is now (`events=False`: without the events so far, which the
+    journal appends on its own)."""
     conversation = prepared.history + prepared.new_messages + new_messages
     return StoredResponse(
         id=prepared.response.id,
@@ -180,6 +202,7 @@ def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Mes
         input_instructions=prepared.input_instructions,
         mcp_listed=prepared.mcp_listed,
         chain_item_ids=prepared.chain_item_ids,
-        events=[dump(e) for e in run.events] if prepared.request.background else None,
+        events=([dump(e) for e in run.events] if events else []) if prepared.request.background else None,
         created_at=prepared.created,
+        owner=prepared.owner,
     )

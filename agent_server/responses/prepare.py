@@ -24,6 +24,8 @@ from agent_server.agent.tool_registry import ActiveTools
 from agent_server.errors import APIError, from_validation_error, not_found
 from agent_server.harmony import PromptConfig, preamble, render_prompt
 from agent_server.responses.compaction import split_for_compaction
+from agent_server.large_prompts import check_fits, text_chars
+from agent_server.ownership import visible
 from agent_server.responses.conversation import input_to_messages, messages_from_json
 from agent_server.responses.events import new_id
 from agent_server.responses.runs import TERMINAL
@@ -68,6 +70,7 @@ class PreparedResponse:
     input_instructions: list[str] = field(default_factory=list)  # system/developer input, whole chain
     mcp_listed: list[str] = field(default_factory=list)  # server labels listed, whole chain
     chain_item_ids: list[str] = field(default_factory=list)  # item ids of the earlier responses of the chain
+    owner: str | None = None  # the owner name of the request's API key (auth.py)
     # When it was created, to the microsecond: the store orders by it (`created_at` is whole seconds).
     created: float = field(default_factory=time.time)
     # What the prompt is rendered from, for a run that compacts first: the system and developer
@@ -80,13 +83,14 @@ class PreparedResponse:
     conversation: StoredConversation | None = None  # the `conversation` it runs in, as it was then
 
 
-async def prepare(state: ServerState, req: ResponseCreateRequest, started: float, *,
+async def prepare(state: ServerState, req: ResponseCreateRequest, started: float, owner: str | None = None, *,
                   local_responses: Mapping[str, StoredResponse] | None = None,
                   counting: bool = False) -> PreparedResponse:
     """Validate what the schema cannot, and build the agent's task and the first snapshot.
-    `local_responses`: store=false responses a `previous_response_id` may name besides the
-    stored ones (those of a WebSocket connection). `counting`: only the prompt is wanted (its
-    tokens are counted), so a prompt longer than the context is no error."""
+    `owner`: whose earlier responses and items it may use. `local_responses`: store=false
+    responses a `previous_response_id` may name besides the stored ones (those of a WebSocket
+    connection). `counting`: only the prompt is wanted (its tokens are counted), so a prompt
+    longer than the context is no error."""
     config, engine = state.config, state.engine
     if not config.serves(req.model):
         raise APIError(f"The model '{req.model}' does not exist; this server serves '{config.model_name}'.",
@@ -100,7 +104,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         raise APIError("Background responses must be stored: set store=true.", param="background")
     include = set(req.include or [])
 
-    items = await resolve_references(state, req.input_items())
+    items = await resolve_references(state, req.input_items(), owner)
     check_item_ids(items)
     history: list[Message] = []
     known_calls: dict[str, str] = {}
@@ -114,7 +118,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         check_item_ids(items, chain_ids)
         history, known_calls, chain_instructions, listed_mcp = await _conversation_history(state, stored_conversation)
     if req.previous_response_id:
-        previous = await _previous(state, req.previous_response_id, local_responses)
+        previous = await _previous(state, req.previous_response_id, owner, local_responses)
         chain_ids = _chain_item_ids(previous)
         check_item_ids(items, chain_ids)
         _check_calls_answered(previous, items)
@@ -141,9 +145,13 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         conversation_start_date=datetime.date.today().isoformat(),
     )
     head, conversation = preamble(prompt_config), history + converted.messages
-    prompt = render_prompt(head + conversation, keep_analysis=settings.keep_analysis)
-    if req.truncation == "auto" and not _fits(prompt, engine.max_model_len, req.max_output_tokens):
-        prompt = _truncated(head, conversation, engine.max_model_len, req.max_output_tokens) or prompt
+    auto = req.truncation == "auto"
+    # (the least truncation="auto" keeps: from the last user message on)
+    kept = conversation[max([i for i, m in enumerate(conversation) if i > 0 and m.author.role == Role.USER],
+                            default=0):] if auto else conversation
+    check_fits(head + kept, engine.max_model_len, "input", "input")
+    prompt = await state.renderer.run(_prompt_for, head, conversation, engine.max_model_len, req.max_output_tokens,
+                                      auto, settings.keep_analysis, chars=text_chars(head + conversation))
     why = _why_truncation_did_not_help(head, conversation) if req.truncation == "auto" else ""
     if len(prompt) >= engine.max_model_len and not counting:
         raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens."
@@ -199,6 +207,7 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         keep_analysis=settings.keep_analysis,
         compaction=compaction,
         conversation=stored_conversation,
+        owner=owner,
     )
 
 
@@ -210,6 +219,16 @@ def _openers(state: ServerState, items: list[Any]) -> dict[str, Any]:
     if any(isinstance(item, CompactionItem) for item in items):
         openers["open_summary"] = state.seal.open_summary
     return openers
+
+
+def _prompt_for(head: list[Message], conversation: list[Message], max_model_len: int,
+                max_output_tokens: int | None, auto_truncation: bool, keep_analysis: bool = False) -> list[int]:
+    """The prompt's tokens, truncated under truncation="auto" when it does not fit (a worker
+    process runs this for a long conversation: see large_prompts)."""
+    prompt = render_prompt(head + conversation, keep_analysis=keep_analysis)
+    if auto_truncation and not _fits(prompt, max_model_len, max_output_tokens):
+        prompt = _truncated(head, conversation, max_model_len, max_output_tokens) or prompt
+    return prompt
 
 
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
@@ -245,11 +264,11 @@ def _truncated(head: list[Message], conversation: list[Message], max_model_len: 
     return best
 
 
-async def _previous(state: ServerState, response_id: str,
+async def _previous(state: ServerState, response_id: str, owner: str | None = None,
                     local_responses: Mapping[str, StoredResponse] | None = None) -> StoredResponse:
     if local_responses is not None and response_id in local_responses:
         return local_responses[response_id]
-    run = state.runs.live(response_id)
+    run = state.runs.live(response_id, owner)
     if run is not None:
         if run.snapshot.status in TERMINAL:  # its last event is out, its record being stored
             await run.done.wait()
@@ -257,7 +276,7 @@ async def _previous(state: ServerState, response_id: str,
             raise APIError(f"Previous response '{response_id}' is still in progress.",
                            param="previous_response_id", code="previous_response_in_progress")
     record = await state.store.get(response_id)
-    if record is None:
+    if record is None or not visible(record.owner, owner):
         raise APIError(f"Previous response with id '{response_id}' not found.", status=404,
                        param="previous_response_id", code="previous_response_not_found")
     if record.status not in ("completed", "incomplete"):
@@ -300,12 +319,12 @@ async def _conversation_history(state: ServerState, conversation: StoredConversa
     return converted.messages, converted.function_calls, converted.instructions, listed
 
 
-async def resolve_references(state: ServerState, items: list[Any]) -> list[Any]:
+async def resolve_references(state: ServerState, items: list[Any], owner: str | None = None) -> list[Any]:
     """`item_reference` items replaced by the stored items they name."""
     resolved = []
     for i, item in enumerate(items):
         if isinstance(item, ItemReference):
-            found = await state.store.find_item(item.id)
+            found = await state.store.find_item(item.id, owner)
             if found is None:
                 raise not_found("Item", item.id, param=f"input[{i}].id")
             try:

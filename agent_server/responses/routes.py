@@ -17,7 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agent_server.auth import request_owner
 from agent_server.errors import APIError, not_found
+from agent_server.ownership import visible
 from agent_server.request_parsing import int_query, read_request
 from agent_server.responses.compaction import compaction_item, kept_items, summarise, usage_json
 from agent_server.responses.events import TERMINAL_EVENT, dump, new_id
@@ -51,7 +53,7 @@ async def create_response(request: Request) -> Response:
     config = state.config
     body = await read_request(request, ResponseCreateRequest, config.max_request_bytes, unsupported=UNSUPPORTED,
                               max_items={"input": config.max_input_items, "tools": config.max_tools})
-    prepared = await prepare(state, body, started)
+    prepared = await prepare(state, body, started, request_owner(request))
     run = start_run(state, prepared)
     if body.stream:
         # The run reaches the engine first (a few task switches, no I/O): the prompt's prefill
@@ -142,9 +144,10 @@ async def count_input_tokens(request: Request) -> Response:
 # --- retrieve, delete, cancel, input items ------------------------------------------------
 
 
-async def _stored(state: ServerState, response_id: str) -> StoredResponse:
+async def _stored(state: ServerState, response_id: str, owner: str | None) -> StoredResponse:
+    """The stored response of that id; another owner's is a 404, as a missing one."""
     record = await state.store.get(response_id)
-    if record is None:
+    if record is None or not visible(record.owner, owner):
         raise not_found("Response", response_id)
     return record
 
@@ -153,16 +156,17 @@ async def retrieve_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
     stream = request.query_params.get("stream", "false").lower() == "true"
-    run = state.runs.live(response_id)
+    owner = request_owner(request)
+    run = state.runs.live(response_id, owner)
     if not stream:
         if run is not None:
             return JSONResponse(dump(run.snapshot))
-        return JSONResponse((await _stored(state, response_id)).response)
+        return JSONResponse((await _stored(state, response_id, owner)).response)
     starting_after = int_query(request, "starting_after", -1, -1, 1 << 62)
     if run is not None and run.background:
         return sse_response((sdk_event(e) async for e in run.stream(starting_after)),
                             ping_seconds=state.config.sse_ping_seconds)
-    record = None if run is not None else await _stored(state, response_id)
+    record = None if run is not None else await _stored(state, response_id, owner)
     if record is None or record.events is None:
         raise APIError("Only background responses can be streamed again; this one was not created with "
                        "background=true.", param="stream")
@@ -186,10 +190,13 @@ async def retrieve_response(request: Request) -> Response:
 async def delete_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
-    run = state.runs.live(response_id)
+    owner = request_owner(request)
+    run = state.runs.live(response_id, owner)
     if run is not None:
         run.deleted = True
         run.cancel()
+    elif owner is not None:
+        await _stored(state, response_id, owner)  # (another owner's: a 404, and left alone)
     deleted = await state.store.delete(response_id)
     if not deleted and run is None:
         raise not_found("Response", response_id)
@@ -199,9 +206,10 @@ async def delete_response(request: Request) -> Response:
 async def cancel_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
-    run = state.runs.live(response_id)
+    owner = request_owner(request)
+    run = state.runs.live(response_id, owner)
     if run is None:
-        record = await _stored(state, response_id)
+        record = await _stored(state, response_id, owner)
         if not record.response.get("background"):
             raise APIError("Only responses created with background=true can be cancelled.", param="response_id")
         return JSONResponse(record.response)
@@ -219,8 +227,9 @@ async def list_input_items(request: Request) -> Response:
     order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise APIError("Invalid value for 'order': must be 'asc' or 'desc'.", param="order", code="invalid_value")
-    run = state.runs.live(response_id)
-    items = run.input_items if run is not None else (await _stored(state, response_id)).input_items
+    owner = request_owner(request)
+    run = state.runs.live(response_id, owner)
+    items = run.input_items if run is not None else (await _stored(state, response_id, owner)).input_items
     items = list(items) if order == "asc" else list(reversed(items))
     after = request.query_params.get("after")
     if after is not None:

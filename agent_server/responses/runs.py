@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
+from agent_server.ownership import visible
+
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")  # a response's statuses once it has ended
 
 
@@ -24,6 +26,7 @@ class ResponseRun:
         self.deleted = False  # deleted while running: do not store it when it ends
         self.cancel_requested = False  # cancelled (or deleted) before or while the agent loop ran
         self.store = True  # False: never visible through GET (store=false)
+        self.owner: str | None = None  # the owner name of the key that created it (auth.py)
         self.input_items: list[dict[str, Any]] = []
         self.keep: Any = None  # takes the record of a store=false response (a WebSocket connection's)
         self.generate = True  # False: it ends with no output (`start_run`)
@@ -74,11 +77,12 @@ class RunRegistry:
     def get(self, response_id: str) -> ResponseRun | None:
         return self.runs.get(response_id)
 
-    def live(self, response_id: str) -> ResponseRun | None:
-        """The running response of that id, unless it is not stored or was deleted (it is still
-        winding down: its task stops generating, then ends without storing it)."""
+    def live(self, response_id: str, owner: str | None = None) -> ResponseRun | None:
+        """The running response of that id, unless it is not stored, was deleted (it is still
+        winding down: its task stops generating, then ends without storing it) or is not the
+        requester's (`owner`)."""
         run = self.runs.get(response_id)
-        return run if run is not None and run.store and not run.deleted else None
+        return run if run is not None and run.store and not run.deleted and visible(run.owner, owner) else None
 
     def remove(self, response_id: str) -> None:
         self.runs.pop(response_id, None)

@@ -10,7 +10,9 @@ module takes a few seconds.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import time
 from urllib.parse import quote
 
@@ -20,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import MODEL, LiveServer, make_app
-from tests.fake_engine import ScriptedEngine
+from tests.fake_engine import ScriptedEngine, harmony_tokens
 from tests.fake_tools import FakeBrowser, FakeMcp, FakePython
 
 MAX_BYTES = 64 << 10  # small, so the huge bodies below meet the limit
@@ -250,3 +252,144 @@ def test_server_still_serves_after_the_fuzzing(server):
     while server.state.runs.runs or server.engine.running:  # background runs the fuzzing started all end
         assert time.monotonic() < deadline, (server.state.runs.runs, server.engine.running)
         time.sleep(0.01)
+
+
+# --- all at once ------------------------------------------------------------------------------
+
+STREAMS = 64
+MALFORMED = 300
+LOAD_SECONDS = 120  # the whole round, bounded
+
+
+@pytest.fixture(scope="module")
+def paced_server(tmp_path_factory):
+    """A server of its own whose answers take a second or two (a token every 5 ms)."""
+    engine = ScriptedEngine(max_model_len=4096, token_delay=0.005)
+    answer = harmony_tokens("<|channel|>analysis<|message|>" + "think " * 40 + "<|end|><|start|>assistant"
+                            "<|channel|>final<|message|>" + "word " * 200 + "<|return|>")
+    engine.say(*[answer] * (4 * STREAMS))
+    app = make_app(lambda: engine, tmp_path_factory.mktemp("load") / "r.db", tools=[FakeBrowser(), FakePython(),
+                   FakeMcp()], max_request_bytes=MAX_BYTES, sse_ping_seconds=60)
+    with LiveServer(app) as live:
+        live.http = httpx.Client(base_url=live.url, timeout=60)
+        yield live
+        live.http.close()
+
+
+async def stream_and_maybe_hang_up(client: httpx.AsyncClient, api: str, read: int | None) -> dict:
+    """One streaming request; `read`: events to read before hanging up (None: to the end)."""
+    from agent_server.bench.serve import sse_events
+
+    if api == "chat":
+        path, body = "/v1/chat/completions", {**CHAT_BASE, "stream": True}
+    else:
+        path, body = "/v1/responses", {**RESPONSE_BASE, "stream": True, "background": read == 0}
+    events: list[dict] = []
+    async with client.stream("POST", path, json=body) as response:
+        status = response.status_code
+        if status == 200:
+            async for data in sse_events(response):
+                if data != "[DONE]":
+                    events.append(json.loads(data))
+                if read is not None and len(events) >= max(read, 1):
+                    break
+        else:
+            await response.aread()
+    return {"api": api, "status": status, "events": events, "cut": read is not None}
+
+
+async def malformed(client: httpx.AsyncClient, limit: asyncio.Semaphore, path: str, body: bytes,
+                    content_type: str) -> httpx.Response:
+    async with limit:
+        return await client.post(path, content=body, headers={"content-type": content_type})
+
+
+# Values of every kind and shape, for the fields of the malformed bodies below.
+WILD = [None, True, 0, -1, 2**63, 1e308, -0.0, "", "x", "\ud800", "é" * 20_000, [], {}, [[[]]], {"a": {"b": [1]}},
+        [{"role": "user"}], {"type": "function"}, "gpt-oss-test", [None], {"": ""}]
+RAW = [b"", b"null", b"[]", b"\xef\xbb\xbf{}", b'{"model": "m", "input": "\xff\xfe"}', b'{"model": NaN}',
+       b'{"model": "m", "temperature": Infinity}', b'{"a": 1} trailing', b"{" * 5000, b'{"model": "m", "seed": ' +
+       b"9" * 5000 + b"}", json.dumps({"x": "y"}).encode("utf-16")]
+
+
+def malformed_bodies(rng: random.Random, base: dict, fields: list[str], count: int) -> list[tuple[bytes, str]]:
+    """(body, content type) of requests that are wrong in one of many ways (seeded: the same
+    every run). A field swapped for a WILD value is sometimes a valid request all the same."""
+    valid = json.dumps(base).encode()
+    makers = [
+        lambda: rng.randbytes(rng.randint(0, 300)),
+        lambda: valid[:rng.randint(0, len(valid) - 1)],
+        lambda: json.dumps(rng.choice(WILD)).encode(),
+        lambda: json.dumps({**base, **{rng.choice(fields): rng.choice(WILD)
+                                       for _ in range(rng.randint(1, 4))}}).encode(),
+        lambda: json.dumps({**base, "unknown_field": rng.choice(WILD)}).encode(),
+        lambda: json.dumps({k: v for k, v in base.items() if k != rng.choice(list(base))}).encode(),
+        lambda: (('{"model": "%s", "input": ' % MODEL) + "[" * (d := rng.randint(50, 50_000)) + "]" * d + "}").encode(),
+        lambda: json.dumps({**base, "instructions": "y" * rng.choice([70_000, 200_000])}).encode(),
+        lambda: rng.choice(RAW),
+    ]
+    content_types = ["application/json"] * 6 + ["text/plain", "application/x-www-form-urlencoded", ""]
+    return [(rng.choice(makers)(), rng.choice(content_types)) for _ in range(count)]
+
+
+def test_streams_with_disconnects_and_malformed_bodies_all_at_once(paced_server):
+    """64 streams (Responses and Chat, a quarter read to the end, the rest cut after a random
+    number of events, some of them background responses) and 300 malformed bodies, at once:
+    no 5xx anywhere, every malformed body a 4xx with an OpenAI-style error, every stream read to
+    its end well formed, every stored response stored with a final status, and the server idle
+    and serving afterwards."""
+    server, rng = paced_server, random.Random(45)
+    bodies = [("/v1/responses", *b) for b in malformed_bodies(rng, RESPONSE_BASE, list(RESPONSE_FIELDS),
+                                                              MALFORMED // 2)]
+    bodies += [("/v1/chat/completions", *b) for b in malformed_bodies(rng, CHAT_BASE, list(CHAT_FIELDS),
+                                                                      MALFORMED // 2)]
+    plan = [("chat" if i % 2 else "responses", rng.choice([None, rng.randint(0, 120)]) if i % 4 else None)
+            for i in range(STREAMS)]
+    errors_before = server_errors(server)
+
+    async def round_() -> tuple[list, list]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
+            limit = asyncio.Semaphore(32)
+            streams = [asyncio.create_task(stream_and_maybe_hang_up(client, api, read)) for api, read in plan]
+            answers = [asyncio.create_task(malformed(client, limit, *b)) for b in bodies]
+            return await asyncio.gather(*streams), await asyncio.gather(*answers)
+
+    started = time.monotonic()
+    streams, answers = asyncio.run(asyncio.wait_for(round_(), LOAD_SECONDS))
+    assert time.monotonic() - started < LOAD_SECONDS
+
+    for answer in answers:
+        assert_clean(answer)
+        assert answer.status_code != 200 or answer.request.headers.get("content-type") == "application/json"
+    assert sum(a.status_code >= 400 for a in answers) > MALFORMED // 2  # (some mutated bodies are valid requests)
+    for result in streams:
+        assert result["status"] == 200, result
+        if not result["cut"]:
+            last = result["events"][-1]
+            if result["api"] == "chat":
+                assert last["choices"][-1]["finish_reason"] is not None or last.get("usage"), last
+            else:
+                assert last["type"] == "response.completed", last["type"]
+
+    # Every stored response of the round ends with a final status (a cut foreground stream is
+    # cancelled, a background one runs on), and nothing is left running.
+    ids = {r["events"][0]["response"]["id"] for r in streams if r["api"] == "responses" and r["events"]}
+    deadline = time.monotonic() + 60
+    while server.state.runs.runs or server.engine.running:
+        assert time.monotonic() < deadline, list(server.state.runs.runs)
+        time.sleep(0.05)
+    for response_id in ids:
+        stored = server.http.get(f"/v1/responses/{response_id}").json()
+        assert stored["status"] in ("completed", "cancelled"), stored
+    assert server_errors(server) == errors_before == 0
+    assert_still_serving(server)
+
+
+def server_errors(server) -> float:
+    """5xx answers the server counted (its /metrics), but /ready's while the model loaded."""
+    from agent_server.bench.server_metrics import parse_metrics
+
+    samples = parse_metrics(server.http.get("/metrics").text)
+    return sum(v for (name, labels), v in samples.items() if name == "oss_agent_requests_total"
+               and dict(labels)["status"].startswith("5") and dict(labels)["endpoint"] != "/ready")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 import httpx
 import pytest
@@ -37,7 +39,7 @@ def server(request, tmp_path_factory):
     app = make_app(lambda: engine, tmp_path_factory.mktemp("limits") / "r.db", max_request_bytes=MAX_BYTES,
                    max_input_items=MAX_ITEMS, max_tools=MAX_TOOLS)
     with LiveServer(app, kind=request.param) as live:
-        live.http = httpx.Client(base_url=live.url, timeout=120)
+        live.http = httpx.Client(base_url=live.url, timeout=120, headers={"Content-Type": "application/json"})
         assert live.engine.max_model_len == CONTEXT
         yield live
         live.http.close()
@@ -132,6 +134,93 @@ def test_output_limit_beyond_what_fits(server):
     assert chat(server, messages=[USER], max_tokens=3).json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_the_longest_token_bounds_the_cheap_check():
+    # A conversation of C characters is at least C / MAX_TOKEN_BYTES tokens only if no token is
+    # longer: the vocabulary's longest.
+    from agent_server.large_prompts import MAX_TOKEN_BYTES
+    from agent_server.token_bytes import _vocabulary
+
+    assert max(len(b) for b in _vocabulary().values()) == MAX_TOKEN_BYTES
+
+
+def request_in_the_background(url: str, path: str, body: dict) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def send():
+        started = time.monotonic()
+        result["response"] = httpx.post(url + path, json=body, timeout=300)
+        result["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread, result
+
+
+def health_latencies_while(url: str, thread: threading.Thread) -> list[float]:
+    """Times /health takes to answer, polled until `thread` ends."""
+    latencies = []
+    with httpx.Client(timeout=60) as client:
+        while thread.is_alive():
+            started = time.monotonic()
+            assert client.get(url + "/health").status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.02)
+    return latencies
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(tmp_path, api):
+    # 8 MB of words would take the tokenizer seconds, on the event loop; at most 128 bytes a
+    # token, it cannot fit 1024 tokens, which its length says at once.
+    app = make_app(lambda: ScriptedEngine(max_model_len=CONTEXT), tmp_path / "r.db", max_request_bytes=16 << 20)
+    text = "word " * ((8 << 20) // 5)
+    message = {"role": "user", "content": text}
+    path, body = (("/v1/responses", {"model": MODEL, "input": [message]}) if api == "responses"
+                  else ("/v1/chat/completions", {"model": MODEL, "messages": [message]}))
+    with LiveServer(app) as live:
+        thread, result = request_in_the_background(live.url, path, body)
+        latencies = health_latencies_while(live.url, thread)
+        thread.join()
+    assert max(latencies, default=0) < 0.5, sorted(latencies)[-3:]
+    error = error_of(result["response"])
+    assert error["code"] == "context_length_exceeded" and error["param"] == ("input" if api == "responses"
+                                                                             else "messages")
+    assert f"at least {len(text) // 128} tokens" in error["message"] and str(CONTEXT) in error["message"]
+
+
+@pytest.mark.parametrize("api", ["responses", "instructions", "chat"])
+def test_a_long_prompt_that_may_fit_is_tokenized_off_the_event_loop(tmp_path, api):
+    # 2.5 MB of words (625,000 tokens) fits a context of 2M tokens: it is tokenized, taking a
+    # second or more, and other clients are answered meanwhile.
+    engine = ScriptedEngine(max_model_len=2_000_000)
+    app = make_app(lambda: engine, tmp_path / "r.db", max_request_bytes=16 << 20)
+    text = "word " * 500_000
+    path, body = {"responses": ("/v1/responses", {"model": MODEL, "input": text}),
+                  "instructions": ("/v1/responses", {"model": MODEL, "input": "hi", "instructions": text}),
+                  "chat": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}),
+                  }[api]
+    with LiveServer(app) as live:
+        # (the first long prompt starts the worker process: not what is measured; the second is
+        # another text, as rendered instructions are kept for the next request that has them)
+        assert httpx.post(live.url + path, json=json.loads(json.dumps(body).replace("word", "wort")),
+                          timeout=300).status_code == 200
+        thread, result = request_in_the_background(live.url, path, body)
+        latencies = health_latencies_while(live.url, thread)
+        thread.join()
+    assert result["response"].status_code == 200, result["response"].text[:300]
+    assert max(latencies) < 0.5, sorted(latencies)[-3:]  # the loop kept answering...
+    assert len(latencies) >= 5, (latencies, result["seconds"])  # ...while the request took a while
+    assert len(engine.calls[-1].request.prompt_token_ids) > 500_000  # the whole prompt, as the loop would render it
+    # The same tokens the event loop renders for it.
+    from agent_server.chat.prompt import chat_messages
+    from agent_server.harmony import render_prompt
+    from schemas.chat import ChatCompletionRequest
+
+    if api == "chat":
+        expected = render_prompt(chat_messages(ChatCompletionRequest.model_validate(body)))
+        assert engine.calls[-1].request.prompt_token_ids == expected
+
+
 # --- parameters -----------------------------------------------------------------------------
 
 
@@ -173,7 +262,7 @@ RESPONSES_INVALID = [
      "text.format.schema", "invalid_value"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": 5}}]},
      "tools[0].parameters", "invalid_value"),
-    ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "invalid_value"),
+    ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "object_above_max_properties"),
     ({"input": "hi", "include": ["everything"]}, "include[0]", "invalid_value"),
     # Our own output items sent back: the fields the server replays are typed.
     ({"input": [{"type": "code_interpreter_call", "id": "c", "code": 5}]}, "input[0].code", "invalid_type"),
@@ -211,6 +300,49 @@ CHAT_INVALID = [
 ]
 
 
+# Strings the server echoes back and stores, with OpenAI's limits and words: (field, value, param,
+# code, message).
+ECHOED_TOO_LONG = [
+    ("user", "u" * 65, "user", "string_above_max_length",
+     "Invalid 'user': string too long. Expected a string with maximum length 64, but got a string with length 65 "
+     "instead."),
+    ("safety_identifier", "s" * 1000, "safety_identifier", "string_above_max_length",
+     "Invalid 'safety_identifier': string too long. Expected a string with maximum length 64, but got a string with "
+     "length 1000 instead."),
+    ("prompt_cache_key", "é" * 65, "prompt_cache_key", "string_above_max_length",
+     "Invalid 'prompt_cache_key': string too long. Expected a string with maximum length 64, but got a string with "
+     "length 65 instead."),
+    ("metadata", {f"k{i}": "v" for i in range(17)}, "metadata", "object_above_max_properties",
+     "Invalid 'metadata': too many properties. Expected an object with at most 16 properties, but got an object "
+     "with 17 properties instead."),
+    ("metadata", {"a.b" + "k" * 62: "v"}, "metadata.a.b" + "k" * 62, "property_name_above_max_length",
+     "Invalid property name in 'metadata': 'a.b" + "k" * 62 + "' is too long. Expected a string with maximum length "
+     "64, but got a string with length 65 instead."),
+    ("metadata", {"topic": "x" * 513}, "metadata.topic", "string_above_max_length",
+     "Invalid 'metadata.topic': string too long. Expected a string with maximum length 512, but got a string with "
+     "length 513 instead."),
+]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+@pytest.mark.parametrize("field,value,param,code,message", ECHOED_TOO_LONG)
+def test_echoed_strings_have_openais_limits(server, api, field, value, param, code, message):
+    send = respond if api == "responses" else chat
+    base = {"input": "hi"} if api == "responses" else {"messages": [USER]}
+    error = error_of(send(server, **base, **{field: value}))
+    assert (error["param"], error["code"], error["message"]) == (param, code, message)
+
+
+def test_echoed_strings_at_their_limits_are_echoed(fake_server):
+    limits = {"user": "u" * 64, "safety_identifier": "s" * 64, "prompt_cache_key": "p" * 64,
+              "metadata": {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}}
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", **limits})
+    assert r.status_code == 200, r.text[:300]
+    assert {k: r.json()[k] for k in limits} == limits
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={"model": MODEL, "messages": [USER], **limits})
+    assert r.status_code == 200, r.text[:300]
+
+
 @pytest.mark.parametrize("body,param,code", RESPONSES_INVALID)
 def test_responses_validation_errors_name_the_parameter(server, body, param, code):
     error = error_of(server.http.post("/v1/responses", json={"model": MODEL, **body}))
@@ -224,12 +356,13 @@ def test_chat_validation_errors_name_the_parameter(server, body, param, code):
 
 
 def test_fields_the_sdk_response_rejects_are_a_400(fake_server):
-    # The request schema takes any dict as a container; the SDK's Response type (which the
-    # response is built on) wants {"type": "auto", ...}: still the client's error, named.
+    # The SDK's Response type (which the response is built on) wants a container {"type": "auto",
+    # ...}; the request schema types it the same way, so the error names the field it is about
+    # (test_hardening_tool_shapes goes through every tool field).
     r = httpx.post(f"{fake_server.url}/v1/responses", json={
         "model": MODEL, "input": "hi", "tools": [{"type": "code_interpreter", "container": {"kind": "big"}}]})
     error = error_of(r)
-    assert (error["param"], error["code"]) == ("tools[0].container.type", "missing_required_parameter")
+    assert (error["param"], error["code"]) == ("tools[0].container.kind", "unknown_parameter")
 
 
 def test_missing_model_and_unknown_model(server):
@@ -364,16 +497,18 @@ def test_a_requests_schemas_together_are_bounded(fake_server):
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 30}
                                                for i in range(800)}}
     tools = [{"type": "function", "name": f"f{i}", "parameters": schema} for i in range(5)]
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools})
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools},
+                   timeout=60)  # (seconds of jsonschema on a busy machine: more than httpx's default 5)
     error = error_of(r)
     assert (error["param"], error["code"]) == ("tools[4].parameters", "invalid_value") and "in all" in error["message"]
     r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={
         "model": MODEL, "messages": [USER], "tools": [{"type": "function", "function": {
             "name": t["name"], "parameters": schema}} for t in tools[:4]],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, timeout=60)
     assert error_of(r)["param"] == "response_format.json_schema.schema"
     # Four of them pass the schema checks (and reach the prompt, which they overfill).
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools[:4]})
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools[:4]},
+                   timeout=60)
     assert error_of(r)["code"] == "context_length_exceeded"
 
 

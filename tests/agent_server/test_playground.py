@@ -480,11 +480,14 @@ def test_code_in_a_numbered_list_keeps_its_indentation(fake_server, page):
     assert page.turn(0).locator(".answer ol > li").count() == 3
 
 
-def test_copy_works_when_the_page_is_served_over_plain_http(fake_server, browser):
+def test_copy_works_when_the_page_is_served_over_plain_http(tmp_path, fake_engine, fake_tools, browser):
     # A GPU box on the LAN is reached as http://host:port/: not a secure context, so
     # navigator.clipboard is undefined there. The code block's Copy button must still copy.
-    fake_server.engine.say(final("```bash\necho hi\n```"))
-    port = fake_server.url.rsplit(":", 1)[1]
+    # (The server answers for that name as `serve --allowed-host gpu-box.test` does.)
+    app = make_app(lambda: fake_engine, tmp_path / "r.db", tools=fake_tools.values(), allowed_hosts=["gpu-box.test"])
+    server = LiveServer(app).start()
+    fake_engine.say(final("```bash\necho hi\n```"))
+    port = server.url.rsplit(":", 1)[1]
     lan = browser.browser_type.launch(executable_path=chromium_executable(),
                                       args=CHROMIUM_ARGS + ["--host-resolver-rules=MAP gpu-box.test 127.0.0.1"])
     try:
@@ -504,6 +507,7 @@ def test_copy_works_when_the_page_is_served_over_plain_http(fake_server, browser
         assert view.evaluate("window.__copied") == "echo hi"
     finally:
         lan.close()
+        server.stop()
 
 
 def test_escape_that_closes_a_dialog_does_not_stop_the_generation(fake_server, page):

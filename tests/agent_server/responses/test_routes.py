@@ -643,7 +643,8 @@ def test_bad_requests_get_openai_errors(fake_server):
     url = f"{fake_server.url}/v1/responses"
 
     def error(body, status=400, **kwargs):
-        r = httpx.post(url, json=body, **kwargs) if body is not None else httpx.post(url, content=b"{oops", **kwargs)
+        r = httpx.post(url, json=body, **kwargs) if body is not None else httpx.post(
+            url, content=b"{oops", headers={"Content-Type": "application/json"}, **kwargs)
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]

@@ -1,0 +1,166 @@
+"""Several API keys, and whose responses each may see.
+
+Keys come from `--api-key` (owner `default`) and `--api-keys-file` (`name:key` lines; keys of
+one name share their responses). A response belongs to the owner of the key that created it:
+another owner gets the same 404 as for a missing id, whatever they try (retrieve, delete,
+cancel, input items, stream resume, previous_response_id, item_reference), while the response
+runs and after it is stored, and after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from agent_server.auth import anonymous_owner, read_keys_file
+from tests.conftest import MODEL, LiveServer, make_app, serve_captured
+from tests.fake_engine import ScriptedEngine
+
+KEYS = {"sk-alice-1": "alice", "sk-alice-2": "alice", "sk-bob": "bob"}
+DEFAULT_KEY = "sk-default"
+
+
+def client(server, key: str) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+@pytest.fixture
+def server(tmp_path):
+    engine = ScriptedEngine(token_delay=0.01)
+    app = make_app(lambda: engine, tmp_path / "r.db", api_key=DEFAULT_KEY, api_keys=KEYS)
+    with LiveServer(app, api_key=DEFAULT_KEY) as live:
+        live.alice, live.alice2, live.bob, live.default = (client(live, k) for k in (
+            "sk-alice-1", "sk-alice-2", "sk-bob", DEFAULT_KEY))
+        live.engine_ = engine
+        yield live
+
+
+def long_answer(engine, words: int = 400) -> None:
+    engine.say("<|channel|>final<|message|>" + "go " * words + "<|return|>")
+
+
+def assert_missing(r: httpx.Response, response_id: str, param: str | None = None) -> None:
+    """Exactly the 404 of an id that does not exist."""
+    assert r.status_code == 404, (r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert error["code"] == "not_found" and error["param"] == param and response_id in error["message"]
+
+
+def test_another_owner_cannot_reach_a_stored_response(server):
+    created = server.alice.post("/v1/responses", json={"model": MODEL, "input": "my secret"}).json()
+    rid = created["id"]
+    item_id = created["output"][0]["id"]
+    missing = server.bob.get("/v1/responses/resp_doesnotexist")
+    bob_view = server.bob.get(f"/v1/responses/{rid}")
+    assert_missing(bob_view, rid)
+    assert bob_view.json()["error"]["message"] == missing.json()["error"]["message"].replace("resp_doesnotexist", rid)
+    assert_missing(server.bob.get(f"/v1/responses/{rid}/input_items"), rid)
+    assert_missing(server.bob.post(f"/v1/responses/{rid}/cancel"), rid)
+    assert_missing(server.bob.get(f"/v1/responses/{rid}", params={"stream": "true"}), rid)
+    assert_missing(server.bob.post("/v1/responses", json={"model": MODEL, "input": "go on",
+                                                          "previous_response_id": rid}),
+                   rid, "previous_response_id")
+    r = server.bob.post("/v1/responses", json={"model": MODEL, "input": [{"type": "item_reference", "id": item_id}]})
+    assert_missing(r, item_id, "input[0].id")
+    assert_missing(server.bob.delete(f"/v1/responses/{rid}"), rid)
+    assert_missing(server.default.get(f"/v1/responses/{rid}"), rid)  # --api-key's owner is another one
+    # Alice, with either of her keys, still has all of it.
+    for alice in (server.alice, server.alice2):
+        assert alice.get(f"/v1/responses/{rid}").json()["output"][0]["content"][0]["text"] == "OK."
+        assert alice.get(f"/v1/responses/{rid}/input_items").json()["data"][0]["content"][0]["text"] == "my secret"
+    r = server.alice2.post("/v1/responses", json={"model": MODEL, "input": "go on", "previous_response_id": rid})
+    assert r.status_code == 200 and r.json()["previous_response_id"] == rid
+    r = server.alice2.post("/v1/responses", json={"model": MODEL, "input": [{"type": "item_reference", "id": item_id}]})
+    assert r.status_code == 200
+    assert server.alice.delete(f"/v1/responses/{rid}").json()["deleted"] is True
+    assert_missing(server.alice.get(f"/v1/responses/{rid}"), rid)
+
+
+def test_another_owner_cannot_reach_a_running_response(server):
+    long_answer(server.engine_, 2000)  # 20 s at 10 ms a token: still running throughout
+    rid = server.alice.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True}).json()["id"]
+    deadline = time.monotonic() + 20
+    while server.alice.get(f"/v1/responses/{rid}").json()["status"] != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert_missing(server.bob.get(f"/v1/responses/{rid}"), rid)
+    assert_missing(server.bob.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "0"}), rid)
+    assert_missing(server.bob.get(f"/v1/responses/{rid}/input_items"), rid)
+    assert_missing(server.bob.post(f"/v1/responses/{rid}/cancel"), rid)
+    assert_missing(server.bob.delete(f"/v1/responses/{rid}"), rid)
+    assert_missing(server.bob.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": rid}),
+                   rid, "previous_response_id")
+    # Untouched by all that: still running for Alice, whose stream resumes, and who can cancel it.
+    assert server.alice.get(f"/v1/responses/{rid}").json()["status"] == "in_progress"
+    with server.alice.stream("GET", f"/v1/responses/{rid}", params={"stream": "true"}) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data:"):
+                assert json.loads(line[5:])["sequence_number"] == 0
+                break
+    assert server.alice.post(f"/v1/responses/{rid}/cancel").json()["status"] == "cancelled"
+
+
+def test_ownership_outlives_a_restart(tmp_path):
+    store = tmp_path / "r.db"
+    with LiveServer(make_app(ScriptedEngine, store, api_keys=KEYS), api_key="sk-bob") as live:
+        rid = client(live, "sk-alice-1").post("/v1/responses", json={"model": MODEL, "input": "hi"}).json()["id"]
+    with LiveServer(make_app(ScriptedEngine, store, api_keys=KEYS), api_key="sk-bob") as live:
+        assert_missing(client(live, "sk-bob").get(f"/v1/responses/{rid}"), rid)
+        assert client(live, "sk-alice-2").get(f"/v1/responses/{rid}").status_code == 200
+    # A server with no key has one user, who sees everything in the store.
+    with LiveServer(make_app(ScriptedEngine, store)) as live:
+        assert httpx.get(f"{live.url}/v1/responses/{rid}").status_code == 200
+
+
+def test_the_sdk_with_several_keys(server):
+    alice, bob = (openai.OpenAI(base_url=f"{server.url}/v1", api_key=k, max_retries=0) for k in ("sk-alice-1",
+                                                                                                 "sk-bob"))
+    response = alice.responses.create(model=MODEL, input="hi")
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(response.id)
+    assert alice.responses.retrieve(response.id).id == response.id
+
+
+def test_unknown_keys_are_refused(server):
+    r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer sk-carol"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+# --- the keys file --------------------------------------------------------------------------
+
+
+def test_reading_a_keys_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# team keys\nalice:sk-a1\n\n  alice:sk-a2  \nbob@example.com:sk-b\nsk-anonymous\n"
+                    "carol:sk-c:with-colon\n")
+    assert read_keys_file(path) == {"sk-a1": "alice", "sk-a2": "alice", "sk-b": "bob@example.com",
+                                    "sk-anonymous": anonymous_owner("sk-anonymous"), "sk-c:with-colon": "carol"}
+    assert anonymous_owner("sk-anonymous").startswith("key-") and "sk-anonymous" not in anonymous_owner("sk-anonymous")
+    for bad, problem in [("alice:\n", "empty"), ("bad name:sk-x\n", "name"), ("alice:sk x\n", "white space"),
+                         ("a:sk-1\nb:sk-1\n", "twice"), ("# nothing\n\n", "no keys")]:
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=problem):
+            read_keys_file(path)
+
+
+def test_serve_reads_the_keys_file(tiny_checkpoint, tmp_path, caplog):
+    path = tmp_path / "keys"
+    path.write_text("alice:sk-a\nbob:sk-b\n")
+    path.chmod(0o600)
+    served = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"), "--api-keys-file",
+                             str(path), "--api-key", "sk-d"])
+    config = served["app"].state.server.config
+    assert config.api_keys == {"sk-a": "alice", "sk-b": "bob"} and config.api_key == "sk-d"
+
+    from agent_server.cli.main import build_parser
+    from agent_server.cli.serve import run
+
+    path.write_text("bad name:sk\n")
+    assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--api-keys-file",
+                                          str(path)])) == 2
+    assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--api-keys-file",
+                                          str(tmp_path / "missing")])) == 2
