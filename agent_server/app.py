@@ -22,22 +22,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from inference.request import EngineClient
-from tools.servers import ToolServerError
-
 from agent_server import playground
+from agent_server.agent.tool_registry import ToolRegistry
+from agent_server.auth import ApiKeyMiddleware
 from agent_server.chat import routes as chat_routes
 from agent_server.conversations import routes as conversations_routes
-from agent_server.responses import routes as responses_routes
-from agent_server.responses import websocket as responses_websocket
-from agent_server.auth import ApiKeyMiddleware
 from agent_server.cross_site import CrossSiteGuard
 from agent_server.errors import APIError, UnexpectedErrorMiddleware, internal_error, not_found
 from agent_server.metrics import Metrics, MetricsMiddleware
 from agent_server.request_ids import RequestIdMiddleware, current_request_id, new_request_id
+from agent_server.responses import routes as responses_routes
+from agent_server.responses import websocket as responses_websocket
 from agent_server.state import ServerConfig, ServerState
 from agent_server.store import ResponseStore, SQLiteResponseStore
-from agent_server.agent.tool_registry import ToolRegistry
+from inference.request import EngineClient
+from tools.servers import ToolServerError
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +45,43 @@ def warm_up() -> None:
     """Load tokenizer tables and build the SDK's models now, not during the first request."""
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-    from inference.tokenizer import harmony_encoding
-
     from agent_server.responses import events as response_events
     from agent_server.token_bytes import token_bytes
+    from inference.tokenizer import harmony_encoding
 
     harmony_encoding()
     token_bytes(0)
     response_events.warm_up()
     header = {"id": "x", "created": 0, "model": "m"}
-    ChatCompletionChunk.model_validate({**header, "object": "chat.completion.chunk", "choices": [
-        {"index": 0, "delta": {"content": "x"}, "finish_reason": None,
-         "logprobs": {"content": [{"token": "x", "bytes": [120], "logprob": 0.0, "top_logprobs": []}]}}]})
-    ChatCompletion.model_validate({**header, "object": "chat.completion", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop", "logprobs": None}]})
+    ChatCompletionChunk.model_validate(
+        {
+            **header,
+            "object": "chat.completion.chunk",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "x"},
+                    "finish_reason": None,
+                    "logprobs": {"content": [{"token": "x", "bytes": [120], "logprob": 0.0, "top_logprobs": []}]},
+                }
+            ],
+        }
+    )
+    ChatCompletion.model_validate(
+        {
+            **header,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "x"},
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                }
+            ],
+        }
+    )
+
 
 EngineFactory = Callable[[], "EngineClient | Awaitable[EngineClient]"]
 ToolServersFactory = Callable[[], Awaitable[list[Any]]]
@@ -128,8 +150,10 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    message = {404: f"No route {request.method} {request.url.path}.", 405: f"Method {request.method} is not "
-               f"allowed on {request.url.path}."}.get(exc.status_code, str(exc.detail))
+    message = {
+        404: f"No route {request.method} {request.url.path}.",
+        405: f"Method {request.method} is not allowed on {request.url.path}.",
+    }.get(exc.status_code, str(exc.detail))
     return APIError(message, status=exc.status_code, code="not_found" if exc.status_code == 404 else None).response()
 
 
@@ -163,11 +187,18 @@ class ReadinessGate:
         self.state = state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] in ("http", "websocket") and scope["path"].startswith("/v1/") and not self.state.ready \
-                and not scope["path"].startswith("/v1/models"):
+        if (
+            scope["type"] in ("http", "websocket")
+            and scope["path"].startswith("/v1/")
+            and not self.state.ready
+            and not scope["path"].startswith("/v1/models")
+        ):
             error = self.state.extra.get("load_error")
-            message = (f"The model failed to load: {error}" if error else
-                       "The model is still loading; retry shortly (GET /ready answers 200 once it is loaded).")
+            message = (
+                f"The model failed to load: {error}"
+                if error
+                else "The model is still loading; retry shortly (GET /ready answers 200 once it is loaded)."
+            )
             refusal = APIError(message, status=503, code="model_not_ready", type="server_error")
             if scope["type"] == "websocket":
                 return await refusal.refuse_websocket(scope, receive, send)
@@ -206,8 +237,11 @@ def create_app(
             engine = await build_engine()
             state.engine = engine
             state.extra["loaded_at"] = time.time()
-            log.info("ready: serving %s (context %d tokens); /ready answers 200 from now on",
-                     config.model_name, engine.max_model_len)
+            log.info(
+                "ready: serving %s (context %d tokens); /ready answers 200 from now on",
+                config.model_name,
+                engine.max_model_len,
+            )
         except asyncio.CancelledError:
             raise
         except Exception as e:  # reported by /health and /ready
@@ -258,14 +292,26 @@ def create_app(
         *chat_routes.routes,
         *playground.routes,
     ]
-    middleware = [Middleware(RequestIdMiddleware), Middleware(UnexpectedErrorMiddleware),
-                  Middleware(MetricsMiddleware, metrics=state.metrics)]
+    middleware = [
+        Middleware(RequestIdMiddleware),
+        Middleware(UnexpectedErrorMiddleware),
+        Middleware(MetricsMiddleware, metrics=state.metrics),
+    ]
     if config.cors_origins:  # outside the key check: preflight requests carry no credentials
-        middleware.append(Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
-                                     allow_headers=["*"], expose_headers=["x-request-id"]))
-    middleware += [Middleware(CrossSiteGuard, allowed_hosts=config.allowed_hosts),
-                   Middleware(ApiKeyMiddleware, api_key=config.api_key, api_keys=config.api_keys),
-                   Middleware(ReadinessGate, state=state)]
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=config.cors_origins,
+                allow_methods=["*"],
+                allow_headers=["*"],
+                expose_headers=["x-request-id"],
+            )
+        )
+    middleware += [
+        Middleware(CrossSiteGuard, allowed_hosts=config.allowed_hosts),
+        Middleware(ApiKeyMiddleware, api_key=config.api_key, api_keys=config.api_keys),
+        Middleware(ReadinessGate, state=state),
+    ]
     app = Starlette(
         routes=routes,
         middleware=middleware,

@@ -94,11 +94,17 @@ class ApiKeyMiddleware:
         scheme, _, token = header.strip().partition(b" ")
         owner = self.owner(token.strip()) if header and scheme.lower() == b"bearer" else None
         if not header:
-            error = APIError("Missing API key: send it in an 'Authorization: Bearer <key>' header.",
-                             status=401, code="invalid_api_key")
+            error = APIError(
+                "Missing API key: send it in an 'Authorization: Bearer <key>' header.",
+                status=401,
+                code="invalid_api_key",
+            )
         elif owner is None:
-            error = APIError("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
-                             status=401, code="invalid_api_key")
+            error = APIError(
+                "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                status=401,
+                code="invalid_api_key",
+            )
         else:
             scope.setdefault("state", {})[OWNER] = owner
             return await self.app(scope, receive, send)

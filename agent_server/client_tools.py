@@ -21,9 +21,8 @@ from typing import Any
 
 from openai_harmony import ToolDescription, ToolNamespaceConfig
 
-from schemas.responses import CustomGrammarFormat, CustomTool, FunctionTool, LocalShellTool, NamespaceTool
-
 from agent_server.errors import APIError
+from schemas.responses import CustomGrammarFormat, CustomTool, FunctionTool, LocalShellTool, NamespaceTool
 
 FUNCTIONS = "functions"
 # Namespaces the server's own tools and Harmony itself use: a client namespace may not take them.
@@ -32,12 +31,18 @@ LOCAL_SHELL = "local_shell"
 LOCAL_SHELL_PARAMETERS = {
     "type": "object",
     "properties": {
-        "command": {"type": "array", "items": {"type": "string"},
-                    "description": "The command and its arguments, e.g. [\"bash\", \"-lc\", \"ls -la\"]."},
+        "command": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": 'The command and its arguments, e.g. ["bash", "-lc", "ls -la"].',
+        },
         "workdir": {"type": "string", "description": "The folder to run it in."},
         "timeout_ms": {"type": "number", "description": "How long it may run, in milliseconds."},
-        "env": {"type": "object", "additionalProperties": {"type": "string"},
-                "description": "Environment variables to set for it."},
+        "env": {
+            "type": "object",
+            "additionalProperties": {"type": "string"},
+            "description": "Environment variables to set for it.",
+        },
     },
     "required": ["command"],
 }
@@ -80,11 +85,15 @@ class ClientTools:
                 self.functions.append(self._register(tool, None, where))
             elif isinstance(tool, NamespaceTool):
                 if tool.name in RESERVED_NAMESPACES or any(n.name == tool.name for n in self.namespaces):
-                    raise APIError(f"Invalid namespace name '{tool.name}': it is taken (reserved: "
-                                   f"{', '.join(sorted(RESERVED_NAMESPACES))}).", param=f"{where}.name")
+                    raise APIError(
+                        f"Invalid namespace name '{tool.name}': it is taken (reserved: "
+                        f"{', '.join(sorted(RESERVED_NAMESPACES))}).",
+                        param=f"{where}.name",
+                    )
                 described = [self._register(t, tool.name, f"{where}.tools[{j}]") for j, t in enumerate(tool.tools)]
-                self.namespaces.append(ToolNamespaceConfig(name=tool.name, description=tool.description,
-                                                           tools=described))
+                self.namespaces.append(
+                    ToolNamespaceConfig(name=tool.name, description=tool.description, tools=described)
+                )
 
     def _register(self, tool: Any, namespace: str | None, where: str) -> ToolDescription:
         if isinstance(tool, LocalShellTool):
@@ -94,8 +103,9 @@ class ClientTools:
             grammar = tool.format if isinstance(tool.format, CustomGrammarFormat) else None
             # Its input is one JSON string (`custom_input` reads it); its own grammar is only shown.
             entry = ClientTool("custom", tool.name, namespace, grammar, parameters={"type": "string"}, strict=True)
-            description = ToolDescription.new(tool.name, _custom_description(tool, grammar),
-                                              parameters={"type": "string"})
+            description = ToolDescription.new(
+                tool.name, _custom_description(tool, grammar), parameters={"type": "string"}
+            )
         else:
             entry = ClientTool("function", tool.name, namespace, parameters=tool.parameters, strict=tool.strict)
             description = ToolDescription.new(tool.name, tool.description or "", parameters=tool.parameters)
@@ -115,7 +125,7 @@ def _custom_description(tool: CustomTool, grammar: CustomGrammarFormat | None) -
 
 
 def recipient_of(qualified_name: str) -> str:
-    """"get_weather" -> "functions.get_weather"; "multi.close" (a namespace's) unchanged."""
+    """ "get_weather" -> "functions.get_weather"; "multi.close" (a namespace's) unchanged."""
     return qualified_name if "." in qualified_name else f"{FUNCTIONS}.{qualified_name}"
 
 

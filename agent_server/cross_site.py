@@ -52,8 +52,13 @@ class AllowedHosts:
         self.names = frozenset(host_name(n.encode()) for n in cleaned if not n.startswith("*")) | LOOPBACK_NAMES
 
     def allows(self, name: str) -> bool:
-        return (self.any or name in self.names or name.endswith(".localhost") or is_ip_address(name)
-                or name.endswith(self.suffixes))
+        return (
+            self.any
+            or name in self.names
+            or name.endswith(".localhost")
+            or is_ip_address(name)
+            or name.endswith(self.suffixes)
+        )
 
 
 def _header(scope, name: bytes) -> bytes | None:
@@ -68,15 +73,21 @@ def content_type_error(scope) -> APIError | None:
         length = _header(scope, b"content-length")
         if _header(scope, b"transfer-encoding") is None and (length is None or length.strip() == b"0"):
             return None
-        return APIError("Missing Content-Type header. This API method only accepts 'application/json' requests. "
-                        "Please try again with a supported content type.", code="unsupported_content_type")
+        return APIError(
+            "Missing Content-Type header. This API method only accepts 'application/json' requests. "
+            "Please try again with a supported content type.",
+            code="unsupported_content_type",
+        )
     text = value.decode("latin-1")
     if text.partition(";")[0].strip().lower() == "application/json":
         return None
     shown = text if len(text) <= 100 else text[:100] + "..."
-    return APIError(f"Unsupported content type: '{shown}'. This API method only accepts 'application/json' requests, "
-                    f"but you specified the header 'Content-Type: {shown}'. Please try again with a supported "
-                    "content type.", code="unsupported_content_type")
+    return APIError(
+        f"Unsupported content type: '{shown}'. This API method only accepts 'application/json' requests, "
+        f"but you specified the header 'Content-Type: {shown}'. Please try again with a supported "
+        "content type.",
+        code="unsupported_content_type",
+    )
 
 
 class CrossSiteGuard:
@@ -93,9 +104,11 @@ class CrossSiteGuard:
         error = None
         if host is not None and not self.hosts.allows(host_name(host)):
             shown = host.decode("latin-1")[:100]
-            error = APIError(f"Invalid Host header '{shown}': this server answers for localhost, its IP addresses "
-                             "and the names it is started with (oss-agent serve --allowed-host NAME).",
-                             code="invalid_host")
+            error = APIError(
+                f"Invalid Host header '{shown}': this server answers for localhost, its IP addresses "
+                "and the names it is started with (oss-agent serve --allowed-host NAME).",
+                code="invalid_host",
+            )
         elif scope["method"] == "POST" and scope["path"].startswith("/v1/"):
             error = content_type_error(scope)
         if error is None:

@@ -14,16 +14,23 @@ NAME = "gpt-oss-tiny-random"
 STAND_IN_FOR = ("gpt-oss-20b", "gpt-oss-120b")
 # Output tokens a request that sets no limit gets (a second or two on a CPU).
 MAX_OUTPUT_TOKENS = 48
-REAL_WEIGHTS_HINT = ("For real answers, download a gpt-oss checkpoint (pip install huggingface_hub; hf download "
-                     "openai/gpt-oss-20b --exclude 'original/*' 'metal/*' --local-dir gpt-oss-20b) and pass "
-                     "--model gpt-oss-20b.")
+REAL_WEIGHTS_HINT = (
+    "For real answers, download a gpt-oss checkpoint (pip install huggingface_hub; hf download "
+    "openai/gpt-oss-20b --exclude 'original/*' 'metal/*' --local-dir gpt-oss-20b) and pass "
+    "--model gpt-oss-20b."
+)
 
 
 def notice(max_output_tokens: int | None) -> str:
     """What the server's log says about the tiny model at startup."""
-    limit = (f"a request that sets no max_output_tokens / max_tokens gets at most {max_output_tokens} output tokens "
-             "(--default-max-output-tokens changes it)" if max_output_tokens else "requests that set no token limit "
-             "write until the context is full")
-    return (f"No --model given: serving {NAME}, a tiny checkpoint with random weights. Everything works, but the "
-            f"text it writes is noise; {limit}. It also answers requests for {' and '.join(STAND_IN_FOR)}. "
-            + REAL_WEIGHTS_HINT)
+    limit = (
+        f"a request that sets no max_output_tokens / max_tokens gets at most {max_output_tokens} output tokens "
+        "(--default-max-output-tokens changes it)"
+        if max_output_tokens
+        else "requests that set no token limit write until the context is full"
+    )
+    return (
+        f"No --model given: serving {NAME}, a tiny checkpoint with random weights. Everything works, but the "
+        f"text it writes is noise; {limit}. It also answers requests for {' and '.join(STAND_IN_FOR)}. "
+        + REAL_WEIGHTS_HINT
+    )

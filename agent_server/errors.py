@@ -111,37 +111,54 @@ def _too_long(error: dict[str, Any], param: str, owner: str) -> APIError:
     value, most = error["input"], error["ctx"]["max_length"]
     if error["loc"][-1] == "[key]":  # a property name (pydantic's location of a dict key)
         shown = value if len(value) <= 100 else value[:100] + "..."
-        return APIError(f"Invalid property name in '{owner}': '{shown}' is too long. Expected a string with maximum "
-                        f"length {most}, but got a string with length {len(value)} instead.",
-                        param=f"{owner}.{shown}", code="property_name_above_max_length")
+        return APIError(
+            f"Invalid property name in '{owner}': '{shown}' is too long. Expected a string with maximum "
+            f"length {most}, but got a string with length {len(value)} instead.",
+            param=f"{owner}.{shown}",
+            code="property_name_above_max_length",
+        )
     if isinstance(value, str):
-        return APIError(f"Invalid '{param}': string too long. Expected a string with maximum length {most}, but got a "
-                        f"string with length {len(value)} instead.", param=param, code="string_above_max_length")
+        return APIError(
+            f"Invalid '{param}': string too long. Expected a string with maximum length {most}, but got a "
+            f"string with length {len(value)} instead.",
+            param=param,
+            code="string_above_max_length",
+        )
     if isinstance(value, dict):
-        return APIError(f"Invalid '{param}': too many properties. Expected an object with at most {most} properties, "
-                        f"but got an object with {len(value)} properties instead.", param=param,
-                        code="object_above_max_properties")
-    return APIError(f"Invalid '{param}': array too long. Expected an array with maximum length {most}, but got an "
-                    f"array with length {len(value)} instead.", param=param, code="array_above_max_length")
+        return APIError(
+            f"Invalid '{param}': too many properties. Expected an object with at most {most} properties, "
+            f"but got an object with {len(value)} properties instead.",
+            param=param,
+            code="object_above_max_properties",
+        )
+    return APIError(
+        f"Invalid '{param}': array too long. Expected an array with maximum length {most}, but got an "
+        f"array with length {len(value)} instead.",
+        param=param,
+        code="array_above_max_length",
+    )
 
 
 def internal_error() -> APIError:
     """The 500 for a bug: what went wrong is in the log (with this request id), not in the body."""
     request_id = current_request_id.get()
     reference = f" (request id {request_id})" if request_id else ""
-    return APIError(f"The server had an error while processing your request{reference}.", status=500,
-                    code="server_error")
+    return APIError(
+        f"The server had an error while processing your request{reference}.", status=500, code="server_error"
+    )
 
 
 def engine_unavailable(reason: str) -> APIError:
     """The 503 for a request the engine can no longer take (its process exited, or it is shut down)."""
-    return APIError(f"The model engine is unavailable ({reason}); retry later.", status=503,
-                    code="engine_unavailable")
+    return APIError(f"The model engine is unavailable ({reason}); retry later.", status=503, code="engine_unavailable")
 
 
 def shutting_down() -> APIError:
-    return APIError("The server is shutting down and could not finish this request; retry it.", status=503,
-                    code="server_shutting_down")
+    return APIError(
+        "The server is shutting down and could not finish this request; retry it.",
+        status=503,
+        code="server_shutting_down",
+    )
 
 
 class UnexpectedErrorMiddleware:

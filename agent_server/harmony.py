@@ -32,9 +32,8 @@ from openai_harmony import (
     ToolNamespaceConfig,
 )
 
-from inference.tokenizer import CALL, END, MESSAGE, RETURN, START, encode_text, harmony_encoding
-
 from agent_server.token_bytes import is_special, token_bytes
+from inference.tokenizer import CALL, END, MESSAGE, RETURN, START, encode_text, harmony_encoding
 
 # Real headers ("<|channel|>commentary to=functions.name <|constrain|>json") are far shorter;
 # past this the output is not Harmony and is streamed as malformed text instead of buffered.
@@ -135,8 +134,9 @@ def _without_finished_analysis(messages: list[Message]) -> list[Message]:
     openai-harmony's `auto_drop_analysis` only drops analysis before the *first* final message,
     and keeps the tool messages answering a dropped analysis-channel call (browser, python):
     the model would read tool answers nobody asked for."""
-    last_final = max((i for i, m in enumerate(messages) if m.author.role == Role.ASSISTANT
-                      and m.channel == "final"), default=-1)
+    last_final = max(
+        (i for i, m in enumerate(messages) if m.author.role == Role.ASSISTANT and m.channel == "final"), default=-1
+    )
     kept: list[Message] = []
     unanswered: list[str] = []  # recipients of dropped calls, whose answers go too
     for i, message in enumerate(messages):
@@ -156,9 +156,15 @@ def _without_finished_analysis(messages: list[Message]) -> list[Message]:
 
 def _plain_user_text(message: Message) -> str | None:
     """The text of a user message that renders as `<|start|>user<|message|>TEXT<|end|>`, else None."""
-    if (message.author.role == Role.USER and message.author.name is None and message.channel is None
-            and message.recipient is None and message.content_type is None and len(message.content) == 1
-            and isinstance(message.content[0], TextContent)):
+    if (
+        message.author.role == Role.USER
+        and message.author.name is None
+        and message.channel is None
+        and message.recipient is None
+        and message.content_type is None
+        and len(message.content) == 1
+        and isinstance(message.content[0], TextContent)
+    ):
         return message.content[0].text
     return None
 
@@ -321,7 +327,11 @@ class HarmonyStream:
                 events.append(ContentDelta(text))
         events.append(
             MessageEnd(
-                message.channel, message.recipient, message.content_type, text, len(self.message_tokens),
+                message.channel,
+                message.recipient,
+                message.content_type,
+                text,
+                len(self.message_tokens),
                 truncated=truncated,
             )
         )
@@ -349,8 +359,12 @@ class HarmonyStream:
         """The turn ends before this message's <|message|>, and what came is a header (it has a
         Harmony token): the token limit or an abort cut the next message before any content."""
         tokens = self.message_tokens
-        return (not self.in_content and self.started is None and any(is_special(t) for t in tokens)
-                and not any(t in (END, RETURN, CALL) for t in tokens))  # (an ended one is malformed)
+        return (
+            not self.in_content
+            and self.started is None
+            and any(is_special(t) for t in tokens)
+            and not any(t in (END, RETURN, CALL) for t in tokens)
+        )  # (an ended one is malformed)
 
     # -- recovery from malformed output
 
@@ -363,8 +377,12 @@ class HarmonyStream:
             streamed = self.parser.current_content
             events.append(
                 MessageEnd(
-                    self.started.channel, self.started.recipient, self.started.content_type, streamed,
-                    len(tokens) - 1, malformed=error,
+                    self.started.channel,
+                    self.started.recipient,
+                    self.started.content_type,
+                    streamed,
+                    len(tokens) - 1,
+                    malformed=error,
                 )
             )
             tokens = tokens[-1:]
@@ -402,8 +420,9 @@ class HarmonyStream:
         if rest:
             self.raw_text += rest
             events.append(ContentDelta(rest))
-        events.append(MessageEnd(None, None, None, self.raw_text, len(self.raw), malformed=self.raw_error,
-                                 truncated=truncated))
+        events.append(
+            MessageEnd(None, None, None, self.raw_text, len(self.raw), malformed=self.raw_error, truncated=truncated)
+        )
         self.raw = None
         self.raw_text = ""
         self.message_tokens = []

@@ -35,10 +35,13 @@ class HttpLimits:
 
 
 def _raw_error(status: str, message: str, code: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
-    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode() + body
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    ).encode()
+    return (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode() + body
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -81,9 +84,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         head_length = found.end() if found else (0 if spans else len(self._held))  # (body bytes may follow)
         if head_length > self.limits.max_head_bytes:
             self._held = bytearray()
-            self._refuse(b"431 Request Header Fields Too Large",
-                         f"The request line and headers are larger than {self.limits.max_head_bytes} bytes.",
-                         "request_header_fields_too_large")
+            self._refuse(
+                b"431 Request Header Fields Too Large",
+                f"The request line and headers are larger than {self.limits.max_head_bytes} bytes.",
+                "request_header_fields_too_large",
+            )
         elif found or spans:
             held, self._held = bytes(self._held), bytearray()
             self._feed(held)
@@ -123,8 +128,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_too_slow(self) -> None:
         self._head_timer = None
-        self._refuse(b"408 Request Timeout", f"The request line and headers took longer than "
-                     f"{self.limits.head_timeout:g} seconds to arrive.", "request_timeout")
+        self._refuse(
+            b"408 Request Timeout",
+            f"The request line and headers took longer than {self.limits.head_timeout:g} seconds to arrive.",
+            "request_timeout",
+        )
 
     def _body_too_slow(self) -> None:
         # The app is reading the body (it then sees a disconnect) or has answered already.
@@ -136,5 +144,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 def uvicorn_options(limits: HttpLimits) -> dict[str, Any]:
     """uvicorn.Config keywords that apply `limits`."""
     protocol = type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
-    return {"http": protocol, "timeout_keep_alive": limits.keep_alive_timeout,
-            "h11_max_incomplete_event_size": limits.max_head_bytes}
+    return {
+        "http": protocol,
+        "timeout_keep_alive": limits.keep_alive_timeout,
+        "h11_max_incomplete_event_size": limits.max_head_bytes,
+    }

@@ -47,8 +47,11 @@ def check_fits(messages: list[Message], max_model_len: int, param: str, what: st
     """A 400 for messages certain to be longer than the context, from their length alone."""
     fewest = text_chars(messages) // MAX_TOKEN_BYTES
     if fewest >= max_model_len:
-        raise APIError(f"The {what} is at least {fewest} tokens; this model's context is {max_model_len} tokens.",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            f"The {what} is at least {fewest} tokens; this model's context is {max_model_len} tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 class PromptRenderer:
@@ -70,8 +73,9 @@ class PromptRenderer:
         except BrokenProcessPool:  # the worker died (killed, out of memory): the next call starts another
             if self._pool is pool:
                 self._pool = None
-            raise APIError("The worker rendering this long prompt stopped; retry the request.", status=503,
-                           code="server_error") from None
+            raise APIError(
+                "The worker rendering this long prompt stopped; retry the request.", status=503, code="server_error"
+            ) from None
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -37,27 +37,37 @@ class EngineCollector:
             "oss_agent_engine_running_requests": ("Sequences being generated", s.running),
             "oss_agent_engine_waiting_requests": ("Sequences waiting to be scheduled", s.waiting),
             "oss_agent_engine_parked_sequences": ("Sequences parked for a continuation", s.parked),
-            "oss_agent_kv_cache_usage_ratio": ("Fraction of KV pages in use",
-                                               s.pages_used / s.pages_total if s.pages_total else 0.0),
-            "oss_agent_prefix_cache_hit_ratio": ("Prompt tokens found in the prefix cache / looked up",
-                                                 s.prefix_hit_tokens / s.prefix_queries_tokens
-                                                 if s.prefix_queries_tokens else 0.0),
+            "oss_agent_kv_cache_usage_ratio": (
+                "Fraction of KV pages in use",
+                s.pages_used / s.pages_total if s.pages_total else 0.0,
+            ),
+            "oss_agent_prefix_cache_hit_ratio": (
+                "Prompt tokens found in the prefix cache / looked up",
+                s.prefix_hit_tokens / s.prefix_queries_tokens if s.prefix_queries_tokens else 0.0,
+            ),
             "oss_agent_spec_decode_mean_acceptance_length": (
                 "Speculative decoding: tokens emitted per verification step (kept drafts + 1; 0 when off)",
-                s.mean_acceptance_length),
+                s.mean_acceptance_length,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
-            "oss_agent_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache",
-                                                      s.prefix_queries_tokens),
+            "oss_agent_prefix_cache_queried_tokens": (
+                "Prompt tokens looked up in the prefix cache",
+                s.prefix_queries_tokens,
+            ),
             "oss_agent_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache", s.prefix_hit_tokens),
             "oss_agent_engine_preemptions": ("Sequences preempted for memory", s.preemptions),
-            "oss_agent_spec_decode_verify_steps": ("Speculative decoding: sequence-steps that verified drafts",
-                                                   s.spec_steps),
+            "oss_agent_spec_decode_verify_steps": (
+                "Speculative decoding: sequence-steps that verified drafts",
+                s.spec_steps,
+            ),
             "oss_agent_spec_decode_draft_tokens": ("Speculative decoding: draft tokens verified", s.spec_draft_tokens),
-            "oss_agent_spec_decode_accepted_tokens": ("Speculative decoding: draft tokens kept",
-                                                      s.spec_accepted_tokens),
+            "oss_agent_spec_decode_accepted_tokens": (
+                "Speculative decoding: draft tokens kept",
+                s.spec_accepted_tokens,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -68,12 +78,25 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("oss_agent_requests", "HTTP requests served", ["endpoint", "status"], registry=r)
-        self.request_latency = Histogram("oss_agent_request_duration_seconds", "Request latency, to the last byte",
-                                         ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("oss_agent_time_to_first_token_seconds", "Time from request to first generated token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.per_token = Histogram("oss_agent_time_per_output_token_seconds", "Time between generated tokens",
-                                   buckets=TOKEN_BUCKETS, registry=r)
+        self.request_latency = Histogram(
+            "oss_agent_request_duration_seconds",
+            "Request latency, to the last byte",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "oss_agent_time_to_first_token_seconds",
+            "Time from request to first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.per_token = Histogram(
+            "oss_agent_time_per_output_token_seconds",
+            "Time between generated tokens",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("oss_agent_prompt_tokens", "Prompt tokens processed", registry=r)
         self.cached_tokens = Counter("oss_agent_cached_prompt_tokens", "Prompt tokens served from cache", registry=r)
         self.generated_tokens = Counter("oss_agent_generation_tokens", "Tokens generated", registry=r)
@@ -111,10 +134,21 @@ class Metrics:
 
 
 KNOWN_ENDPOINTS = {
-    "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/cancel", "/v1/responses/{id}/input_items",
-    "/v1/responses/compact", "/v1/responses/input_tokens", "/v1/conversations", "/v1/conversations/{id}",
-    "/v1/conversations/{id}/items", "/v1/conversations/{id}/items/{id}",
-    "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics",
+    "/v1/responses",
+    "/v1/responses/{id}",
+    "/v1/responses/{id}/cancel",
+    "/v1/responses/{id}/input_items",
+    "/v1/responses/compact",
+    "/v1/responses/input_tokens",
+    "/v1/conversations",
+    "/v1/conversations/{id}",
+    "/v1/conversations/{id}/items",
+    "/v1/conversations/{id}/items/{id}",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/ready",
+    "/metrics",
 }
 
 

@@ -93,7 +93,7 @@ class ReasoningSeal:
             raise SealError(not_ours) from None
         if len(raw) < 1 + NONCE_BYTES + 16 or raw[:1] != VERSION:
             raise SealError(not_ours)
-        nonce, sealed = raw[1:1 + NONCE_BYTES], raw[1 + NONCE_BYTES:]
+        nonce, sealed = raw[1 : 1 + NONCE_BYTES], raw[1 + NONCE_BYTES :]
         try:
             payload = json.loads(self._aead.decrypt(nonce, sealed, associated))
         except InvalidTag:

@@ -18,10 +18,9 @@ from typing import Any, Mapping, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from schemas.responses import MAX_REQUEST_SCHEMA_BYTES, SCHEMA_BUDGET
-
 from agent_server.errors import APIError, from_validation_error
 from agent_server.tokenization_cost import MAX_TOKENIZATION_COST, MIN_RUN, tokenization_cost
+from schemas.responses import MAX_REQUEST_SCHEMA_BYTES, SCHEMA_BUDGET
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -58,11 +57,13 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
     except RecursionError:
-        raise APIError(f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.",
-                       code="invalid_json") from None
+        raise APIError(
+            f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.", code="invalid_json"
+        ) from None
     except ValueError:  # bad JSON, bad UTF-8, NaN/Infinity, an integer too long to convert
-        raise APIError("We could not parse the JSON body of your request. The body must be a JSON object.",
-                       code="invalid_json") from None
+        raise APIError(
+            "We could not parse the JSON body of your request. The body must be a JSON object.", code="invalid_json"
+        ) from None
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.", code="invalid_json")
     check_json_values(body)
@@ -81,8 +82,11 @@ def check_json_values(body: Any) -> None:
     while stack:
         value, path = stack.pop()
         if len(path) > MAX_JSON_DEPTH:
-            raise APIError(f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.",
-                           param=_param(path[:1]) or None, code="invalid_json")
+            raise APIError(
+                f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.",
+                param=_param(path[:1]) or None,
+                code="invalid_json",
+            )
         if isinstance(value, str):
             text_bytes += _check_text(value, path)
             if len(value) >= MIN_RUN:
@@ -91,12 +95,18 @@ def check_json_values(body: Any) -> None:
             continue
         elif isinstance(value, int):
             if not -INT64 <= value < INT64:
-                raise APIError(f"Invalid value for '{_param(path)}': integer out of the 64-bit range.",
-                               param=_param(path), code="invalid_value")
+                raise APIError(
+                    f"Invalid value for '{_param(path)}': integer out of the 64-bit range.",
+                    param=_param(path),
+                    code="invalid_value",
+                )
         elif isinstance(value, float):
             if not math.isfinite(value):
-                raise APIError(f"Invalid value for '{_param(path)}': number out of the 64-bit floating-point "
-                               "range.", param=_param(path), code="invalid_value")
+                raise APIError(
+                    f"Invalid value for '{_param(path)}': number out of the 64-bit floating-point range.",
+                    param=_param(path),
+                    code="invalid_value",
+                )
         elif isinstance(value, dict):
             for key, item in value.items():
                 text_bytes += _check_text(key, path)
@@ -114,11 +124,14 @@ def _check_tokenization_cost(texts: list[tuple[str, tuple]]) -> None:
     for text, path in texts:
         cost += tokenization_cost(text)
         if cost > MAX_TOKENIZATION_COST:
-            raise APIError(f"Invalid value for '{_param(path)}': the request's text holds long runs of letters, "
-                           "punctuation or white space with no word boundary in them. Tokenizing such a run takes "
-                           "time that grows with the square of its length, so this server takes runs of about "
-                           f"{math.isqrt(MAX_TOKENIZATION_COST)} bytes in all.", param=_param(path) or None,
-                           code="invalid_value")
+            raise APIError(
+                f"Invalid value for '{_param(path)}': the request's text holds long runs of letters, "
+                "punctuation or white space with no word boundary in them. Tokenizing such a run takes "
+                "time that grows with the square of its length, so this server takes runs of about "
+                f"{math.isqrt(MAX_TOKENIZATION_COST)} bytes in all.",
+                param=_param(path) or None,
+                code="invalid_value",
+            )
 
 
 def _check_text(text: str, path: tuple) -> int:
@@ -130,12 +143,16 @@ def _check_text(text: str, path: tuple) -> int:
     except UnicodeEncodeError:
         param = _param(path) or None
         where = f" in '{param}'" if param else ""
-        raise APIError(f"Invalid Unicode{where}: the text holds an unpaired surrogate (a lone \\ud800-\\udfff "
-                       "escape).", param=param, code="invalid_value") from None
+        raise APIError(
+            f"Invalid Unicode{where}: the text holds an unpaired surrogate (a lone \\ud800-\\udfff escape).",
+            param=param,
+            code="invalid_value",
+        ) from None
 
 
-def without_null_defaults(body: dict[str, Any], schema: type[BaseModel],
-                          unsupported: Mapping[str, str]) -> dict[str, Any]:
+def without_null_defaults(
+    body: dict[str, Any], schema: type[BaseModel], unsupported: Mapping[str, str]
+) -> dict[str, Any]:
     """An explicit null means "not given": the OpenAI SDKs send None as null for the parameters
     they type Optional, and so do proxies and other clients. Those nulls are dropped for the
     parameters refused as unsupported and for those whose default is not null (`store`,
@@ -144,8 +161,9 @@ def without_null_defaults(body: dict[str, Any], schema: type[BaseModel],
 
     def not_given(key: str) -> bool:
         field = fields.get(key)
-        return key in unsupported or (field is not None and not field.is_required()
-                                      and field.get_default(call_default_factory=True) is not None)
+        return key in unsupported or (
+            field is not None and not field.is_required() and field.get_default(call_default_factory=True) is not None
+        )
 
     return {key: value for key, value in body.items() if value is not None or not not_given(key)}
 
@@ -153,13 +171,19 @@ def without_null_defaults(body: dict[str, Any], schema: type[BaseModel],
 def check_limits(body: Mapping[str, Any], max_items: Mapping[str, int], unsupported: Mapping[str, str]) -> None:
     for name, reason in unsupported.items():
         if name in body:
-            raise APIError(f"Unsupported parameter: '{name}' is not supported by this server: {reason}.",
-                           param=name, code="unsupported_parameter")
+            raise APIError(
+                f"Unsupported parameter: '{name}' is not supported by this server: {reason}.",
+                param=name,
+                code="unsupported_parameter",
+            )
     for name, most in max_items.items():
         value = body.get(name)
         if isinstance(value, list) and len(value) > most:
-            raise APIError(f"Invalid '{name}': {len(value)} items is too many; at most {most} are allowed.",
-                           param=name, code="array_above_max_length")
+            raise APIError(
+                f"Invalid '{name}': {len(value)} items is too many; at most {most} are allowed.",
+                param=name,
+                code="array_above_max_length",
+            )
 
 
 async def read_request(
@@ -175,8 +199,13 @@ async def read_request(
     return validate_body(body, schema, max_items=max_items, unsupported=unsupported)
 
 
-def validate_body(body: dict[str, Any], schema: type[Model], *, max_items: Mapping[str, int] | None = None,
-                  unsupported: Mapping[str, str] | None = None) -> Model:
+def validate_body(
+    body: dict[str, Any],
+    schema: type[Model],
+    *,
+    max_items: Mapping[str, int] | None = None,
+    unsupported: Mapping[str, str] | None = None,
+) -> Model:
     """A parsed body checked as `read_request` checks it, past the JSON-level checks."""
     body = without_null_defaults(body, schema, unsupported or {})
     check_limits(body, max_items or {}, unsupported or {})
@@ -198,6 +227,7 @@ def int_query(request: Request, name: str, default: int, low: int, high: int) ->
     except ValueError:
         raise APIError(f"Invalid value for '{name}': expected an integer.", param=name, code="invalid_type") from None
     if not low <= value <= high:
-        raise APIError(f"Invalid value for '{name}': must be between {low} and {high}.", param=name,
-                       code="invalid_value")
+        raise APIError(
+            f"Invalid value for '{name}': must be between {low} and {high}.", param=name, code="invalid_value"
+        )
     return value

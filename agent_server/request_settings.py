@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent_server.errors import APIError
+from agent_server.harmony import verbosity_note
 from schemas.responses import (
     HARMONY_EFFORT,
     WEB_SEARCH_TYPES,
@@ -25,9 +27,6 @@ from schemas.responses import (
     ToolSearchOutputItem,
     WebSearchTool,
 )
-
-from agent_server.errors import APIError
-from agent_server.harmony import verbosity_note
 
 
 @dataclass
@@ -59,8 +58,14 @@ def request_settings(req: ResponseCreateRequest, items: list[Any]) -> RequestSet
         if isinstance(tool, WebSearchTool):
             notes += _web_search_notes(tool)
     context = req.reasoning.context if req.reasoning else None
-    return RequestSettings(tools=tools, effort=effort, response_format=response_format(fmt), text_format=fmt,
-                           notes=notes, keep_analysis=context == "all_turns")
+    return RequestSettings(
+        tools=tools,
+        effort=effort,
+        response_format=response_format(fmt),
+        text_format=fmt,
+        notes=notes,
+        keep_analysis=context == "all_turns",
+    )
 
 
 def response_format(fmt: Any) -> dict[str, Any] | None:
@@ -68,8 +73,11 @@ def response_format(fmt: Any) -> dict[str, Any] | None:
     if isinstance(fmt, TextFormatJsonSchema):
         return {"name": fmt.name, "schema": fmt.schema_, "description": fmt.description}
     if isinstance(fmt, TextFormatJsonObject):
-        return {"name": "json_object", "schema": {"type": "object"},
-                "description": "Answer with a single JSON object and nothing else."}
+        return {
+            "name": "json_object",
+            "schema": {"type": "object"},
+            "description": "Answer with a single JSON object and nothing else.",
+        }
     return None
 
 
@@ -83,8 +91,13 @@ def _allowed(tools: list[Any], choice: ToolChoiceAllowed) -> list[Any]:
     kept = []
     for i, entry in enumerate(choice.tools):
         kind = entry.get("type")
-        matches = [t for t in tools if isinstance(kind, str) and _kind(t.type) == _kind(kind)
-                   and all(getattr(t, key, None) == entry[key] for key in ("name", "server_label") if key in entry)]
+        matches = [
+            t
+            for t in tools
+            if isinstance(kind, str)
+            and _kind(t.type) == _kind(kind)
+            and all(getattr(t, key, None) == entry[key] for key in ("name", "server_label") if key in entry)
+        ]
         if not matches:
             raise APIError(f"Allowed tool {entry!r} is not one of 'tools'.", param=f"tool_choice.tools[{i}]")
         kept += [t for t in matches if not any(t is k for k in kept)]

@@ -23,8 +23,15 @@ log = logging.getLogger(__name__)
 
 
 class RunJournal:
-    def __init__(self, store: ResponseStore, run: ResponseRun, record: Callable[[], StoredResponse], *,
-                 keep_events: bool, interval: float = 0.5):
+    def __init__(
+        self,
+        store: ResponseStore,
+        run: ResponseRun,
+        record: Callable[[], StoredResponse],
+        *,
+        keep_events: bool,
+        interval: float = 0.5,
+    ):
         self.store = store
         self.run = run
         self.record = record  # the run's record as it is now (without its events)

@@ -68,8 +68,9 @@ def sdk_event(event: Any) -> ServerSentEvent:
         return ServerSentEvent(data=json.dumps(event, separators=(",", ":")), event=event["type"], sep=SEP)
     if getattr(event, "response", None) is not None:  # lifecycle events: the response's times as integers
         return sdk_event(dump(event))
-    return ServerSentEvent(data=_escaped(event.model_dump_json(exclude_unset=True, by_alias=True)), event=event.type,
-                           sep=SEP)
+    return ServerSentEvent(
+        data=_escaped(event.model_dump_json(exclude_unset=True, by_alias=True)), event=event.type, sep=SEP
+    )
 
 
 def data_only(payload: Any) -> ServerSentEvent:

@@ -6,14 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from inference.request import EngineClient
-
+from agent_server.agent.tool_registry import ToolRegistry
 from agent_server.large_prompts import PromptRenderer
 from agent_server.metrics import Metrics
 from agent_server.reasoning_seal import ReasoningSeal
 from agent_server.responses.runs import RunRegistry
 from agent_server.store import ResponseStore
-from agent_server.agent.tool_registry import ToolRegistry
+from inference.request import EngineClient
 
 
 def default_store_path() -> Path:

@@ -95,21 +95,27 @@ class ConversationStore(Protocol):
 
     async def get_conversation(self, conversation_id: str) -> StoredConversation | None: ...
 
-    async def update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None:
-        ...
+    async def update_conversation(
+        self, conversation_id: str, metadata: dict[str, str]
+    ) -> StoredConversation | None: ...
 
     async def delete_conversation(self, conversation_id: str) -> bool: ...
 
-    async def conversation_items(self, conversation_id: str, *, after: str | None = None, limit: int | None = None,
-                                 descending: bool = False) -> list[dict[str, Any]] | None:
+    async def conversation_items(
+        self, conversation_id: str, *, after: str | None = None, limit: int | None = None, descending: bool = False
+    ) -> list[dict[str, Any]] | None:
         """Its items in order (newest first when `descending`), those after `after` in that order,
         at most `limit`; None when it does not exist, KeyError when `after` is not one of them."""
 
     async def conversation_item(self, conversation_id: str, item_id: str) -> dict[str, Any] | None: ...
 
-    async def add_conversation_items(self, conversation_id: str, items: list[dict[str, Any]],
-                                     state: dict[str, Any] | None = None,
-                                     from_version: int | None = None) -> StoredConversation | None:
+    async def add_conversation_items(
+        self,
+        conversation_id: str,
+        items: list[dict[str, Any]],
+        state: dict[str, Any] | None = None,
+        from_version: int | None = None,
+    ) -> StoredConversation | None:
         """Append items (each with an id none of its items has: ValueError otherwise). `state`
         becomes its state if it was still at `from_version` (nothing else changed it since the
         response that brings the items began). None when it does not exist."""
@@ -134,8 +140,10 @@ class SQLiteResponseStore:
             )
             # Which responses hold each input and output item (`item_reference` finds them); an
             # item given again as input, by reference or whole, is in several.
-            self._db.execute("CREATE TABLE IF NOT EXISTS response_items (id TEXT NOT NULL, response_id TEXT NOT NULL, "
-                             "PRIMARY KEY (id, response_id))")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS response_items (id TEXT NOT NULL, response_id TEXT NOT NULL, "
+                "PRIMARY KEY (id, response_id))"
+            )
             self._db.execute("CREATE INDEX IF NOT EXISTS response_items_by_response ON response_items (response_id)")
             # The status, beside the record: startup finds the unfinished responses without reading
             # every record (a store written before the column existed gets it filled in once).
@@ -144,8 +152,10 @@ class SQLiteResponseStore:
             self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_status ON responses (status)")
             # Background responses' events, by sequence number (records written before this table
             # existed keep theirs in the record).
-            self._db.execute("CREATE TABLE IF NOT EXISTS response_events (response_id TEXT NOT NULL, seq INTEGER "
-                             "NOT NULL, event TEXT NOT NULL, PRIMARY KEY (response_id, seq))")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS response_events (response_id TEXT NOT NULL, seq INTEGER "
+                "NOT NULL, event TEXT NOT NULL, PRIMARY KEY (response_id, seq))"
+            )
         self._create_conversation_tables()
         self._fill_in_statuses()
         self._open_existing()
@@ -170,8 +180,10 @@ class SQLiteResponseStore:
         for (raw,) in rows:
             record = StoredResponse(**json.loads(raw))  # (its events, in their table, stay as they are)
             record.response["status"] = "failed"
-            record.response["error"] = {"code": "server_error", "message": "The server stopped before this "
-                                        "response finished."}
+            record.response["error"] = {
+                "code": "server_error",
+                "message": "The server stopped before this response finished.",
+            }
             for item in record.response.get("output", []):  # what was being written when it stopped
                 if item.get("status") == "in_progress":
                     item["status"] = "incomplete"
@@ -199,9 +211,10 @@ class SQLiteResponseStore:
             self._insert_events(record.id, record.events or [])
 
     def _insert_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
-        self._db.executemany("INSERT OR IGNORE INTO response_events (response_id, seq, event) VALUES (?, ?, ?)",
-                             [(response_id, e["sequence_number"], json.dumps(e, separators=(",", ":")))
-                              for e in events])
+        self._db.executemany(
+            "INSERT OR IGNORE INTO response_events (response_id, seq, event) VALUES (?, ?, ?)",
+            [(response_id, e["sequence_number"], json.dumps(e, separators=(",", ":"))) for e in events],
+        )
 
     def _append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
         with self._lock, self._db:
@@ -210,14 +223,17 @@ class SQLiteResponseStore:
     def _with_events(self, record: StoredResponse) -> StoredResponse:
         if record.events == []:
             with self._lock:
-                rows = self._db.execute("SELECT event FROM response_events WHERE response_id = ? ORDER BY seq",
-                                        (record.id,)).fetchall()
+                rows = self._db.execute(
+                    "SELECT event FROM response_events WHERE response_id = ? ORDER BY seq", (record.id,)
+                ).fetchall()
             record.events = [json.loads(row[0]) for row in rows]
         return record
 
     def _index(self, record: StoredResponse) -> None:
-        self._db.executemany("INSERT OR IGNORE INTO response_items (id, response_id) VALUES (?, ?)",
-                             [(item_id, record.id) for item_id in _item_ids(record)])
+        self._db.executemany(
+            "INSERT OR IGNORE INTO response_items (id, response_id) VALUES (?, ?)",
+            [(item_id, record.id) for item_id in _item_ids(record)],
+        )
 
     def _get(self, response_id: str, events: bool = True) -> StoredResponse | None:
         with self._lock:
@@ -237,7 +253,9 @@ class SQLiteResponseStore:
         with self._lock:
             rows = self._db.execute(  # the newest response holding it first
                 "SELECT i.response_id FROM response_items i JOIN responses r ON r.id = i.response_id "
-                "WHERE i.id = ? ORDER BY r.created_at DESC", (item_id,)).fetchall()
+                "WHERE i.id = ? ORDER BY r.created_at DESC",
+                (item_id,),
+            ).fetchall()
         for (response_id,) in rows:
             record = self._get(response_id, events=False)
             if record is None or not visible(record.owner, requester):
@@ -266,49 +284,76 @@ class SQLiteResponseStore:
         with self._lock:
             self._db.close()
 
-
     # -- conversations ------------------------------------------------------------------------
 
     def _create_conversation_tables(self) -> None:
         with self._lock, self._db:
-            self._db.execute("CREATE TABLE IF NOT EXISTS conversations (id TEXT PRIMARY KEY, created_at REAL, "
-                             "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT)")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS conversations (id TEXT PRIMARY KEY, created_at REAL, "
+                "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT)"
+            )
             # An item's place in its conversation: `position` orders them (gaps where items were deleted).
-            self._db.execute("CREATE TABLE IF NOT EXISTS conversation_items (conversation_id TEXT NOT NULL, "
-                             "position INTEGER NOT NULL, id TEXT NOT NULL, item TEXT NOT NULL, "
-                             "PRIMARY KEY (conversation_id, position))")
-            self._db.execute("CREATE UNIQUE INDEX IF NOT EXISTS conversation_items_by_id "
-                             "ON conversation_items (conversation_id, id)")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS conversation_items (conversation_id TEXT NOT NULL, "
+                "position INTEGER NOT NULL, id TEXT NOT NULL, item TEXT NOT NULL, "
+                "PRIMARY KEY (conversation_id, position))"
+            )
+            self._db.execute(
+                "CREATE UNIQUE INDEX IF NOT EXISTS conversation_items_by_id ON conversation_items (conversation_id, id)"
+            )
 
     def _conversation_row(self, conversation_id: str) -> StoredConversation | None:
-        row = self._db.execute("SELECT created_at, metadata, version, state FROM conversations WHERE id = ?",
-                               (conversation_id,)).fetchone()
+        row = self._db.execute(
+            "SELECT created_at, metadata, version, state FROM conversations WHERE id = ?", (conversation_id,)
+        ).fetchone()
         if row is None:
             return None
-        return StoredConversation(id=conversation_id, created_at=row[0], metadata=json.loads(row[1]), version=row[2],
-                                  state=json.loads(row[3]) if row[3] else None)
+        return StoredConversation(
+            id=conversation_id,
+            created_at=row[0],
+            metadata=json.loads(row[1]),
+            version=row[2],
+            state=json.loads(row[3]) if row[3] else None,
+        )
 
     def _append_items(self, conversation_id: str, items: list[dict[str, Any]]) -> None:
         ids = [item["id"] for item in items]
         if len(set(ids)) != len(ids):
             raise ValueError("the items' ids are not unique")
-        taken = self._db.execute(f"SELECT id FROM conversation_items WHERE conversation_id = ? AND id IN "
-                                 f"({','.join('?' * len(ids))})", (conversation_id, *ids)).fetchall() if ids else []
+        taken = (
+            self._db.execute(
+                f"SELECT id FROM conversation_items WHERE conversation_id = ? AND id IN ({','.join('?' * len(ids))})",
+                (conversation_id, *ids),
+            ).fetchall()
+            if ids
+            else []
+        )
         if taken:
             raise ValueError(f"the conversation already holds an item with id '{taken[0][0]}'")
-        last = self._db.execute("SELECT MAX(position) FROM conversation_items WHERE conversation_id = ?",
-                                (conversation_id,)).fetchone()[0]
+        last = self._db.execute(
+            "SELECT MAX(position) FROM conversation_items WHERE conversation_id = ?", (conversation_id,)
+        ).fetchone()[0]
         start = 0 if last is None else last + 1
-        self._db.executemany("INSERT INTO conversation_items (conversation_id, position, id, item) VALUES (?, ?, ?, ?)",
-                             [(conversation_id, start + n, item["id"], json.dumps(item, separators=(",", ":")))
-                              for n, item in enumerate(items)])
+        self._db.executemany(
+            "INSERT INTO conversation_items (conversation_id, position, id, item) VALUES (?, ?, ?, ?)",
+            [
+                (conversation_id, start + n, item["id"], json.dumps(item, separators=(",", ":")))
+                for n, item in enumerate(items)
+            ],
+        )
 
     def _create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
         with self._lock, self._db:
-            self._db.execute("INSERT INTO conversations (id, created_at, metadata, version, state) "
-                             "VALUES (?, ?, ?, ?, ?)",
-                             (conversation.id, conversation.created_at, json.dumps(conversation.metadata),
-                              conversation.version, json.dumps(conversation.state) if conversation.state else None))
+            self._db.execute(
+                "INSERT INTO conversations (id, created_at, metadata, version, state) VALUES (?, ?, ?, ?, ?)",
+                (
+                    conversation.id,
+                    conversation.created_at,
+                    json.dumps(conversation.metadata),
+                    conversation.version,
+                    json.dumps(conversation.state) if conversation.state else None,
+                ),
+            )
             self._append_items(conversation.id, items)
 
     def _get_conversation(self, conversation_id: str) -> StoredConversation | None:
@@ -317,8 +362,9 @@ class SQLiteResponseStore:
 
     def _update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None:
         with self._lock, self._db:
-            self._db.execute("UPDATE conversations SET metadata = ? WHERE id = ?",
-                             (json.dumps(metadata), conversation_id))
+            self._db.execute(
+                "UPDATE conversations SET metadata = ? WHERE id = ?", (json.dumps(metadata), conversation_id)
+            )
             return self._conversation_row(conversation_id)
 
     def _delete_conversation(self, conversation_id: str) -> bool:
@@ -326,16 +372,19 @@ class SQLiteResponseStore:
             self._db.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (conversation_id,))
             return self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,)).rowcount > 0
 
-    def _conversation_items(self, conversation_id: str, after: str | None, limit: int | None,
-                            descending: bool) -> list[dict[str, Any]] | None:
+    def _conversation_items(
+        self, conversation_id: str, after: str | None, limit: int | None, descending: bool
+    ) -> list[dict[str, Any]] | None:
         order, beyond = ("DESC", "<") if descending else ("ASC", ">")
         with self._lock:
             if self._conversation_row(conversation_id) is None:
                 return None
             query, args = "SELECT item FROM conversation_items WHERE conversation_id = ?", [conversation_id]
             if after is not None:
-                row = self._db.execute("SELECT position FROM conversation_items WHERE conversation_id = ? AND id = ?",
-                                       (conversation_id, after)).fetchone()
+                row = self._db.execute(
+                    "SELECT position FROM conversation_items WHERE conversation_id = ? AND id = ?",
+                    (conversation_id, after),
+                ).fetchone()
                 if row is None:
                     raise KeyError(after)
                 query += f" AND position {beyond} ?"
@@ -348,12 +397,14 @@ class SQLiteResponseStore:
 
     def _conversation_item(self, conversation_id: str, item_id: str) -> dict[str, Any] | None:
         with self._lock:
-            row = self._db.execute("SELECT item FROM conversation_items WHERE conversation_id = ? AND id = ?",
-                                   (conversation_id, item_id)).fetchone()
+            row = self._db.execute(
+                "SELECT item FROM conversation_items WHERE conversation_id = ? AND id = ?", (conversation_id, item_id)
+            ).fetchone()
         return json.loads(row[0]) if row else None
 
-    def _add_conversation_items(self, conversation_id: str, items: list[dict[str, Any]], state: dict[str, Any] | None,
-                                from_version: int | None) -> StoredConversation | None:
+    def _add_conversation_items(
+        self, conversation_id: str, items: list[dict[str, Any]], state: dict[str, Any] | None, from_version: int | None
+    ) -> StoredConversation | None:
         with self._lock, self._db:
             conversation = self._conversation_row(conversation_id)
             if conversation is None:
@@ -362,15 +413,17 @@ class SQLiteResponseStore:
             conversation.version += 1
             if state is not None and from_version == conversation.version - 1:
                 conversation.state = {**state, "version": conversation.version}
-            self._db.execute("UPDATE conversations SET version = ?, state = ? WHERE id = ?",
-                             (conversation.version, json.dumps(conversation.state) if conversation.state else None,
-                              conversation_id))
+            self._db.execute(
+                "UPDATE conversations SET version = ?, state = ? WHERE id = ?",
+                (conversation.version, json.dumps(conversation.state) if conversation.state else None, conversation_id),
+            )
             return conversation
 
     def _delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None:
         with self._lock, self._db:
-            deleted = self._db.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND id = ?",
-                                       (conversation_id, item_id)).rowcount
+            deleted = self._db.execute(
+                "DELETE FROM conversation_items WHERE conversation_id = ? AND id = ?", (conversation_id, item_id)
+            ).rowcount
             if not deleted:
                 return None
             self._db.execute("UPDATE conversations SET version = version + 1 WHERE id = ?", (conversation_id,))
@@ -388,20 +441,27 @@ class SQLiteResponseStore:
     async def delete_conversation(self, conversation_id: str) -> bool:
         return await asyncio.to_thread(self._delete_conversation, conversation_id)
 
-    async def conversation_items(self, conversation_id: str, *, after: str | None = None, limit: int | None = None,
-                                 descending: bool = False) -> list[dict[str, Any]] | None:
+    async def conversation_items(
+        self, conversation_id: str, *, after: str | None = None, limit: int | None = None, descending: bool = False
+    ) -> list[dict[str, Any]] | None:
         return await asyncio.to_thread(self._conversation_items, conversation_id, after, limit, descending)
 
     async def conversation_item(self, conversation_id: str, item_id: str) -> dict[str, Any] | None:
         return await asyncio.to_thread(self._conversation_item, conversation_id, item_id)
 
-    async def add_conversation_items(self, conversation_id: str, items: list[dict[str, Any]],
-                                     state: dict[str, Any] | None = None,
-                                     from_version: int | None = None) -> StoredConversation | None:
+    async def add_conversation_items(
+        self,
+        conversation_id: str,
+        items: list[dict[str, Any]],
+        state: dict[str, Any] | None = None,
+        from_version: int | None = None,
+    ) -> StoredConversation | None:
         return await asyncio.to_thread(self._add_conversation_items, conversation_id, items, state, from_version)
 
     async def delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None:
         return await asyncio.to_thread(self._delete_conversation_item, conversation_id, item_id)
+
+
 def _keep_private(path: Path) -> None:
     """The store holds every prompt and answer: its file is created readable by its owner only,
     and an existing one (with its WAL and shared-memory files) is made so. SQLite gives the WAL

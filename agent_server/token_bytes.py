@@ -6,7 +6,8 @@ special tokens, which are not in it, are their names.
 
 from __future__ import annotations
 
-from inference.tokenizer import harmony_encoding, ordinary_token_bytes as _vocabulary
+from inference.tokenizer import harmony_encoding
+from inference.tokenizer import ordinary_token_bytes as _vocabulary
 
 
 def token_bytes(token_id: int) -> bytes:
@@ -23,6 +24,7 @@ def is_special(token_id: int) -> bool:
 
 def logprob_entry(token_id: int, logprob: float, top: list[tuple[int, float]], limit: int) -> dict:
     """A token's logprob as OpenAI writes it (`token`, `bytes`, `logprob`, `top_logprobs`)."""
+
     def entry(token: int, value: float) -> dict:
         raw = token_bytes(token)
         return {"token": raw.decode("utf-8", errors="replace"), "bytes": list(raw), "logprob": value}

@@ -90,6 +90,8 @@ def fit_tokenization_budget(text: str, budget: int = MAX_TOKENIZATION_COST) -> s
     for start, stop, size in sorted(long_runs(text)):
         cost += size**2
         if cost > budget:
-            return (text[:start] + f"\n[... {len(text) - start} characters left out: a run of {stop - start} "
-                    "characters with no word boundary is too long to tokenize]")
+            return (
+                text[:start] + f"\n[... {len(text) - start} characters left out: a run of {stop - start} "
+                "characters with no word boundary is too long to tokenize]"
+            )
     return text

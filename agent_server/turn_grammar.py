@@ -120,7 +120,7 @@ def turn_lark(rules: TurnRules, *, forced: bool = False, budget: int | None = No
         else:
             channels = '("analysis" | "commentary")'
         if target.code:
-            header = f'{channels} {_literal(" to=" + target.recipient + " code")} <|message|>'
+            header = f"{channels} {_literal(' to=' + target.recipient + ' code')} <|message|>"
             code_budget = budget - CALL_FRAME_TOKENS if forced and budget is not None else None
             limit = f"[max_tokens={code_budget}]" if code_budget is not None and code_budget > 0 else ""
             lines.append(f"body_{i}{limit}: {_text_body(target.grammar)}")

@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from cuda_timing import time_events, time_graph, time_graph_calls  # noqa: E402
-from inference.ops.attention.reference import AttentionMetadata  # noqa: E402
+
 from inference.kernels import attention_triton as at  # noqa: E402
+from inference.ops.attention.reference import AttentionMetadata  # noqa: E402
 from inference.ops.attention.rope_cache import rope_and_write_kv_triton  # noqa: E402
 
 HQ, HKV, D, PAGE, WINDOW = 64, 8, 64, 16, 128
@@ -97,15 +98,20 @@ def bench_decode(pool: KVPool, batch: int, context: int, window, cfg: at.DecodeC
 
     def run(i):
         q, meta = steps[i % rotations]
-        return at.paged_sink_attention(q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window,
-                                       decode_cfg=cfg)
+        return at.paged_sink_attention(
+            q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window, decode_cfg=cfg
+        )
 
     seconds = time_graph_calls(run, rotations, calls)
     q_out_bytes = 2 * batch * HQ * D * BYTES
     sms = at.multiprocessors(DEV)
     splits = at.decode_num_splits(batch, HKV, keys, sms, cfg)
-    return dict(seconds=seconds, bytes=kv_bytes + q_out_bytes, splits=splits,
-                block_n=at.decode_block_n(batch, HKV, splits, sms, cfg))
+    return dict(
+        seconds=seconds,
+        bytes=kv_bytes + q_out_bytes,
+        splits=splits,
+        block_n=at.decode_block_n(batch, HKV, splits, sms, cfg),
+    )
 
 
 def flashinfer_attention(kernel: str, workspace=None):
@@ -114,8 +120,9 @@ def flashinfer_attention(kernel: str, workspace=None):
     return FlashInferAttention(DEV, kernel, workspace=workspace)
 
 
-def bench_flashinfer_decode(pool: KVPool, batch: int, context: int, window, kernel: str, workspace,
-                            calls: int = 20) -> dict:
+def bench_flashinfer_decode(
+    pool: KVPool, batch: int, context: int, window, kernel: str, workspace, calls: int = 20
+) -> dict:
     """Like `bench_decode`, through flashinfer: one planned instance per rotation, the runs replayed
     from a CUDA graph; `plan_seconds` is the host time of one step's plan."""
     gen = torch.Generator().manual_seed(batch * 100003 + context)
@@ -144,7 +151,9 @@ def bench_flashinfer_decode(pool: KVPool, batch: int, context: int, window, kern
 
     seconds = time_graph_calls(run, rotations, calls)
     torch.cuda.synchronize()
-    return dict(seconds=seconds, plan_seconds=statistics.median(plan_times), bytes=kv_bytes + 2 * batch * HQ * D * BYTES)
+    return dict(
+        seconds=seconds, plan_seconds=statistics.median(plan_times), bytes=kv_bytes + 2 * batch * HQ * D * BYTES
+    )
 
 
 def bench_flashinfer_prefill(pool: KVPool, tokens: int, window, kernel: str, workspace) -> dict:
@@ -164,8 +173,12 @@ def bench_flashinfer_prefill(pool: KVPool, tokens: int, window, kernel: str, wor
     run()
     w = window or tokens
     visible = sum(min(i + 1, w) for i in range(tokens))
-    return dict(seconds=time_graph(run), eager_seconds=time_events(plan_and_run), host_seconds=host_seconds(plan_and_run),
-                flops=4 * D * HQ * visible)
+    return dict(
+        seconds=time_graph(run),
+        eager_seconds=time_events(plan_and_run),
+        host_seconds=host_seconds(plan_and_run),
+        flops=4 * D * HQ * visible,
+    )
 
 
 def host_seconds(fn, calls: int = 50) -> float:
@@ -187,13 +200,18 @@ def bench_prefill(pool: KVPool, tokens: int, window, cfg: at.PrefillConfig) -> d
     sinks = torch.randn(HQ, device=DEV)
 
     def run():
-        return at.paged_sink_attention(q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window,
-                                       prefill_cfg=cfg)
+        return at.paged_sink_attention(
+            q, pool.k, pool.v, meta, meta.block_tables["full"], sinks, D**-0.5, window, prefill_cfg=cfg
+        )
 
     w = window or tokens
     visible = sum(min(i + 1, w) for i in range(tokens))  # (query, key) pairs, per head
-    return dict(seconds=time_graph(run), eager_seconds=time_events(run), host_seconds=host_seconds(run),
-                flops=4 * D * HQ * visible)
+    return dict(
+        seconds=time_graph(run),
+        eager_seconds=time_events(run),
+        host_seconds=host_seconds(run),
+        flops=4 * D * HQ * visible,
+    )
 
 
 def bench_rope(tokens: int) -> dict:
@@ -205,6 +223,7 @@ def bench_rope(tokens: int) -> dict:
     k_cache = torch.empty(pages, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)
     v_cache = torch.empty_like(k_cache)
     slots = torch.randperm(pages * PAGE, device=DEV)[:tokens]
+
     def run():
         return rope_and_write_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
 
@@ -238,13 +257,28 @@ def bench_decode_new_kv(pool: KVPool, batch: int, context: int, window, calls: i
 
     def folded(i):
         q, k, v, meta = steps[i % rotations]
-        return at.decode_attention_with_new_kv(q, k, v, cos_sin, pool.k, pool.v, meta, meta.block_tables["full"],
-                                               meta.slot_mapping["full"], sinks, D**-0.5, window)
+        return at.decode_attention_with_new_kv(
+            q,
+            k,
+            v,
+            cos_sin,
+            pool.k,
+            pool.v,
+            meta,
+            meta.block_tables["full"],
+            meta.slot_mapping["full"],
+            sinks,
+            D**-0.5,
+            window,
+        )
 
     a, b = separate(0).float(), folded(0).float()
     times = [time_graph_calls(f, rotations, calls) for f in (separate, folded, separate, folded)]
-    return dict(separate_seconds=min(times[0], times[2]), folded_seconds=min(times[1], times[3]),
-                rel_diff=float((a - b).norm() / a.norm()))
+    return dict(
+        separate_seconds=min(times[0], times[2]),
+        folded_seconds=min(times[1], times[3]),
+        rel_diff=float((a - b).norm() / a.norm()),
+    )
 
 
 def main() -> None:
@@ -252,8 +286,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also try other launch configurations")
     ap.add_argument("--json", type=Path, help="write all results here")
     ap.add_argument("--flashinfer", default="", help="comma-separated flashinfer kernels to time too (fa2,fa3)")
-    ap.add_argument("--only", default="", help="comma-separated sections to run (decode, prefill, rope, new-kv); "
-                    "default: all")
+    ap.add_argument(
+        "--only", default="", help="comma-separated sections to run (decode, prefill, rope, new-kv); default: all"
+    )
     args = ap.parse_args()
     sections = set(filter(None, args.only.split(","))) or {"decode", "prefill", "rope", "new-kv"}
     fi_kernels = [k for k in args.flashinfer.split(",") if k]
@@ -265,9 +300,11 @@ def main() -> None:
 
     props = torch.cuda.get_device_properties(DEV)
     bw, flops = copy_bandwidth(), matmul_flops()
-    header = (f"{datetime.date.today()}  {props.name}  SMs={props.multi_processor_count}  torch {torch.__version__}"
-              f"  triton {at.triton.__version__}\ncopy bandwidth {bw / 1e12:.2f} TB/s (read+write), "
-              f"bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    header = (
+        f"{datetime.date.today()}  {props.name}  SMs={props.multi_processor_count}  torch {torch.__version__}"
+        f"  triton {at.triton.__version__}\ncopy bandwidth {bw / 1e12:.2f} TB/s (read+write), "
+        f"bf16 matmul {flops / 1e12:.0f} TFLOP/s"
+    )
     print(header, flush=True)
     results: dict = {"header": header, "copy_bw": bw, "matmul_flops": flops, "decode": [], "prefill": [], "sweep": []}
     pool = KVPool(128 * 32768 + 8 * 1024)
@@ -283,17 +320,28 @@ def main() -> None:
                 tbs = r["bytes"] / r["seconds"]
                 r.update(window=window, batch=batch, context=context, tb_s=tbs / 1e12, of_copy=tbs / bw)
                 results["decode"].append(r)
-                print(f"{'sliding' if window else 'full':>8} {batch:>5} {context:>7} {r['splits']:>6} {r['block_n']:>7} "
-                      f"{r['seconds'] * 1e6:>9.1f} {tbs / 1e12:>6.2f} {tbs / bw:>7.0%}", flush=True)
+                print(
+                    f"{'sliding' if window else 'full':>8} {batch:>5} {context:>7} {r['splits']:>6} {r['block_n']:>7} "
+                    f"{r['seconds'] * 1e6:>9.1f} {tbs / 1e12:>6.2f} {tbs / bw:>7.0%}",
+                    flush=True,
+                )
                 for kernel in fi_kernels:
                     f = bench_flashinfer_decode(pool, batch, context, window, kernel, workspace)
                     ftbs = f["bytes"] / f["seconds"]
-                    f.update(kernel=kernel, window=window, batch=batch, context=context, of_copy=ftbs / bw,
-                             vs_triton=r["seconds"] / f["seconds"])
+                    f.update(
+                        kernel=kernel,
+                        window=window,
+                        batch=batch,
+                        context=context,
+                        of_copy=ftbs / bw,
+                        vs_triton=r["seconds"] / f["seconds"],
+                    )
                     results.setdefault("flashinfer_decode", []).append(f)
-                    print(f"{'':>8} {'':>5} {'':>7} {'fi-' + kernel:>14} {f['seconds'] * 1e6:>9.1f} {ftbs / 1e12:>6.2f} "
-                          f"{ftbs / bw:>7.0%}  plan {f['plan_seconds'] * 1e6:.0f} us  triton/fi {f['vs_triton']:.2f}",
-                          flush=True)
+                    print(
+                        f"{'':>8} {'':>5} {'':>7} {'fi-' + kernel:>14} {f['seconds'] * 1e6:>9.1f} {ftbs / 1e12:>6.2f} "
+                        f"{ftbs / bw:>7.0%}  plan {f['plan_seconds'] * 1e6:.0f} us  triton/fi {f['vs_triton']:.2f}",
+                        flush=True,
+                    )
 
     print("\nprefill attention, one sequence, one layer (device time from graph replay; eager call; host issue time)")
     print(f"{'layer':>8} {'tokens':>7} {'us':>9} {'TFLOP/s':>8} {'of matmul':>9} {'eager us':>9} {'host us':>8}")
@@ -303,34 +351,52 @@ def main() -> None:
             rate = r["flops"] / r["seconds"]
             r.update(window=window, tokens=tokens, tflops=rate / 1e12, of_matmul=rate / flops)
             results["prefill"].append(r)
-            print(f"{'sliding' if window else 'full':>8} {tokens:>7} {r['seconds'] * 1e6:>9.1f} "
-                  f"{rate / 1e12:>8.1f} {rate / flops:>9.0%} {r['eager_seconds'] * 1e6:>9.1f} "
-                  f"{r['host_seconds'] * 1e6:>8.1f}", flush=True)
+            print(
+                f"{'sliding' if window else 'full':>8} {tokens:>7} {r['seconds'] * 1e6:>9.1f} "
+                f"{rate / 1e12:>8.1f} {rate / flops:>9.0%} {r['eager_seconds'] * 1e6:>9.1f} "
+                f"{r['host_seconds'] * 1e6:>8.1f}",
+                flush=True,
+            )
             for kernel in fi_kernels:
                 f = bench_flashinfer_prefill(pool, tokens, window, kernel, workspace)
                 frate = f["flops"] / f["seconds"]
-                f.update(kernel=kernel, window=window, tokens=tokens, tflops=frate / 1e12, of_matmul=frate / flops,
-                         vs_triton=r["seconds"] / f["seconds"])
+                f.update(
+                    kernel=kernel,
+                    window=window,
+                    tokens=tokens,
+                    tflops=frate / 1e12,
+                    of_matmul=frate / flops,
+                    vs_triton=r["seconds"] / f["seconds"],
+                )
                 results.setdefault("flashinfer_prefill", []).append(f)
-                print(f"{'fi-' + kernel:>8} {tokens:>7} {f['seconds'] * 1e6:>9.1f} {frate / 1e12:>8.1f} "
-                      f"{frate / flops:>9.0%} {f['eager_seconds'] * 1e6:>9.1f} {f['host_seconds'] * 1e6:>8.1f}"
-                      f"  (eager/host include the plan)  triton/fi {f['vs_triton']:.2f}", flush=True)
+                print(
+                    f"{'fi-' + kernel:>8} {tokens:>7} {f['seconds'] * 1e6:>9.1f} {frate / 1e12:>8.1f} "
+                    f"{frate / flops:>9.0%} {f['eager_seconds'] * 1e6:>9.1f} {f['host_seconds'] * 1e6:>8.1f}"
+                    f"  (eager/host include the plan)  triton/fi {f['vs_triton']:.2f}",
+                    flush=True,
+                )
 
     print("\nrope + KV write (device time from graph replay; host issue time)")
     for tokens in (64, 2048, 8192) if "rope" in sections else ():
         r = bench_rope(tokens)
         results.setdefault("rope", []).append(dict(r, tokens=tokens))
-        print(f"{tokens:>7} tokens {r['seconds'] * 1e6:>8.1f} us  {r['bytes'] / r['seconds'] / bw:>5.0%} of copy  "
-              f"host {r['host_seconds'] * 1e6:.1f} us", flush=True)
+        print(
+            f"{tokens:>7} tokens {r['seconds'] * 1e6:>8.1f} us  {r['bytes'] / r['seconds'] / bw:>5.0%} of copy  "
+            f"host {r['host_seconds'] * 1e6:.1f} us",
+            flush=True,
+        )
 
     print("\ndecode with the step's RoPE + KV write, one layer, 1k context: two launches vs folded into attention")
     for batch in (1, 8, 32, 64, 128) if "new-kv" in sections else ():
         for window in (None, WINDOW):
             r = bench_decode_new_kv(pool, batch, 1024, window)
             results.setdefault("decode_new_kv", []).append(dict(r, batch=batch, window=window))
-            print(f"{'sliding' if window else 'full':>8} {batch:>5}  separate {r['separate_seconds'] * 1e6:7.1f} us  "
-                  f"folded {r['folded_seconds'] * 1e6:7.1f} us  (x{r['separate_seconds'] / r['folded_seconds']:.2f}, "
-                  f"outputs differ by {r['rel_diff']:.1e})", flush=True)
+            print(
+                f"{'sliding' if window else 'full':>8} {batch:>5}  separate {r['separate_seconds'] * 1e6:7.1f} us  "
+                f"folded {r['folded_seconds'] * 1e6:7.1f} us  (x{r['separate_seconds'] / r['folded_seconds']:.2f}, "
+                f"outputs differ by {r['rel_diff']:.1e})",
+                flush=True,
+            )
 
     if args.sweep:
         print("\nsweep: decode, full layer")
@@ -346,26 +412,43 @@ def main() -> None:
                 print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}")
                 continue
             frac = r["bytes"] / r["seconds"] / bw
-            results["sweep"].append(dict(kind="decode", batch=batch, context=context, cfg=repr(cfg),
-                                         seconds=r["seconds"], of_copy=frac, splits=r["splits"]))
-            print(f"  b{batch} ctx{context} n{block_n} w{warps} s{stages} splits={r['splits']}: "
-                  f"{r['seconds'] * 1e6:.1f} us {frac:.0%}", flush=True)
+            results["sweep"].append(
+                dict(
+                    kind="decode",
+                    batch=batch,
+                    context=context,
+                    cfg=repr(cfg),
+                    seconds=r["seconds"],
+                    of_copy=frac,
+                    splits=r["splits"],
+                )
+            )
+            print(
+                f"  b{batch} ctx{context} n{block_n} w{warps} s{stages} splits={r['splits']}: "
+                f"{r['seconds'] * 1e6:.1f} us {frac:.0%}",
+                flush=True,
+            )
         print("\nsweep: prefill 8k")
         grid = [(None, rows, n, w, 3) for rows in (64, 128) for n in (64, 128) for w in (4, 8)]
         grid += [(WINDOW, rows, 64, w, st) for rows in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
         for window, rows, block_n, warps, stages in grid:
-            cfg = at.PrefillConfig(rows=rows, block_n=block_n, num_warps=warps, num_stages=stages,
-                                   sliding_num_stages=stages)
+            cfg = at.PrefillConfig(
+                rows=rows, block_n=block_n, num_warps=warps, num_stages=stages, sliding_num_stages=stages
+            )
             try:
                 r = bench_prefill(pool, 8192, window, cfg)
             except Exception as e:
                 print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}")
                 continue
             rate = r["flops"] / r["seconds"]
-            results["sweep"].append(dict(kind="prefill", window=window, cfg=repr(cfg), seconds=r["seconds"],
-                                         of_matmul=rate / flops))
-            print(f"  {'sliding' if window else 'full'} rows{rows} n{block_n} w{warps} s{stages}: {r['seconds'] * 1e6:.1f} us "
-                  f"{rate / 1e12:.1f} TFLOP/s", flush=True)
+            results["sweep"].append(
+                dict(kind="prefill", window=window, cfg=repr(cfg), seconds=r["seconds"], of_matmul=rate / flops)
+            )
+            print(
+                f"  {'sliding' if window else 'full'} rows{rows} n{block_n} w{warps} s{stages}: {r['seconds'] * 1e6:.1f} us "
+                f"{rate / 1e12:.1f} TFLOP/s",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
 

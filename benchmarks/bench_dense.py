@@ -33,11 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from cuda_timing import time_graph_calls  # noqa: E402
+
 from inference.ops.linear.backend import GEMV_MAX_TOKENS  # noqa: E402
-from inference.ops.multiprocessors import multiprocessors  # noqa: E402
 from inference.ops.linear.triton import (  # noqa: E402
-    LinearConfig, linear_config, linear_reference, linear_triton,
+    LinearConfig,
+    linear_config,
+    linear_reference,
+    linear_triton,
 )
+from inference.ops.multiprocessors import multiprocessors  # noqa: E402
 
 DEV = torch.device("cuda")
 # name -> (in_features K, out_features N, bias)
@@ -65,10 +69,14 @@ class Problem:
         g = torch.Generator(device=DEV).manual_seed(seed)
         w_bytes = self.n * self.k * 2
         self.copies = max(1, min(MAX_COPIES, math.ceil(ROTATION_BYTES / w_bytes)))
-        self.weights = [torch.randn(self.n, self.k, generator=g, device=DEV, dtype=torch.bfloat16) * self.k**-0.5
-                        for _ in range(self.copies)]
-        self.biases = [torch.randn(self.n, generator=g, device=DEV, dtype=torch.bfloat16) * 0.02 if has_bias else None
-                       for _ in range(self.copies)]
+        self.weights = [
+            torch.randn(self.n, self.k, generator=g, device=DEV, dtype=torch.bfloat16) * self.k**-0.5
+            for _ in range(self.copies)
+        ]
+        self.biases = [
+            torch.randn(self.n, generator=g, device=DEV, dtype=torch.bfloat16) * 0.02 if has_bias else None
+            for _ in range(self.copies)
+        ]
         self.calls = max(20, self.copies)
         self._x: dict[int, torch.Tensor] = {}
 
@@ -86,11 +94,14 @@ class Problem:
         x = self.x(m)
         c = self.copies
         if impl == "cublas":
+
             def run(i):
                 return F.linear(x, self.weights[i % c], self.biases[i % c])
         else:
+
             def run(i):
                 return linear_triton(x, self.weights[i % c], self.biases[i % c], cfg)
+
         return time_graph_calls(run, c, self.calls)
 
     def errors(self, m: int) -> dict:
@@ -130,13 +141,21 @@ def run_sweep(problem: Problem, m: int, bandwidth: float) -> dict:
     results.sort(key=lambda r: r[0])
     default_s = next(s for s, c in results if c == default)
     cublas = problem.seconds(m, "cublas")
-    print(f"\n{problem.name} M={m}: cuBLAS {cublas * 1e6:.1f} us; heuristic {default} {default_s * 1e6:.1f} us "
-          f"(rank {[c for _, c in results].index(default) + 1} of {len(results)})")
+    print(
+        f"\n{problem.name} M={m}: cuBLAS {cublas * 1e6:.1f} us; heuristic {default} {default_s * 1e6:.1f} us "
+        f"(rank {[c for _, c in results].index(default) + 1} of {len(results)})"
+    )
     for s, cfg in results[:5]:
         pct = problem.bytes(m) / s / bandwidth * 100
         print(f"  {s * 1e6:7.1f} us {pct:5.1f}% of copy  {cfg}")
-    return dict(shape=problem.name, m=m, cublas_s=cublas, default=dataclasses.asdict(default), default_s=default_s,
-                ranked=[dict(seconds=s, **dataclasses.asdict(c)) for s, c in results])
+    return dict(
+        shape=problem.name,
+        m=m,
+        cublas_s=cublas,
+        default=dataclasses.asdict(default),
+        default_s=default_s,
+        ranked=[dict(seconds=s, **dataclasses.asdict(c)) for s, c in results],
+    )
 
 
 def main() -> None:
@@ -153,11 +172,15 @@ def main() -> None:
 
     bandwidth = copy_bandwidth()
     props = torch.cuda.get_device_properties(DEV)
-    print(f"{props.name}, {props.multi_processor_count} SMs; copy bandwidth {bandwidth / 1e12:.2f} TB/s "
-          f"(read + write); GEMV_MAX_TOKENS = {GEMV_MAX_TOKENS}")
+    print(
+        f"{props.name}, {props.multi_processor_count} SMs; copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+        f"(read + write); GEMV_MAX_TOKENS = {GEMV_MAX_TOKENS}"
+    )
     results: dict = dict(device=props.name, copy_bandwidth=bandwidth, rows=[], sweep=[])
-    header = (f"{'shape':8} {'M':>3} | {'cuBLAS us':>9} {'GB/s':>6} {'%copy':>5} | {'Triton us':>9} {'GB/s':>6} "
-              f"{'%copy':>5} | {'faster':7} | Triton config")
+    header = (
+        f"{'shape':8} {'M':>3} | {'cuBLAS us':>9} {'GB/s':>6} {'%copy':>5} | {'Triton us':>9} {'GB/s':>6} "
+        f"{'%copy':>5} | {'faster':7} | Triton config"
+    )
     if args.check:
         header += " | rel err cuBLAS, Triton"
     print(header)
@@ -167,16 +190,24 @@ def main() -> None:
         problem = Problem(name)
         for m in ms:
             cfg = linear_config(m, problem.n, problem.k, multiprocessors(DEV))
-            row = dict(shape=name, m=m, bytes=problem.bytes(m), config=dataclasses.asdict(cfg),
-                       cublas_s=problem.seconds(m, "cublas"), triton_s=problem.seconds(m, "triton"))
+            row = dict(
+                shape=name,
+                m=m,
+                bytes=problem.bytes(m),
+                config=dataclasses.asdict(cfg),
+                cublas_s=problem.seconds(m, "cublas"),
+                triton_s=problem.seconds(m, "triton"),
+            )
             line = f"{name:8} {m:3} |"
             for impl in ("cublas", "triton"):
                 s = row[f"{impl}_s"]
                 rate = row["bytes"] / s
                 line += f" {s * 1e6:9.1f} {rate / 1e9:6.0f} {rate / bandwidth * 100:5.1f} |"
             row["faster"] = "Triton" if row["triton_s"] < row["cublas_s"] else "cuBLAS"
-            line += f" {row['faster']:7} | bn={cfg.block_n} bk={cfg.block_k} split={cfg.split_k} " \
-                    f"{'dot' if cfg.dot else 'fma'} w={cfg.num_warps} st={cfg.num_stages}"
+            line += (
+                f" {row['faster']:7} | bn={cfg.block_n} bk={cfg.block_k} split={cfg.split_k} "
+                f"{'dot' if cfg.dot else 'fma'} w={cfg.num_warps} st={cfg.num_stages}"
+            )
             if args.check:
                 row["rel_err"] = problem.errors(m)
                 line += f" | {row['rel_err']['cublas']:.1e}, {row['rel_err']['triton']:.1e}"
@@ -188,8 +219,10 @@ def main() -> None:
         del problem
         torch.cuda.empty_cache()
     if all(totals.values()):
-        print(f"\nbatch 1, qkv + o_proj over {LAYERS} layers: cuBLAS {totals['cublas'] * 1e6:.0f} us, "
-              f"Triton {totals['triton'] * 1e6:.0f} us a token")
+        print(
+            f"\nbatch 1, qkv + o_proj over {LAYERS} layers: cuBLAS {totals['cublas'] * 1e6:.0f} us, "
+            f"Triton {totals['triton'] * 1e6:.0f} us a token"
+        )
     if args.sweep:
         for name in args.sweep_shapes.split(","):
             problem = Problem(name)

@@ -52,14 +52,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.ops.attention.reference import AttentionMetadata  # noqa: E402
-from inference.spec_decode.drafter import DraftContext  # noqa: E402
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
+
 from inference.config import GPT_OSS_SHAPES, ModelConfig  # noqa: E402
-from inference.runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from inference.model.gpt_oss import GptOssModel  # noqa: E402
 from inference.model.tiny_checkpoint import hf_config_dict  # noqa: E402
-
+from inference.ops.attention.reference import AttentionMetadata  # noqa: E402
+from inference.runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from inference.spec_decode.drafter import DraftContext  # noqa: E402
 
 
 def progress(msg: str) -> None:
@@ -94,8 +94,11 @@ def kv_capacity(c: ModelConfig, weights_bytes: int) -> dict[str, int]:
     full_layers = sum(not c.is_sliding(i) for i in range(c.num_hidden_layers))
     per_token = full_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
     free = 80e9 * 0.9 - weights_bytes - ACTIVATION_RESERVE
-    return {"weights_GB": round(weights_bytes / 1e9, 2), "kv_bytes_per_token": per_token,
-            "kv_tokens_h100_80gb": int(free // per_token)}
+    return {
+        "weights_GB": round(weights_bytes / 1e9, 2),
+        "kv_bytes_per_token": per_token,
+        "kv_tokens_h100_80gb": int(free // per_token),
+    }
 
 
 class StaticBatch:
@@ -246,13 +249,27 @@ def bench_speculative(model, args) -> dict:
     if args.speculative == "eagle3" and draft_model is None:
         from inference.spec_decode.eagle3 import write_random_eagle3_checkpoint
 
-        draft_model = str(write_random_eagle3_checkpoint(Path("/tmp/oss-agent-bench-eagle3"), model.config,
-                                                         draft_token_ids=sorted(words), draft_vocab_size=len(words)))
+        draft_model = str(
+            write_random_eagle3_checkpoint(
+                Path("/tmp/oss-agent-bench-eagle3"),
+                model.config,
+                draft_token_ids=sorted(words),
+                draft_vocab_size=len(words),
+            )
+        )
         progress("no --draft-model: a random EAGLE-3 draft head (its guesses are rarely right)")
 
     def timed(label: str, replay: list[int] | None = None, **spec) -> tuple[list[int], float, float]:
-        eng = LLMEngine(model, EngineConfig(num_pages=-(-max_len // args.page_size) + 8, max_model_len=max_len,
-                                            max_num_seqs=1, page_size=args.page_size, **spec))
+        eng = LLMEngine(
+            model,
+            EngineConfig(
+                num_pages=-(-max_len // args.page_size) + 8,
+                max_model_len=max_len,
+                max_num_seqs=1,
+                page_size=args.page_size,
+                **spec,
+            ),
+        )
         if replay is not None:
             eng.drafter = ReplayDrafter(replay)
         params = SamplingParams(temperature=0.0, max_tokens=args.spec_tokens, logit_bias=bias)
@@ -283,14 +300,21 @@ def bench_speculative(model, args) -> dict:
     spec = dict(speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, draft_model=draft_model)
     plain, plain_rate, _ = timed("without speculation")
     ours, rate, length = timed(f"{args.speculative}, k={args.num_draft_tokens}", **spec)
-    _, replay_rate, replay_length = timed("replayed drafts", replay=plain, speculative="ngram",
-                                          num_draft_tokens=args.num_draft_tokens)
+    _, replay_rate, replay_length = timed(
+        "replayed drafts", replay=plain, speculative="ngram", num_draft_tokens=args.num_draft_tokens
+    )
     same = next((i for i, (a, b) in enumerate(zip(ours, plain)) if a != b), len(plain))
     return {
-        "prompt_tokens": len(prompt), "new_tokens": args.spec_tokens, "num_draft_tokens": args.num_draft_tokens,
-        "method": args.speculative, "confined_to_words": args.spec_words,
-        "plain_tok_s": plain_rate, "spec_tok_s": rate, "spec_mean_acceptance_length": length,
-        "replay_tok_s": replay_rate, "replay_mean_acceptance_length": replay_length,
+        "prompt_tokens": len(prompt),
+        "new_tokens": args.spec_tokens,
+        "num_draft_tokens": args.num_draft_tokens,
+        "method": args.speculative,
+        "confined_to_words": args.spec_words,
+        "plain_tok_s": plain_rate,
+        "spec_tok_s": rate,
+        "spec_mean_acceptance_length": length,
+        "replay_tok_s": replay_rate,
+        "replay_mean_acceptance_length": replay_length,
         "identical_prefix_tokens": same,
     }
 
@@ -313,8 +337,17 @@ def decode_engine(model, args, max_seqs: int):
 
     # StaticBatch (the graph-replay row) lays every sequence's pages out in both pools alike.
     pages = max_seqs * decode_pages_per_seq(args) + 8
-    return LLMEngine(model, EngineConfig(num_pages=pages, num_sliding_pages=pages, max_model_len=decode_max_len(args),
-                                         max_num_seqs=max_seqs, page_size=args.page_size, async_scheduling=True))
+    return LLMEngine(
+        model,
+        EngineConfig(
+            num_pages=pages,
+            num_sliding_pages=pages,
+            max_model_len=decode_max_len(args),
+            max_num_seqs=max_seqs,
+            page_size=args.page_size,
+            async_scheduling=True,
+        ),
+    )
 
 
 def start_decoding(engine, model, args, ids: list[str], rng) -> None:
@@ -338,9 +371,8 @@ def engine_timeline(model, args, batch: int):
     import random
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile
-
     from step_timeline import load_activities, timeline
+    from torch.profiler import ProfilerActivity, profile
 
     engine = decode_engine(model, args, batch)
     start_decoding(engine, model, args, [f"timeline-{i}" for i in range(batch)], random.Random(0))
@@ -385,8 +417,9 @@ def bench_async_scheduling(model, args) -> dict:
         for b in batches:
             row = results[b] = {}
             progress(f"batch {b}: graph replay alone")
-            row["graph_tok_s"] = bench_decode(model, engine.kv_caches, graphs, b, args.context, args.steps,
-                                              pages_per_seq, args.page_size)
+            row["graph_tok_s"] = bench_decode(
+                model, engine.kv_caches, graphs, b, args.context, args.steps, pages_per_seq, args.page_size
+            )
             for mode in ("sync", "async"):
                 progress(f"batch {b}: engine, async scheduling {'on' if mode == 'async' else 'off'}")
                 engine.overlap = overlap if mode == "async" else None
@@ -416,12 +449,21 @@ def bench_async_scheduling(model, args) -> dict:
 CONSTRAINED_SCHEMA = {
     "type": "object",
     "properties": {
-        "items": {"type": "array", "items": {
-            "type": "object",
-            "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
-                           "price": {"type": "number"}, "tags": {"type": "array", "items": {"type": "string"}},
-                           "status": {"enum": ["active", "inactive", "pending"]}},
-            "required": ["id", "name", "price", "tags", "status"], "additionalProperties": False}},
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "name": {"type": "string"},
+                    "price": {"type": "number"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                    "status": {"enum": ["active", "inactive", "pending"]},
+                },
+                "required": ["id", "name", "price", "tags", "status"],
+                "additionalProperties": False,
+            },
+        },
     },
     "required": ["items"],
     "additionalProperties": False,
@@ -442,9 +484,17 @@ def bench_constrained(model, args) -> dict:
     device = model.device
     batches = [int(b) for b in args.batches.split(",")]
     pages = max(batches) * decode_pages_per_seq(args) + 8
-    engine = LLMEngine(model, EngineConfig(num_pages=pages, num_sliding_pages=pages, max_model_len=decode_max_len(args),
-                                           max_num_seqs=max(batches), page_size=args.page_size,
-                                           async_scheduling=device.type == "cuda"))
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            num_pages=pages,
+            num_sliding_pages=pages,
+            max_model_len=decode_max_len(args),
+            max_num_seqs=max(batches),
+            page_size=args.page_size,
+            async_scheduling=device.type == "cuda",
+        ),
+    )
     grammar = Grammar.json_schema(CONSTRAINED_SCHEMA)
     engine.grammars.compile(grammar, [])  # the vocabulary's tables and this grammar, before timing
 
@@ -462,8 +512,15 @@ def bench_constrained(model, args) -> dict:
             constrained = ids[0] if mode == "mixed" else None
             for rid in ids:
                 prompt = [rng.randrange(200_000) for _ in range(args.context)]
-                engine.add_request(GenerationRequest(rid, prompt, SamplingParams(
-                    temperature=0.0, max_tokens=args.steps + 24, grammar=grammar if rid == constrained else None)))
+                engine.add_request(
+                    GenerationRequest(
+                        rid,
+                        prompt,
+                        SamplingParams(
+                            temperature=0.0, max_tokens=args.steps + 24, grammar=grammar if rid == constrained else None
+                        ),
+                    )
+                )
             produced = dict.fromkeys(ids, 0)
             while min(produced.values()) < 4:  # every prefill done, decoding under way
                 for d in engine.step():
@@ -485,45 +542,75 @@ def bench_constrained(model, args) -> dict:
             while engine.has_unfinished():
                 engine.step()
             sync()
-        row["free_rows_per_row_ratio"] = ((row["mixed_free_rows_tok_s"] / max(b - 1, 1)) / (row["free_tok_s"] / b)
-                                          if b > 1 else None)
+        row["free_rows_per_row_ratio"] = (
+            (row["mixed_free_rows_tok_s"] / max(b - 1, 1)) / (row["free_tok_s"] / b) if b > 1 else None
+        )
     engine.close()
     return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=[*GPT_OSS_SHAPES, "tiny"], default="20b",
-                    help="gpt-oss shapes (tiny: the test checkpoint's, for --constrained on CPU)")
+    ap.add_argument(
+        "--model",
+        choices=[*GPT_OSS_SHAPES, "tiny"],
+        default="20b",
+        help="gpt-oss shapes (tiny: the test checkpoint's, for --constrained on CPU)",
+    )
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (only with --constrained)")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--prefill", type=lambda v: [int(x) for x in v.split(",") if x], default=[2048],
-                    help="prompt lengths to time prefill at (comma-separated; empty: none)")
+    ap.add_argument(
+        "--prefill",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[2048],
+        help="prompt lengths to time prefill at (comma-separated; empty: none)",
+    )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--attention", default=None, help="attention backend (default: best available)")
     ap.add_argument("--moe", default=None, help="MoE backend (default: best available)")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
-    ap.add_argument("--profile", nargs="?", const="1", default="",
-                    help="print a per-kernel breakdown of one step at these batches (default 1)")
+    ap.add_argument(
+        "--profile",
+        nargs="?",
+        const="1",
+        default="",
+        help="print a per-kernel breakdown of one step at these batches (default 1)",
+    )
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same shapes")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--speculative", choices=["ngram", "eagle3"],
-                    help="time batch-1 engine decode with and without this drafter instead")
+    ap.add_argument(
+        "--speculative",
+        choices=["ngram", "eagle3"],
+        help="time batch-1 engine decode with and without this drafter instead",
+    )
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--draft-model", help="EAGLE-3 draft checkpoint (default for eagle3: a random one)")
     ap.add_argument("--spec-tokens", type=int, default=256, help="tokens to generate per speculative run")
-    ap.add_argument("--spec-words", type=int, default=8,
-                    help="distinct words of the repetitive prompt; the output is confined to them (0: no bias)")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="time decode through the engine at --batches with async scheduling off and on instead")
-    ap.add_argument("--constrained", action="store_true",
-                    help="time engine decode at --batches with every request free, then with one held to a JSON "
-                         "schema, instead")
-    ap.add_argument("--timeline", type=int, metavar="BATCH",
-                    help="instead profile --steps engine decode steps (async scheduling) at this batch and "
-                         "print their kernel timeline: busy time, span, gaps between kernels")
+    ap.add_argument(
+        "--spec-words",
+        type=int,
+        default=8,
+        help="distinct words of the repetitive prompt; the output is confined to them (0: no bias)",
+    )
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="time decode through the engine at --batches with async scheduling off and on instead",
+    )
+    ap.add_argument(
+        "--constrained",
+        action="store_true",
+        help="time engine decode at --batches with every request free, then with one held to a JSON schema, instead",
+    )
+    ap.add_argument(
+        "--timeline",
+        type=int,
+        metavar="BATCH",
+        help="instead profile --steps engine decode steps (async scheduling) at this batch and "
+        "print their kernel timeline: busy time, span, gaps between kernels",
+    )
     args = ap.parse_args()
     if args.constrained:
         run_constrained(args)
@@ -544,52 +631,94 @@ def main() -> None:
         from step_timeline import format_timeline
 
         progress(f"building gpt-oss-{args.model} with random weights on the GPU")
-        model = GptOssModel.from_random(config, device="cuda", attention_backend=args.attention,
-                                        moe_backend=args.moe, max_positions=decode_max_len(args) + 32)
+        model = GptOssModel.from_random(
+            config,
+            device="cuda",
+            attention_backend=args.attention,
+            moe_backend=args.moe,
+            max_positions=decode_max_len(args) + 32,
+        )
         progress(f"profiling {args.steps} engine steps at batch {args.timeline}")
-        print(format_timeline(engine_timeline(model, args, args.timeline),
-                              f"gpt-oss-{args.model} random weights on {gpu}; engine decode, async scheduling, "
-                              f"batch {args.timeline}, ~{args.context} tokens of context"))
+        print(
+            format_timeline(
+                engine_timeline(model, args, args.timeline),
+                f"gpt-oss-{args.model} random weights on {gpu}; engine decode, async scheduling, "
+                f"batch {args.timeline}, ~{args.context} tokens of context",
+            )
+        )
         return
     if args.async_scheduling:
         progress(f"building gpt-oss-{args.model} with random weights on the GPU")
-        model = GptOssModel.from_random(config, device="cuda", attention_backend=args.attention,
-                                        moe_backend=args.moe, max_positions=decode_max_len(args) + 32)
+        model = GptOssModel.from_random(
+            config,
+            device="cuda",
+            attention_backend=args.attention,
+            moe_backend=args.moe,
+            max_positions=decode_max_len(args) + 32,
+        )
         rows = bench_async_scheduling(model, args)
-        print(f"\ngpt-oss-{args.model} random weights on {gpu}; decode through the engine, greedy, every sequence "
-              f"at ~{args.context} tokens of context; {args.steps} timed steps")
-        print("\n| batch | graph replay alone tok/s | engine sync tok/s | engine async tok/s | async / sync "
-              "| host µs/step sync | host µs/step async |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            f"\ngpt-oss-{args.model} random weights on {gpu}; decode through the engine, greedy, every sequence "
+            f"at ~{args.context} tokens of context; {args.steps} timed steps"
+        )
+        print(
+            "\n| batch | graph replay alone tok/s | engine sync tok/s | engine async tok/s | async / sync "
+            "| host µs/step sync | host µs/step async |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        )
         for b, r in rows.items():
-            print(f"| {b} | {r['graph_tok_s']:,.0f} | {r['sync_tok_s']:,.0f} | {r['async_tok_s']:,.0f} | "
-                  f"{r['async_tok_s'] / r['sync_tok_s']:.2f}x | {r['sync_host_us']:,.0f} | {r['async_host_us']:,.0f} |")
+            print(
+                f"| {b} | {r['graph_tok_s']:,.0f} | {r['sync_tok_s']:,.0f} | {r['async_tok_s']:,.0f} | "
+                f"{r['async_tok_s'] / r['sync_tok_s']:.2f}x | {r['sync_host_us']:,.0f} | {r['async_host_us']:,.0f} |"
+            )
         if args.json:
-            Path(args.json).write_text(json.dumps({"device": gpu, "model": args.model, "context": args.context,
-                                                   "date": time.strftime("%Y-%m-%d"), "decode": rows}, indent=2))
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "device": gpu,
+                        "model": args.model,
+                        "context": args.context,
+                        "date": time.strftime("%Y-%m-%d"),
+                        "decode": rows,
+                    },
+                    indent=2,
+                )
+            )
         return
     if args.speculative:
         progress(f"building gpt-oss-{args.model} with random weights on the GPU")
-        model = GptOssModel.from_random(config, device="cuda", attention_backend=args.attention,
-                                        moe_backend=args.moe, max_positions=4096)
+        model = GptOssModel.from_random(
+            config, device="cuda", attention_backend=args.attention, moe_backend=args.moe, max_positions=4096
+        )
         r = bench_speculative(model, args)
         r.update(device=gpu, model=args.model, date=time.strftime("%Y-%m-%d"), copy_bandwidth_TBps=bandwidth / 1e12)
-        print(f"\ngpt-oss-{args.model} random weights on {gpu}; batch 1, {r['prompt_tokens']}-token repetitive "
-              f"prompt, {r['new_tokens']} new tokens, greedy"
-              + (f", output confined to the prompt's {args.spec_words} words by a logit bias" if args.spec_words else ""))
+        print(
+            f"\ngpt-oss-{args.model} random weights on {gpu}; batch 1, {r['prompt_tokens']}-token repetitive "
+            f"prompt, {r['new_tokens']} new tokens, greedy"
+            + (f", output confined to the prompt's {args.spec_words} words by a logit bias" if args.spec_words else "")
+        )
         print("\n| decode, batch 1 | tok/s | mean acceptance length | speed-up |\n| --- | ---: | ---: | ---: |")
         print(f"| without speculation | {r['plain_tok_s']:,.0f} | | |")
-        print(f"| {args.speculative}, {args.num_draft_tokens} draft tokens | {r['spec_tok_s']:,.0f} | "
-              f"{r['spec_mean_acceptance_length']:.2f} | {r['spec_tok_s'] / r['plain_tok_s']:.2f}x |")
-        print(f"| replayed drafts (a perfect drafter) | {r['replay_tok_s']:,.0f} | "
-              f"{r['replay_mean_acceptance_length']:.2f} | {r['replay_tok_s'] / r['plain_tok_s']:.2f}x |")
-        print(f"\nwith and without drafts the greedy outputs agree on the first {r['identical_prefix_tokens']} "
-              f"of {r['new_tokens']} tokens (bf16 rounding differs between decode and verification steps)")
+        print(
+            f"| {args.speculative}, {args.num_draft_tokens} draft tokens | {r['spec_tok_s']:,.0f} | "
+            f"{r['spec_mean_acceptance_length']:.2f} | {r['spec_tok_s'] / r['plain_tok_s']:.2f}x |"
+        )
+        print(
+            f"| replayed drafts (a perfect drafter) | {r['replay_tok_s']:,.0f} | "
+            f"{r['replay_mean_acceptance_length']:.2f} | {r['replay_tok_s'] / r['plain_tok_s']:.2f}x |"
+        )
+        print(
+            f"\nwith and without drafts the greedy outputs agree on the first {r['identical_prefix_tokens']} "
+            f"of {r['new_tokens']} tokens (bf16 rounding differs between decode and verification steps)"
+        )
         if args.json:
             Path(args.json).write_text(json.dumps(r, indent=2))
         return
     progress(f"building gpt-oss-{args.model} with random weights on the GPU")
     model = GptOssModel.from_random(
-        config, device="cuda", attention_backend=args.attention, moe_backend=args.moe,
+        config,
+        device="cuda",
+        attention_backend=args.attention,
+        moe_backend=args.moe,
         max_positions=max([max_context, *args.prefill]) + 16,
     )
     torch.cuda.synchronize()
@@ -612,28 +741,42 @@ def main() -> None:
     parts = bytes_per_token(config, args.context)
     roofline = bandwidth / sum(parts.values())
     results = {
-        "device": gpu, "model": args.model, "date": time.strftime("%Y-%m-%d"),
-        "attention_backend": type(model.attention_backend).__name__, "moe_backend": type(model.moe_backend).__name__,
-        "copy_bandwidth_TBps": bandwidth / 1e12, "bytes_per_token_GB": sum(parts.values()) / 1e9,
-        "roofline_batch1_tok_s": roofline, "context": args.context, "decode": {},
+        "device": gpu,
+        "model": args.model,
+        "date": time.strftime("%Y-%m-%d"),
+        "attention_backend": type(model.attention_backend).__name__,
+        "moe_backend": type(model.moe_backend).__name__,
+        "copy_bandwidth_TBps": bandwidth / 1e12,
+        "bytes_per_token_GB": sum(parts.values()) / 1e9,
+        "roofline_batch1_tok_s": roofline,
+        "context": args.context,
+        "decode": {},
         **kv_capacity(config, weights_bytes),
     }
     for b in batches:
         progress(f"decode batch {b}")
-        results["decode"][b] = bench_decode(model, kv_caches, runner, b, args.context, args.steps, pages_per_seq, args.page_size)
+        results["decode"][b] = bench_decode(
+            model, kv_caches, runner, b, args.context, args.steps, pages_per_seq, args.page_size
+        )
     results["prefill_tok_s"] = {}
     for tokens in args.prefill:
         progress(f"prefill {tokens} tokens")
         results["prefill_tok_s"][tokens] = bench_prefill(model, kv_caches, tokens, args.page_size)
 
-    print(f"\ngpt-oss-{args.model} random weights on {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
-          f"attention={results['attention_backend']} moe={results['moe_backend']}")
-    print(f"bytes per batch-1 token at {args.context} context: {sum(parts.values()) / 1e9:.2f} GB "
-          f"({', '.join(f'{k} {v / 1e9:.2f}' for k, v in parts.items())}); roofline {roofline:.0f} tok/s\n")
-    print(f"memory: weights {weights_bytes / 1e9:.1f} GB on the GPU (measured); at "
-          f"{results['kv_bytes_per_token']:,} KV bytes a token, an 80 GB H100 at 0.9 utilisation holds "
-          f"{results['kv_tokens_h100_80gb']:,} tokens of cache beside them (computed, {ACTIVATION_RESERVE / 1e9:.0f} GB "
-          f"kept for activations)\n")
+    print(
+        f"\ngpt-oss-{args.model} random weights on {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+        f"attention={results['attention_backend']} moe={results['moe_backend']}"
+    )
+    print(
+        f"bytes per batch-1 token at {args.context} context: {sum(parts.values()) / 1e9:.2f} GB "
+        f"({', '.join(f'{k} {v / 1e9:.2f}' for k, v in parts.items())}); roofline {roofline:.0f} tok/s\n"
+    )
+    print(
+        f"memory: weights {weights_bytes / 1e9:.1f} GB on the GPU (measured); at "
+        f"{results['kv_bytes_per_token']:,} KV bytes a token, an 80 GB H100 at 0.9 utilisation holds "
+        f"{results['kv_tokens_h100_80gb']:,} tokens of cache beside them (computed, {ACTIVATION_RESERVE / 1e9:.0f} GB "
+        f"kept for activations)\n"
+    )
     print("| measure | tok/s | note |\n| --- | ---: | --- |")
     for b, rate in results["decode"].items():
         note = f"{rate / roofline:.1%} of roofline" if b == 1 else ""
@@ -660,21 +803,42 @@ def run_constrained(args) -> None:
     config = ModelConfig.from_dict(raw)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     progress(f"building gpt-oss-{args.model} with random weights on {where}")
-    model = GptOssModel.from_random(config, device=args.device, attention_backend=args.attention,
-                                    moe_backend=args.moe, max_positions=decode_max_len(args) + 32)
+    model = GptOssModel.from_random(
+        config,
+        device=args.device,
+        attention_backend=args.attention,
+        moe_backend=args.moe,
+        max_positions=decode_max_len(args) + 32,
+    )
     rows = bench_constrained(model, args)
-    print(f"\ngpt-oss-{args.model} random weights on {where}; decode through the engine, greedy, every sequence at "
-          f"~{args.context} tokens of context; {args.steps} timed steps; async scheduling "
-          f"{'on' if args.device == 'cuda' else 'off'}")
-    print("\n| batch | all free tok/s | one constrained: batch tok/s | its free rows tok/s | free rows, per row "
-          "vs all free | constrained row still running |\n| ---: | ---: | ---: | ---: | ---: | --- |")
+    print(
+        f"\ngpt-oss-{args.model} random weights on {where}; decode through the engine, greedy, every sequence at "
+        f"~{args.context} tokens of context; {args.steps} timed steps; async scheduling "
+        f"{'on' if args.device == 'cuda' else 'off'}"
+    )
+    print(
+        "\n| batch | all free tok/s | one constrained: batch tok/s | its free rows tok/s | free rows, per row "
+        "vs all free | constrained row still running |\n| ---: | ---: | ---: | ---: | ---: | --- |"
+    )
     for b, r in rows.items():
         ratio = f"{r['free_rows_per_row_ratio']:.3f}" if r["free_rows_per_row_ratio"] is not None else "n/a"
-        print(f"| {b} | {r['free_tok_s']:,.0f} | {r['mixed_tok_s']:,.0f} | {r['mixed_free_rows_tok_s']:,.0f} | "
-              f"{ratio} | {'yes' if r['constrained_active'] else 'no'} |")
+        print(
+            f"| {b} | {r['free_tok_s']:,.0f} | {r['mixed_tok_s']:,.0f} | {r['mixed_free_rows_tok_s']:,.0f} | "
+            f"{ratio} | {'yes' if r['constrained_active'] else 'no'} |"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": where, "model": args.model, "context": args.context,
-                                               "date": time.strftime("%Y-%m-%d"), "decode": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": where,
+                    "model": args.model,
+                    "context": args.context,
+                    "date": time.strftime("%Y-%m-%d"),
+                    "decode": rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

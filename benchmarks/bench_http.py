@@ -45,8 +45,12 @@ from agent_server.bench import engine as bench_engine  # noqa: E402
 from agent_server.bench.report import format_summary, json_safe  # noqa: E402
 
 # name: (user message tokens, output tokens, in flight, range ratio of both lengths)
-WORKLOADS = {"ttft": (256, 1, 1, 0.0), "c1": (1024, 256, 1, 0.0), "c64": (256, 512, 64, 0.5),
-             "c128": (256, 512, 128, 0.5)}
+WORKLOADS = {
+    "ttft": (256, 1, 1, 0.0),
+    "c1": (1024, 256, 1, 0.0),
+    "c64": (256, 512, 64, 0.5),
+    "c128": (256, 512, 128, 0.5),
+}
 
 
 def progress(msg: str) -> None:
@@ -55,9 +59,17 @@ def progress(msg: str) -> None:
 
 def workload_args(base: argparse.Namespace, name: str, requests: int) -> argparse.Namespace:
     input_len, output_len, in_flight, range_ratio = WORKLOADS[name]
-    return argparse.Namespace(**{**vars(base), "input_len": input_len, "output_len": output_len,
-                                 "max_concurrency": in_flight, "range_ratio": range_ratio,
-                                 "num_prompts": requests, "warmup": max(base.warmup, 1)})
+    return argparse.Namespace(
+        **{
+            **vars(base),
+            "input_len": input_len,
+            "output_len": output_len,
+            "max_concurrency": in_flight,
+            "range_ratio": range_ratio,
+            "num_prompts": requests,
+            "warmup": max(base.warmup, 1),
+        }
+    )
 
 
 async def measure(engine, runs: dict[str, argparse.Namespace], rounds: int = 1) -> dict[str, Any]:
@@ -70,19 +82,25 @@ async def measure(engine, runs: dict[str, argparse.Namespace], rounds: int = 1) 
             # compiles kernels (seconds), which the one-at-a-time warm-up requests never reach.
             # (Measured: the first 64-stream round gave 5,488 tok/s, the next 8,723.)
             progress(f"{name}: a warm-up wave of {args.max_concurrency} requests, not measured")
-            await bench_engine.engine_run(engine, argparse.Namespace(
-                **{**vars(args), "num_prompts": args.max_concurrency, "warmup": 0}), seed_offset=100 * w + 90)
+            await bench_engine.engine_run(
+                engine,
+                argparse.Namespace(**{**vars(args), "num_prompts": args.max_concurrency, "warmup": 0}),
+                seed_offset=100 * w + 90,
+            )
             for r in range(rounds):
-                progress(f"{name}, round {r + 1}: {args.num_prompts} requests, {args.input_len} + "
-                         f"{args.output_len} tokens, {args.max_concurrency} in flight; the engine alone")
+                progress(
+                    f"{name}, round {r + 1}: {args.num_prompts} requests, {args.input_len} + "
+                    f"{args.output_len} tokens, {args.max_concurrency} in flight; the engine alone"
+                )
                 # Prompts of their own for each workload, round and side (and their warm-ups, at
                 # +1): none gets prefix-cache hits from another's, beyond the chat template.
                 seed = 100 * w + 10 * r
                 direct = await bench_engine.engine_run(engine, args, seed_offset=seed)
                 progress(f"{name}, round {r + 1}: the same through HTTP")
                 http = await bench_engine.http_run(base_url, engine.model_name, args, seed_offset=seed + 2)
-                report[name].append({"engine": direct, "http": http,
-                                     "http_over_engine": bench_engine.ratios(direct, http)})
+                report[name].append(
+                    {"engine": direct, "http": http, "http_over_engine": bench_engine.ratios(direct, http)}
+                )
     return report
 
 
@@ -92,35 +110,54 @@ def ms(summary: dict[str, Any], key: str, stat: str) -> str:
 
 
 def format_report(report: dict[str, Any], title: str) -> str:
-    lines = [title, "", "| workload | round | measure | engine | HTTP | HTTP / engine |",
-             "| --- | ---: | --- | ---: | ---: | ---: |"]
+    lines = [
+        title,
+        "",
+        "| workload | round | measure | engine | HTTP | HTTP / engine |",
+        "| --- | ---: | --- | ---: | ---: | ---: |",
+    ]
     for r, run in enumerate(report.get("ttft", []), 1):
         for stat in ("mean", "median", "p99"):
             e, h = run["engine"]["ttft_ms"][stat], run["http"]["ttft_ms"][stat]
             lines.append(f"| ttft | {r} | TTFT {stat} (ms) | {e:,.2f} | {h:,.2f} | {h / e:.3f} |")
         server = run["http"].get("server_metrics") or {}
         if server.get("ttft_mean_ms") is not None:
-            lines.append(f"| ttft | {r} | server's own TTFT mean, arrival to first token (ms) | | "
-                         f"{server['ttft_mean_ms']:,.2f} | |")
-        lines.append(f"| ttft | {r} | input tokens a request (with the chat template) | "
-                     f"{run['engine']['total_input_tokens'] / max(run['engine']['completed'], 1):,.0f} | "
-                     f"{run['http']['total_input_tokens'] / max(run['http']['completed'], 1):,.0f} | |")
+            lines.append(
+                f"| ttft | {r} | server's own TTFT mean, arrival to first token (ms) | | "
+                f"{server['ttft_mean_ms']:,.2f} | |"
+            )
+        lines.append(
+            f"| ttft | {r} | input tokens a request (with the chat template) | "
+            f"{run['engine']['total_input_tokens'] / max(run['engine']['completed'], 1):,.0f} | "
+            f"{run['http']['total_input_tokens'] / max(run['http']['completed'], 1):,.0f} | |"
+        )
     for name in ("c1", "c64", "c128"):
         overheads = []
         for r, run in enumerate(report.get(name, []), 1):
             e, h = run["engine"], run["http"]
             overheads.append(1 - h["output_throughput"] / e["output_throughput"])
-            lines.append(f"| {name} | {r} | output tok/s | {e['output_throughput']:,.1f} | "
-                         f"{h['output_throughput']:,.1f} | {h['output_throughput'] / e['output_throughput']:.3f} |")
+            lines.append(
+                f"| {name} | {r} | output tok/s | {e['output_throughput']:,.1f} | "
+                f"{h['output_throughput']:,.1f} | {h['output_throughput'] / e['output_throughput']:.3f} |"
+            )
             # Not TTFT or TPOT: the HTTP side's first text comes after the 48 tokens held as a header.
-            lines.append(f"| {name} | {r} | end-to-end latency mean (ms) | {ms(e, 'e2e_ms', 'mean')} | "
-                         f"{ms(h, 'e2e_ms', 'mean')} | {h['e2e_ms']['mean'] / e['e2e_ms']['mean']:.3f} |")
+            lines.append(
+                f"| {name} | {r} | end-to-end latency mean (ms) | {ms(e, 'e2e_ms', 'mean')} | "
+                f"{ms(h, 'e2e_ms', 'mean')} | {h['e2e_ms']['mean'] / e['e2e_ms']['mean']:.3f} |"
+            )
         if overheads:
-            lines.append(f"| {name} | all | **streaming overhead** (1 - HTTP / engine tok/s) | | "
-                         f"**{sum(overheads) / len(overheads):.1%}** (rounds: "
-                         f"{', '.join(f'{o:.1%}' for o in overheads)}) | |")
-    failed = {f"{name} round {r} {side}": run[side]["failed"] for name, runs in report.items()
-              for r, run in enumerate(runs, 1) for side in ("engine", "http") if run[side]["failed"]}
+            lines.append(
+                f"| {name} | all | **streaming overhead** (1 - HTTP / engine tok/s) | | "
+                f"**{sum(overheads) / len(overheads):.1%}** (rounds: "
+                f"{', '.join(f'{o:.1%}' for o in overheads)}) | |"
+            )
+    failed = {
+        f"{name} round {r} {side}": run[side]["failed"]
+        for name, runs in report.items()
+        for r, run in enumerate(runs, 1)
+        for side in ("engine", "http")
+        if run[side]["failed"]
+    }
     if failed:
         lines.append(f"\nfailed requests: {failed}")
     return "\n".join(lines)
@@ -136,10 +173,19 @@ def main() -> int:
     ap.add_argument("--c128-requests", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2, help="engine-then-HTTP rounds of each workload")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
-    ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra keyword for the engine, as in oss-agent serve")
-    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                    help="the engine in a process of its own (default: as oss-agent serve, on with CUDA)")
+    ap.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra keyword for the engine, as in oss-agent serve",
+    )
+    ap.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine in a process of its own (default: as oss-agent serve, on with CUDA)",
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -159,8 +205,12 @@ def main() -> int:
     if args.temperature is not None:
         argv += ["--temperature", str(args.temperature)]
     base = parser.parse_args(argv)
-    requests = {"ttft": args.ttft_requests, "c1": args.c1_requests, "c64": args.c64_requests,
-                "c128": args.c128_requests}
+    requests = {
+        "ttft": args.ttft_requests,
+        "c1": args.c1_requests,
+        "c64": args.c64_requests,
+        "c128": args.c128_requests,
+    }
     runs = {name: workload_args(base, name, requests[name]) for name in names}
 
     progress(f"building the engine: gpt-oss-{args.model} shapes, random weights")
@@ -175,8 +225,10 @@ def main() -> int:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     extra = f" + {', '.join(args.engine_option)}" if args.engine_option else ""
-    title = (f"gpt-oss-{args.model} random weights on {device}, {time.strftime('%Y-%m-%d %H:%M')}; "
-             f"engine options as oss-agent serve's defaults{extra}; the engine in {where}")
+    title = (
+        f"gpt-oss-{args.model} random weights on {device}, {time.strftime('%Y-%m-%d %H:%M')}; "
+        f"engine options as oss-agent serve's defaults{extra}; the engine in {where}"
+    )
     print()
     for name, runs_of in report.items():
         for r, run in enumerate(runs_of, 1):
@@ -187,8 +239,12 @@ def main() -> int:
     print(format_report(report, title))
     if args.json:
         Path(args.json).write_text(json.dumps(json_safe({"title": title, **report}), indent=2))
-    ok = all(run[side]["failed"] == 0 and run[side]["completed"]
-             for runs_of in report.values() for run in runs_of for side in ("engine", "http"))
+    ok = all(
+        run[side]["failed"] == 0 and run[side]["completed"]
+        for runs_of in report.values()
+        for run in runs_of
+        for side in ("engine", "http")
+    )
     return 0 if ok else 1
 
 

@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from cuda_timing import graph_replay_seconds  # noqa: E402
-from inference.ops.moe.reference import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
+
 from inference.ops.moe.backend import TritonMoEBackend, model_output_dtype, select_moe_backend  # noqa: E402
+from inference.ops.moe.reference import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
 from inference.ops.moe.triton import takes_decode_path  # noqa: E402
 
 HIDDEN = INTERMEDIATE = 2880
@@ -74,7 +75,10 @@ GROUPED_SWEEP = [
     dict(stages=2),
     dict(router_programs=256),
 ]
-GROUPED_SWEEP_BATCHES = {"20b": (64, 128, 256, 512, 1024, 2048), "120b": (64, 128, 256, 512, 1024, 2048)}  # where grouped variants are compared
+GROUPED_SWEEP_BATCHES = {
+    "20b": (64, 128, 256, 512, 1024, 2048),
+    "120b": (64, 128, 256, 512, 1024, 2048),
+}  # where grouped variants are compared
 
 
 def progress(msg: str) -> None:
@@ -93,12 +97,16 @@ def random_layer(num_experts: int, seed: int = 0) -> MoEWeights:
         return torch.randn(shape, generator=g, device="cuda") * std
 
     experts = ExpertWeights(
-        gate_up_bias=normal(e, 2 * i, std=0.02), down_bias=normal(e, h, std=0.02),
-        gate_up_blocks=u8(e, 2 * i, h // 32, 16), gate_up_scales=u8(e, 2 * i, h // 32, low=117, high=122),
-        down_blocks=u8(e, h, i // 32, 16), down_scales=u8(e, h, i // 32, low=117, high=122),
+        gate_up_bias=normal(e, 2 * i, std=0.02),
+        down_bias=normal(e, h, std=0.02),
+        gate_up_blocks=u8(e, 2 * i, h // 32, 16),
+        gate_up_scales=u8(e, 2 * i, h // 32, low=117, high=122),
+        down_blocks=u8(e, h, i // 32, 16),
+        down_scales=u8(e, h, i // 32, low=117, high=122),
     )
-    return MoEWeights(router_weight=normal(e, h, std=h**-0.5).bfloat16(), router_bias=normal(e, std=0.02).bfloat16(),
-                      experts=experts)
+    return MoEWeights(
+        router_weight=normal(e, h, std=h**-0.5).bfloat16(), router_bias=normal(e, std=0.02).bfloat16(), experts=experts
+    )
 
 
 def expert_bytes(h: int, i: int) -> int:
@@ -165,15 +173,18 @@ def prepare_copy(backend, weights: MoEWeights):
 
 def float_copy(weights: MoEWeights) -> MoEWeights:
     """The layer with its router in float32, as the reference routes."""
-    return dataclasses.replace(weights, router_weight=weights.router_weight.float(),
-                               router_bias=weights.router_bias.float())
+    return dataclasses.replace(
+        weights, router_weight=weights.router_weight.float(), router_bias=weights.router_bias.float()
+    )
 
 
 def each_layer(backend, x: torch.Tensor, layers: list, **kwargs):
     """One timed call: backend.forward(x) through each prepared layer in turn."""
+
     def forward():
         for layer in layers:
             backend.forward(x, layer, TOP_K, SWIGLU_LIMIT, **kwargs)
+
     return forward
 
 
@@ -186,22 +197,42 @@ def main() -> None:
     ap.add_argument("--models", default="20b,120b")
     ap.add_argument("--batches", default="1,8,64,256,2048")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--layers", type=int, default=4,
-                    help="layers of different weights run in turn per timed call (the time is per layer)")
-    ap.add_argument("--backends", default="triton",
-                    help="comma-separated MoE backends timed on the same weights and inputs: triton, flashinfer")
-    ap.add_argument("--sweep", action="store_true",
-                    help="also time the Triton variants in DECODE_SWEEP and GROUPED_SWEEP")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="layers of different weights run in turn per timed call (the time is per layer)",
+    )
+    ap.add_argument(
+        "--backends",
+        default="triton",
+        help="comma-separated MoE backends timed on the same weights and inputs: triton, flashinfer",
+    )
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time the Triton variants in DECODE_SWEEP and GROUPED_SWEEP"
+    )
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times for the first model's batches")
-    ap.add_argument("--check", action="store_true",
-                    help="print each backend's relative error against the float32 reference per batch")
-    ap.add_argument("--autotune", action="store_true",
-                    help="let flashinfer profile its GEMM tactics for these batches before timing")
-    ap.add_argument("--flashinfer-tactics", action="store_true",
-                    help="also time flashinfer's GEMM tactics one by one and report the fastest pair")
-    ap.add_argument("--flashinfer-module", metavar="PATH",
-                    help="a fused_moe_90 library built by experiments/flashinfer_moe_subset.py, used instead of flashinfer's "
-                         "JIT module (its other JIT modules are then not built either: torch routes)")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="print each backend's relative error against the float32 reference per batch",
+    )
+    ap.add_argument(
+        "--autotune",
+        action="store_true",
+        help="let flashinfer profile its GEMM tactics for these batches before timing",
+    )
+    ap.add_argument(
+        "--flashinfer-tactics",
+        action="store_true",
+        help="also time flashinfer's GEMM tactics one by one and report the fastest pair",
+    )
+    ap.add_argument(
+        "--flashinfer-module",
+        metavar="PATH",
+        help="a fused_moe_90 library built by experiments/flashinfer_moe_subset.py, used instead of flashinfer's "
+        "JIT module (its other JIT modules are then not built either: torch routes)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA GPU")
@@ -221,8 +252,9 @@ def main() -> None:
         progress(f"building {args.layers} random {model} MoE layer(s)")
         layers = [random_layer(EXPERTS[model], seed) for seed in range(args.layers)]
         weights = layers[0]
-        backends = {name: TritonMoEBackend() if name == "triton" else select_moe_backend("cuda", name)
-                    for name in names}
+        backends = {
+            name: TritonMoEBackend() if name == "triton" else select_moe_backend("cuda", name) for name in names
+        }
         if args.flashinfer_module and "flashinfer" in backends:
             backends["flashinfer"].tinygemm_max_tokens = 0  # tinygemm is a JIT module of its own
         prepared = {}
@@ -239,8 +271,9 @@ def main() -> None:
         for t in batches:
             x = (torch.randn(t, HIDDEN, device="cuda") * 0.5).bfloat16()
             # experts read a layer, averaged over the layers (each routes x its own way)
-            touched = sum(torch.unique(route(x.float(), layer, TOP_K)[0]).numel()
-                          for layer in float_layers) / len(layers)
+            touched = sum(torch.unique(route(x.float(), layer, TOP_K)[0]).numel() for layer in float_layers) / len(
+                layers
+            )
             moved = touched * per_expert + router_bytes + 2 * x.numel() * 2
             flops = 2 * t * TOP_K * 3 * HIDDEN * INTERMEDIATE
             best = {}  # backend -> seconds of its fastest configuration
@@ -249,7 +282,9 @@ def main() -> None:
                     default = backend.config
                     variants = [dict()]
                     if args.sweep and t <= DECODE_SWEEP_MAX_BATCH:
-                        variants = [dict(decode_max_tokens=t, decode_max_pairs_per_expert=None, **v) for v in DECODE_SWEEP]
+                        variants = [
+                            dict(decode_max_tokens=t, decode_max_pairs_per_expert=None, **v) for v in DECODE_SWEEP
+                        ]
                         variants.append(dict(decode_max_tokens=0))
                     elif args.sweep and t in GROUPED_SWEEP_BATCHES.get(model, ()):
                         variants = [dict(decode_max_tokens=0, **v) for v in GROUPED_SWEEP]
@@ -263,45 +298,65 @@ def main() -> None:
                     if args.flashinfer_tactics:
                         try:
                             ids, seconds, counts = sweep_flashinfer_tactics(
-                                backend, each_layer(backend, x, prepared[name]), args.iters)
+                                backend, each_layer(backend, x, prepared[name]), args.iters
+                            )
                             seconds /= args.layers
                         except Exception as exc:
-                            print(f"| {model} | {t} | {name} tactics | failed: {type(exc).__name__}: {str(exc)[:120]} |")
+                            print(
+                                f"| {model} | {t} | {name} tactics | failed: {type(exc).__name__}: {str(exc)[:120]} |"
+                            )
                         else:
                             best[name] = seconds
-                            print(f"| {model} | {t} | {name} cutlass | tactics {ids} (fastest; {counts}) | "
-                                  f"{seconds * 1e6:.1f} | {touched:g} | {moved / seconds / 1e9:.0f} | "
-                                  f"{100 * moved / seconds / bandwidth:.0f}% | {flops / seconds / 1e12:.1f} |", flush=True)
+                            print(
+                                f"| {model} | {t} | {name} cutlass | tactics {ids} (fastest; {counts}) | "
+                                f"{seconds * 1e6:.1f} | {touched:g} | {moved / seconds / 1e9:.0f} | "
+                                f"{100 * moved / seconds / bandwidth:.0f}% | {flops / seconds / 1e12:.1f} |",
+                                flush=True,
+                            )
                 for path, variant, bench in runs:
                     label = f"{name} {path}" if len(names) > 1 else path
                     try:
                         forward = each_layer(bench, x, prepared[name], out_dtype=model_output_dtype(bench))
                         seconds = graph_replay_seconds(forward, args.iters) / args.layers
                     except Exception as exc:  # a variant that does not compile must not end the sweep
-                        print(f"| {model} | {t} | {label} | {variant or 'default'} | failed: {type(exc).__name__}: "
-                              f"{str(exc)[:120]} |")
+                        print(
+                            f"| {model} | {t} | {label} | {variant or 'default'} | failed: {type(exc).__name__}: "
+                            f"{str(exc)[:120]} |"
+                        )
                         continue
                     best[name] = min(seconds, best.get(name, seconds))
-                    print(f"| {model} | {t} | {label} | {variant or 'default'} | {seconds * 1e6:.1f} | {touched:g} | "
-                          f"{moved / seconds / 1e9:.0f} | {100 * moved / seconds / bandwidth:.0f}% | "
-                          f"{flops / seconds / 1e12:.1f} |", flush=True)
+                    print(
+                        f"| {model} | {t} | {label} | {variant or 'default'} | {seconds * 1e6:.1f} | {touched:g} | "
+                        f"{moved / seconds / 1e9:.0f} | {100 * moved / seconds / bandwidth:.0f}% | "
+                        f"{flops / seconds / 1e12:.1f} |",
+                        flush=True,
+                    )
             if len(best) > 1:
                 ranked = sorted(best, key=best.get)
-                print(f"| {model} | {t} | winner | {ranked[0]} ({best[ranked[1]] / best[ranked[0]]:.2f}x vs "
-                      f"{ranked[1]}) | {best[ranked[0]] * 1e6:.1f} | | | | |", flush=True)
+                print(
+                    f"| {model} | {t} | winner | {ranked[0]} ({best[ranked[1]] / best[ranked[0]]:.2f}x vs "
+                    f"{ranked[1]}) | {best[ranked[0]] * 1e6:.1f} | | | | |",
+                    flush=True,
+                )
             if args.check:
                 ref = moe_reference(x.float(), float_router, TOP_K, SWIGLU_LIMIT)
                 for name, backend in backends.items():
-                    out = backend.forward(x, prepared[name][0], TOP_K, SWIGLU_LIMIT,
-                                          out_dtype=model_output_dtype(backend))
-                    print(f"    check {name} T={t}: |out - ref| / |ref| = {relative_error(out, ref):.2e} "
-                          f"(finite: {bool(torch.isfinite(out).all())})", flush=True)
+                    out = backend.forward(
+                        x, prepared[name][0], TOP_K, SWIGLU_LIMIT, out_dtype=model_output_dtype(backend)
+                    )
+                    print(
+                        f"    check {name} T={t}: |out - ref| / |ref| = {relative_error(out, ref):.2e} "
+                        f"(finite: {bool(torch.isfinite(out).all())})",
+                        flush=True,
+                    )
             if args.profile and model_index == 0:
                 for name, backend in backends.items():
                     fn = each_layer(backend, x, prepared[name], out_dtype=model_output_dtype(backend))
                     for kernel, us in profile_kernels(fn, per_call=args.layers)[:8]:
                         print(f"    {name} T={t}: {us:8.1f} us  {kernel}")
-        weights = layers = float_layers = float_router = prepared = backends = None  # free this model's layer before the next
+        weights = layers = float_layers = float_router = prepared = backends = (
+            None  # free this model's layer before the next
+        )
         torch.cuda.empty_cache()
 
 

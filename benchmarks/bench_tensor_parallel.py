@@ -114,8 +114,7 @@ def _time_collectives(rank: int, size: int, port: int, rows_list: list[int], cal
             want = x.clone()
             dist.all_reduce(want)
             row = {"bytes": x.numel() * 4}
-            impls = {"nccl_f32": lambda: dist.all_reduce(x.clone()),
-                     "nccl_bf16": lambda: dist.all_reduce(x.bfloat16())}
+            impls = {"nccl_f32": lambda: dist.all_reduce(x.clone()), "nccl_bf16": lambda: dist.all_reduce(x.bfloat16())}
             if peer is not None:
                 row["max_rel_diff_vs_nccl"] = ((peer(x) - want).abs().max() / want.abs().max()).item()
 
@@ -123,6 +122,7 @@ def _time_collectives(rank: int, size: int, port: int, rows_list: list[int], cal
                     def run():
                         peer.one_shot_max_bytes = limit
                         return peer(x)
+
                     return run
 
                 impls["one_shot"] = forced(1 << 40)
@@ -131,6 +131,7 @@ def _time_collectives(rank: int, size: int, port: int, rows_list: list[int], cal
                 row[name + "_us"] = _graph_us(fn, calls)
             if peer is not None:
                 from inference.distributed.peer_memory import ONE_SHOT_MAX_BYTES
+
                 peer.one_shot_max_bytes = ONE_SHOT_MAX_BYTES
             rows_out[rows] = row
         return {"size": size, "peer": why or "ok", "rows": rows_out}
@@ -186,8 +187,10 @@ def print_collectives(result: dict) -> None:
     print("| rows | KB | NCCL f32 | NCCL bf16 | one-shot | two-shot | peer vs NCCL (max rel diff) |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for rows, r in result["rows"].items():
-        print(f"| {rows} | {r['bytes'] / 1024:.1f} | {r['nccl_f32_us']} | {r['nccl_bf16_us']} | "
-              f"{r.get('one_shot_us', '-')} | {r.get('two_shot_us', '-')} | {r.get('max_rel_diff_vs_nccl', '-')} |")
+        print(
+            f"| {rows} | {r['bytes'] / 1024:.1f} | {r['nccl_f32_us']} | {r['nccl_bf16_us']} | "
+            f"{r.get('one_shot_us', '-')} | {r.get('two_shot_us', '-')} | {r.get('max_rel_diff_vs_nccl', '-')} |"
+        )
 
 
 # ----------------------------------------------------------------------------- 2. the engine
@@ -195,8 +198,9 @@ def print_collectives(result: dict) -> None:
 
 def run_prefill(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
     for i, p in enumerate(prompts(batch, prompt_len, seed=seed)):
-        engine.add_request(GenerationRequest(f"b{batch}-{seed}-{i}", p,
-                                             SamplingParams(temperature=0, max_tokens=max_tokens)))
+        engine.add_request(
+            GenerationRequest(f"b{batch}-{seed}-{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens))
+        )
     scheduler = engine.scheduler
     while scheduler.waiting or any(seq.num_computed < seq.num_prompt_tokens for seq in scheduler.running):
         engine.step()
@@ -261,8 +265,9 @@ def kernel_breakdown(engine: LLMEngine, batch: int, args, steps: int = 6) -> dic
 def greedy_outputs(engine: LLMEngine, prompt_list, max_tokens: int, logprobs: int | None):
     """Per prompt: (tokens, top-2 logprob margin at each step, or [] without logprobs)."""
     for i, p in enumerate(prompt_list):
-        engine.add_request(GenerationRequest(f"check-{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                               logprobs=logprobs)))
+        engine.add_request(
+            GenerationRequest(f"check-{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs))
+        )
     out = {i: ([], []) for i in range(len(prompt_list))}
     while engine.has_unfinished():
         for d in engine.step():
@@ -281,8 +286,12 @@ def compare(reference, candidate, near_tie: float) -> dict:
             equal += 1
         else:
             partings.append({"step": step, "reference_margin": round(ref_margins[step], 4)})
-    return {"sequences": len(reference), "equal": equal, "partings": partings,
-            "all_partings_near_ties": all(p["reference_margin"] < near_tie for p in partings)}
+    return {
+        "sequences": len(reference),
+        "equal": equal,
+        "partings": partings,
+        "all_partings_near_ties": all(p["reference_margin"] < near_tie for p in partings),
+    }
 
 
 def agreement(engine: LLMEngine, args, check_prompts, reference: dict | None, is_reference: bool) -> dict:
@@ -306,11 +315,22 @@ def build_engine(model: str, size: int, args, batches: list[int], moe_parallel: 
     max_len = args.prompt + args.warmup + args.steps + args.check_tokens + 64
     seqs = max(*batches, args.check)
     pages = -(-max_len // 16) * seqs + 64
-    engine_config = EngineConfig(tensor_parallel_size=size, num_pages=pages, max_model_len=max_len, max_num_seqs=seqs,
-                                 enforce_eager=args.enforce_eager, tp_all_reduce=args.all_reduce,
-                                 moe_parallel=moe_parallel)
-    return start_tensor_parallel(ModelSource(random_config=config, seed=0), engine_config, LLMEngine,
-                                 device=args.device, model_name=f"gpt-oss-{model}-random")
+    engine_config = EngineConfig(
+        tensor_parallel_size=size,
+        num_pages=pages,
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        enforce_eager=args.enforce_eager,
+        tp_all_reduce=args.all_reduce,
+        moe_parallel=moe_parallel,
+    )
+    return start_tensor_parallel(
+        ModelSource(random_config=config, seed=0),
+        engine_config,
+        LLMEngine,
+        device=args.device,
+        model_name=f"gpt-oss-{model}-random",
+    )
 
 
 def close_engine(engine: LLMEngine | None) -> None:
@@ -328,14 +348,20 @@ def bench_size(model: str, size: int, args, check_prompts, reference, results: l
     t0 = time.monotonic()
     engine = None
     # At the size expert parallelism is compared at, tensor parallelism runs its batches too.
-    batches = list(args.batch_list) + ([b for b in args.ep_batch_list if b not in args.batch_list]
-                                       if args.ep and size == max(args.tp_list) and size > 1 else [])
+    batches = list(args.batch_list) + (
+        [b for b in args.ep_batch_list if b not in args.batch_list]
+        if args.ep and size == max(args.tp_list) and size > 1
+        else []
+    )
     try:
         engine = build_engine(model, size, args, batches)
         row["build_s"] = round(time.monotonic() - t0, 1)
         tp = engine.model.tp
-        row["all_reduce"] = "none" if tp is None else (
-            "peer memory + NCCL" if tp.mode == "peer" else f"NCCL ({tp.peer_unavailable or 'asked for'})")
+        row["all_reduce"] = (
+            "none"
+            if tp is None
+            else ("peer memory + NCCL" if tp.mode == "peer" else f"NCCL ({tp.peer_unavailable or 'asked for'})")
+        )
         progress(f"  ready in {row['build_s']} s; small all-reduces: {row['all_reduce']}")
         for batch in batches:
             row["decode"][batch] = decode_speed(engine, batch, args)
@@ -403,14 +429,20 @@ def print_tables(results: list, args) -> None:
             continue
         batches = sorted({b for r in rows for b in r["decode"]})
         device = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
-        print(f"\ngpt-oss-{model} shapes, random weights, {device}, "
-              f"{'eager' if args.enforce_eager or args.device != 'cuda' else 'CUDA graphs'}; decode tok/s (ms a step), context ~{args.prompt}\n")
-        print("| TP | MoE | " + " | ".join(f"batch {b}" for b in batches) + f" | greedy = TP {args.tp_list[0]} "
-              "(decisive routing) | (random routers) |")
+        print(
+            f"\ngpt-oss-{model} shapes, random weights, {device}, "
+            f"{'eager' if args.enforce_eager or args.device != 'cuda' else 'CUDA graphs'}; decode tok/s (ms a step), context ~{args.prompt}\n"
+        )
+        print(
+            "| TP | MoE | " + " | ".join(f"batch {b}" for b in batches) + f" | greedy = TP {args.tp_list[0]} "
+            "(decisive routing) | (random routers) |"
+        )
         print("|---|---|" + "---:|" * len(batches) + "---|---|")
         for r in rows:
-            cells = [f"{r['decode'][b]['tok_s']:.0f} ({r['decode'][b]['step_ms']:.2f})" if b in r["decode"] else ""
-                     for b in batches]
+            cells = [
+                f"{r['decode'][b]['tok_s']:.0f} ({r['decode'][b]['step_ms']:.2f})" if b in r["decode"] else ""
+                for b in batches
+            ]
             agree = r.get("agreement", {})
             text = []
             for mode in ("decisive", "random"):
@@ -419,37 +451,56 @@ def print_tables(results: list, args) -> None:
                     text.append("(reference)" if r.get("reference_outputs") else "")
                 else:
                     margins = ", ".join(f"{p['reference_margin']}@{p['step']}" for p in a["partings"])
-                    text.append(f"{a['equal']}/{a['sequences']} equal" + (f"; partings at margin {margins}" if margins else ""))
+                    text.append(
+                        f"{a['equal']}/{a['sequences']} equal" + (f"; partings at margin {margins}" if margins else "")
+                    )
             if "error" in r:
                 text = ["failed: " + r["error"].strip().splitlines()[-1], ""]
             print(f"| {r['tp']} | {r['moe_parallel']} | " + " | ".join(cells) + f" | {text[0]} | {text[1]} |")
         split = [r for r in rows if r.get("breakdown", {}).get("none")]
         if split:
-            print("\nPer step (ms): with peer memory / all NCCL / no all-reduce at all (compute); collectives = first - last\n")
+            print(
+                "\nPer step (ms): with peer memory / all NCCL / no all-reduce at all (compute); collectives = first - last\n"
+            )
             print("| TP | batch | peer memory + NCCL | NCCL only | compute | collectives |")
             print("|---|---:|---:|---:|---:|---:|")
             for r in split:
                 for b in args.batch_list:
-                    auto, nccl, none = (r["decode"].get(b), r["breakdown"].get("nccl", {}).get(b),
-                                        r["breakdown"]["none"].get(b))
+                    auto, nccl, none = (
+                        r["decode"].get(b),
+                        r["breakdown"].get("nccl", {}).get(b),
+                        r["breakdown"]["none"].get(b),
+                    )
                     if auto and none:
-                        print(f"| {r['tp']} | {b} | {auto['step_ms']:.3f} | {nccl['step_ms'] if nccl else '-'} | "
-                              f"{none['step_ms']:.3f} | {auto['step_ms'] - none['step_ms']:.3f} |")
+                        print(
+                            f"| {r['tp']} | {b} | {auto['step_ms']:.3f} | {nccl['step_ms'] if nccl else '-'} | "
+                            f"{none['step_ms']:.3f} | {auto['step_ms'] - none['step_ms']:.3f} |"
+                        )
         kernel_rows = [(r, k, v) for r in rows for k, v in r.get("breakdown", {}).items() if k.startswith("kernels_")]
         if kernel_rows:
-            print("\nRank 0's kernels a step (µs, torch.profiler; a collective's time includes its wait for the others)\n")
+            print(
+                "\nRank 0's kernels a step (µs, torch.profiler; a collective's time includes its wait for the others)\n"
+            )
             for r, k, v in kernel_rows:
-                print(f"- TP {r['tp']}, batch {k.split('_b')[1]}: " + ", ".join(f"{name} {us}" for name, us in v.items()))
+                print(
+                    f"- TP {r['tp']}, batch {k.split('_b')[1]}: " + ", ".join(f"{name} {us}" for name, us in v.items())
+                )
 
 
 def environment() -> dict:
     count = torch.cuda.device_count()
-    env = {"torch": torch.__version__, "gpus": count, "gpu": torch.cuda.get_device_name(0) if count else "none",
-           "p2p": {f"{i}->{j}": torch.cuda.can_device_access_peer(i, j)
-                   for i in range(count) for j in range(count) if i != j}}
+    env = {
+        "torch": torch.__version__,
+        "gpus": count,
+        "gpu": torch.cuda.get_device_name(0) if count else "none",
+        "p2p": {
+            f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(count) for j in range(count) if i != j
+        },
+    }
     try:
-        env["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
-                                         timeout=20).stdout
+        env["topology"] = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20
+        ).stdout
     except Exception as e:
         env["topology"] = f"nvidia-smi topo -m failed: {e}"
     return env
@@ -466,21 +517,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--check", type=int, default=8, help="prompts for the greedy agreement check")
     parser.add_argument("--check-tokens", type=int, default=32)
-    parser.add_argument("--near-tie", type=float, default=2 ** -5,
-                        help="a parting counts as a near tie below this top-2 logit margin (bf16's step at "
-                             "logits of 4-8, what random weights give)")
+    parser.add_argument(
+        "--near-tie",
+        type=float,
+        default=2**-5,
+        help="a parting counts as a near tie below this top-2 logit margin (bf16's step at "
+        "logits of 4-8, what random weights give)",
+    )
     parser.add_argument("--all-reduce", default="auto", help="tp_all_reduce for the engines (auto, symm_mem, nccl)")
-    parser.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True,
-                        help="expert parallelism at the largest size, against tensor parallelism")
+    parser.add_argument(
+        "--ep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="expert parallelism at the largest size, against tensor parallelism",
+    )
     parser.add_argument("--ep-batches", default="64,256")
     parser.add_argument("--profile-batches", default="1,64", help="batches whose kernels are profiled on rank 0")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-collectives", action="store_true", help="skip the all-reduce microbenchmark")
     parser.add_argument("--collective-rows", default="1,8,64,256")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer steps and prompts, the collectives and the NCCL A/B at the largest size only, "
-                             "and a time budget (--budget): 120b at TP 1/2/4 in ~8 min")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer steps and prompts, the collectives and the NCCL A/B at the largest size only, "
+        "and a time budget (--budget): 120b at TP 1/2/4 in ~8 min",
+    )
     parser.add_argument("--budget", type=float, help="seconds; sections that start later are skipped (quick: 540)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -502,8 +564,10 @@ def main() -> None:
         return False
 
     report: dict = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "environment": environment()}
-    progress(f"torch {report['environment']['torch']}, {report['environment']['gpus']} x "
-             f"{report['environment']['gpu']}; P2P: {report['environment']['p2p']}")
+    progress(
+        f"torch {report['environment']['torch']}, {report['environment']['gpus']} x "
+        f"{report['environment']['gpu']}; P2P: {report['environment']['p2p']}"
+    )
     print(report["environment"]["topology"])
 
     def save() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from cuda_timing import window_seconds  # (benchmarks/, this module's folder)
 
 

@@ -55,8 +55,9 @@ def load_activities(path: str) -> list[Activity]:
         return gpu_activities(json.load(f))
 
 
-def timeline(activities: list[Activity], steps: int, long_gap: float = LONG_GAP_US, top: int = 10,
-             name_width: int = 60) -> Timeline:
+def timeline(
+    activities: list[Activity], steps: int, long_gap: float = LONG_GAP_US, top: int = 10, name_width: int = 60
+) -> Timeline:
     """Per-step figures of `activities` (start order) spread over `steps` steps; names are cut to
     `name_width` characters (C++ kernel names run to hundreds)."""
     if steps < 1 or not activities:
@@ -80,18 +81,22 @@ def timeline(activities: list[Activity], steps: int, long_gap: float = LONG_GAP_
     for a in acts:
         totals[a.name[:name_width]] += a.duration
         counts[a.name[:name_width]] += 1
-    long_gaps = sorted(((sum(g) / steps, statistics.median(g), b, a) for (b, a), g in around.items()),
-                       reverse=True)[:top]
+    long_gaps = sorted(((sum(g) / steps, statistics.median(g), b, a) for (b, a), g in around.items()), reverse=True)[
+        :top
+    ]
     kernels = sorted(((n, t / steps, counts[n] / steps) for n, t in totals.items()), key=lambda k: -k[1])[:top]
     return Timeline(steps, long_gap, len(acts) / steps, busy / steps, span / steps, gaps / steps, long_gaps, kernels)
 
 
 def format_timeline(t: Timeline, title: str = "") -> str:
     lines = [title] if title else []
-    lines.append(f"per step ({t.steps} steps): {t.activities:.1f} kernels and copies, busy {t.busy_us:,.0f} µs, "
-                 f"span {t.span_us:,.0f} µs, idle between them {t.gap_us:,.0f} µs")
-    lines.append(f"\n| gaps over {t.long_gap:g} µs: µs a step | median gap µs | after | before |\n"
-                 "| ---: | ---: | --- | --- |")
+    lines.append(
+        f"per step ({t.steps} steps): {t.activities:.1f} kernels and copies, busy {t.busy_us:,.0f} µs, "
+        f"span {t.span_us:,.0f} µs, idle between them {t.gap_us:,.0f} µs"
+    )
+    lines.append(
+        f"\n| gaps over {t.long_gap:g} µs: µs a step | median gap µs | after | before |\n| ---: | ---: | --- | --- |"
+    )
     lines += [f"| {g:.1f} | {m:.1f} | {before} | {after} |" for g, m, before, after in t.long_gaps]
     lines.append("\n| kernel or copy | µs a step | launches a step |\n| --- | ---: | ---: |")
     lines += [f"| {name} | {us:,.1f} | {n:.1f} |" for name, us, n in t.kernels]

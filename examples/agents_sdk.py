@@ -31,8 +31,10 @@ def build_agent(client: AsyncOpenAI, model: str) -> Agent:
 
 async def main(stream: bool) -> None:
     set_tracing_disabled(True)  # the SDK would send traces to OpenAI's platform otherwise
-    client = AsyncOpenAI(base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
-                         api_key=os.environ.get("OSS_AGENT_API_KEY", "none"))
+    client = AsyncOpenAI(
+        base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
+        api_key=os.environ.get("OSS_AGENT_API_KEY", "none"),
+    )
     model = os.environ.get("OSS_AGENT_MODEL") or (await client.models.list()).data[0].id
     agent = build_agent(client, model)
     question = "What's the weather in Paris?"

@@ -1,6 +1,6 @@
 """Function calling over the Responses API: the model asks, we run the function, it answers.
 
-    OSS_AGENT_BASE_URL=http://127.0.0.1:8000/v1 python examples/function_calling.py
+OSS_AGENT_BASE_URL=http://127.0.0.1:8000/v1 python examples/function_calling.py
 """
 
 import json
@@ -8,20 +8,26 @@ import os
 
 from openai import OpenAI
 
-client = OpenAI(base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
-                api_key=os.environ.get("OSS_AGENT_API_KEY", "none"))
+client = OpenAI(
+    base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
+    api_key=os.environ.get("OSS_AGENT_API_KEY", "none"),
+)
 served = client.models.list().data[0]
 model = os.environ.get("OSS_AGENT_MODEL") or served.id
 if getattr(served, "random_weights", False):  # `oss-agent serve` with no --model
-    print("note: the server runs a tiny model with random weights, so its text is noise and "
-          "it will not call get_weather; serve a real checkpoint with --model to see this example work.")
+    print(
+        "note: the server runs a tiny model with random weights, so its text is noise and "
+        "it will not call get_weather; serve a real checkpoint with --model to see this example work."
+    )
 
-tools = [{
-    "type": "function",
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}]
+tools = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 
 
 def get_weather(city: str) -> dict:

@@ -1,6 +1,6 @@
 """Stream a Chat Completion, showing the model's reasoning apart from its answer.
 
-    OSS_AGENT_BASE_URL=http://127.0.0.1:8000/v1 python examples/streaming_chat.py "Why is the sky blue?"
+OSS_AGENT_BASE_URL=http://127.0.0.1:8000/v1 python examples/streaming_chat.py "Why is the sky blue?"
 """
 
 import os
@@ -8,13 +8,17 @@ import sys
 
 from openai import OpenAI
 
-client = OpenAI(base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
-                api_key=os.environ.get("OSS_AGENT_API_KEY", "none"))
+client = OpenAI(
+    base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
+    api_key=os.environ.get("OSS_AGENT_API_KEY", "none"),
+)
 served = client.models.list().data[0]
 model = os.environ.get("OSS_AGENT_MODEL") or served.id
 if getattr(served, "random_weights", False):  # `oss-agent serve` with no --model
-    print("note: the server runs a tiny model with random weights, so its text is noise; serve a real checkpoint "
-          "with --model for real answers.")
+    print(
+        "note: the server runs a tiny model with random weights, so its text is noise; serve a real checkpoint "
+        "with --model for real answers."
+    )
 prompt = sys.argv[1] if len(sys.argv) > 1 else "Why is the sky blue? One sentence."
 
 stream = client.chat.completions.create(

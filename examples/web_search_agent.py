@@ -1,7 +1,7 @@
 """Ask a question the model answers by searching the web (the server runs the browser tool).
 
-    oss-agent serve --model gpt-oss-20b --tool-server browser     # in another terminal
-    OSS_AGENT_BASE_URL=http://127.0.0.1:8000/v1 python examples/web_search_agent.py "What is gpt-oss?"
+oss-agent serve --model gpt-oss-20b --tool-server browser     # in another terminal
+OSS_AGENT_BASE_URL=http://127.0.0.1:8000/v1 python examples/web_search_agent.py "What is gpt-oss?"
 """
 
 import os
@@ -9,13 +9,17 @@ import sys
 
 from openai import OpenAI
 
-client = OpenAI(base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
-                api_key=os.environ.get("OSS_AGENT_API_KEY", "none"))
+client = OpenAI(
+    base_url=os.environ.get("OSS_AGENT_BASE_URL", "http://127.0.0.1:8000/v1"),
+    api_key=os.environ.get("OSS_AGENT_API_KEY", "none"),
+)
 served = client.models.list().data[0]
 model = os.environ.get("OSS_AGENT_MODEL") or served.id
 if getattr(served, "random_weights", False):  # `oss-agent serve` with no --model
-    print("note: the server runs a tiny model with random weights, so its text is noise and "
-          "it will not search or cite; serve a real checkpoint with --model to see this example work.")
+    print(
+        "note: the server runs a tiny model with random weights, so its text is noise and "
+        "it will not search or cite; serve a real checkpoint with --model to see this example work."
+    )
 question = sys.argv[1] if len(sys.argv) > 1 else "What is gpt-oss? Cite your sources."
 
 response = client.responses.create(

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 from cuda_timing import time_graph_calls  # noqa: E402  (benchmarks/)
+
 from inference.ops.moe.triton import decode_router  # noqa: E402
 from inference.ops.rmsnorm import add_rms_norm_triton  # noqa: E402
 
@@ -64,12 +65,16 @@ def main() -> None:
     dev = torch.device("cuda")
     tinygemm = load_tinygemm(args.tinygemm_module)
     print(f"device: {torch.cuda.get_device_name(dev)}; flashinfer tinygemm: {'yes' if tinygemm else 'not installed'}")
-    print("| experts | T | decode router µs | ... with add + norm | cuBLAS | tinygemm | tinygemm, PDL flag "
-          "| add + norm, tinygemm | error: ours / cuBLAS / tinygemm |")
+    print(
+        "| experts | T | decode router µs | ... with add + norm | cuBLAS | tinygemm | tinygemm, PDL flag "
+        "| add + norm, tinygemm | error: ours / cuBLAS / tinygemm |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     g = torch.Generator(device=dev).manual_seed(0)
     for experts in (int(e) for e in args.experts.split(",")):
-        weights = [(torch.randn(experts, HIDDEN, generator=g, device=dev) * HIDDEN**-0.5).bfloat16() for _ in range(LAYERS)]
+        weights = [
+            (torch.randn(experts, HIDDEN, generator=g, device=dev) * HIDDEN**-0.5).bfloat16() for _ in range(LAYERS)
+        ]
         biases = [(torch.randn(experts, generator=g, device=dev) * 0.02).bfloat16() for _ in range(LAYERS)]
         biases32 = [b.float() for b in biases]  # the decode router's bias, as `prepare_moe_weights` keeps it
         norm_weight = (torch.rand(HIDDEN, generator=g, device=dev) + 0.5).bfloat16()
@@ -96,15 +101,28 @@ def main() -> None:
                 tinygemm(x, weights[0], out, biases[0])
                 errors.append(error(out))
                 times += [
-                    time_graph_calls(lambda i: tinygemm(x, weights[i % LAYERS], out, biases[i % LAYERS]), LAYERS, 2 * LAYERS),
-                    time_graph_calls(lambda i: tinygemm(x, weights[i % LAYERS], out, biases[i % LAYERS], use_pdl=True),
-                                     LAYERS, 2 * LAYERS),
-                    time_graph_calls(lambda i: (add_rms_norm_triton(x, delta, norm_weight, 1e-5),
-                                                tinygemm(x, weights[i % LAYERS], out, biases[i % LAYERS])), LAYERS, 2 * LAYERS),
+                    time_graph_calls(
+                        lambda i: tinygemm(x, weights[i % LAYERS], out, biases[i % LAYERS]), LAYERS, 2 * LAYERS
+                    ),
+                    time_graph_calls(
+                        lambda i: tinygemm(x, weights[i % LAYERS], out, biases[i % LAYERS], use_pdl=True),
+                        LAYERS,
+                        2 * LAYERS,
+                    ),
+                    time_graph_calls(
+                        lambda i: (
+                            add_rms_norm_triton(x, delta, norm_weight, 1e-5),
+                            tinygemm(x, weights[i % LAYERS], out, biases[i % LAYERS]),
+                        ),
+                        LAYERS,
+                        2 * LAYERS,
+                    ),
                 ]
             cells = [f"{s * 1e6:.2f}" for s in times] + ["—"] * (6 - len(times))
-            print(f"| {experts} | {t} | " + " | ".join(cells) + " | " + " / ".join(f"{e:.1e}" for e in errors) + " |",
-                  flush=True)
+            print(
+                f"| {experts} | {t} | " + " | ".join(cells) + " | " + " / ".join(f"{e:.1e}" for e in errors) + " |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

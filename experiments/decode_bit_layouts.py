@@ -151,8 +151,10 @@ def main() -> None:
     ap.add_argument("--max-gemv", type=int, default=10, help="largest GEMV cost a word to search")
     args = ap.parse_args()
     cur = current_layout()
-    print(f"shipped layout: GEMV {sum(gemv_cost(p) for p in cur)} instructions a word, "
-          f"grouped {grouped_cost(cur)} a 16 bits (bf16)")
+    print(
+        f"shipped layout: GEMV {sum(gemv_cost(p) for p in cur)} instructions a word, "
+        f"grouped {grouped_cost(cur)} a 16 bits (bf16)"
+    )
     t0 = time.time()
     best: dict[int, tuple] = {}  # GEMV cost -> (least bf16 grouped cost, least fp16 one, a layout)
     for cost, slots in layouts(args.max_gemv):
@@ -165,8 +167,10 @@ def main() -> None:
     def show(g: int) -> str:
         return "none" if g >= 99 else str(g)
 
-    print(f"searched in {time.time() - t0:.0f} s\n\n| GEMV a word | least grouped, bf16 | least grouped, fp16 | "
-          "a layout: slots (m, e0, e1, s) |")
+    print(
+        f"searched in {time.time() - t0:.0f} s\n\n| GEMV a word | least grouped, bf16 | least grouped, fp16 | "
+        "a layout: slots (m, e0, e1, s) |"
+    )
     print("| ---: | ---: | ---: | --- |")
     for cost in sorted(best):
         g_bf16, g_fp16, slots = best[cost]

@@ -40,9 +40,11 @@ DEFAULT_TILES = (
 )
 LAUNCHER = "tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/moe_gemm_tma_ws_mixed_input_launcher.inl"
 INSTANTIATION = re.compile(r"template void sm90_generic_mixed_moe_gemm_kernelLauncher<.*?;\n", re.S)
-SHAPE = re.compile(r"Shape<cute::Int<(\d+)>, cute::Int<(\d+)>, cute::Int<(\d+)>>, "
-                   r"cute::Shape<cute::Int<(\d+)>, cute::Int<(\d+)>, cute::Int<(\d+)>>, "
-                   r"cutlass::gemm::KernelTmaWarpSpecialized(Cooperative|Pingpong)")
+SHAPE = re.compile(
+    r"Shape<cute::Int<(\d+)>, cute::Int<(\d+)>, cute::Int<(\d+)>>, "
+    r"cute::Shape<cute::Int<(\d+)>, cute::Int<(\d+)>, cute::Int<(\d+)>>, "
+    r"cutlass::gemm::KernelTmaWarpSpecialized(Cooperative|Pingpong)"
+)
 BF16_MXFP4 = "template void sm90_generic_mixed_moe_gemm_kernelLauncher<__nv_bfloat16, SafeFP4,"
 ABORT_STUB = """#include <stdio.h>
 #include <stdlib.h>
@@ -54,7 +56,7 @@ void oss_agent_unbuilt_runner(void) {
 
 
 def parse_tiles(text: str) -> set[tuple[str, str, str, str]]:
-    """"64x16x128P,128x64x256C" -> {("64", "16", "128", "Pingpong"), ...}."""
+    """ "64x16x128P,128x64x256C" -> {("64", "16", "128", "Pingpong"), ...}."""
     tiles = set()
     for item in text.split(","):
         match = re.fullmatch(r"(\d+)x(\d+)x(\d+)([CP])", item.strip())
@@ -72,11 +74,13 @@ def stub_launcher(source: Path, target: Path) -> None:
     start = next(i for i, line in enumerate(lines) if "void sm90_generic_mixed_moe_gemm_kernelLauncher_impl(" in line)
     first = next(i for i in range(start, len(lines)) if "TLLM_LOG_DEBUG(__PRETTY_FUNCTION__);" in lines[i])
     end = next(i for i in range(first, len(lines)) if lines[i] == "}")
-    stub = ["#ifdef OSS_AGENT_STUB",
-            "  if (workspace_size != nullptr) { *workspace_size = 0; return; }",
-            '  throw std::runtime_error("[flashinfer_moe_subset] this tactic was not compiled");',
-            "#else"]
-    text = "\n".join(lines[:first + 1] + stub + lines[first + 1:end] + ["#endif"] + lines[end:])
+    stub = [
+        "#ifdef OSS_AGENT_STUB",
+        "  if (workspace_size != nullptr) { *workspace_size = 0; return; }",
+        '  throw std::runtime_error("[flashinfer_moe_subset] this tactic was not compiled");',
+        "#else",
+    ]
+    text = "\n".join(lines[: first + 1] + stub + lines[first + 1 : end] + ["#endif"] + lines[end:])
     here = "tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/"
     for header in ("moe_gemm_tma_ws_mixed_input_launcher.h", "moe_gemm_tma_ws_mixed_input_prebuild.h"):
         text = text.replace(f'#include "{header}"', f'#include "{here}{header}"')  # no longer beside it
@@ -101,8 +105,9 @@ def write_sources(out: Path, generated: Path, csrc: Path, tiles) -> tuple[list[P
         raise SystemExit(f"found {len(keep)} of the {len(tiles)} requested tiles among flashinfer's instantiations")
     tail = "\n}\n}\n}\n"
     stub_launcher(csrc / "nv_internal" / LAUNCHER, src / "mixed_launcher_stub.inl")
-    stub_header = header.replace(f'#include "{LAUNCHER}"',
-                                 f'#define OSS_AGENT_STUB 1\n#include "{src / "mixed_launcher_stub.inl"}"')
+    stub_header = header.replace(
+        f'#include "{LAUNCHER}"', f'#define OSS_AGENT_STUB 1\n#include "{src / "mixed_launcher_stub.inl"}"'
+    )
     real = []
     for i, inst in enumerate(keep):
         real.append(src / f"tile_{i}.cu")
@@ -111,19 +116,21 @@ def write_sources(out: Path, generated: Path, csrc: Path, tiles) -> tuple[list[P
     half = (len(stubs) + 1) // 2
     for i in range(2):
         stub_files.append(src / f"stubs_{i}.cu")
-        stub_files[-1].write_text(stub_header + "".join(stubs[i * half:(i + 1) * half]) + tail)
+        stub_files[-1].write_text(stub_header + "".join(stubs[i * half : (i + 1) * half]) + tail)
     runner = (csrc / "fused_moe/cutlass_backend/cutlass_fused_moe_instantiation.cu").read_text()
     runner = runner.split("namespace tensorrt_llm::kernels::cutlass_kernels {")[0] + (
         "namespace tensorrt_llm::kernels::cutlass_kernels {\n"
         "template class CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>;\n"
         "INSTANTIATE_FINALIZE_MOE_ROUTING(__nv_bfloat16, __nv_bfloat16, __nv_bfloat16);\n"
-        "}  // namespace tensorrt_llm::kernels::cutlass_kernels\n")
+        "}  // namespace tensorrt_llm::kernels::cutlass_kernels\n"
+    )
     (src / "runner_bf16_mxfp4.cu").write_text(runner)
     return real + stub_files, [src / "runner_bf16_mxfp4.cu"]
 
 
-def write_ninja(out: Path, spec_ninja: Path, csrc: Path, gemm_sources, runner_sources, includes,
-                library_dirs) -> tuple[Path, int]:
+def write_ninja(
+    out: Path, spec_ninja: Path, csrc: Path, gemm_sources, runner_sources, includes, library_dirs
+) -> tuple[Path, int]:
     """build.ninja from flashinfer's own (its variables and rules), over this subset's sources."""
     rules = spec_ninja.read_text().split("\nbuild ")[0]
     extra = "".join(f" -isystem {d}" for d in includes)
@@ -131,19 +138,26 @@ def write_ninja(out: Path, spec_ninja: Path, csrc: Path, gemm_sources, runner_so
     # Link against the toolkit's libcuda stub, or else an empty one with the driver's soname;
     # nvrtc only serves flashinfer's DeepGEMM JIT, unused here, so its calls stay unresolved.
     (out / "stubs").mkdir(exist_ok=True)
-    subprocess.run(["cc", "-shared", "-o", str(out / "stubs/libcuda.so"), "-Wl,-soname,libcuda.so.1", "-x", "c",
-                    "/dev/null"], check=True)
+    subprocess.run(
+        ["cc", "-shared", "-o", str(out / "stubs/libcuda.so"), "-Wl,-soname,libcuda.so.1", "-x", "c", "/dev/null"],
+        check=True,
+    )
     libs = "".join(f" -L{d}" for d in library_dirs)
     rules = rules.replace("-lcuda $\n    -lnvrtc", f"-lcuda{libs} -L{out / 'stubs'}")
     if f"-L{out / 'stubs'}" not in rules:
         raise SystemExit("flashinfer's link flags changed; update write_ninja")
     backend, kernels = csrc / "fused_moe/cutlass_backend", csrc / "nv_internal/tensorrt_llm/kernels"
     common = csrc / "nv_internal/cpp/common"
-    cuda = [*gemm_sources, backend / "flashinfer_cutlass_fused_moe_binding.cu", backend / "deepgemm_jit_setup.cu",
-            kernels / "cutlass_kernels/moe_gemm/moe_gemm_kernels_bf16_fp4.cu",
-            kernels / "cutlass_kernels/moe_gemm/moe_gemm_tma_warp_specialized_input.cu",
-            kernels / "cutlass_kernels/moe_gemm/moe_gemm_mixed_utils.cu",
-            kernels / "preQuantScaleKernel.cu", common / "memoryUtils.cu"]
+    cuda = [
+        *gemm_sources,
+        backend / "flashinfer_cutlass_fused_moe_binding.cu",
+        backend / "deepgemm_jit_setup.cu",
+        kernels / "cutlass_kernels/moe_gemm/moe_gemm_kernels_bf16_fp4.cu",
+        kernels / "cutlass_kernels/moe_gemm/moe_gemm_tma_warp_specialized_input.cu",
+        kernels / "cutlass_kernels/moe_gemm/moe_gemm_mixed_utils.cu",
+        kernels / "preQuantScaleKernel.cu",
+        common / "memoryUtils.cu",
+    ]
     cxx = [common / f"{name}.cpp" for name in ("envUtils", "logger", "stringUtils", "tllmException")]
     cxx += [kernels / "cutlass_kernels/cutlass_heuristic.cpp", kernels / "lora/lora.cpp"]
     lines, objects = [], []
@@ -152,11 +166,19 @@ def write_ninja(out: Path, spec_ninja: Path, csrc: Path, gemm_sources, runner_so
         for source in sources:
             objects.append(obj / f"{source.parent.name}_{source.name}.o")
             lines.append(f"build {objects[-1]}: {rule} {source}")
-    rules += ("\nrule cuda_compile_runner\n  command = $nvcc_launcher $nvcc --generate-dependencies-with-compile "
-              f"-MF $out.d $cuda_cflags -I{backend} -c $in -o $out $cuda_post_cflags\n  depfile = $out.d\n  deps = gcc\n")
+    rules += (
+        "\nrule cuda_compile_runner\n  command = $nvcc_launcher $nvcc --generate-dependencies-with-compile "
+        f"-MF $out.d $cuda_cflags -I{backend} -c $in -o $out $cuda_post_cflags\n  depfile = $out.d\n  deps = gcc\n"
+    )
     ninja = out / "build.ninja"
-    ninja.write_text(rules + "\n" + "\n".join(lines) + f"\n\nbuild {out / 'objects.stamp'}: phony "
-                     + " ".join(map(str, objects)) + "\n")
+    ninja.write_text(
+        rules
+        + "\n"
+        + "\n".join(lines)
+        + f"\n\nbuild {out / 'objects.stamp'}: phony "
+        + " ".join(map(str, objects))
+        + "\n"
+    )
     return ninja, len(objects)
 
 
@@ -164,8 +186,11 @@ def link(out: Path, ninja: Path) -> Path:
     """Link the objects; then point every eagerly bound, undefined runner symbol (vtable
     entries of the other type pairs) at an aborting stub and link again."""
     text = ninja.read_text()
-    objects = [line.split(": ")[0][len("build "):] for line in text.splitlines()
-               if line.startswith("build ") and ".o: " in line]
+    objects = [
+        line.split(": ")[0][len("build ") :]
+        for line in text.splitlines()
+        if line.startswith("build ") and ".o: " in line
+    ]
     ldflags = re.search(r"\nldflags = (.*?)\n\n", text, re.S).group(1).replace("$\n", " ")
     ldflags = ldflags.replace("$cuda_home", re.search(r"\ncuda_home = (\S+)", text).group(1))
     stub_c = out / "abort_stub.c"
@@ -174,12 +199,25 @@ def link(out: Path, ninja: Path) -> Path:
     library = out / "fused_moe_90.so"
 
     def run_link(defsyms: list[str]) -> None:
-        subprocess.run(["c++", *objects, str(out / "abort_stub.o"), *ldflags.split(),
-                        *[f"-Wl,--defsym={s}=oss_agent_unbuilt_runner" for s in defsyms], "-o", str(library)], check=True)
+        subprocess.run(
+            [
+                "c++",
+                *objects,
+                str(out / "abort_stub.o"),
+                *ldflags.split(),
+                *[f"-Wl,--defsym={s}=oss_agent_unbuilt_runner" for s in defsyms],
+                "-o",
+                str(library),
+            ],
+            check=True,
+        )
 
     run_link([])
-    undefined = set(subprocess.run(["nm", "-D", "--undefined-only", str(library)], check=True,
-                                   capture_output=True, text=True).stdout.split())
+    undefined = set(
+        subprocess.run(
+            ["nm", "-D", "--undefined-only", str(library)], check=True, capture_output=True, text=True
+        ).stdout.split()
+    )
     relocations = subprocess.run(["readelf", "-rW", str(library)], check=True, capture_output=True, text=True).stdout
     eager = set()
     for line in relocations.splitlines():
@@ -190,8 +228,11 @@ def link(out: Path, ninja: Path) -> Path:
                 eager.add(symbol)
     if eager:
         run_link(sorted(eager))
-    print(f"linked {library} ({library.stat().st_size / 1e6:.1f} MB; {len(eager)} runner symbols of other type "
-          "pairs point at an aborting stub)", flush=True)
+    print(
+        f"linked {library} ({library.stat().st_size / 1e6:.1f} MB; {len(eager)} runner symbols of other type "
+        "pairs point at an aborting stub)",
+        flush=True,
+    )
     return library
 
 
@@ -221,8 +262,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="build folder (sources, objects, the library)")
     ap.add_argument("--tiles", default=DEFAULT_TILES, help="MxNxK plus C/P (cooperative/pingpong), comma-separated")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--include", action="append", default=[],
-                    help="extra header folder (e.g. curand's and nvrtc's, where the CUDA toolkit lacks them)")
+    ap.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        help="extra header folder (e.g. curand's and nvrtc's, where the CUDA toolkit lacks them)",
+    )
     ap.add_argument("--lib", action="append", default=[], help="extra library folder (e.g. libcudart's)")
     args = ap.parse_args()
     args.out = args.out.resolve()  # ninja runs inside it (-C), and its paths must not be relative
@@ -235,11 +280,14 @@ def main() -> None:
     csrc = Path(jit_env.FLASHINFER_CSRC_DIR)
     args.out.mkdir(parents=True, exist_ok=True)
     gemm_sources, runner_sources = write_sources(args.out, generated, csrc, parse_tiles(args.tiles))
-    ninja, count = write_ninja(args.out, Path(spec.ninja_path), csrc, gemm_sources, runner_sources,
-                               args.include, args.lib)
+    ninja, count = write_ninja(
+        args.out, Path(spec.ninja_path), csrc, gemm_sources, runner_sources, args.include, args.lib
+    )
     print(f"building {count} objects with {args.jobs} jobs (ninja's [done/total] below)", flush=True)
-    subprocess.run(["ninja", "-C", str(args.out), "-f", str(ninja), "-j", str(args.jobs), str(args.out / "objects.stamp")],
-                   check=True)  # -C: ninja's log and dependency files go to the build folder
+    subprocess.run(
+        ["ninja", "-C", str(args.out), "-f", str(ninja), "-j", str(args.jobs), str(args.out / "objects.stamp")],
+        check=True,
+    )  # -C: ninja's log and dependency files go to the build folder
     link(args.out, ninja)
 
 

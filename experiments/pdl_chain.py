@@ -29,6 +29,7 @@ import triton.language as tl
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 from cuda_timing import graph_replay_seconds  # noqa: E402  (benchmarks/)
+
 from inference.ops.dependent_launch import TRIGGER, WAIT, wait_for_previous  # noqa: E402
 
 LAYERS = 24
@@ -68,8 +69,9 @@ def chain_us(b_programs: int, b_warps: int, dependent: bool) -> float:
 
     def step():
         for x in xs:
-            _stream_kernel[(STREAM_PROGRAMS,)](x, ya, n_per, PDL=WAIT | TRIGGER, BLOCK=STREAM_BLOCK, num_warps=4,
-                                               launch_pdl=True)
+            _stream_kernel[(STREAM_PROGRAMS,)](
+                x, ya, n_per, PDL=WAIT | TRIGGER, BLOCK=STREAM_BLOCK, num_warps=4, launch_pdl=True
+            )
             if b_programs == 0:
                 continue
             if dependent:

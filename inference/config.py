@@ -30,8 +30,15 @@ class RopeConfig:
 # The released models' shapes (docs/design.md §1) as config.json fields, for benchmarks and tests that
 # build random-weight models of the real size (`ModelConfig.from_dict(hf_config_dict(...))`).
 _GPT_OSS_COMMON = dict(
-    num_experts_per_tok=4, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
-    num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128, max_position_embeddings=131072,
+    num_experts_per_tok=4,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=201088,
+    sliding_window=128,
+    max_position_embeddings=131072,
 )
 GPT_OSS_SHAPES: dict[str, dict[str, Any]] = {
     "20b": dict(_GPT_OSS_COMMON, num_hidden_layers=24, num_local_experts=32),
@@ -77,9 +84,17 @@ class ModelConfig:
 
     def validate(self) -> None:
         positive = [
-            "num_hidden_layers", "num_local_experts", "num_experts_per_tok", "hidden_size",
-            "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "vocab_size", "sliding_window", "max_position_embeddings",
+            "num_hidden_layers",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "sliding_window",
+            "max_position_embeddings",
         ]
         for name in positive:
             value = getattr(self, name)
@@ -122,8 +137,15 @@ class ModelConfig:
             raise ConfigError(f"config field 'model_type' is {model_type!r}, expected 'gpt_oss'")
         kwargs: dict[str, Any] = {}
         int_fields = [
-            "num_hidden_layers", "num_local_experts", "hidden_size", "intermediate_size",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "sliding_window",
+            "num_hidden_layers",
+            "num_local_experts",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "sliding_window",
             "max_position_embeddings",
         ]
         for name in int_fields:
@@ -282,8 +304,11 @@ class EngineConfig:
                 raise ValueError("num_draft_tokens must be >= 1")
             if self.speculative == "eagle3" and not self.draft_model:
                 raise ValueError("speculative eagle3 needs draft_model (an EAGLE-3 checkpoint directory)")
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
-                or self.tensor_parallel_size < 1:
+        if (
+            isinstance(self.tensor_parallel_size, bool)
+            or not isinstance(self.tensor_parallel_size, int)
+            or self.tensor_parallel_size < 1
+        ):
             raise ValueError("tensor_parallel_size must be an integer >= 1")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or unset")
@@ -291,8 +316,11 @@ class EngineConfig:
             raise ValueError(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCE_MODES)}")
         if self.moe_parallel not in MOE_PARALLEL_MODES:
             raise ValueError(f"moe_parallel must be one of {', '.join(MOE_PARALLEL_MODES)}")
-        if isinstance(self.tp_step_timeout, bool) or not isinstance(self.tp_step_timeout, (int, float)) \
-                or not self.tp_step_timeout > 0:
+        if (
+            isinstance(self.tp_step_timeout, bool)
+            or not isinstance(self.tp_step_timeout, (int, float))
+            or not self.tp_step_timeout > 0
+        ):
             raise ValueError("tp_step_timeout must be a number of seconds > 0")
         if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
             raise ValueError("speculative eagle3 does not run with tensor_parallel_size > 1 (ngram does)")

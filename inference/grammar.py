@@ -194,7 +194,7 @@ class GrammarMatcher:
                     break
                 t = drafts[i]
                 if not (rows[i].view(np.uint32)[t // 32] >> np.uint32(t % 32)) & 1 or not self.accept(t):
-                    rows[i + 1:] = -1
+                    rows[i + 1 :] = -1
                     break
                 taken += 1
         finally:

@@ -26,8 +26,12 @@ class TextPart(StrictModel):
 
 RefusedImage = refused("RefusedImage", ("image_url",), "content parts", "gpt-oss reads text only")
 RefusedAudio = refused("RefusedAudio", ("input_audio",), "content parts", "gpt-oss reads text only")
-RefusedFile = refused("RefusedFile", ("file",), "content parts",
-                      "gpt-oss reads text only, and this server keeps no files; send the text as a text part")
+RefusedFile = refused(
+    "RefusedFile",
+    ("file",),
+    "content parts",
+    "gpt-oss reads text only, and this server keeps no files; send the text as a text part",
+)
 UserPart = Annotated[Union[TextPart, RefusedImage, RefusedAudio, RefusedFile], Field(discriminator="type")]
 
 
@@ -92,8 +96,9 @@ class NoFunctionCall(BaseModel):
 
     @model_validator(mode="after")
     def _refuse(self) -> Any:
-        raise PydanticCustomError("unsupported_value", "'function_call' is deprecated and not supported; use "
-                                  "'tool_calls'")
+        raise PydanticCustomError(
+            "unsupported_value", "'function_call' is deprecated and not supported; use 'tool_calls'"
+        )
 
 
 class NoAudio(BaseModel):
@@ -143,8 +148,9 @@ class FunctionMessage(BaseModel):
 
     @model_validator(mode="after")
     def _refuse(self) -> Any:
-        raise PydanticCustomError("unsupported_value", "'function' messages are deprecated and not supported; use "
-                                  "'tool' messages")
+        raise PydanticCustomError(
+            "unsupported_value", "'function' messages are deprecated and not supported; use 'tool' messages"
+        )
 
 
 def _role(value: Any) -> str | None:

@@ -27,8 +27,15 @@ from pydantic_core import PydanticCustomError
 
 # What clients may ask for; gpt-oss has three levels, which the others map onto (`effort`).
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
-HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
-                  "xhigh": "high", "max": "high"}
+HARMONY_EFFORT = {
+    "none": "low",
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
 # What `include` can ask for. Those naming items this server never makes (file search, images)
 # are accepted and have nothing to add, as in OpenAI when no such item is in the output.
 Includable = Literal[
@@ -59,8 +66,11 @@ class Refused(BaseModel):
 
     @model_validator(mode="after")
     def _refuse(self) -> "Refused":
-        raise PydanticCustomError("unsupported_value", "'{kind}' {what} are not supported: {reason}",
-                                  {"kind": self.type, "what": self.what, "reason": self.reason})
+        raise PydanticCustomError(
+            "unsupported_value",
+            "'{kind}' {what} are not supported: {reason}",
+            {"kind": self.type, "what": self.what, "reason": self.reason},
+        )
 
 
 def refused(name: str, kinds: tuple[str, ...], what: str, reason: str) -> type[Refused]:
@@ -93,8 +103,12 @@ class InputText(StrictModel):
 
 
 RefusedImage = refused("RefusedImage", ("input_image",), "inputs", "gpt-oss reads text only")
-RefusedFile = refused("RefusedFile", ("input_file",), "inputs",
-                      "gpt-oss reads text only, and this server keeps no files; send the text as input_text")
+RefusedFile = refused(
+    "RefusedFile",
+    ("input_file",),
+    "inputs",
+    "gpt-oss reads text only, and this server keeps no files; send the text as input_text",
+)
 RefusedAudio = refused("RefusedAudio", ("input_audio",), "inputs", "gpt-oss reads text only")
 
 
@@ -324,21 +338,35 @@ class CompactionItem(StrictModel):
     created_by: str | None = None
 
 
-NO_COMPACTION_TRIGGER = ("compact with POST /v1/responses/compact, or set context_management's compact_threshold "
-                         "on the request")
+NO_COMPACTION_TRIGGER = (
+    "compact with POST /v1/responses/compact, or set context_management's compact_threshold on the request"
+)
 NO_PROGRAMS = "this server does not run programmatic tool calling; call the tools directly"
-RefusedItem = refused("RefusedItem", (
-    "file_search_call", "computer_call", "computer_call_output", "image_generation_call",
-), "input items", "this server has no file search, computer use or image generation tool (gpt-oss reads and "
-   "writes text only)")
+RefusedItem = refused(
+    "RefusedItem",
+    (
+        "file_search_call",
+        "computer_call",
+        "computer_call_output",
+        "image_generation_call",
+    ),
+    "input items",
+    "this server has no file search, computer use or image generation tool (gpt-oss reads and writes text only)",
+)
 RefusedCompaction = refused("RefusedCompaction", ("compaction_trigger",), "input items", NO_COMPACTION_TRIGGER)
 RefusedProgram = refused("RefusedProgram", ("program", "program_output"), "input items", NO_PROGRAMS)
-RefusedApproval = refused("RefusedApproval", ("mcp_approval_request", "mcp_approval_response"), "input items",
-                          "MCP tool approvals are not supported; use require_approval='never'")
-RefusedClientTool = refused("RefusedClientTool", ("shell_call", "shell_call_output", "apply_patch_call",
-                                                  "apply_patch_call_output"), "input items",
-                            "the 'shell' and 'apply_patch' tools are not served here; give the model function or "
-                            "custom tools that do the same")
+RefusedApproval = refused(
+    "RefusedApproval",
+    ("mcp_approval_request", "mcp_approval_response"),
+    "input items",
+    "MCP tool approvals are not supported; use require_approval='never'",
+)
+RefusedClientTool = refused(
+    "RefusedClientTool",
+    ("shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output"),
+    "input items",
+    "the 'shell' and 'apply_patch' tools are not served here; give the model function or custom tools that do the same",
+)
 
 
 def _item_kind(value: Any) -> str:
@@ -356,27 +384,29 @@ _REFUSED_ITEMS = tuple(
     for kind in model.model_fields["type"].annotation.__args__
 )
 InputItem = Annotated[
-    Union[(
-        Annotated[MessageItem, Tag("message")],
-        Annotated[FunctionCallItem, Tag("function_call")],
-        Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-        Annotated[ReasoningItem, Tag("reasoning")],
-        Annotated[LenientItem, Tag("web_search_call")],
-        Annotated[CodeInterpreterCallItem, Tag("code_interpreter_call")],
-        Annotated[McpCallItem, Tag("mcp_call")],
-        Annotated[LenientItem, Tag("mcp_list_tools")],
-        Annotated[ItemReference, Tag("item_reference")],
-        Annotated[CustomToolCallItem, Tag("custom_tool_call")],
-        Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")],
-        Annotated[LocalShellCallItem, Tag("local_shell_call")],
-        Annotated[LocalShellCallOutputItem, Tag("local_shell_call_output")],
-        Annotated[ToolSearchCallItem, Tag("tool_search_call")],
-        Annotated[ToolSearchOutputItem, Tag("tool_search_output")],
-        Annotated[AdditionalToolsItem, Tag("additional_tools")],
-        Annotated[ConfigurationUpdateItem, Tag("configuration_update")],
-        Annotated[CompactionItem, Tag("compaction")],
-        *_REFUSED_ITEMS,
-    )],
+    Union[
+        (
+            Annotated[MessageItem, Tag("message")],
+            Annotated[FunctionCallItem, Tag("function_call")],
+            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+            Annotated[ReasoningItem, Tag("reasoning")],
+            Annotated[LenientItem, Tag("web_search_call")],
+            Annotated[CodeInterpreterCallItem, Tag("code_interpreter_call")],
+            Annotated[McpCallItem, Tag("mcp_call")],
+            Annotated[LenientItem, Tag("mcp_list_tools")],
+            Annotated[ItemReference, Tag("item_reference")],
+            Annotated[CustomToolCallItem, Tag("custom_tool_call")],
+            Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")],
+            Annotated[LocalShellCallItem, Tag("local_shell_call")],
+            Annotated[LocalShellCallOutputItem, Tag("local_shell_call_output")],
+            Annotated[ToolSearchCallItem, Tag("tool_search_call")],
+            Annotated[ToolSearchOutputItem, Tag("tool_search_output")],
+            Annotated[AdditionalToolsItem, Tag("additional_tools")],
+            Annotated[ConfigurationUpdateItem, Tag("configuration_update")],
+            Annotated[CompactionItem, Tag("compaction")],
+            *_REFUSED_ITEMS,
+        )
+    ],
     Discriminator(_item_kind),
 ]
 
@@ -405,8 +435,10 @@ def check_json_schema(value: dict[str, Any], info: ValidationInfo | None = None)
     if context is not None and SCHEMA_BUDGET in context:
         context[SCHEMA_BUDGET] -= size
         if context[SCHEMA_BUDGET] < 0:
-            raise ValueError(f"the request's schemas are more than {MAX_REQUEST_SCHEMA_BYTES} bytes of JSON in all "
-                             "(function parameters and response format)")
+            raise ValueError(
+                f"the request's schemas are more than {MAX_REQUEST_SCHEMA_BYTES} bytes of JSON in all "
+                "(function parameters and response format)"
+            )
     try:
         Draft202012Validator.check_schema(value)
     except SchemaError as e:
@@ -560,16 +592,39 @@ class McpTool(StrictModel):
     allowed_callers: Callers | None = None
 
 
-RefusedTool = refused("RefusedTool", (
-    "file_search", "computer", "computer_use_preview", "image_generation",
-), "tools", "this server has no vector stores, computer use or image generation (gpt-oss reads and writes text only)")
+RefusedTool = refused(
+    "RefusedTool",
+    (
+        "file_search",
+        "computer",
+        "computer_use_preview",
+        "image_generation",
+    ),
+    "tools",
+    "this server has no vector stores, computer use or image generation (gpt-oss reads and writes text only)",
+)
 RefusedProgramTool = refused("RefusedProgramTool", ("programmatic_tool_calling",), "tools", NO_PROGRAMS)
-RefusedClientToolKind = refused("RefusedClientToolKind", ("shell", "apply_patch"), "tools",
-                                "give the model function or custom tools that do the same")
+RefusedClientToolKind = refused(
+    "RefusedClientToolKind",
+    ("shell", "apply_patch"),
+    "tools",
+    "give the model function or custom tools that do the same",
+)
 
 Tool = Annotated[
-    Union[FunctionTool, WebSearchTool, CodeInterpreterTool, McpTool, CustomTool, NamespaceTool, LocalShellTool,
-          ToolSearchTool, RefusedTool, RefusedProgramTool, RefusedClientToolKind],
+    Union[
+        FunctionTool,
+        WebSearchTool,
+        CodeInterpreterTool,
+        McpTool,
+        CustomTool,
+        NamespaceTool,
+        LocalShellTool,
+        ToolSearchTool,
+        RefusedTool,
+        RefusedProgramTool,
+        RefusedClientToolKind,
+    ],
     Field(discriminator="type"),
 ]
 
@@ -602,14 +657,28 @@ class ToolChoiceAllowed(StrictModel):
     tools: list[dict[str, Any]]
 
 
-RefusedChoice = refused("RefusedChoice", ("file_search", "computer", "computer_use_preview", "image_generation",
-                                          "computer_use", "programmatic_tool_calling", "apply_patch", "shell"),
-                        "tool choices", "this server has no such tool")
+RefusedChoice = refused(
+    "RefusedChoice",
+    (
+        "file_search",
+        "computer",
+        "computer_use_preview",
+        "image_generation",
+        "computer_use",
+        "programmatic_tool_calling",
+        "apply_patch",
+        "shell",
+    ),
+    "tool choices",
+    "this server has no such tool",
+)
 
 ToolChoice = Union[
     Literal["none", "auto", "required"],
-    Annotated[Union[ToolChoiceFunction, ToolChoiceCustom, ToolChoiceBuiltin, ToolChoiceMcp, ToolChoiceAllowed,
-                    RefusedChoice], Field(discriminator="type")],
+    Annotated[
+        Union[ToolChoiceFunction, ToolChoiceCustom, ToolChoiceBuiltin, ToolChoiceMcp, ToolChoiceAllowed, RefusedChoice],
+        Field(discriminator="type"),
+    ],
 ]
 
 
@@ -619,8 +688,9 @@ ToolChoice = Union[
 # Strings the server echoes and stores, bounded as OpenAI bounds them: metadata is at most 16
 # pairs, keys up to 64 characters and values up to 512; `user`, `safety_identifier` and
 # `prompt_cache_key` up to 64 characters.
-Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-                     Field(max_length=16)]
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
+]
 Identifier = Annotated[str, Field(max_length=64)]
 
 
@@ -688,8 +758,11 @@ class ContextManagement(StrictModel):
     @classmethod
     def _compaction_only(cls, value: str) -> str:
         if value != "compaction":
-            raise PydanticCustomError("unsupported_value", "'{kind}' context management is not supported: only "
-                                      "'compaction' is", {"kind": value})
+            raise PydanticCustomError(
+                "unsupported_value",
+                "'{kind}' context management is not supported: only 'compaction' is",
+                {"kind": value},
+            )
         return value
 
 
@@ -844,6 +917,9 @@ class InputTokensRequest(StrictModel):
 
     def create_request(self, model: str) -> ResponseCreateRequest:
         """The create request whose prompt this is (`model`: when the body names none)."""
-        given = {name: getattr(self, name) for name in self.model_fields_set
-                 if name not in ("model", "personality") and getattr(self, name) is not None}
+        given = {
+            name: getattr(self, name)
+            for name in self.model_fields_set
+            if name not in ("model", "personality") and getattr(self, name) is not None
+        }
         return ResponseCreateRequest(model=self.model or model, **given)

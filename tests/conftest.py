@@ -30,6 +30,7 @@ def pytest_collection_modifyitems(config, items):
             if available < needed:
                 item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}"))
 
+
 MODEL = "gpt-oss-test"
 # The real engine on the tiny checkpoint: float32 on CPU, its context as the load tests need.
 TINY_ENGINE_OPTIONS = dict(device="cpu", max_model_len=1024, num_pages=256, enforce_eager=True)
@@ -47,9 +48,17 @@ class LiveServer:
         self.kind = kind
         self.api_key = api_key
         # The connection limits `oss-agent serve` runs with (`limits`: other values).
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=5,
-                                                    **uvicorn_options(limits or HttpLimits())))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=0,
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=5,
+                **uvicorn_options(limits or HttpLimits()),
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""
 
@@ -88,8 +97,9 @@ class LiveServer:
     def client(self, **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0,
-                             timeout=120, **kwargs)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, timeout=120, **kwargs
+        )
 
     def __enter__(self) -> "LiveServer":
         return self.start()
@@ -121,9 +131,14 @@ def serve_captured(argv: list[str]) -> dict:
 
     class CapturedServer:
         def __init__(self, config):
-            captured.update(app=config.app, timeout_graceful_shutdown=config.timeout_graceful_shutdown,
-                            access_log=config.access_log, port=config.port, http=config.http,
-                            timeout_keep_alive=config.timeout_keep_alive)
+            captured.update(
+                app=config.app,
+                timeout_graceful_shutdown=config.timeout_graceful_shutdown,
+                access_log=config.access_log,
+                port=config.port,
+                http=config.http,
+                timeout_keep_alive=config.timeout_keep_alive,
+            )
             self.should_exit = False
 
         def run(self):
@@ -222,8 +237,9 @@ def tool_server(request, tmp_path, fake_tools, tiny_checkpoint):
     from tests.fake_engine import TeacherForcedEngine
 
     engine = TeacherForcedEngine(build_tiny_engine(tiny_checkpoint))
-    server = LiveServer(make_app(lambda: engine, tmp_path / "responses.sqlite3", tools=fake_tools.values()),
-                        kind="tiny").start()
+    server = LiveServer(
+        make_app(lambda: engine, tmp_path / "responses.sqlite3", tools=fake_tools.values()), kind="tiny"
+    ).start()
     request.addfinalizer(server.stop)
     return server
 
@@ -232,8 +248,9 @@ def tool_server(request, tmp_path, fake_tools, tiny_checkpoint):
 def live_server(request):
     """A running server on the scripted engine, the real one, or the real one in a process of its
     own; tests read `live_server.kind` ("fake" or "tiny") to script the fake."""
-    return request.getfixturevalue({"fake": "fake_server", "tiny": "tiny_engine_server",
-                                    "tiny-process": "tiny_process_server"}[request.param])
+    return request.getfixturevalue(
+        {"fake": "fake_server", "tiny": "tiny_engine_server", "tiny-process": "tiny_process_server"}[request.param]
+    )
 
 
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -142,8 +142,15 @@ class ScriptedEngine:
         self._stats.tokens_prefilled += prompt_len - cached
 
         def delta(tokens, finish=None, stop=None, logprobs=None):
-            return TokenDelta(request.request_id, tokens, logprobs=logprobs, finish_reason=finish, stop_token_id=stop,
-                              num_prompt_tokens=prompt_len, num_cached_tokens=cached)
+            return TokenDelta(
+                request.request_id,
+                tokens,
+                logprobs=logprobs,
+                finish_reason=finish,
+                stop_token_id=stop,
+                num_prompt_tokens=prompt_len,
+                num_cached_tokens=cached,
+            )
 
         finish = None
         try:
@@ -225,8 +232,14 @@ class TeacherForcedEngine:
             request.request_id,
             list(request.prompt_token_ids) + script[:-1],
             # (the script, not a grammar, says what comes: the turn grammar would refuse a malformed one)
-            replace(request.sampling, temperature=0.0, max_tokens=1, logit_bias={script[-1]: 100.0}, logprobs=None,
-                    grammar=None),
+            replace(
+                request.sampling,
+                temperature=0.0,
+                max_tokens=1,
+                logit_bias={script[-1]: 100.0},
+                logprobs=None,
+                grammar=None,
+            ),
             keep_alive=request.keep_alive,
             continue_from=request.continue_from,
         )
@@ -242,8 +255,14 @@ class TeacherForcedEngine:
         call = Call(request, cached, finish_reason=last.finish_reason)
         self.calls.append(call)
         if last.finish_reason in ("error", "abort"):
-            yield TokenDelta(request.request_id, [], finish_reason=last.finish_reason, error=last.error,
-                             num_prompt_tokens=prompt_len, num_cached_tokens=cached)
+            yield TokenDelta(
+                request.request_id,
+                [],
+                finish_reason=last.finish_reason,
+                error=last.error,
+                num_prompt_tokens=prompt_len,
+                num_cached_tokens=cached,
+            )
             return
         assert last.token_ids == [script[-1]], "the logit bias did not force the script's last token"
         stop = script[-1] in request.sampling.stop_token_ids
@@ -251,9 +270,14 @@ class TeacherForcedEngine:
         call.finish_reason = "stop" if stop else "length"
         for i, token in enumerate(script):
             end = i == len(script) - 1
-            yield TokenDelta(request.request_id, [token], finish_reason=call.finish_reason if end else None,
-                             stop_token_id=token if end and stop else None, num_prompt_tokens=prompt_len,
-                             num_cached_tokens=cached)
+            yield TokenDelta(
+                request.request_id,
+                [token],
+                finish_reason=call.finish_reason if end else None,
+                stop_token_id=token if end and stop else None,
+                num_prompt_tokens=prompt_len,
+                num_cached_tokens=cached,
+            )
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

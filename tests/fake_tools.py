@@ -33,8 +33,14 @@ class FakeBrowserSession:
         if recipient == "browser.search":
             lines = [f"【{i}†{title}†{url}】" for i, (url, title) in enumerate(PAGES)]
             text = f"# Search results for {args.get('query')!r}\n" + "\n".join(lines)
-            return ToolResult(text, details={"action": "search", "query": args.get("query"),
-                                             "sources": [{"url": u, "title": t} for u, t in PAGES]})
+            return ToolResult(
+                text,
+                details={
+                    "action": "search",
+                    "query": args.get("query"),
+                    "sources": [{"url": u, "title": t} for u, t in PAGES],
+                },
+            )
         if recipient == "browser.open":
             url, title = PAGES[int(args.get("id", 0))]
             return ToolResult(f"[0] {title}\nURL: {url}\nL0: Lorem ipsum.", details={"action": "open", "url": url})
@@ -44,11 +50,18 @@ class FakeBrowserSession:
         """【i†Lx-Ly】 -> "[title]" with a url_citation over that span."""
         out, annotations, last = "", [], 0
         for m in CITATION.finditer(text):
-            out += text[last:m.start()]
+            out += text[last : m.start()]
             url, title = PAGES[int(m.group(1)) % len(PAGES)]
             label = f"[{title}]"
-            annotations.append({"type": "url_citation", "url": url, "title": title,
-                                "start_index": len(out), "end_index": len(out) + len(label)})
+            annotations.append(
+                {
+                    "type": "url_citation",
+                    "url": url,
+                    "title": title,
+                    "start_index": len(out),
+                    "end_index": len(out) + len(label),
+                }
+            )
             out += label
             last = m.end()
         return out + text[last:], annotations
@@ -142,8 +155,11 @@ class FakeMcp:
         self.calls: list[tuple[str, str]] = []
 
     def harmony_namespace(self) -> ToolNamespaceConfig:
-        forecast = ToolDescription.new("get_forecast", "Weather forecast for a city", parameters={
-            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+        forecast = ToolDescription.new(
+            "get_forecast",
+            "Weather forecast for a city",
+            parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        )
         return ToolNamespaceConfig(name=self.name, description="Weather tools", tools=[forecast])
 
     def open_session(self) -> FakeMcpSession:

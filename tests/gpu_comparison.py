@@ -27,8 +27,9 @@ def greedy(engine, prompt_list, max_tokens):
     from inference.request import GenerationRequest, SamplingParams
 
     for i, p in enumerate(prompt_list):
-        engine.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                        logprobs=2)))
+        engine.add_request(
+            GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2))
+        )
     return generations(drain(engine), len(prompt_list))
 
 
@@ -38,8 +39,13 @@ def generations(deltas: dict[str, list], count: int):
     result = []
     for i in range(count):
         logprobs = [lp for d in deltas[str(i)] for lp in d.logprobs or []]
-        result.append((tokens_of(deltas[str(i)]), [lp.logprob for lp in logprobs],
-                       [lp.top[0][1] - lp.top[1][1] for lp in logprobs]))
+        result.append(
+            (
+                tokens_of(deltas[str(i)]),
+                [lp.logprob for lp in logprobs],
+                [lp.top[0][1] - lp.top[1][1] for lp in logprobs],
+            )
+        )
     return result
 
 
@@ -62,7 +68,7 @@ def choice_gaps(score, prompt_list, generated) -> tuple[torch.Tensor, torch.Tens
     logit, |its logprob here - the reference's|)."""
     choice, logprob = [], []
     for prompt, (tokens, logprobs, _) in zip(prompt_list, generated):
-        logits = score(prompt + tokens[:-1])[len(prompt) - 1:].float().cpu()  # rows predicting `tokens`
+        logits = score(prompt + tokens[:-1])[len(prompt) - 1 :].float().cpu()  # rows predicting `tokens`
         rows, chosen = torch.arange(len(tokens)), torch.tensor(tokens)
         choice.append(logits.max(-1).values - logits[rows, chosen])
         logprob.append((torch.log_softmax(logits, -1)[rows, chosen] - torch.tensor(logprobs)).abs())

@@ -8,8 +8,15 @@ import torch
 from inference.ops.moe.reference import ExpertWeights, MoEWeights
 
 
-def random_mxfp4_layer(num_experts: int, hidden: int, inter: int, seed: int = 0, device="cuda",
-                       router_dtype: torch.dtype = torch.bfloat16, bias_std: float = 0.1) -> MoEWeights:
+def random_mxfp4_layer(
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    seed: int = 0,
+    device="cuda",
+    router_dtype: torch.dtype = torch.bfloat16,
+    bias_std: float = 0.1,
+) -> MoEWeights:
     """One layer's router ([E, H] in `router_dtype`) and experts (gate_up [E, 2I, H/32, 16] and
     down [E, H, I/32, 16] blocks with their scales; float32 biases ~ N(0, bias_std))."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -22,9 +29,15 @@ def random_mxfp4_layer(num_experts: int, hidden: int, inter: int, seed: int = 0,
 
     e, h, i = num_experts, hidden, inter
     experts = ExpertWeights(
-        gate_up_bias=normal(e, 2 * i, std=bias_std), down_bias=normal(e, h, std=bias_std),
-        gate_up_blocks=u8(e, 2 * i, h // 32, 16), gate_up_scales=u8(e, 2 * i, h // 32, low=117, high=122),
-        down_blocks=u8(e, h, i // 32, 16), down_scales=u8(e, h, i // 32, low=117, high=122),
+        gate_up_bias=normal(e, 2 * i, std=bias_std),
+        down_bias=normal(e, h, std=bias_std),
+        gate_up_blocks=u8(e, 2 * i, h // 32, 16),
+        gate_up_scales=u8(e, 2 * i, h // 32, low=117, high=122),
+        down_blocks=u8(e, h, i // 32, 16),
+        down_scales=u8(e, h, i // 32, low=117, high=122),
     )
-    return MoEWeights(router_weight=normal(e, h, std=h**-0.5).to(router_dtype),
-                      router_bias=normal(e, std=0.1).to(router_dtype), experts=experts)
+    return MoEWeights(
+        router_weight=normal(e, h, std=h**-0.5).to(router_dtype),
+        router_bias=normal(e, std=0.1).to(router_dtype),
+        experts=experts,
+    )

@@ -81,8 +81,7 @@ def host_command(python_args: list[str]) -> list[str]:
     """The command running `python <python_args>` on a host whose Python every user can read."""
     if not python_private_to_root():
         return [sys.executable, *python_args]
-    return [sys.executable, "-c", HOST_BOOTSTRAP, str(REPO), os.pathsep.join(python_paths()),
-            *python_args]
+    return [sys.executable, "-c", HOST_BOOTSTRAP, str(REPO), os.pathsep.join(python_paths()), *python_args]
 
 
 class HostedSandbox:
@@ -98,8 +97,11 @@ class HostedSandbox:
     async def _call(self, **command) -> dict:
         if self.process is None:
             self.process = await asyncio.create_subprocess_exec(
-                *host_command(["-c", DRIVER, str(REPO)]), cwd=REPO,
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                *host_command(["-c", DRIVER, str(REPO)]),
+                cwd=REPO,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
             await self._call(op="open", limits=dataclasses.asdict(self.limits), options=self.options)
         self.process.stdin.write(json.dumps(command).encode() + b"\n")
         await self.process.stdin.drain()

@@ -91,8 +91,9 @@ def sample(t: Any, key: str = "") -> Any:
 
 def instance(td: type, **values: Any) -> dict[str, Any]:
     """A TypedDict with its required keys sampled, and `values` set."""
-    out = {key: DOCUMENTED.get((td.__name__, key), sample(t, key)) for key, (t, required) in fields(td).items()
-           if required}
+    out = {
+        key: DOCUMENTED.get((td.__name__, key), sample(t, key)) for key, (t, required) in fields(td).items() if required
+    }
     out.update(values)
     return out
 

@@ -25,8 +25,9 @@ SECONDS = 60  # "in seconds": each run takes one or two on an idle CPU; a loaded
 def run_python(code_or_path: str | Path, server, *args: str) -> tuple[str, float]:
     env = {**os.environ, "OSS_AGENT_BASE_URL": f"{server.url}/v1"}
     env.pop("OSS_AGENT_MODEL", None)
-    command = [sys.executable, str(code_or_path)] if isinstance(code_or_path, Path) else [sys.executable, "-c",
-                                                                                         code_or_path]
+    command = (
+        [sys.executable, str(code_or_path)] if isinstance(code_or_path, Path) else [sys.executable, "-c", code_or_path]
+    )
     started = time.monotonic()
     done = subprocess.run([*command, *args], env=env, capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - started
@@ -43,13 +44,17 @@ def test_the_readmes_python_snippet_runs_against_the_default_server(default_serv
     assert out.strip() and elapsed < SECONDS
 
 
-@pytest.mark.parametrize("example, no_show", [
-    ("function_calling.py", "(the model answered without calling get_weather)"),
-    ("web_search_agent.py", "(the model answered without browsing)"),
-    ("streaming_chat.py", None),
-])
+@pytest.mark.parametrize(
+    "example, no_show",
+    [
+        ("function_calling.py", "(the model answered without calling get_weather)"),
+        ("web_search_agent.py", "(the model answered without browsing)"),
+        ("streaming_chat.py", None),
+    ],
+)
 def test_the_examples_finish_in_seconds_on_the_default_model_and_say_why_they_show_little(
-        example, no_show, default_server):
+    example, no_show, default_server
+):
     # function_calling.py ran 3 minutes and web_search_agent.py 2.5 on it, showing nothing.
     # (What they show on a real model: tests/test_server_examples.py, scripted.)
     out, elapsed = run_python(ROOT / "examples" / example, default_server)
@@ -62,8 +67,7 @@ def test_the_examples_finish_in_seconds_on_the_default_model_and_say_why_they_sh
 def test_the_default_model_caps_output_it_was_not_given_a_limit_for(default_server):
     limit = default_model.MAX_OUTPUT_TOKENS
     card = httpx.get(f"{default_server.url}/v1/models").json()["data"][0]
-    assert (card["id"], card["random_weights"], card["default_max_output_tokens"]) == (
-        default_model.NAME, True, limit)
+    assert (card["id"], card["random_weights"], card["default_max_output_tokens"]) == (default_model.NAME, True, limit)
     client = default_server.client()
     response = client.responses.create(model="gpt-oss-20b", input="Tell me a long story.")
     assert response.usage.output_tokens <= limit and response.max_output_tokens == limit
@@ -74,8 +78,9 @@ def test_the_default_model_caps_output_it_was_not_given_a_limit_for(default_serv
     assert response.max_output_tokens == 70 and response.usage.output_tokens <= 70
     chat = client.chat.completions.create(model=default_model.NAME, messages=[{"role": "user", "content": "Hi"}])
     assert chat.usage.completion_tokens <= limit
-    chat = client.chat.completions.create(model=default_model.NAME, messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=3)
+    chat = client.chat.completions.create(
+        model=default_model.NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    )
     assert chat.usage.completion_tokens <= 3
     # Names it does not answer to are still a 404, as in OpenAI.
     r = httpx.post(f"{default_server.url}/v1/responses", json={"model": "gpt-4o", "input": "Hi"})
@@ -92,7 +97,8 @@ def test_a_server_with_no_default_limit_leaves_requests_alone(tmp_path):
         response = server.client().responses.create(model="gpt-oss-test", input="Hi")
         assert response.max_output_tokens is None
         assert engine.calls[-1].request.sampling.max_tokens == engine.max_model_len - len(
-            engine.calls[-1].request.prompt_token_ids)
+            engine.calls[-1].request.prompt_token_ids
+        )
 
 
 def test_generate_without_a_model_says_it_is_noise_and_stops_early(tmp_path, monkeypatch, capsys):
@@ -122,10 +128,14 @@ def test_the_log_says_when_the_server_is_ready(tmp_path, caplog):
 def test_ci_runs_the_test_command_the_readme_prints():
     # One command: what a user runs from the README is what CI runs, slow tests included.
     blocks = re.findall(r"```bash\n(.*?)```", readme_section("Set up"), re.S)
-    [readme_command] = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()
-                        if "pytest" in line]
-    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
-          if re.match(r"\s*python3 -m pytest", line)]
+    [readme_command] = [
+        line.split("#")[0].strip() for block in blocks for line in block.splitlines() if "pytest" in line
+    ]
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if re.match(r"\s*python3 -m pytest", line)
+    ]
     assert ci == [readme_command] and "-m" not in readme_command.split("pytest", 1)[1].split()  # (no marker left out)
 
 

@@ -14,7 +14,7 @@ PACKAGES = ("schemas", "inference", "tools", "agent_server")
 def allowed_imports() -> dict[str, list[str]]:
     """unit -> the units it may import, from the table in docs/design.md §6."""
     text = (ROOT / "docs" / "design.md").read_text()
-    section = text[text.index("## 6. Layout"):text.index("## 7.")]
+    section = text[text.index("## 6. Layout") : text.index("## 7.")]
     table = {}
     for line in section.splitlines():
         m = re.match(r"^\| `([\w.]+)` \| (.*) \|$", line)
@@ -78,7 +78,8 @@ def test_every_import_is_allowed_by_the_design():
             target_unit = unit_of(target, table)
             ok = target_unit == unit or any(
                 target_unit == a or (a.endswith(".*") and (target_unit == a[:-2] or target_unit.startswith(a[:-1])))
-                for a in table[unit])
+                for a in table[unit]
+            )
             if not ok:
                 wrong.append(f"{module} ({unit}) imports {target} ({target_unit})")
     assert not wrong, "imports the design does not allow:\n" + "\n".join(sorted(wrong))

@@ -41,12 +41,14 @@ def _interpreter_ready() -> bool:
 IN_PROCESS = HAVE_TRITON and (CUDA or _interpreter_ready())
 needs_triton = pytest.mark.skipif(
     not IN_PROCESS,
-    reason="triton is not installed" if not HAVE_TRITON
+    reason="triton is not installed"
+    if not HAVE_TRITON
     else "triton was imported before TRITON_INTERPRET=1; test_triton_in_fresh_interpreter runs these",
 )
 gpu_only = pytest.mark.gpu  # (GPU machines have triton: the `gpu` extra)
-fresh_process_only = pytest.mark.skipif(not HAVE_TRITON or CUDA or IN_PROCESS,
-                                        reason="the Triton tests run in this process")
+fresh_process_only = pytest.mark.skipif(
+    not HAVE_TRITON or CUDA or IN_PROCESS, reason="the Triton tests run in this process"
+)
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 
@@ -66,8 +68,18 @@ def run_in_fresh_interpreter(test_file: str) -> None:
     """Run `test_file`'s Triton tests (named `*triton_*`) in a new interpreter-mode process and
     require that they ran and passed."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file,
-           "-k", "triton_ and not fresh"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        test_file,
+        "-k",
+        "triton_ and not fresh",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-500:]

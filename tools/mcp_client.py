@@ -95,8 +95,7 @@ def without_titles(schema: Any) -> Any:
     """A JSON schema without "title" keys. pydantic-based servers title every property with
     its own name, which Harmony would render as a comment line per parameter."""
     if isinstance(schema, dict):
-        return {k: without_titles(v) for k, v in schema.items()
-                if not (k == "title" and isinstance(v, str))}
+        return {k: without_titles(v) for k, v in schema.items() if not (k == "title" and isinstance(v, str))}
     if isinstance(schema, list):
         return [without_titles(v) for v in schema]
     return schema
@@ -196,8 +195,9 @@ class _Connection:
 class McpToolServer:
     kind = "mcp"
 
-    def __init__(self, url: str, name: str, tools: list[McpTool], connection: _Connection,
-                 description: str, timeout: float):
+    def __init__(
+        self, url: str, name: str, tools: list[McpTool], connection: _Connection, description: str, timeout: float
+    ):
         self.url = url
         self.name = name
         self.tools = tools
@@ -207,39 +207,49 @@ class McpToolServer:
         self._reconnect_lock = asyncio.Lock()
 
     @classmethod
-    async def start(cls, url: str, *, label: str | None = None, taken_names: Iterable[str] = (),
-                    timeout: float = 60.0) -> McpToolServer:
+    async def start(
+        cls, url: str, *, label: str | None = None, taken_names: Iterable[str] = (), timeout: float = 60.0
+    ) -> McpToolServer:
         connection = _Connection(url, timeout)
         try:
             listed = await connection.open()
         except Exception as e:
-            raise ConnectionError(f"cannot reach the MCP server at {url}: "
-                                  f"{describe_error(e)}") from e
+            raise ConnectionError(f"cannot reach the MCP server at {url}: {describe_error(e)}") from e
         info = connection.server_info
-        name = namespace_name(label or (info.name if info else "") or urlparse(url).hostname
-                              or "mcp", taken_names)
-        tools = [McpTool(name=t.name, description=t.description or t.title or "",
-                         input_schema=dict(t.input_schema or {"type": "object"}),
-                         annotations=t.annotations.model_dump(exclude_none=True)
-                         if t.annotations else None)
-                 for t in listed]
-        description = (connection.instructions or (info.description if info else None)
-                       or f"Tools from the MCP server {info.name if info else url}.")
-        logger.info("MCP server %s at %s: %d tools (%s)", name, url, len(tools),
-                    ", ".join(t.name for t in tools))
+        name = namespace_name(label or (info.name if info else "") or urlparse(url).hostname or "mcp", taken_names)
+        tools = [
+            McpTool(
+                name=t.name,
+                description=t.description or t.title or "",
+                input_schema=dict(t.input_schema or {"type": "object"}),
+                annotations=t.annotations.model_dump(exclude_none=True) if t.annotations else None,
+            )
+            for t in listed
+        ]
+        description = (
+            connection.instructions
+            or (info.description if info else None)
+            or f"Tools from the MCP server {info.name if info else url}."
+        )
+        logger.info("MCP server %s at %s: %d tools (%s)", name, url, len(tools), ", ".join(t.name for t in tools))
         return cls(url, name, tools, connection, description, timeout)
 
     def listed_tools(self) -> list[dict]:
         """The tools as the Responses API's `mcp_list_tools` item lists them."""
-        return [{"name": t.name, "description": t.description, "input_schema": t.input_schema,
-                 "annotations": t.annotations} for t in self.tools]
+        return [
+            {"name": t.name, "description": t.description, "input_schema": t.input_schema, "annotations": t.annotations}
+            for t in self.tools
+        ]
 
     def harmony_namespace(self) -> ToolNamespaceConfig:
         return ToolNamespaceConfig(
-            name=self.name, description=self.description,
-            tools=[ToolDescription.new(t.name, t.description,
-                                       parameters=without_titles(t.input_schema))
-                   for t in self.tools])
+            name=self.name,
+            description=self.description,
+            tools=[
+                ToolDescription.new(t.name, t.description, parameters=without_titles(t.input_schema))
+                for t in self.tools
+            ],
+        )
 
     def open_session(self) -> McpToolSession:
         return McpToolSession(self)
@@ -250,15 +260,14 @@ class McpToolServer:
             connection = await self._live_connection()
             try:
                 return await asyncio.wait_for(
-                    connection.client.call_tool(name, arguments, read_timeout_seconds=self.timeout),
-                    self.timeout)
+                    connection.client.call_tool(name, arguments, read_timeout_seconds=self.timeout), self.timeout
+                )
             except (asyncio.TimeoutError, TimeoutError):
                 raise
             except Exception as e:
                 if attempt or (isinstance(e, MCPError) and e.code != mcp_types.CONNECTION_CLOSED):
                     raise  # the server answered with an error, or the retry failed too
-                logger.warning("MCP call %s.%s failed; reconnecting to %s", self.name, name,
-                               self.url)
+                logger.warning("MCP call %s.%s failed; reconnecting to %s", self.name, name, self.url)
                 await self._reconnect(connection)
         raise AssertionError("unreachable")
 
@@ -286,12 +295,16 @@ class McpToolSession:
 
     async def call(self, recipient: str, arguments: str) -> ToolResult:
         namespace, _, tool = recipient.partition(".")
-        details: dict[str, Any] = {"server_label": self.server.name, "name": tool,
-                                   "arguments": arguments, "output": None, "error": None}
+        details: dict[str, Any] = {
+            "server_label": self.server.name,
+            "name": tool,
+            "arguments": arguments,
+            "output": None,
+            "error": None,
+        }
         known = [t.name for t in self.server.tools]
         if namespace != self.server.name or tool not in known:
-            details["error"] = f"Unknown tool `{recipient}`. {self.server.name} has: " \
-                               f"{', '.join(known) or 'no tools'}."
+            details["error"] = f"Unknown tool `{recipient}`. {self.server.name} has: {', '.join(known) or 'no tools'}."
             return ToolResult(details["error"], is_error=True, details=details)
         try:
             parsed = json.loads(arguments) if arguments.strip() else {}
@@ -303,8 +316,7 @@ class McpToolSession:
         try:
             result = await self.server.call_tool(tool, parsed)
         except (asyncio.TimeoutError, TimeoutError):
-            details["error"] = f"The tool `{recipient}` did not answer within " \
-                               f"{self.server.timeout:g} seconds."
+            details["error"] = f"The tool `{recipient}` did not answer within {self.server.timeout:g} seconds."
             return ToolResult(details["error"], is_error=True, details=details)
         except Exception as e:  # noqa: BLE001 - shown to the model
             details["error"] = f"Calling `{recipient}` failed: {describe_error(e)}"

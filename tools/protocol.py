@@ -79,8 +79,7 @@ class ToolSessionGroup:
         session = self.sessions.get(namespace_of(recipient))
         if session is None:
             known = ", ".join(sorted(self.sessions)) or "none"
-            return ToolResult(f"Unknown tool `{recipient}`. Available namespaces: {known}.",
-                              is_error=True)
+            return ToolResult(f"Unknown tool `{recipient}`. Available namespaces: {known}.", is_error=True)
         return await session.call(recipient, arguments)
 
     def resolve_citations(self, text: str) -> tuple[str, list[dict]]:
@@ -97,5 +96,3 @@ class ToolSessionGroup:
                 await session.close()
             except Exception:  # noqa: BLE001 - closing one must not keep the others open
                 logger.exception("closing a tool session failed")
-
-

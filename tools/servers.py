@@ -1,6 +1,7 @@
 """The tool servers `--tool-server` names, started: the built-in browser and python, and MCP servers."""
 
 from __future__ import annotations
+
 import os
 from typing import Sequence
 
@@ -9,6 +10,7 @@ from tools.mcp_client import McpToolServer, parse_mcp_spec, unreachable
 from tools.protocol import ToolServer
 from tools.python.sandbox import SandboxLimits
 from tools.python.server import PythonToolServer
+
 
 class ToolServerError(RuntimeError):
     """A tool server named on the command line could not be started."""
@@ -60,18 +62,20 @@ async def start_tool_servers(
     try:
         for spec in split_specs(specs):
             if spec in ("demo", "browser") and not any(s.kind == "browser" for s in servers):
-                servers.append(await BrowserToolServer.start(
-                    search_dir=search_dir,
-                    exa_api_key=exa_api_key or os.environ.get("EXA_API_KEY"),
-                    exa_base_url=exa_base_url))
+                servers.append(
+                    await BrowserToolServer.start(
+                        search_dir=search_dir,
+                        exa_api_key=exa_api_key or os.environ.get("EXA_API_KEY"),
+                        exa_base_url=exa_base_url,
+                    )
+                )
             if spec in ("demo", "python") and not any(s.kind == "python" for s in servers):
                 servers.append(await PythonToolServer.start(python_limits))
             if spec in BUILT_IN:
                 continue
             label, url = parse_mcp_spec(spec)
             taken = {s.name for s in servers} | {"browser", "python", "functions"}
-            servers.append(await McpToolServer.start(url, label=label, taken_names=taken,
-                                                     timeout=mcp_timeout))
+            servers.append(await McpToolServer.start(url, label=label, taken_names=taken, timeout=mcp_timeout))
     except BaseException as e:
         for server in servers:
             await server.aclose()

@@ -26,20 +26,26 @@ from typing import Any, Callable
 from openai.types.responses import ResponseUsage
 from openai_harmony import Message
 
+from agent_server.agent.tool_items import ToolCallItem, open_tool_item
+from agent_server.agent.tool_registry import ActiveTools, Route, ToolSessions
+from agent_server.errors import internal_error
+from agent_server.harmony import (
+    ContentDelta,
+    HarmonyStream,
+    MessageEnd,
+    MessageStart,
+    continuation_tokens,
+    tool_message,
+)
+from agent_server.metrics import Metrics
+from agent_server.responses.events import McpListToolsWriter, MessageWriter, ReasoningWriter, ResponseEvents
+from agent_server.token_bytes import is_special, logprob_entry
+from agent_server.tokenization_cost import fit_tokenization_budget
+from agent_server.turn_grammar import TurnRules
 from inference.request import EngineClient, GenerationRequest, SamplingParams
 from inference.tokenizer import CALL, RETURN
-from tools.browser.citations import resolve_citations
-
 from tools.browser.citation_stream import CitationStreamer
-from agent_server.errors import internal_error
-from agent_server.harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, continuation_tokens, tool_message
-from agent_server.metrics import Metrics
-from agent_server.agent.tool_items import ToolCallItem, open_tool_item
-from agent_server.responses.events import McpListToolsWriter, MessageWriter, ReasoningWriter, ResponseEvents
-from agent_server.tokenization_cost import fit_tokenization_budget
-from agent_server.agent.tool_registry import ActiveTools, Route, ToolSessions
-from agent_server.token_bytes import is_special, logprob_entry
-from agent_server.turn_grammar import TurnRules
+from tools.browser.citations import resolve_citations
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +95,15 @@ class PendingCall:
 
 
 class AgentLoop:
-    def __init__(self, engine: EngineClient, task: AgentTask, events: ResponseEvents, sessions: ToolSessions,
-                 metrics: Metrics | None = None, on_engine_start: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        engine: EngineClient,
+        task: AgentTask,
+        events: ResponseEvents,
+        sessions: ToolSessions,
+        metrics: Metrics | None = None,
+        on_engine_start: Callable[[], None] | None = None,
+    ):
         self.engine = engine
         self.on_engine_start = on_engine_start  # called once, when the first request reaches the engine
         self.task = task
@@ -128,10 +141,14 @@ class AgentLoop:
         task = self.task
         for namespace in task.list_mcp_servers:
             binding = task.tools.mcp[namespace]
-            McpListToolsWriter(self.events, binding.label, [
-                {"name": t.name, "description": t.description, "input_schema": t.parameters or {}}
-                for t in binding.namespace.tools
-            ])
+            McpListToolsWriter(
+                self.events,
+                binding.label,
+                [
+                    {"name": t.name, "description": t.description, "input_schema": t.parameters or {}}
+                    for t in binding.namespace.tools
+                ],
+            )
         tokens = list(task.prompt)
         parked: str | None = None
         turn = 0
@@ -178,8 +195,9 @@ class AgentLoop:
             return [], "length", None
         grammar = self.task.rules.grammar(forced=first, budget=budget) if self.task.rules is not None else None
         sampling = replace(self.task.sampling, max_tokens=budget, stop_token_ids=[RETURN, CALL], grammar=grammar)
-        request = GenerationRequest(request_id, prompt, sampling, keep_alive=self.task.tools.any_builtin,
-                                    continue_from=parked)
+        request = GenerationRequest(
+            request_id, prompt, sampling, keep_alive=self.task.tools.any_builtin, continue_from=parked
+        )
         self.request_id = request_id
         deltas = self.engine.generate(request)
         deltas.open()  # the engine prefills while the parser is built
@@ -211,8 +229,10 @@ class AgentLoop:
                 if delta.finish_reason is not None:
                     finish, error = delta.finish_reason, delta.error
                     # Engines may leave the stop token out of token_ids; the sequence has it.
-                    if finish == "stop" and delta.stop_token_id is not None and (
-                        not generated or generated[-1] != delta.stop_token_id
+                    if (
+                        finish == "stop"
+                        and delta.stop_token_id is not None
+                        and (not generated or generated[-1] != delta.stop_token_id)
                     ):
                         generated.append(delta.stop_token_id)
                         self._on_events(stream.feed(delta.stop_token_id))
@@ -298,8 +318,11 @@ class AgentLoop:
         if writer is None:
             return
         if bad:
-            log.warning("malformed model output in %s: %s", self.task.response_id,
-                        end.malformed or f"unknown recipient {end.recipient!r}")
+            log.warning(
+                "malformed model output in %s: %s",
+                self.task.response_id,
+                end.malformed or f"unknown recipient {end.recipient!r}",
+            )
         if end.truncated or bad:
             writer.done("incomplete")
             return
@@ -333,8 +356,11 @@ class AgentLoop:
         item.running(args)
         limit = self.task.max_tool_calls
         if limit is not None and self.tool_calls_made >= limit:
-            text, ok, details = f"Error: the limit of {limit} tool calls for this response was reached. " \
-                                "Answer with what you have.", False, {}
+            text, ok, details = (
+                f"Error: the limit of {limit} tool calls for this response was reached. Answer with what you have.",
+                False,
+                {},
+            )
             outcome = "limit"
         else:
             self.tool_calls_made += 1

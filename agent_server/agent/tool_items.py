@@ -91,10 +91,16 @@ class WebSearchCall(ToolCallItem):
     def finished(self, ok: bool, text: str, args: dict, details: dict, include: set[str]) -> None:
         include_sources = "web_search_call.action.sources" in include
         item = self.writer.item
-        item.action = type(item).model_validate({
-            **item.model_dump(exclude_unset=True),
-            "action": web_action(self.route.name, args, details, include_sources),
-        }).action
+        item.action = (
+            type(item)
+            .model_validate(
+                {
+                    **item.model_dump(exclude_unset=True),
+                    "action": web_action(self.route.name, args, details, include_sources),
+                }
+            )
+            .action
+        )
         self.done("completed" if ok else "failed")
 
 

@@ -17,6 +17,10 @@ from typing import Any
 
 from openai_harmony import ToolDescription, ToolNamespaceConfig
 
+from agent_server.client_tools import ClientTool, ClientTools
+from agent_server.errors import APIError
+from agent_server.harmony import recipient_kind
+from agent_server.turn_grammar import CallTarget, function_arguments
 from schemas.responses import (
     CodeInterpreterTool,
     McpApprovalFilter,
@@ -31,30 +35,41 @@ from schemas.responses import (
 )
 from tools.protocol import ToolServer, ToolSession
 
-from agent_server.client_tools import ClientTool, ClientTools
-from agent_server.errors import APIError
-from agent_server.harmony import recipient_kind
-from agent_server.turn_grammar import CallTarget, function_arguments
-
 # The browser's arguments as the turn grammar holds them: Harmony's browser tool schemas, with
 # bounds no real call comes near (a model that wanders, or a random one, still ends its call).
 _COUNT = {"type": "integer", "minimum": -1, "maximum": 1_000_000}
 BROWSER_ARGUMENTS: dict[str, dict[str, Any]] = {
-    "search": {"type": "object", "properties": {
-        "query": {"type": "string", "minLength": 1, "maxLength": 256},
-        "topn": {"type": "integer", "minimum": 1, "maximum": 50},
-        "source": {"type": "string", "maxLength": 64},
-    }, "required": ["query"], "additionalProperties": False},
-    "open": {"type": "object", "properties": {
-        "id": {"anyOf": [_COUNT, {"type": "string", "maxLength": 2048}]},
-        "cursor": _COUNT, "loc": _COUNT, "num_lines": _COUNT,
-        "view_source": {"type": "boolean"},
-        "source": {"type": "string", "maxLength": 64},
-    }, "additionalProperties": False},
-    "find": {"type": "object", "properties": {
-        "pattern": {"type": "string", "minLength": 1, "maxLength": 256},
-        "cursor": _COUNT,
-    }, "required": ["pattern"], "additionalProperties": False},
+    "search": {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string", "minLength": 1, "maxLength": 256},
+            "topn": {"type": "integer", "minimum": 1, "maximum": 50},
+            "source": {"type": "string", "maxLength": 64},
+        },
+        "required": ["query"],
+        "additionalProperties": False,
+    },
+    "open": {
+        "type": "object",
+        "properties": {
+            "id": {"anyOf": [_COUNT, {"type": "string", "maxLength": 2048}]},
+            "cursor": _COUNT,
+            "loc": _COUNT,
+            "num_lines": _COUNT,
+            "view_source": {"type": "boolean"},
+            "source": {"type": "string", "maxLength": 64},
+        },
+        "additionalProperties": False,
+    },
+    "find": {
+        "type": "object",
+        "properties": {
+            "pattern": {"type": "string", "minLength": 1, "maxLength": 256},
+            "cursor": _COUNT,
+        },
+        "required": ["pattern"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -97,17 +112,22 @@ class ActiveTools:
         the client's tools on commentary, built-ins and MCP tools on analysis (their forced headers).
         `forced`: as the targets of a forced call (a function's schema then holds where it
         compiles, strict or not)."""
-        targets = [CallTarget(recipient, "commentary", function_arguments(t.parameters, strict=t.strict, forced=forced))
-                   for recipient, t in self.client.by_recipient.items()]
+        targets = [
+            CallTarget(recipient, "commentary", function_arguments(t.parameters, strict=t.strict, forced=forced))
+            for recipient, t in self.client.by_recipient.items()
+        ]
         if self.browser is not None:
             name = self.browser.harmony_namespace().name
             targets += [CallTarget(f"{name}.{tool}", "analysis", args) for tool, args in BROWSER_ARGUMENTS.items()]
         if self.python is not None:
             targets.append(CallTarget(self.python.harmony_namespace().name, "analysis", code=True))
         for namespace, binding in self.mcp.items():
-            targets += [CallTarget(f"{namespace}.{t.name}", "analysis",
-                                   function_arguments(t.parameters, strict=False, forced=forced))
-                        for t in binding.namespace.tools]
+            targets += [
+                CallTarget(
+                    f"{namespace}.{t.name}", "analysis", function_arguments(t.parameters, strict=False, forced=forced)
+                )
+                for t in binding.namespace.tools
+            ]
         return targets
 
     def forced_targets(self, choice: Any) -> list[CallTarget]:
@@ -129,8 +149,13 @@ class ActiveTools:
             name = server.harmony_namespace().name
             wanted = {name if server is self.python else f"{name}.search"}
         elif isinstance(choice, ToolChoiceMcp):
-            wanted = {f"{namespace}.{t.name}" for namespace, b in self.mcp.items() if b.label == choice.server_label
-                      for t in b.namespace.tools if choice.name in (None, t.name)}
+            wanted = {
+                f"{namespace}.{t.name}"
+                for namespace, b in self.mcp.items()
+                if b.label == choice.server_label
+                for t in b.namespace.tools
+                if choice.name in (None, t.name)
+            }
         else:
             return []
         return [t for t in targets if t.recipient in wanted]
@@ -185,10 +210,13 @@ class ToolRegistry:
         """The browser; with `external_web_access: false` only one searching local documents."""
         server = self._one("browser", tool.type, param)
         if tool.external_web_access is False and getattr(server, "live_web", True):
-            raise APIError("'external_web_access': false asks for no live web access, but this server's browser "
-                           "searches the web; start it with a local search backend (--search-dir, or no Exa key) "
-                           "or allow live access.", param=f"{param}.external_web_access",
-                           code="unsupported_value")
+            raise APIError(
+                "'external_web_access': false asks for no live web access, but this server's browser "
+                "searches the web; start it with a local search backend (--search-dir, or no Exa key) "
+                "or allow live access.",
+                param=f"{param}.external_web_access",
+                code="unsupported_value",
+            )
         return server
 
     def _one(self, kind: str, tool_type: str, param: str) -> ToolServer:
@@ -204,8 +232,9 @@ class ToolRegistry:
 
     def _mcp(self, tool: McpTool, param: str) -> McpBinding:
         if tool.require_approval == "always" or isinstance(tool.require_approval, McpApprovalFilter):
-            raise APIError("MCP tool approvals are not supported; use require_approval='never'.",
-                           param=f"{param}.require_approval")
+            raise APIError(
+                "MCP tool approvals are not supported; use require_approval='never'.", param=f"{param}.require_approval"
+            )
         server = next((s for s in self.by_kind("mcp") if s.name == tool.server_label), None)
         if server is None:
             labels = ", ".join(s.name for s in self.by_kind("mcp")) or "none"
@@ -235,8 +264,11 @@ def _allowed_names(allowed: list[str] | McpToolFilter | None, server: Any) -> se
         return set(allowed)
     names = set(allowed.tool_names) if allowed.tool_names is not None else None
     if allowed.read_only:
-        read_only = {t.name for t in getattr(server, "tools", [])
-                     if (getattr(t, "annotations", None) or {}).get("readOnlyHint") is True}
+        read_only = {
+            t.name
+            for t in getattr(server, "tools", [])
+            if (getattr(t, "annotations", None) or {}).get("readOnlyHint") is True
+        }
         names = read_only if names is None else names & read_only
     return names
 

@@ -27,13 +27,17 @@ SendRequest = Callable[[BenchRequest], Awaitable[RequestResult]]
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("load")
-    group.add_argument("--request-rate", type=float, default=math.inf,
-                       help="requests per second (default: all at once)")
-    group.add_argument("--burstiness", type=float, default=1.0,
-                       help="gamma shape of the arrival gaps (1: Poisson)")
+    group.add_argument(
+        "--request-rate", type=float, default=math.inf, help="requests per second (default: all at once)"
+    )
+    group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
     group.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    group.add_argument("--warmup", type=int, default=1,
-                       help="requests sent one at a time before the measured run, not counted (default 1)")
+    group.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="requests sent one at a time before the measured run, not counted (default 1)",
+    )
     group.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     group.add_argument("--json", type=str, metavar="PATH", help="also write the results as JSON here")
 

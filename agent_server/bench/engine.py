@@ -32,13 +32,12 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from inference.config import GPT_OSS_SHAPES
-
-from agent_server.cli import serve as serve_command
 from agent_server.bench.driver import add_load_arguments, check_load_arguments, drive
 from agent_server.bench.report import RequestResult, format_summary, json_safe, summarize
 from agent_server.bench.serve import add_target_arguments
 from agent_server.bench.workload import BenchRequest, add_workload_arguments, workload_from_args
+from agent_server.cli import serve as serve_command
+from inference.config import GPT_OSS_SHAPES
 
 T = TypeVar("T")
 
@@ -55,19 +54,34 @@ COMPARED = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
-    weights.add_argument("--random-weights", choices=sorted(GPT_OSS_SHAPES), metavar="SHAPES",
-                         help="instead, the full-size shapes of gpt-oss-SHAPES (20b or 120b) with random weights "
-                              "made on the device: speed without a checkpoint (the text is random)")
+    weights.add_argument(
+        "--random-weights",
+        choices=sorted(GPT_OSS_SHAPES),
+        metavar="SHAPES",
+        help="instead, the full-size shapes of gpt-oss-SHAPES (20b or 120b) with random weights "
+        "made on the device: speed without a checkpoint (the text is random)",
+    )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the engine's)")
-    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra keyword for LLMEngine.from_pretrained (value as a Python literal)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                        help="the engine in a process of its own, as oss-agent serve runs it (default: as "
-                             "serve: on with CUDA)")
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra keyword for LLMEngine.from_pretrained (value as a Python literal)",
+    )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine in a process of its own, as oss-agent serve runs it (default: as serve: on with CUDA)",
+    )
     add_target_arguments(parser)
-    parser.add_argument("--compare-http", action="store_true",
-                        help="also serve this engine over loopback HTTP and report HTTP / engine ratios")
+    parser.add_argument(
+        "--compare-http",
+        action="store_true",
+        help="also serve this engine over loopback HTTP and report HTTP / engine ratios",
+    )
     add_workload_arguments(parser)
     add_load_arguments(parser)
 
@@ -83,9 +97,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def server_prompt(text: str) -> list[int]:
     """The token ids the server generates from for a Chat request whose only message is `text`."""
-    from schemas.chat import ChatCompletionRequest
-
     from agent_server.chat.prompt import chat_prompt
+    from schemas.chat import ChatCompletionRequest
 
     return chat_prompt(ChatCompletionRequest(model="bench", messages=[{"role": "user", "content": text}]))
 
@@ -104,8 +117,11 @@ class EngineBench:
         from inference.tokenizer import ASSISTANT_STOP_TOKENS
 
         result = RequestResult(req.prompt_len, req.output_len, output_counted_by="engine")
-        sampling = SamplingParams(temperature=self.temperature, max_tokens=req.output_len,
-                                  stop_token_ids=[] if self.ignore_eos else list(ASSISTANT_STOP_TOKENS))
+        sampling = SamplingParams(
+            temperature=self.temperature,
+            max_tokens=req.output_len,
+            stop_token_ids=[] if self.ignore_eos else list(ASSISTANT_STOP_TOKENS),
+        )
         request = GenerationRequest(f"bench-{next(self.ids)}", server_prompt(req.prompt), sampling)
         result.start = time.perf_counter()
         try:
@@ -179,18 +195,31 @@ def run_serving_loop(main: Coroutine[Any, Any, T]) -> T:
 async def engine_run(engine, args: argparse.Namespace, *, seed_offset: int = 0) -> dict[str, Any]:
     """The workload of `args` straight into the engine (after its warm-up requests): the summary."""
     bench = EngineBench(engine, ignore_eos=args.ignore_eos, temperature=args.temperature)
-    await _warm_up(bench.send, workload_from_args(args, num=args.warmup, seed_offset=seed_offset + 1)
-                   if args.warmup else [])
+    await _warm_up(
+        bench.send, workload_from_args(args, num=args.warmup, seed_offset=seed_offset + 1) if args.warmup else []
+    )
     stats_before = engine.stats()
     results, start, duration = await drive(
-        workload_from_args(args, seed_offset=seed_offset), bench.send, request_rate=args.request_rate,
-        burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
-        progress=not args.no_progress, desc="bench engine",
+        workload_from_args(args, seed_offset=seed_offset),
+        bench.send,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        progress=not args.no_progress,
+        desc="bench engine",
     )
     stats = engine.stats()
     return summarize(
-        results, duration, start, backend="engine", model=engine.model_name, request_rate=args.request_rate,
-        burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+        results,
+        duration,
+        start,
+        backend="engine",
+        model=engine.model_name,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
         prefix_hit_tokens=stats.prefix_hit_tokens - stats_before.prefix_hit_tokens,
         preemptions=stats.preemptions - stats_before.preemptions,
     )
@@ -203,20 +232,50 @@ async def http_run(base_url: str, model: str, args: argparse.Namespace, *, seed_
     `engine_run`'s (seed + `seed_offset`), so neither run gets prefix-cache hits from the other's."""
     with tempfile.TemporaryDirectory(prefix="oss-agent-bench-") as scratch:
         out = Path(scratch) / "serve.json"
-        argv = [sys.executable, "-m", "agent_server.cli", "bench", "serve", "--base-url", base_url, "--model", model,
-                "--api", "chat", "--server-metrics", "--no-progress", "--json", str(out),
-                "--seed", str(args.seed + seed_offset), "--num-prompts", str(args.num_prompts),
-                "--input-len", str(args.input_len), "--range-ratio", str(args.range_ratio),
-                "--request-rate", str(args.request_rate), "--burstiness", str(args.burstiness),
-                "--warmup", str(args.warmup)]
-        for flag, value in (("--output-len", args.output_len), ("--dataset", args.dataset),
-                            ("--max-concurrency", args.max_concurrency), ("--temperature", args.temperature)):
+        argv = [
+            sys.executable,
+            "-m",
+            "agent_server.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            base_url,
+            "--model",
+            model,
+            "--api",
+            "chat",
+            "--server-metrics",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--seed",
+            str(args.seed + seed_offset),
+            "--num-prompts",
+            str(args.num_prompts),
+            "--input-len",
+            str(args.input_len),
+            "--range-ratio",
+            str(args.range_ratio),
+            "--request-rate",
+            str(args.request_rate),
+            "--burstiness",
+            str(args.burstiness),
+            "--warmup",
+            str(args.warmup),
+        ]
+        for flag, value in (
+            ("--output-len", args.output_len),
+            ("--dataset", args.dataset),
+            ("--max-concurrency", args.max_concurrency),
+            ("--temperature", args.temperature),
+        ):
             if value is not None:
                 argv += [flag, str(value)]
         if args.ignore_eos:
             argv.append("--ignore-eos")
-        client = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL,
-                                                      stderr=asyncio.subprocess.PIPE)
+        client = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
         _, err = await client.communicate()
         if not out.exists():
             raise RuntimeError(f"bench serve failed (exit {client.returncode}): {err.decode()[-2000:]}")
@@ -225,6 +284,7 @@ async def http_run(base_url: str, model: str, args: argparse.Namespace, *, seed_
 
 def ratios(engine: dict[str, Any], http: dict[str, Any]) -> dict[str, float]:
     """HTTP / engine for each of COMPARED."""
+
     def ratio(h: float | None, e: float | None) -> float:  # None: a JSON summary's n/a
         return h / e if h is not None and e else math.nan
 
@@ -244,14 +304,20 @@ async def benchmark(engine, args: argparse.Namespace) -> dict[str, Any]:
 
 def format_comparison(report: dict[str, Any]) -> str:
     engine, http, ratios = report["engine"], report["http"], report["http_over_engine"]
-    lines = ["HTTP (chat, streaming) vs the engine alone, same workload shape", "",
-             "| measure | engine | HTTP | HTTP / engine |", "| --- | ---: | ---: | ---: |"]
+    lines = [
+        "HTTP (chat, streaming) vs the engine alone, same workload shape",
+        "",
+        "| measure | engine | HTTP | HTTP / engine |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+
     def cell(v: float | None, spec: str) -> str:
         return "n/a" if v is None or math.isnan(v) else format(v, spec)
 
     for name, value in COMPARED:
-        lines.append(f"| {name} | {cell(value(engine), ',.2f')} | {cell(value(http), ',.2f')} | "
-                     f"{cell(ratios[name], '.3f')} |")
+        lines.append(
+            f"| {name} | {cell(value(engine), ',.2f')} | {cell(value(http), ',.2f')} | {cell(ratios[name], '.3f')} |"
+        )
     overhead = 1 - ratios["output token throughput (tok/s)"]
     lines.append(f"\nstreaming overhead (1 - HTTP / engine output throughput): {overhead:.1%}")
     return "\n".join(lines)
@@ -262,16 +328,21 @@ def build_engine(args: argparse.Namespace):
     options, and in a process of its own where serve would run it so (`--engine-process`)."""
     from inference.engine.process import EngineSpec, start_engine_client
 
-
     options = {"device": args.device, **engine_options(args)}
     own_process = serve_command.engine_in_process_of_its_own(args)
     if args.random_weights:
         from inference.model.tiny_checkpoint import hf_config_dict
 
-        print(f"gpt-oss-{args.random_weights} shapes with random weights, made on the device"
-              f"{', in an engine process' if own_process else ''}", file=sys.stderr)
-        spec = EngineSpec(random_config=hf_config_dict(GPT_OSS_SHAPES[args.random_weights]),
-                          model_name=f"gpt-oss-{args.random_weights}-random", options=options)
+        print(
+            f"gpt-oss-{args.random_weights} shapes with random weights, made on the device"
+            f"{', in an engine process' if own_process else ''}",
+            file=sys.stderr,
+        )
+        spec = EngineSpec(
+            random_config=hf_config_dict(GPT_OSS_SHAPES[args.random_weights]),
+            model_name=f"gpt-oss-{args.random_weights}-random",
+            options=options,
+        )
         return start_engine_client(spec, own_process)
     if args.model:
         model_dir = Path(args.model)

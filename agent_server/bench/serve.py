@@ -64,15 +64,23 @@ class ServeTarget:
         """(URL, JSON body) of one streaming request."""
         if self.api == "chat":
             body: dict[str, Any] = {
-                "model": self.model, "messages": [{"role": "user", "content": req.prompt}], "stream": True,
-                "stream_options": {"include_usage": True}, "max_tokens": req.output_len,
+                "model": self.model,
+                "messages": [{"role": "user", "content": req.prompt}],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": req.output_len,
             }
             if self.ignore_eos:
                 body["ignore_eos"] = True
             url = f"{self.base_url}/v1/chat/completions"
         else:
-            body = {"model": self.model, "input": req.prompt, "stream": True, "store": False,
-                    "max_output_tokens": req.output_len}
+            body = {
+                "model": self.model,
+                "input": req.prompt,
+                "stream": True,
+                "store": False,
+                "max_output_tokens": req.output_len,
+            }
             url = f"{self.base_url}/v1/responses"
         if self.temperature is not None:
             body["temperature"] = self.temperature
@@ -239,8 +247,7 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, req: Benc
     check = StreamCheck(target.api, result)
     result.start = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body, headers=target.headers(),
-                                 timeout=target.timeout) as response:
+        async with client.stream("POST", url, json=body, headers=target.headers(), timeout=target.timeout) as response:
             if response.status_code != 200:
                 result.error = _error_message(response.status_code, await response.aread())
                 result.e2e = time.perf_counter() - result.start
@@ -295,14 +302,26 @@ async def benchmark(
                 raise RuntimeError(f"the warm-up request failed: {result.error}")
         before = await settled_scrape(client, target.base_url) if server_metrics else None
         results, start, duration = await drive(
-            requests, lambda req: send_request(client, target, req), request_rate=request_rate,
-            burstiness=burstiness, max_concurrency=max_concurrency, seed=seed, progress=progress,
+            requests,
+            lambda req: send_request(client, target, req),
+            request_rate=request_rate,
+            burstiness=burstiness,
+            max_concurrency=max_concurrency,
+            seed=seed,
+            progress=progress,
             desc=f"bench serve ({target.api})",
         )
         after = await settled_scrape(client, target.base_url) if server_metrics else None
     summary = summarize(
-        results, duration, start, backend=f"http-{target.api}", base_url=target.base_url, model=target.model,
-        request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
+        results,
+        duration,
+        start,
+        backend=f"http-{target.api}",
+        base_url=target.base_url,
+        model=target.model,
+        request_rate=request_rate,
+        burstiness=burstiness,
+        max_concurrency=max_concurrency,
         ignore_eos=target.ignore_eos,
     )
     if server_metrics:
@@ -311,9 +330,12 @@ async def benchmark(
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="generate exactly the output length, past the model's end of turn (Chat "
-                             "Completions extension `ignore_eos`)")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate exactly the output length, past the model's end of turn (Chat "
+        "Completions extension `ignore_eos`)",
+    )
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
 
 
@@ -321,14 +343,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (with or without /v1)")
     parser.add_argument("--api", choices=["chat", "responses"], default="chat")
     parser.add_argument("--model", default=None, help="model id to request (default: the first of /v1/models)")
-    parser.add_argument("--api-key", default=os.environ.get("OSS_AGENT_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-                        help="bearer token (default: $OSS_AGENT_API_KEY or $OPENAI_API_KEY)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OSS_AGENT_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $OSS_AGENT_API_KEY or $OPENAI_API_KEY)",
+    )
     add_target_arguments(parser)
-    parser.add_argument("--extra-body", type=json.loads, default={}, metavar="JSON",
-                        help="fields merged into every request body, e.g. '{\"reasoning_effort\": \"low\"}'")
+    parser.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help='fields merged into every request body, e.g. \'{"reasoning_effort": "low"}\'',
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
-    parser.add_argument("--server-metrics", action="store_true",
-                        help="scrape the server's GET /metrics before and after and report its own numbers")
+    parser.add_argument(
+        "--server-metrics",
+        action="store_true",
+        help="scrape the server's GET /metrics before and after and report its own numbers",
+    )
     add_workload_arguments(parser)
     add_load_arguments(parser)
 
@@ -340,20 +373,37 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(args.extra_body, dict):
         raise SystemExit("--extra-body must be a JSON object")
     target = ServeTarget(
-        base_url=normalize_base_url(args.base_url), model=args.model or "", api=args.api, api_key=args.api_key,
-        ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=args.extra_body, timeout=args.timeout,
+        base_url=normalize_base_url(args.base_url),
+        model=args.model or "",
+        api=args.api,
+        api_key=args.api_key,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        extra_body=args.extra_body,
+        timeout=args.timeout,
     )
     requests = workload_from_args(args)
     warmup = workload_from_args(args, num=args.warmup, seed_offset=1) if args.warmup else []
     try:
-        summary = asyncio.run(benchmark(
-            target, requests, warmup=warmup, request_rate=args.request_rate, burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.no_progress,
-            server_metrics=args.server_metrics,
-        ))
+        summary = asyncio.run(
+            benchmark(
+                target,
+                requests,
+                warmup=warmup,
+                request_rate=args.request_rate,
+                burstiness=args.burstiness,
+                max_concurrency=args.max_concurrency,
+                seed=args.seed,
+                progress=not args.no_progress,
+                server_metrics=args.server_metrics,
+            )
+        )
     except httpx.TransportError as e:
-        print(f"bench serve: cannot reach {target.base_url}: {e or type(e).__name__} (is the server running? "
-              "--base-url says where it is)", file=sys.stderr)
+        print(
+            f"bench serve: cannot reach {target.base_url}: {e or type(e).__name__} (is the server running? "
+            "--base-url says where it is)",
+            file=sys.stderr,
+        )
         return 1
     except (httpx.HTTPError, RuntimeError) as e:
         print(f"bench serve: {e}", file=sys.stderr)

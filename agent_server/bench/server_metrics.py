@@ -42,12 +42,16 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> Samples | None:
 
 
 def _requests_served(samples: Samples) -> float:
-    return sum(v for (n, ls), v in samples.items()
-               if n == "oss_agent_requests_total" and dict(ls).get("endpoint") != "/metrics")
+    return sum(
+        v
+        for (n, ls), v in samples.items()
+        if n == "oss_agent_requests_total" and dict(ls).get("endpoint") != "/metrics"
+    )
 
 
-async def settled_scrape(client: httpx.AsyncClient, base_url: str, *, interval: float = 0.05,
-                         timeout: float = 2.0) -> Samples | None:
+async def settled_scrape(
+    client: httpx.AsyncClient, base_url: str, *, interval: float = 0.05, timeout: float = 2.0
+) -> Samples | None:
     """Scrape once the request counters stop moving. A server counts a request after its last
     byte is sent, which can be just after the client has read it, so an immediate scrape may
     miss the requests that finished last."""
@@ -83,10 +87,16 @@ def server_view(before: Samples | None, after: Samples | None, api: str) -> dict
     if before is None or after is None or not any(n.startswith("oss_agent_") for n, _ in after):
         return None
     endpoint = ENDPOINTS[api]
-    statuses = sorted({dict(ls).get("status") for n, ls in after if n == "oss_agent_requests_total"
-                       and dict(ls).get("endpoint") == endpoint})
-    requests = {s: int(_delta(before, after, "oss_agent_requests_total", endpoint=endpoint, status=s))
-                for s in statuses}
+    statuses = sorted(
+        {
+            dict(ls).get("status")
+            for n, ls in after
+            if n == "oss_agent_requests_total" and dict(ls).get("endpoint") == endpoint
+        }
+    )
+    requests = {
+        s: int(_delta(before, after, "oss_agent_requests_total", endpoint=endpoint, status=s)) for s in statuses
+    }
     return {
         "requests_by_status": {s: n for s, n in requests.items() if n},
         "prompt_tokens": int(_delta(before, after, "oss_agent_prompt_tokens_total")),
@@ -95,8 +105,7 @@ def server_view(before: Samples | None, after: Samples | None, api: str) -> dict
         "ttft_count": int(_delta(before, after, "oss_agent_time_to_first_token_seconds_count")),
         "ttft_mean_ms": _mean_ms(before, after, "oss_agent_time_to_first_token_seconds"),
         "tpot_mean_ms": _mean_ms(before, after, "oss_agent_time_per_output_token_seconds"),
-        "request_duration_mean_ms": _mean_ms(before, after, "oss_agent_request_duration_seconds",
-                                             endpoint=endpoint),
+        "request_duration_mean_ms": _mean_ms(before, after, "oss_agent_request_duration_seconds", endpoint=endpoint),
     }
 
 

@@ -23,9 +23,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from inference.tokenizer import encode_text
-
 from agent_server.token_bytes import token_bytes
+from inference.tokenizer import encode_text
 
 WORD_TOKEN = re.compile(rb" [a-z]{2,12}")
 ORDINARY_VOCAB = 199998  # o200k's ordinary tokens; specials start at 199999
@@ -45,18 +44,28 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
     group.add_argument("--input-len", type=int, default=256, help="prompt tokens of each random prompt")
-    group.add_argument("--output-len", type=int, default=None,
-                       help=f"output tokens to ask for (default {DEFAULT_OUTPUT_LEN}; with --dataset, the records' "
-                            "own lengths unless given)")
-    group.add_argument("--range-ratio", type=float, default=0.0,
-                       help="draw lengths uniformly from [len*(1-r), len*(1+r)] (default 0: exact)")
-    group.add_argument("--dataset", type=Path,
-                       help='JSON or JSONL of {"prompt", "output_len"} or ShareGPT records, instead of random prompts')
+    group.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help=f"output tokens to ask for (default {DEFAULT_OUTPUT_LEN}; with --dataset, the records' "
+        "own lengths unless given)",
+    )
+    group.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="draw lengths uniformly from [len*(1-r), len*(1+r)] (default 0: exact)",
+    )
+    group.add_argument(
+        "--dataset",
+        type=Path,
+        help='JSON or JSONL of {"prompt", "output_len"} or ShareGPT records, instead of random prompts',
+    )
     group.add_argument("--seed", type=int, default=0)
 
 
-def workload_from_args(args: argparse.Namespace, *, num: int | None = None, seed_offset: int = 0
-                       ) -> list[BenchRequest]:
+def workload_from_args(args: argparse.Namespace, *, num: int | None = None, seed_offset: int = 0) -> list[BenchRequest]:
     """The requests the arguments describe (`num` of them instead of --num-prompts if given;
     `seed_offset` draws other prompts of the same shape, e.g. for warm-up)."""
     seed, num = args.seed + seed_offset, args.num_prompts if num is None else num
@@ -96,8 +105,9 @@ def _lengths(rng: random.Random, mean: int, ratio: float, n: int) -> list[int]:
     return [rng.randint(low, high) for _ in range(n)]
 
 
-def random_requests(num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[BenchRequest]:
+def random_requests(
+    num: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+) -> list[BenchRequest]:
     if num < 1 or input_len < 1 or output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     rng = random.Random(seed)
@@ -136,8 +146,9 @@ def _prompt_and_reply(record: dict) -> tuple[str | None, str | None, int | None]
     return prompt, reply, None
 
 
-def dataset_requests(path: Path, num: int, *, output_len: int | None = None,
-                     default_output_len: int = DEFAULT_OUTPUT_LEN, seed: int = 0) -> list[BenchRequest]:
+def dataset_requests(
+    path: Path, num: int, *, output_len: int | None = None, default_output_len: int = DEFAULT_OUTPUT_LEN, seed: int = 0
+) -> list[BenchRequest]:
     """`num` requests drawn (shuffled, with `seed`) from a dataset file; records without a
     prompt are skipped. The output length is `output_len` if given, else the record's
     `output_len` or its reference reply's token count, else `default_output_len`."""

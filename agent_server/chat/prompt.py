@@ -11,6 +11,10 @@ import datetime
 
 from openai_harmony import Message, Role, ToolDescription
 
+from agent_server.errors import APIError
+from agent_server.harmony import PromptConfig, preamble, render_prompt, tool_message, verbosity_note
+from agent_server.responses.conversation import assistant_call
+from agent_server.turn_grammar import CallTarget, TurnRules, check_strict_schema, function_arguments
 from schemas.chat import (
     AllowedToolsChoice,
     AssistantMessage,
@@ -25,11 +29,6 @@ from schemas.chat import (
     ToolMessage,
     UserMessage,
 )
-
-from agent_server.responses.conversation import assistant_call
-from agent_server.errors import APIError
-from agent_server.harmony import PromptConfig, preamble, render_prompt, tool_message, verbosity_note
-from agent_server.turn_grammar import CallTarget, TurnRules, check_strict_schema, function_arguments
 
 
 def chat_prompt(req: ChatCompletionRequest) -> list[int]:
@@ -69,11 +68,14 @@ def chat_messages(req: ChatCompletionRequest) -> list[Message]:
             name = pending.pop(message.tool_call_id, None)
             if name is None:
                 if message.tool_call_id in call_names:  # answered already, or not by the messages right after it
-                    raise APIError("Messages with role 'tool' must be a response to a preceding message with "
-                                   f"'tool_calls': tool call '{message.tool_call_id}' has been answered.",
-                                   param=f"messages[{i}].tool_call_id")
-                raise APIError(f"No assistant tool call has id '{message.tool_call_id}'.",
-                               param=f"messages[{i}].tool_call_id")
+                    raise APIError(
+                        "Messages with role 'tool' must be a response to a preceding message with "
+                        f"'tool_calls': tool call '{message.tool_call_id}' has been answered.",
+                        param=f"messages[{i}].tool_call_id",
+                    )
+                raise APIError(
+                    f"No assistant tool call has id '{message.tool_call_id}'.", param=f"messages[{i}].tool_call_id"
+                )
             answers[message.tool_call_id] = tool_message(f"functions.{name}", message.text())
             if not pending:  # Harmony has no call ids: the results follow in the order of their calls
                 messages += answers.values()
@@ -83,14 +85,20 @@ def chat_messages(req: ChatCompletionRequest) -> list[Message]:
 
     for i, tool in enumerate(req.tools or []):
         if isinstance(tool, ChatCustomTool):
-            raise APIError("Unsupported value for 'tools': custom tools are not supported by this server's Chat "
-                           "Completions; use /v1/responses, which takes them, or a function tool.",
-                           param=f"tools[{i}]", code="unsupported_value")
+            raise APIError(
+                "Unsupported value for 'tools': custom tools are not supported by this server's Chat "
+                "Completions; use /v1/responses, which takes them, or a function tool.",
+                param=f"tools[{i}]",
+                code="unsupported_value",
+            )
     for i, message in enumerate(req.messages):
         if isinstance(message, AssistantMessage) and any(c.type == "custom" for c in message.tool_calls or []):
-            raise APIError("Unsupported value: custom tool calls are not supported by this server's Chat "
-                           "Completions; use /v1/responses.", param=f"messages[{i}].tool_calls",
-                           code="unsupported_value")
+            raise APIError(
+                "Unsupported value: custom tool calls are not supported by this server's Chat "
+                "Completions; use /v1/responses.",
+                param=f"messages[{i}].tool_calls",
+                code="unsupported_value",
+            )
     tools = req.tools or []
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
@@ -98,15 +106,20 @@ def chat_messages(req: ChatCompletionRequest) -> list[Message]:
     tools, choice = _tools_and_choice(req)  # (the turn grammar forces the call: `chat_turn_rules`)
     if isinstance(choice, NamedToolChoice):
         if not any(t.function.name == choice.function.name for t in tools):
-            raise APIError(f"Tool choice '{choice.function.name}' is not one of the functions in 'tools'.",
-                           param="tool_choice")
+            raise APIError(
+                f"Tool choice '{choice.function.name}' is not one of the functions in 'tools'.", param="tool_choice"
+            )
     elif choice == "required":
         if not tools:
             raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
-    functions = [] if choice == "none" else [
-        ToolDescription.new(t.function.name, t.function.description or "", parameters=t.function.parameters)
-        for t in tools
-    ]
+    functions = (
+        []
+        if choice == "none"
+        else [
+            ToolDescription.new(t.function.name, t.function.description or "", parameters=t.function.parameters)
+            for t in tools
+        ]
+    )
     config = PromptConfig(
         reasoning_effort=req.effort,
         instructions="\n\n".join(t for t in [*instructions, verbosity_note(req.verbosity)] if t) or None,
@@ -134,8 +147,11 @@ def chat_turn_rules(req: ChatCompletionRequest, structure: bool) -> TurnRules | 
             strict = True
             error = check_strict_schema(f.parameters)
             if error:
-                raise APIError(f"Invalid schema for function '{f.name}': {error}", param=f"tools[{i}].function.parameters",
-                               code="invalid_function_parameters")
+                raise APIError(
+                    f"Invalid schema for function '{f.name}': {error}",
+                    param=f"tools[{i}].function.parameters",
+                    code="invalid_function_parameters",
+                )
     answer = None
     fmt = req.response_format
     if isinstance(fmt, ResponseFormatJsonObject):
@@ -144,17 +160,31 @@ def chat_turn_rules(req: ChatCompletionRequest, structure: bool) -> TurnRules | 
         answer = fmt.json_schema.schema_
         error = check_strict_schema(answer)
         if error:
-            raise APIError(f"Invalid schema for response_format '{fmt.json_schema.name}': {error}",
-                           param="response_format.json_schema.schema", code="invalid_json_schema")
+            raise APIError(
+                f"Invalid schema for response_format '{fmt.json_schema.name}': {error}",
+                param="response_format.json_schema.schema",
+                code="invalid_json_schema",
+            )
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    forced = [CallTarget(f"functions.{t.function.name}", "commentary",
-                         function_arguments(t.function.parameters, strict=t.function.strict, forced=True))
-              for t in tools if choice == "required" or t.function.name == named]
+    forced = [
+        CallTarget(
+            f"functions.{t.function.name}",
+            "commentary",
+            function_arguments(t.function.parameters, strict=t.function.strict, forced=True),
+        )
+        for t in tools
+        if choice == "required" or t.function.name == named
+    ]
     if not (structure or forced or answer is not None or strict):
         return None
-    calls = [CallTarget(f"functions.{t.function.name}", "commentary",
-                        function_arguments(t.function.parameters, strict=t.function.strict, forced=False))
-             for t in tools]
+    calls = [
+        CallTarget(
+            f"functions.{t.function.name}",
+            "commentary",
+            function_arguments(t.function.parameters, strict=t.function.strict, forced=False),
+        )
+        for t in tools
+    ]
     return TurnRules(calls, forced, answer, parallel_calls=req.parallel_tool_calls is not False)
 
 
@@ -166,8 +196,11 @@ def _tools_and_choice(req: ChatCompletionRequest) -> tuple[list[ChatTool], objec
         tools, required = _allowed(tools, choice), choice.allowed_tools.mode == "required"
         choice = "required" if required else "auto"
     if isinstance(choice, NamedCustomChoice):
-        raise APIError("Unsupported value for 'tool_choice': custom tools are not supported by this server's Chat "
-                       "Completions.", param="tool_choice", code="unsupported_value")
+        raise APIError(
+            "Unsupported value for 'tool_choice': custom tools are not supported by this server's Chat Completions.",
+            param="tool_choice",
+            code="unsupported_value",
+        )
     return tools, choice
 
 
@@ -177,20 +210,28 @@ def _allowed(tools: list[ChatTool], choice: AllowedToolsChoice) -> list[ChatTool
     for i, entry in enumerate(choice.allowed_tools.tools):
         name = (entry.get("function") or {}).get("name") if isinstance(entry.get("function"), dict) else None
         if entry.get("type") != "function" or not isinstance(name, str):
-            raise APIError('Invalid value: each allowed tool is {"type": "function", "function": {"name": ...}}.',
-                           param=f"tool_choice.allowed_tools.tools[{i}]", code="invalid_value")
+            raise APIError(
+                'Invalid value: each allowed tool is {"type": "function", "function": {"name": ...}}.',
+                param=f"tool_choice.allowed_tools.tools[{i}]",
+                code="invalid_value",
+            )
         if not any(t.function.name == name for t in tools):
-            raise APIError(f"Allowed tool '{name}' is not one of the functions in 'tools'.",
-                           param=f"tool_choice.allowed_tools.tools[{i}]")
+            raise APIError(
+                f"Allowed tool '{name}' is not one of the functions in 'tools'.",
+                param=f"tool_choice.allowed_tools.tools[{i}]",
+            )
         names.add(name)
     return [t for t in tools if t.function.name in names]
 
 
 def _unanswered(pending: dict[str, str], index: int) -> None:
     """OpenAI's error for tool calls that the tool messages right after them do not all answer."""
-    raise APIError("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
-                   f"'tool_call_id'. The following tool_call_ids did not have response messages: "
-                   f"{', '.join(pending)}", param=f"messages[{index}]")
+    raise APIError(
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        f"'tool_call_id'. The following tool_call_ids did not have response messages: "
+        f"{', '.join(pending)}",
+        param=f"messages[{index}]",
+    )
 
 
 def _response_format(req: ChatCompletionRequest) -> dict | None:
@@ -199,6 +240,9 @@ def _response_format(req: ChatCompletionRequest) -> dict | None:
         spec = fmt.json_schema
         return {"name": spec.name, "schema": spec.schema_, "description": spec.description}
     if isinstance(fmt, ResponseFormatJsonObject):
-        return {"name": "json_object", "schema": {"type": "object"},
-                "description": "Answer with a single JSON object and nothing else."}
+        return {
+            "name": "json_object",
+            "schema": {"type": "object"},
+            "description": "Answer with a single JSON object and nothing else.",
+        }
     return None

@@ -21,19 +21,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from inference.request import DeltaStream, GenerationRequest, Grammar, SamplingParams, TokenLogprob
-from inference.tokenizer import CALL, RETURN
-from schemas.chat import ChatCompletionRequest
-
 from agent_server.chat.prompt import chat_messages, chat_turn_rules
+from agent_server.chat.stop_strings import StopStringMatcher
 from agent_server.errors import APIError, engine_unavailable, internal_error
 from agent_server.harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, recipient_kind, render_prompt
 from agent_server.large_prompts import check_fits, text_chars
 from agent_server.request_parsing import read_request
 from agent_server.sse import data_only, sse_response
 from agent_server.state import ServerState
-from agent_server.chat.stop_strings import StopStringMatcher
 from agent_server.token_bytes import is_special, logprob_entry
+from inference.request import DeltaStream, GenerationRequest, Grammar, SamplingParams, TokenLogprob
+from inference.tokenizer import CALL, RETURN
+from schemas.chat import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +79,9 @@ def _logprob_entry(lp: TokenLogprob, top: int) -> dict[str, Any]:
 class ChoiceStream:
     """Generates one choice and yields its pieces as Harmony messages are parsed."""
 
-    def __init__(self, state: ServerState, index: int, request: GenerationRequest, req: ChatCompletionRequest,
-                 started: float):
+    def __init__(
+        self, state: ServerState, index: int, request: GenerationRequest, req: ChatCompletionRequest, started: float
+    ):
         self.state = state
         self.index = index
         self.request = request
@@ -175,10 +175,14 @@ class ChoiceStream:
                 self.pending_logprobs = []
                 if namespace == "functions" and name:
                     self.kind = "tool"
-                    piece.tool_calls.append({
-                        "index": self.tool_calls, "id": f"call_{secrets.token_hex(12)}", "type": "function",
-                        "function": {"name": name, "arguments": ""},
-                    })
+                    piece.tool_calls.append(
+                        {
+                            "index": self.tool_calls,
+                            "id": f"call_{secrets.token_hex(12)}",
+                            "type": "function",
+                            "function": {"name": name, "arguments": ""},
+                        }
+                    )
                     self.tool_calls += 1
                 elif event.channel == "analysis" and not event.recipient:
                     self.kind = "reasoning"
@@ -215,8 +219,9 @@ class ChoiceStream:
 # --- the endpoint -------------------------------------------------------------------------
 
 
-def _sampling(req: ChatCompletionRequest, index: int, max_tokens: int, vocab_size: int,
-              grammar: Grammar | None = None) -> SamplingParams:
+def _sampling(
+    req: ChatCompletionRequest, index: int, max_tokens: int, vocab_size: int, grammar: Grammar | None = None
+) -> SamplingParams:
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -240,40 +245,65 @@ async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     started = time.perf_counter()
     config = state.config
-    req = await read_request(request, ChatCompletionRequest, config.max_request_bytes, unsupported=UNSUPPORTED,
-                             max_items={"messages": config.max_input_items, "tools": config.max_tools})
+    req = await read_request(
+        request,
+        ChatCompletionRequest,
+        config.max_request_bytes,
+        unsupported=UNSUPPORTED,
+        max_items={"messages": config.max_input_items, "tools": config.max_tools},
+    )
     engine = state.engine
     if not state.config.serves(req.model):
-        raise APIError(f"The model '{req.model}' does not exist; this server serves '{state.config.model_name}'.",
-                       status=404, param="model", code="model_not_found")
+        raise APIError(
+            f"The model '{req.model}' does not exist; this server serves '{state.config.model_name}'.",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs=true.", param="top_logprobs")
     if req.stream_options is not None and not req.stream:
-        raise APIError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                       param="stream_options")
+        raise APIError(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
+        )
     if req.parallel_tool_calls is not None and not req.tools:
-        raise APIError("Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when 'tools' "
-                       "are specified.", param="parallel_tool_calls")
+        raise APIError(
+            "Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when 'tools' "
+            "are specified.",
+            param="parallel_tool_calls",
+        )
     messages = chat_messages(req)
     check_fits(messages, engine.max_model_len, "messages", "messages")
     prompt = await state.renderer.run(render_prompt, messages, chars=text_chars(messages))
     room = engine.max_model_len - len(prompt)
     if room <= 0:
-        raise APIError(f"The messages are {len(prompt)} tokens; this model's context is {engine.max_model_len} "
-                       "tokens.", param="messages", code="context_length_exceeded")
+        raise APIError(
+            f"The messages are {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens.",
+            param="messages",
+            code="context_length_exceeded",
+        )
     if req.token_limit is not None and req.token_limit > room:
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        raise APIError(f"'{param}' is too large: the messages are {len(prompt)} tokens and this model's context "
-                       f"is {engine.max_model_len}, so at most {room} tokens fit; got {req.token_limit}.",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            f"'{param}' is too large: the messages are {len(prompt)} tokens and this model's context "
+            f"is {engine.max_model_len}, so at most {room} tokens fit; got {req.token_limit}.",
+            param=param,
+            code="context_length_exceeded",
+        )
     max_tokens = config.output_limit(req.token_limit, room) or room
     rules = chat_turn_rules(req, config.harmony_grammar)
     grammar = rules.grammar(forced=True, budget=max_tokens) if rules is not None else None
     completion_id = f"chatcmpl-{secrets.token_hex(12)}"
     choices = [
-        ChoiceStream(state, i, GenerationRequest(f"{completion_id}/{i}", prompt,
-                                                 _sampling(req, i, max_tokens, engine.vocab_size, grammar)),
-                     req, started)
+        ChoiceStream(
+            state,
+            i,
+            GenerationRequest(
+                f"{completion_id}/{i}", prompt, _sampling(req, i, max_tokens, engine.vocab_size, grammar)
+            ),
+            req,
+            started,
+        )
         for i in range(req.n)
     ]
     header = {"id": completion_id, "created": int(time.time()), "model": req.model}
@@ -336,9 +366,14 @@ async def _complete(request: Request, choices: list[ChoiceStream], header: dict[
             task.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
     results = work.result()
-    body = ChatCompletion.model_validate({
-        **header, "object": "chat.completion", "choices": results, "usage": _usage(choices),
-    })
+    body = ChatCompletion.model_validate(
+        {
+            **header,
+            "object": "chat.completion",
+            "choices": results,
+            "usage": _usage(choices),
+        }
+    )
     return JSONResponse(body.model_dump(mode="json", exclude_unset=True))
 
 
@@ -402,8 +437,16 @@ def _stream(state: ServerState, choices: list[ChoiceStream], header: dict[str, A
 
     async def events():
         for choice in choices:
-            yield data_only(chunk({"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}))
+            yield data_only(
+                chunk(
+                    {
+                        "index": choice.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            )
         async for piece in merged():
             if isinstance(piece, APIError):
                 yield data_only(piece.body())
@@ -417,11 +460,13 @@ def _stream(state: ServerState, choices: list[ChoiceStream], header: dict[str, A
                 delta["tool_calls"] = piece.tool_calls
             logprobs = {"content": piece.logprobs} if piece.logprobs else None
             if delta or logprobs:
-                yield data_only(chunk({"index": piece.index, "delta": delta, "logprobs": logprobs,
-                                       "finish_reason": None}))
+                yield data_only(
+                    chunk({"index": piece.index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+                )
             if piece.finish_reason:
-                yield data_only(chunk({"index": piece.index, "delta": {}, "logprobs": None,
-                                       "finish_reason": piece.finish_reason}))
+                yield data_only(
+                    chunk({"index": piece.index, "delta": {}, "logprobs": None, "finish_reason": piece.finish_reason})
+                )
         if include_usage:
             yield data_only(chunk({}, _usage(choices)))
         yield data_only("[DONE]")

@@ -50,7 +50,7 @@ class StopStringMatcher:
                     q += 1  # < len(stop): a whole match would have been found above
             self.states[k] = q
         keep = max(self.states)  # the longest suffix that begins some stop string
-        self.held = buffer[len(buffer) - keep:] if keep else ""
+        self.held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
 
     def flush(self) -> str:

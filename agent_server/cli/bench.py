@@ -25,8 +25,11 @@ BENCHMARKS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     subparsers = parser.add_subparsers(dest="benchmark", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
-        module.add_arguments(subparsers.add_parser(name, help=help_text, description=module.__doc__,
-                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
+        module.add_arguments(
+            subparsers.add_parser(
+                name, help=help_text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+            )
+        )
 
 
 def run(args: argparse.Namespace) -> int:

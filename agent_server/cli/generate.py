@@ -27,9 +27,12 @@ def temperature(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the user's message")
     parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
-    parser.add_argument("--max-tokens", type=positive_int,
-                        help=f"most tokens to generate (default: {MAX_TOKENS}, or {default_model.MAX_OUTPUT_TOKENS} "
-                             "for the tiny random model used without --model)")
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        help=f"most tokens to generate (default: {MAX_TOKENS}, or {default_model.MAX_OUTPUT_TOKENS} "
+        "for the tiny random model used without --model)",
+    )
     parser.add_argument("--temperature", type=temperature, default=0.0, help="0 means greedy (at most 2)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default="medium")
@@ -47,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
         SystemContent,
     )
 
-    from inference.model.checkpoint import CheckpointError, checkpoint_folder_problem
     from inference.config import ConfigError
+    from inference.model.checkpoint import CheckpointError, checkpoint_folder_problem
     from inference.model.gpt_oss import GptOssModel
-    from inference.runner.single_sequence import generate
     from inference.model.tiny_checkpoint import default_tiny_checkpoint
+    from inference.runner.single_sequence import generate
     from inference.tokenizer import ASSISTANT_STOP_TOKENS, VocabularyError, harmony_encoding
 
     model_dir = Path(args.model).expanduser() if args.model else default_tiny_checkpoint()
@@ -69,18 +72,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     max_tokens = args.max_tokens or (MAX_TOKENS if args.model else default_model.MAX_OUTPUT_TOKENS)
     if not args.model:
-        print(f"oss-agent generate: no --model given: a tiny checkpoint with random weights, so the text below is "
-              f"noise (at most {max_tokens} tokens; --max-tokens for more). {default_model.REAL_WEIGHTS_HINT}",
-              file=sys.stderr)
+        print(
+            f"oss-agent generate: no --model given: a tiny checkpoint with random weights, so the text below is "
+            f"noise (at most {max_tokens} tokens; --max-tokens for more). {default_model.REAL_WEIGHTS_HINT}",
+            file=sys.stderr,
+        )
     effort = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
     system = SystemContent.new().with_reasoning_effort(effort[args.reasoning_effort])
     conversation = Conversation.from_messages(
         [Message.from_role_and_content(Role.SYSTEM, system), Message.from_role_and_content(Role.USER, args.prompt)]
     )
     prompt = encoding.render_conversation_for_completion(conversation, Role.ASSISTANT)
-    tokens = generate(
-        model, prompt, max_tokens, ASSISTANT_STOP_TOKENS, temperature=args.temperature, seed=args.seed
-    )
+    tokens = generate(model, prompt, max_tokens, ASSISTANT_STOP_TOKENS, temperature=args.temperature, seed=args.seed)
     # A streaming parser tolerates output that stops mid-message (token limit, noise from a tiny model).
     parser = StreamableParser(encoding, role=Role.ASSISTANT)
     try:

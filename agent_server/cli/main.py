@@ -26,4 +26,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module, _ = SUBCOMMANDS[args.command]
     return module.run(args)
-

@@ -26,78 +26,169 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="the model id clients use (default: the folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("OSS_AGENT_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' (default: $OSS_AGENT_API_KEY)")
-    parser.add_argument("--api-keys-file", type=Path, metavar="PATH",
-                        help="file of API keys, one a line as NAME:KEY (or KEY); each key sees only the responses "
-                             "made with its name's keys (with --api-key too, whose name is 'default')")
-    parser.add_argument("--tool-server", action="append", default=[], metavar="SPEC",
-                        help="start a tool server (browser, python, an MCP server, or 'demo'); repeatable")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OSS_AGENT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $OSS_AGENT_API_KEY)",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        metavar="PATH",
+        help="file of API keys, one a line as NAME:KEY (or KEY); each key sees only the responses "
+        "made with its name's keys (with --api-key too, whose name is 'default')",
+    )
+    parser.add_argument(
+        "--tool-server",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="start a tool server (browser, python, an MCP server, or 'demo'); repeatable",
+    )
     parser.add_argument("--search-dir", help="folder of documents for the local browser backend")
     parser.add_argument("--exa-api-key", default=os.environ.get("EXA_API_KEY"), help="Exa key for web search")
-    parser.add_argument("--store", type=Path,
-                        help="SQLite file for stored responses (default: ~/.cache/oss-agent/responses.sqlite3, "
-                             "or responses.sqlite3 in $OSS_AGENT_CACHE; every server started without --store "
-                             "shares it)")
-    parser.add_argument("--reasoning-key-file", type=Path, metavar="FILE",
-                        help="32-byte key that seals reasoning for store=false clients (include "
-                             "reasoning.encrypted_content); created if missing (default: reasoning.key beside the "
-                             "store)")
+    parser.add_argument(
+        "--store",
+        type=Path,
+        help="SQLite file for stored responses (default: ~/.cache/oss-agent/responses.sqlite3, "
+        "or responses.sqlite3 in $OSS_AGENT_CACHE; every server started without --store "
+        "shares it)",
+    )
+    parser.add_argument(
+        "--reasoning-key-file",
+        type=Path,
+        metavar="FILE",
+        help="32-byte key that seals reasoning for store=false clients (include "
+        "reasoning.encrypted_content); created if missing (default: reasoning.key beside the "
+        "store)",
+    )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--max-model-len", type=positive_int, help="context length to serve (default: the engine's)")
-    parser.add_argument("--gpu-memory-utilization", type=fraction, metavar="FRACTION",
-                        help="share of GPU memory the engine may use; the KV cache gets what the model and one "
-                             "step leave of it (default: 0.9)")
-    parser.add_argument("--num-pages", type=positive_int,
-                        help="KV cache size in pages (16 tokens each by default), instead of sizing it from memory")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction,
+        metavar="FRACTION",
+        help="share of GPU memory the engine may use; the KV cache gets what the model and one "
+        "step leave of it (default: 0.9)",
+    )
+    parser.add_argument(
+        "--num-pages",
+        type=positive_int,
+        help="KV cache size in pages (16 tokens each by default), instead of sizing it from memory",
+    )
     parser.add_argument("--max-num-seqs", type=positive_int, help="most sequences in one batch (default: 256)")
-    parser.add_argument("--speculative", choices=["ngram", "eagle3"],
-                        help="speculative decoding: draft tokens by prompt lookup (ngram) or with an EAGLE-3 "
-                             "draft head (eagle3, needs --draft-model); the target verifies them, output unchanged")
+    parser.add_argument(
+        "--speculative",
+        choices=["ngram", "eagle3"],
+        help="speculative decoding: draft tokens by prompt lookup (ngram) or with an EAGLE-3 "
+        "draft head (eagle3, needs --draft-model); the target verifies them, output unchanged",
+    )
     parser.add_argument("--num-draft-tokens", type=positive_int, help="draft tokens per step (default: 4)")
     parser.add_argument("--draft-model", help="EAGLE-3 draft checkpoint directory (for --speculative eagle3)")
-    parser.add_argument("--tensor-parallel-size", type=positive_int, metavar="N",
-                        help="split the model over N GPUs (cuda:0..N-1 from --device on), one process each; "
-                             "N must divide the attention and KV head counts (default: 1)")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="launch each decode step before the previous one's tokens are read, so host work "
-                             "overlaps the GPU (default: on with CUDA, off on CPU; never with a drafter or -tp)")
-    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra keyword for LLMEngine.from_pretrained (value as a Python literal)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                        help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
-                             "steps under (default: on with CUDA, off on CPU)")
-    parser.add_argument("--harmony-grammar", action=argparse.BooleanOptionalAction, default=True,
-                        help="hold every generated turn to Harmony's structure with a grammar (headers, channels, "
-                             "the request's tools as recipients); off, only strict schemas, json_object and forced "
-                             "tools are enforced (default: on)")
-    parser.add_argument("--tool-timeout", type=positive_float, default=300.0,
-                        help="seconds a built-in tool call may take")
-    parser.add_argument("--python-timeout", type=float, metavar="SECONDS",
-                        help="seconds a python cell may run before it is interrupted, its session kept (default: "
-                             "60, or less to end before --tool-timeout)")
-    parser.add_argument("--cors-origin", action="append", default=[],
-                        help="allow this browser origin (CORS, off by default); repeatable, '*' for any")
-    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                        help="also answer requests for this host name (besides localhost, IP addresses and --host); "
-                             "repeatable, '*.example.com' for its subdomains, '*' for any")
-    parser.add_argument("--max-request-bytes", type=positive_int, default=32 << 20,
-                        help="largest request body accepted")
-    parser.add_argument("--max-header-bytes", type=positive_int, default=HttpLimits.max_head_bytes,
-                        help="largest request line and headers accepted (431 beyond)")
-    parser.add_argument("--header-timeout", type=positive_float, default=HttpLimits.head_timeout, metavar="SECONDS",
-                        help="seconds a request's line and headers may take to arrive, and a new connection may "
-                             "stay silent (408, closed)")
-    parser.add_argument("--body-timeout", type=positive_float, default=HttpLimits.body_timeout, metavar="SECONDS",
-                        help="seconds a request's body may take to arrive after its headers (closed)")
-    parser.add_argument("--max-input-items", type=positive_int, default=2048,
-                        help="most items in a request's input (Responses) or messages (Chat Completions)")
-    parser.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
-                        help="seconds in-flight requests get to finish on shutdown before they are cancelled")
-    parser.add_argument("--default-max-output-tokens", type=non_negative_int, metavar="N",
-                        help="output tokens a request gets when it sets no max_output_tokens / max_tokens; 0 for "
-                             "the rest of the context (default: 0, or %d for the tiny random model served "
-                             "without --model)" % default_model.MAX_OUTPUT_TOKENS)
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        metavar="N",
+        help="split the model over N GPUs (cuda:0..N-1 from --device on), one process each; "
+        "N must divide the attention and KV head counts (default: 1)",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decode step before the previous one's tokens are read, so host work "
+        "overlaps the GPU (default: on with CUDA, off on CPU; never with a drafter or -tp)",
+    )
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra keyword for LLMEngine.from_pretrained (value as a Python literal)",
+    )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
+        "steps under (default: on with CUDA, off on CPU)",
+    )
+    parser.add_argument(
+        "--harmony-grammar",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hold every generated turn to Harmony's structure with a grammar (headers, channels, "
+        "the request's tools as recipients); off, only strict schemas, json_object and forced "
+        "tools are enforced (default: on)",
+    )
+    parser.add_argument(
+        "--tool-timeout", type=positive_float, default=300.0, help="seconds a built-in tool call may take"
+    )
+    parser.add_argument(
+        "--python-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds a python cell may run before it is interrupted, its session kept (default: "
+        "60, or less to end before --tool-timeout)",
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        help="allow this browser origin (CORS, off by default); repeatable, '*' for any",
+    )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests for this host name (besides localhost, IP addresses and --host); "
+        "repeatable, '*.example.com' for its subdomains, '*' for any",
+    )
+    parser.add_argument(
+        "--max-request-bytes", type=positive_int, default=32 << 20, help="largest request body accepted"
+    )
+    parser.add_argument(
+        "--max-header-bytes",
+        type=positive_int,
+        default=HttpLimits.max_head_bytes,
+        help="largest request line and headers accepted (431 beyond)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=HttpLimits.head_timeout,
+        metavar="SECONDS",
+        help="seconds a request's line and headers may take to arrive, and a new connection may "
+        "stay silent (408, closed)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=HttpLimits.body_timeout,
+        metavar="SECONDS",
+        help="seconds a request's body may take to arrive after its headers (closed)",
+    )
+    parser.add_argument(
+        "--max-input-items",
+        type=positive_int,
+        default=2048,
+        help="most items in a request's input (Responses) or messages (Chat Completions)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on shutdown before they are cancelled",
+    )
+    parser.add_argument(
+        "--default-max-output-tokens",
+        type=non_negative_int,
+        metavar="N",
+        help="output tokens a request gets when it sets no max_output_tokens / max_tokens; 0 for "
+        "the rest of the context (default: 0, or %d for the tiny random model served "
+        "without --model)" % default_model.MAX_OUTPUT_TOKENS,
+    )
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
 
 
@@ -114,8 +205,16 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     # The dedicated flags map onto EngineConfig fields of the same name (and win over --engine-option).
-    for name in ("gpu_memory_utilization", "num_pages", "max_num_seqs", "speculative", "num_draft_tokens",
-                 "draft_model", "tensor_parallel_size", "async_scheduling"):
+    for name in (
+        "gpu_memory_utilization",
+        "num_pages",
+        "max_num_seqs",
+        "speculative",
+        "num_draft_tokens",
+        "draft_model",
+        "tensor_parallel_size",
+        "async_scheduling",
+    ):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     drafter = options.get("speculative")  # (the flag, or --engine-option speculative=...)
@@ -161,8 +260,10 @@ def python_limits(tool_timeout: float, cell_seconds: float | None = None):
     if cell_seconds is None:
         return replace(limits, wall_seconds=min(limits.wall_seconds, max(1.0, before_the_cancel)))
     if not 1.0 <= cell_seconds <= before_the_cancel:
-        raise ValueError(f"--python-timeout must be between 1 and {before_the_cancel:g} seconds (--tool-timeout "
-                         f"minus {tool_timeout - before_the_cancel:g}), got {cell_seconds:g}")
+        raise ValueError(
+            f"--python-timeout must be between 1 and {before_the_cancel:g} seconds (--tool-timeout "
+            f"minus {tool_timeout - before_the_cancel:g}), got {cell_seconds:g}"
+        )
     return replace(limits, wall_seconds=cell_seconds, cpu_seconds=max(limits.cpu_seconds, 5 * math.ceil(cell_seconds)))
 
 
@@ -241,8 +342,9 @@ def run(args: argparse.Namespace) -> int:
     from agent_server.request_ids import RequestIdFilter
     from agent_server.state import ServerConfig, default_store_path
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+    )
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
     api_keys: dict[str, str] = {}
@@ -258,8 +360,7 @@ def run(args: argparse.Namespace) -> int:
         if keys_file.stat().st_mode & 0o077:
             log.warning("--api-keys-file %s can be read by other users: chmod 600 it", keys_file)
     if not (args.api_key or api_keys) and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("Listening on %s without --api-key: anyone who can reach this port can use the model.",
-                    args.host)
+        log.warning("Listening on %s without --api-key: anyone who can reach this port can use the model.", args.host)
     if args.model:
         model_dir = Path(args.model).expanduser()  # (the shell leaves `--model=~/...` alone)
         name = args.served_model_name or default_model_name(model_dir)
@@ -299,8 +400,10 @@ def run(args: argparse.Namespace) -> int:
         log.error("--tool-server: %s", e)
         return 2
     if args.search_dir and not {"demo", "browser"} & set(split_specs(args.tool_server)):
-        log.error("--search-dir is the browser tool's backend, and no browser was asked for: add "
-                  "--tool-server browser (or --tool-server demo, the browser and python)")
+        log.error(
+            "--search-dir is the browser tool's backend, and no browser was asked for: add "
+            "--tool-server browser (or --tool-server demo, the browser and python)"
+        )
         return 2
     search_dir = Path(args.search_dir).expanduser() if args.search_dir else None
     if search_dir is not None and not search_dir.is_dir():
@@ -310,25 +413,34 @@ def run(args: argparse.Namespace) -> int:
     if args.store and store_path.is_dir():
         log.error("--store %s is a folder; give the path of the SQLite file to keep responses in", args.store)
         return 2
-    log.info("stored responses: %s%s", store_path, "" if args.store else " (shared by every server started "
-             "without --store; --store FILE for one of its own)")
+    log.info(
+        "stored responses: %s%s",
+        store_path,
+        "" if args.store else " (shared by every server started without --store; --store FILE for one of its own)",
+    )
     options = engine_options(args)
 
     def build_engine():
         from inference.engine.process import EngineSpec, start_engine_client
 
-        spec = EngineSpec(model_dir=str(model_dir), options={"device": args.device, **options},
-                          log_level=args.log_level)
+        spec = EngineSpec(
+            model_dir=str(model_dir), options={"device": args.device, **options}, log_level=args.log_level
+        )
         return start_engine_client(spec, engine_in_process_of_its_own(args))
 
     tool_servers = None
     if args.tool_server:
+
         async def tool_servers():
             from tools.servers import start_tool_servers
 
-            return await start_tool_servers(args.tool_server, search_dir=search_dir, exa_api_key=args.exa_api_key,
-                                            python_limits=cell_limits,
-                                            mcp_timeout=args.tool_timeout)
+            return await start_tool_servers(
+                args.tool_server,
+                search_dir=search_dir,
+                exa_api_key=args.exa_api_key,
+                python_limits=cell_limits,
+                mcp_timeout=args.tool_timeout,
+            )
 
     config = ServerConfig(
         model_name=name,
@@ -357,12 +469,21 @@ def run(args: argparse.Namespace) -> int:
     # Our access log (with request ids) replaces uvicorn's. On SIGTERM/SIGINT uvicorn stops
     # accepting, gives open connections the shutdown timeout, then the app drains its runs.
     # log_config=None: uvicorn's own lines go through the root handler, in the server's format.
-    limits = HttpLimits(max_head_bytes=args.max_header_bytes, head_timeout=args.header_timeout,
-                        body_timeout=args.body_timeout)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           log_config=None, access_log=False,
-                                           timeout_graceful_shutdown=args.shutdown_timeout,
-                                           **uvicorn_options(limits)))
+    limits = HttpLimits(
+        max_head_bytes=args.max_header_bytes, head_timeout=args.header_timeout, body_timeout=args.body_timeout
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+            **uvicorn_options(limits),
+        )
+    )
     server.run()
     if failed:
         log.error("exiting: startup failed: %s", failed[0])

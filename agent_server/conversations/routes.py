@@ -28,8 +28,12 @@ INCLUDABLE = set(get_args(Includable))
 
 
 def conversation_json(conversation: StoredConversation) -> dict[str, Any]:
-    return {"id": conversation.id, "object": "conversation", "created_at": int(conversation.created_at),
-            "metadata": conversation.metadata}
+    return {
+        "id": conversation.id,
+        "object": "conversation",
+        "created_at": int(conversation.created_at),
+        "metadata": conversation.metadata,
+    }
 
 
 async def _stored(state: ServerState, conversation_id: str) -> StoredConversation:
@@ -56,8 +60,13 @@ async def _new_items(state: ServerState, items: list[Any]) -> list[dict[str, Any
 
 
 def _item_list(items: list[dict[str, Any]], has_more: bool = False) -> dict[str, Any]:
-    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": has_more,
+    }
 
 
 async def create_conversation(request: Request) -> Response:
@@ -102,8 +111,9 @@ async def list_items(request: Request) -> Response:
     _check_include(request)
     after = request.query_params.get("after")
     try:
-        items = await state.store.conversation_items(conversation_id, after=after, limit=limit + 1,
-                                                     descending=order == "desc")
+        items = await state.store.conversation_items(
+            conversation_id, after=after, limit=limit + 1, descending=order == "desc"
+        )
     except KeyError:
         raise APIError(f"No item with id '{after}' in this conversation.", param="after") from None
     if items is None:

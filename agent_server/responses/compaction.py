@@ -76,21 +76,34 @@ def split_for_compaction(conversation: list[Message]) -> tuple[list[Message], li
 
 
 def summary_prompt(conversation: list[Message], instructions: str | None) -> list[int]:
-    head = preamble(PromptConfig(reasoning_effort="low", instructions=instructions,
-                                 conversation_start_date=datetime.date.today().isoformat()))
+    head = preamble(
+        PromptConfig(
+            reasoning_effort="low", instructions=instructions, conversation_start_date=datetime.date.today().isoformat()
+        )
+    )
     return render_prompt(head + conversation + [Message.from_role_and_content(Role.USER, COMPACTION_REQUEST)])
 
 
-async def summarise(engine: EngineClient, conversation: list[Message], instructions: str | None, request_id: str,
-                    *, max_tokens: int | None = None, metrics: Metrics | None = None) -> Summary:
+async def summarise(
+    engine: EngineClient,
+    conversation: list[Message],
+    instructions: str | None,
+    request_id: str,
+    *,
+    max_tokens: int | None = None,
+    metrics: Metrics | None = None,
+) -> Summary:
     """The model's summary of `conversation`. APIError (400) when the conversation leaves no
     room to write one; CompactionFailed when the engine fails."""
     prompt = summary_prompt(conversation, instructions)
     room = engine.max_model_len - len(prompt)
     if room <= 0:
-        raise APIError(f"The conversation to compact is {len(prompt)} tokens with the compaction request; this "
-                       f"model's context is {engine.max_model_len} tokens.", param="input",
-                       code="context_length_exceeded")
+        raise APIError(
+            f"The conversation to compact is {len(prompt)} tokens with the compaction request; this "
+            f"model's context is {engine.max_model_len} tokens.",
+            param="input",
+            code="context_length_exceeded",
+        )
     budget = min(room, MAX_SUMMARY_TOKENS, max_tokens or MAX_SUMMARY_TOKENS)
     sampling = SamplingParams(max_tokens=budget, stop_token_ids=[RETURN, CALL])
     deltas = engine.generate(GenerationRequest(request_id, prompt, sampling))
@@ -130,14 +143,26 @@ def kept_items(instructions: list[str], conversation: list[Message]) -> list[dic
     developer input messages (as developer messages), then every user message."""
     texts = [("developer", text) for text in instructions]
     texts += [("user", message_text(m)) for m in conversation if m.author.role == Role.USER]
-    return [{"id": new_id("msg"), "type": "message", "role": role, "status": "completed",
-             "content": [{"type": "input_text", "text": text}]} for role, text in texts]
+    return [
+        {
+            "id": new_id("msg"),
+            "type": "message",
+            "role": role,
+            "status": "completed",
+            "content": [{"type": "input_text", "text": text}],
+        }
+        for role, text in texts
+    ]
 
 
 def usage_json(usage: dict[str, int]) -> dict[str, Any]:
-    return {"input_tokens": usage["input"], "input_tokens_details": {"cached_tokens": usage["cached"]},
-            "output_tokens": usage["output"], "output_tokens_details": {"reasoning_tokens": usage["reasoning"]},
-            "total_tokens": usage["input"] + usage["output"]}
+    return {
+        "input_tokens": usage["input"],
+        "input_tokens_details": {"cached_tokens": usage["cached"]},
+        "output_tokens": usage["output"],
+        "output_tokens_details": {"reasoning_tokens": usage["reasoning"]},
+        "total_tokens": usage["input"] + usage["output"],
+    }
 
 
 class CompactionWriter:

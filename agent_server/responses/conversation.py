@@ -21,8 +21,10 @@ from typing import Any, Callable
 
 from openai_harmony import Message, Role
 
+from agent_server.client_tools import LOCAL_SHELL, local_shell_arguments, recipient_of
 from agent_server.errors import APIError
 from agent_server.harmony import tool_message
+from agent_server.responses.compaction import summary_message
 from schemas.responses import (
     CodeInterpreterCallItem,
     CompactionItem,
@@ -37,9 +39,6 @@ from schemas.responses import (
     MessageItem,
     ReasoningItem,
 )
-
-from agent_server.client_tools import LOCAL_SHELL, local_shell_arguments, recipient_of
-from agent_server.responses.compaction import summary_message
 
 OUTPUTS = (FunctionCallOutputItem, CustomToolCallOutputItem, LocalShellCallOutputItem)
 
@@ -59,9 +58,12 @@ def assistant_call(recipient: str, arguments: str, channel: str = "commentary", 
     return message.with_content_type(JSON_CONTENT_TYPE) if json_args else message
 
 
-def input_to_messages(items: list[Any], known_calls: dict[str, str],
-                      open_reasoning: Callable[[str], str] | None = None,
-                      open_summary: Callable[[str], str] | None = None) -> ConvertedInput:
+def input_to_messages(
+    items: list[Any],
+    known_calls: dict[str, str],
+    open_reasoning: Callable[[str], str] | None = None,
+    open_summary: Callable[[str], str] | None = None,
+) -> ConvertedInput:
     """Convert validated input items. `known_calls` maps call ids of earlier responses in the
     chain to function names; `open_reasoning` opens a reasoning item's `encrypted_content`
     (`ReasoningSeal.open`), `open_summary` a compaction item's (`ReasoningSeal.open_summary`).
@@ -90,8 +92,10 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str],
                 out.messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("analysis"))
         elif isinstance(item, (FunctionCallItem, CustomToolCallItem, LocalShellCallItem)):
             if isinstance(item, LocalShellCallItem):
-                name, message = LOCAL_SHELL, assistant_call(recipient_of(LOCAL_SHELL),
-                                                            local_shell_arguments(item.action))
+                name, message = (
+                    LOCAL_SHELL,
+                    assistant_call(recipient_of(LOCAL_SHELL), local_shell_arguments(item.action)),
+                )
                 shell_calls[item.id] = item.call_id
             else:
                 name = f"{item.namespace}.{item.name}" if item.namespace else item.name
@@ -107,8 +111,10 @@ def input_to_messages(items: list[Any], known_calls: dict[str, str],
             call_id = shell_calls.get(item.id, item.id) if isinstance(item, LocalShellCallOutputItem) else item.call_id
             name = out.function_calls.get(call_id) or known_calls.get(call_id)
             if name is None:
-                raise APIError(f"No tool call found for {item.type} with call_id {call_id}.",
-                               param=f"input[{i}].{'id' if isinstance(item, LocalShellCallOutputItem) else 'call_id'}")
+                raise APIError(
+                    f"No tool call found for {item.type} with call_id {call_id}.",
+                    param=f"input[{i}].{'id' if isinstance(item, LocalShellCallOutputItem) else 'call_id'}",
+                )
             text = item.output if isinstance(item, LocalShellCallOutputItem) else item.text()
             out.messages.append(tool_message(recipient_of(name), text))
             unanswered.pop(call_id, None)
@@ -140,15 +146,18 @@ def _opened(blob: str, opener: Callable[[str], str] | None, index: int, kind: st
         return opener(blob)
     except SealError as e:
         items = "reasoning items" if kind == "reasoning" else "compaction items"
-        raise APIError(f"Invalid 'encrypted_content': {e}. Send {items} back as this server returned them.",
-                       param=param, code="invalid_encrypted_content") from None
+        raise APIError(
+            f"Invalid 'encrypted_content': {e}. Send {items} back as this server returned them.",
+            param=param,
+            code="invalid_encrypted_content",
+        ) from None
 
 
 def _in_call_order(messages: list[Message], run: list[tuple[int, Message]]) -> None:
     """Put a run of function outputs (the last len(run) messages) in the order of their calls:
     Harmony has no call ids, so the model pairs results with calls by their order."""
     if len(run) > 1:
-        messages[-len(run):] = [message for _, message in sorted(run, key=lambda entry: entry[0])]
+        messages[-len(run) :] = [message for _, message in sorted(run, key=lambda entry: entry[0])]
 
 
 def _replayed_call(item: LenientItem) -> list[Message]:

@@ -75,8 +75,12 @@ LIFECYCLE = {
 }
 # The stream has no "response.cancelled" event: a cancelled response ends with response.failed
 # carrying status "cancelled" (and no error).
-TERMINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed",
-                  "cancelled": "response.failed"}
+TERMINAL_EVENT = {
+    "completed": "response.completed",
+    "incomplete": "response.incomplete",
+    "failed": "response.failed",
+    "cancelled": "response.failed",
+}
 
 
 def new_id(prefix: str) -> str:
@@ -109,8 +113,9 @@ class ResponseEvents:
         self.sequence_number = 0
 
     def emit(self, event_class: type, **fields: Any) -> Any:
-        event = event_class(type=event_class.model_fields["type"].annotation.__args__[0],
-                            sequence_number=self.sequence_number, **fields)
+        event = event_class(
+            type=event_class.model_fields["type"].annotation.__args__[0], sequence_number=self.sequence_number, **fields
+        )
         self.sequence_number += 1
         self.publish(event)
         return event
@@ -143,26 +148,43 @@ class ReasoningWriter:
     def __init__(self, events: ResponseEvents, seal: Callable[[str], str] | None = None):
         self.events = events
         self.seal = seal
-        self.item = ResponseReasoningItem(id=new_id("rs"), type="reasoning", summary=[], content=[],
-                                          status="in_progress")
+        self.item = ResponseReasoningItem(
+            id=new_id("rs"), type="reasoning", summary=[], content=[], status="in_progress"
+        )
         self.index = events.add_item(self.item)
         self.text = ""
-        events.emit(ResponseContentPartAddedEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                    part={"type": "reasoning_text", "text": ""})
+        events.emit(
+            ResponseContentPartAddedEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            content_index=0,
+            part={"type": "reasoning_text", "text": ""},
+        )
         self.item.content = [ReasoningContent(type="reasoning_text", text="")]
 
     def delta(self, text: str) -> None:
         self.text += text
         self.item.content[0].text = self.text
-        self.events.emit(ResponseReasoningTextDeltaEvent, item_id=self.item.id, output_index=self.index,
-                         content_index=0, delta=text)
+        self.events.emit(
+            ResponseReasoningTextDeltaEvent, item_id=self.item.id, output_index=self.index, content_index=0, delta=text
+        )
 
     def done(self, status: str = "completed") -> None:
         ev = self.events
-        ev.emit(ResponseReasoningTextDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                text=self.text)
-        ev.emit(ResponseContentPartDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                part={"type": "reasoning_text", "text": self.text})
+        ev.emit(
+            ResponseReasoningTextDoneEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            content_index=0,
+            text=self.text,
+        )
+        ev.emit(
+            ResponseContentPartDoneEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            content_index=0,
+            part={"type": "reasoning_text", "text": self.text},
+        )
         self.item.status = status
         if self.seal is not None:
             self.item.encrypted_content = self.seal(self.text)
@@ -174,14 +196,20 @@ class MessageWriter:
 
     def __init__(self, events: ResponseEvents, phase: str | None = None):
         self.events = events
-        self.item = ResponseOutputMessage(id=new_id("msg"), type="message", role="assistant", status="in_progress",
-                                          content=[])
+        self.item = ResponseOutputMessage(
+            id=new_id("msg"), type="message", role="assistant", status="in_progress", content=[]
+        )
         if phase:
             self.item.phase = phase
         self.index = events.add_item(self.item)
         self.part = ResponseOutputText(type="output_text", text="", annotations=[], logprobs=[])
-        events.emit(ResponseContentPartAddedEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                    part=self.part.model_copy(deep=True))
+        events.emit(
+            ResponseContentPartAddedEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            content_index=0,
+            part=self.part.model_copy(deep=True),
+        )
         self.item.content = [self.part]
 
     @property
@@ -195,33 +223,62 @@ class MessageWriter:
         self.part.text += text
         if logprobs:
             self.part.logprobs += ResponseOutputText.model_validate(
-                {"type": "output_text", "text": "", "annotations": [], "logprobs": logprobs}).logprobs
-        self.events.emit(ResponseTextDeltaEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                         delta=text, logprobs=_without_bytes(logprobs or []))
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": logprobs}
+            ).logprobs
+        self.events.emit(
+            ResponseTextDeltaEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            content_index=0,
+            delta=text,
+            logprobs=_without_bytes(logprobs or []),
+        )
 
     def annotate(self, url: str, title: str, start_index: int, end_index: int) -> None:
-        annotation = AnnotationURLCitation(type="url_citation", url=url, title=title, start_index=start_index,
-                                           end_index=end_index)
+        annotation = AnnotationURLCitation(
+            type="url_citation", url=url, title=title, start_index=start_index, end_index=end_index
+        )
         self.part.annotations.append(annotation)
-        self.events.emit(ResponseOutputTextAnnotationAddedEvent, item_id=self.item.id, output_index=self.index,
-                         content_index=0, annotation_index=len(self.part.annotations) - 1,
-                         annotation=dump(annotation))
+        self.events.emit(
+            ResponseOutputTextAnnotationAddedEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            content_index=0,
+            annotation_index=len(self.part.annotations) - 1,
+            annotation=dump(annotation),
+        )
 
     def done(self, status: str = "completed") -> None:
         ev = self.events
-        ev.emit(ResponseTextDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                text=self.part.text, logprobs=_without_bytes([dump(lp) for lp in self.part.logprobs]))
-        ev.emit(ResponseContentPartDoneEvent, item_id=self.item.id, output_index=self.index, content_index=0,
-                part=self.part.model_copy(deep=True))
+        ev.emit(
+            ResponseTextDoneEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            content_index=0,
+            text=self.part.text,
+            logprobs=_without_bytes([dump(lp) for lp in self.part.logprobs]),
+        )
+        ev.emit(
+            ResponseContentPartDoneEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            content_index=0,
+            part=self.part.model_copy(deep=True),
+        )
         self.item.status = status
         ev.item_done(self.index)
 
 
 def _without_bytes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Logprob entries as the text delta and done events carry them (no `bytes`)."""
-    return [{"token": e["token"], "logprob": e["logprob"],
-             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
-            for e in entries]
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]],
+        }
+        for e in entries
+    ]
 
 
 class FunctionCallWriter:
@@ -229,8 +286,9 @@ class FunctionCallWriter:
 
     def __init__(self, events: ResponseEvents, name: str, namespace: str | None = None):
         self.events = events
-        self.item = ResponseFunctionToolCall(id=new_id("fc"), call_id=new_id("call"), type="function_call",
-                                             name=name, arguments="", status="in_progress")
+        self.item = ResponseFunctionToolCall(
+            id=new_id("fc"), call_id=new_id("call"), type="function_call", name=name, arguments="", status="in_progress"
+        )
         if namespace:
             self.item.namespace = namespace
         self.index = events.add_item(self.item)
@@ -239,12 +297,17 @@ class FunctionCallWriter:
         if not text:
             return
         self.item.arguments += text
-        self.events.emit(ResponseFunctionCallArgumentsDeltaEvent, item_id=self.item.id, output_index=self.index,
-                         delta=text)
+        self.events.emit(
+            ResponseFunctionCallArgumentsDeltaEvent, item_id=self.item.id, output_index=self.index, delta=text
+        )
 
     def done(self, status: str = "completed") -> None:
-        self.events.emit(ResponseFunctionCallArgumentsDoneEvent, item_id=self.item.id, output_index=self.index,
-                         arguments=self.item.arguments)
+        self.events.emit(
+            ResponseFunctionCallArgumentsDoneEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            arguments=self.item.arguments,
+        )
         self.item.status = status
         self.events.item_done(self.index)
 
@@ -253,12 +316,18 @@ class CustomToolCallWriter:
     """A `custom_tool_call` for the client to run: freeform text input, streamed as generated
     and made plain at the end (`custom_input`: the model may have quoted it as a JSON string)."""
 
-    def __init__(self, events: ResponseEvents, name: str, namespace: str | None = None,
-                 final_input: Callable[[str], str] = lambda text: text):
+    def __init__(
+        self,
+        events: ResponseEvents,
+        name: str,
+        namespace: str | None = None,
+        final_input: Callable[[str], str] = lambda text: text,
+    ):
         self.events = events
         self.final_input = final_input
-        self.item = ResponseCustomToolCall(id=new_id("ctc"), call_id=new_id("call"), type="custom_tool_call",
-                                           name=name, input="")
+        self.item = ResponseCustomToolCall(
+            id=new_id("ctc"), call_id=new_id("call"), type="custom_tool_call", name=name, input=""
+        )
         if namespace:
             self.item.namespace = namespace
         self.raw = ""
@@ -269,13 +338,15 @@ class CustomToolCallWriter:
             return
         self.raw += text
         self.item.input = self.raw
-        self.events.emit(ResponseCustomToolCallInputDeltaEvent, item_id=self.item.id, output_index=self.index,
-                         delta=text)
+        self.events.emit(
+            ResponseCustomToolCallInputDeltaEvent, item_id=self.item.id, output_index=self.index, delta=text
+        )
 
     def done(self, status: str = "completed") -> None:
         self.item.input = self.final_input(self.raw)
-        self.events.emit(ResponseCustomToolCallInputDoneEvent, item_id=self.item.id, output_index=self.index,
-                         input=self.item.input)
+        self.events.emit(
+            ResponseCustomToolCallInputDoneEvent, item_id=self.item.id, output_index=self.index, input=self.item.input
+        )
         self.events.item_done(self.index)
 
 
@@ -287,8 +358,13 @@ class LocalShellCallWriter:
         self.events = events
         self.action_of = action_of
         self.arguments = ""
-        self.item = LocalShellCall(id=new_id("lsh"), call_id=new_id("call"), type="local_shell_call",
-                                   status="in_progress", action={"type": "exec", "command": [], "env": {}})
+        self.item = LocalShellCall(
+            id=new_id("lsh"),
+            call_id=new_id("call"),
+            type="local_shell_call",
+            status="in_progress",
+            action={"type": "exec", "command": [], "env": {}},
+        )
         self.index = events.add_item(self.item)
 
     def delta(self, text: str) -> None:
@@ -296,7 +372,8 @@ class LocalShellCallWriter:
 
     def done(self, status: str = "completed") -> None:
         self.item.action = LocalShellCall.model_validate(
-            {**dump(self.item), "action": self.action_of(self.arguments)}).action
+            {**dump(self.item), "action": self.action_of(self.arguments)}
+        ).action
         self.item.status = status
         self.events.item_done(self.index)
 
@@ -306,8 +383,9 @@ class WebSearchWriter:
 
     def __init__(self, events: ResponseEvents):
         self.events = events
-        self.item = ResponseFunctionWebSearch(id=new_id("ws"), type="web_search_call", status="in_progress",
-                                              action={"type": "search"})
+        self.item = ResponseFunctionWebSearch(
+            id=new_id("ws"), type="web_search_call", status="in_progress", action={"type": "search"}
+        )
         self.index = events.add_item(self.item)
         events.emit(ResponseWebSearchCallInProgressEvent, item_id=self.item.id, output_index=self.index)
 
@@ -333,8 +411,14 @@ class CodeInterpreterWriter:
 
     def __init__(self, events: ResponseEvents, container_id: str):
         self.events = events
-        self.item = ResponseCodeInterpreterToolCall(id=new_id("ci"), type="code_interpreter_call", code="",
-                                                    container_id=container_id, outputs=None, status="in_progress")
+        self.item = ResponseCodeInterpreterToolCall(
+            id=new_id("ci"),
+            type="code_interpreter_call",
+            code="",
+            container_id=container_id,
+            outputs=None,
+            status="in_progress",
+        )
         self.index = events.add_item(self.item)
         events.emit(ResponseCodeInterpreterCallInProgressEvent, item_id=self.item.id, output_index=self.index)
 
@@ -342,12 +426,14 @@ class CodeInterpreterWriter:
         if not text:
             return
         self.item.code += text
-        self.events.emit(ResponseCodeInterpreterCallCodeDeltaEvent, item_id=self.item.id, output_index=self.index,
-                         delta=text)
+        self.events.emit(
+            ResponseCodeInterpreterCallCodeDeltaEvent, item_id=self.item.id, output_index=self.index, delta=text
+        )
 
     def interpreting(self) -> None:
-        self.events.emit(ResponseCodeInterpreterCallCodeDoneEvent, item_id=self.item.id, output_index=self.index,
-                         code=self.item.code)
+        self.events.emit(
+            ResponseCodeInterpreterCallCodeDoneEvent, item_id=self.item.id, output_index=self.index, code=self.item.code
+        )
         self.item.status = "interpreting"
         self.events.emit(ResponseCodeInterpreterCallInterpretingEvent, item_id=self.item.id, output_index=self.index)
 
@@ -378,8 +464,9 @@ class McpCallWriter:
 
     def __init__(self, events: ResponseEvents, server_label: str, name: str):
         self.events = events
-        self.item = McpCall(id=new_id("mcp"), type="mcp_call", server_label=server_label, name=name, arguments="",
-                            status="in_progress")
+        self.item = McpCall(
+            id=new_id("mcp"), type="mcp_call", server_label=server_label, name=name, arguments="", status="in_progress"
+        )
         self.index = events.add_item(self.item)
 
     def delta(self, text: str) -> None:
@@ -389,8 +476,12 @@ class McpCallWriter:
         self.events.emit(ResponseMcpCallArgumentsDeltaEvent, item_id=self.item.id, output_index=self.index, delta=text)
 
     def calling(self) -> None:
-        self.events.emit(ResponseMcpCallArgumentsDoneEvent, item_id=self.item.id, output_index=self.index,
-                         arguments=self.item.arguments)
+        self.events.emit(
+            ResponseMcpCallArgumentsDoneEvent,
+            item_id=self.item.id,
+            output_index=self.index,
+            arguments=self.item.arguments,
+        )
         self.item.status = "calling"
         self.events.emit(ResponseMcpCallInProgressEvent, item_id=self.item.id, output_index=self.index)
 
@@ -412,15 +503,29 @@ def warm_up() -> None:
     """Build every item and event once, discarding them: the SDK's pydantic models compile
     their validators on first use (a fraction of a second each), which the first request of a
     fresh server would otherwise pay in its time to first token."""
-    response = Response.model_validate({"id": "resp_warmup", "created_at": 0, "model": "m", "object": "response",
-                                        "output": [], "parallel_tool_calls": True, "tool_choice": "auto",
-                                        "tools": []})
+    response = Response.model_validate(
+        {
+            "id": "resp_warmup",
+            "created_at": 0,
+            "model": "m",
+            "object": "response",
+            "output": [],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+        }
+    )
     events = ResponseEvents(response, lambda event: None)
     events.lifecycle("response.created")
-    for writer in (ReasoningWriter(events), MessageWriter(events, phase="final_answer"),
-                   FunctionCallWriter(events, "f"), CodeInterpreterWriter(events, "cntr_warmup"),
-                   McpCallWriter(events, "label", "tool"), CustomToolCallWriter(events, "c", "ns"),
-                   LocalShellCallWriter(events, lambda arguments: {"type": "exec", "command": ["x"], "env": {}})):
+    for writer in (
+        ReasoningWriter(events),
+        MessageWriter(events, phase="final_answer"),
+        FunctionCallWriter(events, "f"),
+        CodeInterpreterWriter(events, "cntr_warmup"),
+        McpCallWriter(events, "label", "tool"),
+        CustomToolCallWriter(events, "c", "ns"),
+        LocalShellCallWriter(events, lambda arguments: {"type": "exec", "command": ["x"], "env": {}}),
+    ):
         writer.delta("x")
         if isinstance(writer, MessageWriter):
             writer.annotate("https://example.org", "t", 0, 1)

@@ -34,8 +34,12 @@ from agent_server.store import StoredResponse
 log = logging.getLogger(__name__)
 
 
-def start_run(state: ServerState, prepared: PreparedResponse,
-              keep: Callable[[StoredResponse], None] | None = None, generate: bool = True) -> ResponseRun:
+def start_run(
+    state: ServerState,
+    prepared: PreparedResponse,
+    keep: Callable[[StoredResponse], None] | None = None,
+    generate: bool = True,
+) -> ResponseRun:
     """`keep`: takes the record of a store=false response that can be continued. `generate`
     False: the response ends at once with no output, a conversation to continue (a client's
     prewarm, over a WebSocket)."""
@@ -55,8 +59,11 @@ def start_run(state: ServerState, prepared: PreparedResponse,
 async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedResponse) -> None:
     req, response = prepared.request, prepared.response
     # A stored response is written while it runs too, so a crash does not lose it.
-    journal = RunJournal(state.store, run, lambda: _record(prepared, run, [], events=False),
-                         keep_events=req.background) if req.store else None
+    journal = (
+        RunJournal(state.store, run, lambda: _record(prepared, run, [], events=False), keep_events=req.background)
+        if req.store
+        else None
+    )
 
     def publish(event) -> None:
         run.publish(event)
@@ -104,8 +111,9 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
             record = _record(prepared, run, outcome.new_messages, outcome.function_calls)
             run.keep(record)
         if prepared.conversation is not None and continued:
-            await _add_to_conversation(state, prepared, record or _record(prepared, run, outcome.new_messages,
-                                                                          outcome.function_calls))
+            await _add_to_conversation(
+                state, prepared, record or _record(prepared, run, outcome.new_messages, outcome.function_calls)
+            )
     except Exception:
         log.exception("response %s could not be finished", response.id)
         if response.status not in TERMINAL:
@@ -124,8 +132,9 @@ async def _execute(state: ServerState, run: ResponseRun, prepared: PreparedRespo
         state.runs.remove(run.response_id)
 
 
-async def _work(state: ServerState, run: ResponseRun, prepared: PreparedResponse, events: ResponseEvents,
-                sessions: ToolSessions) -> AgentOutcome:
+async def _work(
+    state: ServerState, run: ResponseRun, prepared: PreparedResponse, events: ResponseEvents, sessions: ToolSessions
+) -> AgentOutcome:
     """The agent loop, after compacting the conversation when the prompt passed the threshold."""
     summary_usage = None
     if prepared.compaction is not None:
@@ -136,8 +145,9 @@ async def _work(state: ServerState, run: ResponseRun, prepared: PreparedResponse
             return AgentOutcome(status="failed", error="The conversation could not be compacted.")
         except APIError as e:  # no room left to write the summary in
             return AgentOutcome(status="failed", error=e.message)
-    loop = AgentLoop(state.engine, prepared.task, events, sessions, state.metrics,
-                     on_engine_start=run.engine_started.set)
+    loop = AgentLoop(
+        state.engine, prepared.task, events, sessions, state.metrics, on_engine_start=run.engine_started.set
+    )
     outcome = await loop.run()
     if summary_usage is not None:  # the summary's tokens count, as the response's own do
         usage = dump(events.response.usage)
@@ -155,8 +165,14 @@ async def _compact_first(state: ServerState, prepared: PreparedResponse, events:
     item; the response then runs, and is stored, on the compacted conversation."""
     older, rest = prepared.compaction
     writer = CompactionWriter(events)
-    summary = await summarise(state.engine, older, prepared.instructions, f"{prepared.response.id}/compaction",
-                              max_tokens=state.config.default_max_output_tokens, metrics=state.metrics)
+    summary = await summarise(
+        state.engine,
+        older,
+        prepared.instructions,
+        f"{prepared.response.id}/compaction",
+        max_tokens=state.config.default_max_output_tokens,
+        metrics=state.metrics,
+    )
     writer.done(state.seal.seal_summary(summary.text))
     prepared.history, prepared.new_messages = compacted(older, summary.text), rest
     prepared.task.prompt = render_prompt(prepared.head + prepared.history + rest, keep_analysis=prepared.keep_analysis)
@@ -167,12 +183,19 @@ async def _add_to_conversation(state: ServerState, prepared: PreparedResponse, r
     """The response's input and output items join its conversation; what the model saw becomes
     the conversation's state, unless its items changed while the response ran."""
     conversation = prepared.conversation
-    saved = {"conversation": record.conversation, "function_calls": record.function_calls,
-             "input_instructions": record.input_instructions, "mcp_listed": record.mcp_listed}
+    saved = {
+        "conversation": record.conversation,
+        "function_calls": record.function_calls,
+        "input_instructions": record.input_instructions,
+        "mcp_listed": record.mcp_listed,
+    }
     try:
-        added = await state.store.add_conversation_items(conversation.id, [*record.input_items,
-                                                                           *record.response.get("output", [])],
-                                                         saved, from_version=conversation.version)
+        added = await state.store.add_conversation_items(
+            conversation.id,
+            [*record.input_items, *record.response.get("output", [])],
+            saved,
+            from_version=conversation.version,
+        )
     except ValueError as e:  # an item id it took meanwhile (given twice by concurrent responses)
         log.warning("response %s: its items were not added to conversation %s: %s", record.id, conversation.id, e)
         return
@@ -188,8 +211,13 @@ async def _store(state: ServerState, run: ResponseRun, record: StoredResponse) -
         await state.store.delete(record.id)
 
 
-def _record(prepared: PreparedResponse, run: ResponseRun, new_messages: list[Message],
-            new_calls: dict[str, str] | None = None, events: bool = True) -> StoredResponse:
+def _record(
+    prepared: PreparedResponse,
+    run: ResponseRun,
+    new_messages: list[Message],
+    new_calls: dict[str, str] | None = None,
+    events: bool = True,
+) -> StoredResponse:
     """The run's record as it is now (`events=False`: without the events so far, which the
     journal appends on its own)."""
     conversation = prepared.history + prepared.new_messages + new_messages

@@ -23,9 +23,10 @@ from agent_server.agent.loop import AgentTask
 from agent_server.agent.tool_registry import ActiveTools
 from agent_server.errors import APIError, from_validation_error, not_found
 from agent_server.harmony import PromptConfig, preamble, render_prompt
-from agent_server.responses.compaction import split_for_compaction
 from agent_server.large_prompts import check_fits, text_chars
 from agent_server.ownership import visible
+from agent_server.request_settings import RequestSettings, request_settings
+from agent_server.responses.compaction import split_for_compaction
 from agent_server.responses.conversation import input_to_messages, messages_from_json
 from agent_server.responses.events import new_id
 from agent_server.responses.runs import TERMINAL
@@ -53,7 +54,6 @@ from schemas.responses import (
     ToolChoiceMcp,
 )
 
-from agent_server.request_settings import RequestSettings, request_settings
 INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
 SDK_TOOL = TypeAdapter(SDKTool)
 
@@ -83,9 +83,15 @@ class PreparedResponse:
     conversation: StoredConversation | None = None  # the `conversation` it runs in, as it was then
 
 
-async def prepare(state: ServerState, req: ResponseCreateRequest, started: float, owner: str | None = None, *,
-                  local_responses: Mapping[str, StoredResponse] | None = None,
-                  counting: bool = False) -> PreparedResponse:
+async def prepare(
+    state: ServerState,
+    req: ResponseCreateRequest,
+    started: float,
+    owner: str | None = None,
+    *,
+    local_responses: Mapping[str, StoredResponse] | None = None,
+    counting: bool = False,
+) -> PreparedResponse:
     """Validate what the schema cannot, and build the agent's task and the first snapshot.
     `owner`: whose earlier responses and items it may use. `local_responses`: store=false
     responses a `previous_response_id` may name besides the stored ones (those of a WebSocket
@@ -93,13 +99,20 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     longer than the context is no error."""
     config, engine = state.config, state.engine
     if not config.serves(req.model):
-        raise APIError(f"The model '{req.model}' does not exist; this server serves '{config.model_name}'.",
-                       status=404, param="model", code="model_not_found")
+        raise APIError(
+            f"The model '{req.model}' does not exist; this server serves '{config.model_name}'.",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
     if req.input is None and req.previous_response_id is None and req.conversation is None:
         raise APIError("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
     if req.conversation is not None and req.previous_response_id is not None:
-        raise APIError("'previous_response_id' cannot be used together with 'conversation': a conversation "
-                       "continues from its own items.", param="previous_response_id")
+        raise APIError(
+            "'previous_response_id' cannot be used together with 'conversation': a conversation "
+            "continues from its own items.",
+            param="previous_response_id",
+        )
     if req.background and not req.store:
         raise APIError("Background responses must be stored: set store=true.", param="background")
     include = set(req.include or [])
@@ -125,8 +138,9 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
         history = messages_from_json(previous.conversation)
         known_calls = dict(previous.function_calls)
         chain_instructions = list(previous.input_instructions)
-        listed_mcp = set(previous.mcp_listed) | {o.get("server_label") for o in previous.response.get("output", [])
-                                                 if o.get("type") == "mcp_list_tools"}
+        listed_mcp = set(previous.mcp_listed) | {
+            o.get("server_label") for o in previous.response.get("output", []) if o.get("type") == "mcp_list_tools"
+        }
 
     settings = request_settings(req, items)
     active = state.tools.select(settings.tools, enabled=req.tool_choice != "none")
@@ -147,22 +161,40 @@ async def prepare(state: ServerState, req: ResponseCreateRequest, started: float
     head, conversation = preamble(prompt_config), history + converted.messages
     auto = req.truncation == "auto"
     # (the least truncation="auto" keeps: from the last user message on)
-    kept = conversation[max([i for i, m in enumerate(conversation) if i > 0 and m.author.role == Role.USER],
-                            default=0):] if auto else conversation
+    kept = (
+        conversation[max([i for i, m in enumerate(conversation) if i > 0 and m.author.role == Role.USER], default=0) :]
+        if auto
+        else conversation
+    )
     check_fits(head + kept, engine.max_model_len, "input", "input")
-    prompt = await state.renderer.run(_prompt_for, head, conversation, engine.max_model_len, req.max_output_tokens,
-                                      auto, settings.keep_analysis, chars=text_chars(head + conversation))
+    prompt = await state.renderer.run(
+        _prompt_for,
+        head,
+        conversation,
+        engine.max_model_len,
+        req.max_output_tokens,
+        auto,
+        settings.keep_analysis,
+        chars=text_chars(head + conversation),
+    )
     why = _why_truncation_did_not_help(head, conversation) if req.truncation == "auto" else ""
     if len(prompt) >= engine.max_model_len and not counting:
-        raise APIError(f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens."
-                       f"{why}", param="input", code="context_length_exceeded")
+        raise APIError(
+            f"The input is {len(prompt)} tokens; this model's context is {engine.max_model_len} tokens.{why}",
+            param="input",
+            code="context_length_exceeded",
+        )
     threshold = req.compact_threshold
     compaction = split_for_compaction(conversation) if threshold is not None and len(prompt) > threshold else None
     room = max(engine.max_model_len - len(prompt), 1)
     if req.max_output_tokens is not None and req.max_output_tokens > room:
-        raise APIError(f"'max_output_tokens' is too large: the input is {len(prompt)} tokens and this model's "
-                       f"context is {engine.max_model_len}, so at most {room} output tokens fit; got "
-                       f"{req.max_output_tokens}.{why}", param="max_output_tokens", code="context_length_exceeded")
+        raise APIError(
+            f"'max_output_tokens' is too large: the input is {len(prompt)} tokens and this model's "
+            f"context is {engine.max_model_len}, so at most {room} output tokens fit; got "
+            f"{req.max_output_tokens}.{why}",
+            param="max_output_tokens",
+            code="context_length_exceeded",
+        )
     max_output_tokens = config.output_limit(req.max_output_tokens, room)
 
     response_id = new_id("resp")
@@ -221,8 +253,14 @@ def _openers(state: ServerState, items: list[Any]) -> dict[str, Any]:
     return openers
 
 
-def _prompt_for(head: list[Message], conversation: list[Message], max_model_len: int,
-                max_output_tokens: int | None, auto_truncation: bool, keep_analysis: bool = False) -> list[int]:
+def _prompt_for(
+    head: list[Message],
+    conversation: list[Message],
+    max_model_len: int,
+    max_output_tokens: int | None,
+    auto_truncation: bool,
+    keep_analysis: bool = False,
+) -> list[int]:
     """The prompt's tokens, truncated under truncation="auto" when it does not fit (a worker
     process runs this for a long conversation: see large_prompts)."""
     prompt = render_prompt(head + conversation, keep_analysis=keep_analysis)
@@ -232,23 +270,29 @@ def _prompt_for(head: list[Message], conversation: list[Message], max_model_len:
 
 
 def _fits(prompt: list[int], max_model_len: int, max_output_tokens: int | None) -> bool:
-    return len(prompt) < max_model_len and (max_output_tokens is None
-                                            or len(prompt) + max_output_tokens <= max_model_len)
+    return len(prompt) < max_model_len and (
+        max_output_tokens is None or len(prompt) + max_output_tokens <= max_model_len
+    )
 
 
 def _why_truncation_did_not_help(head: list[Message], conversation: list[Message]) -> str:
     """For the 400 when truncation="auto" still leaves too much: it only drops whole earlier turns."""
     starts = [i for i, m in enumerate(conversation) if i > 0 and m.author.role == Role.USER]
     if not starts:
-        return (" truncation='auto' could not help: it drops whole earlier turns, oldest first, and this input is a "
-                "single turn (it never cuts into the last user message).")
-    left = len(render_prompt(head + conversation[starts[-1]:]))
-    return (f" truncation='auto' dropped every earlier turn, but the last one on its own (from its user message, "
-            f"with the instructions and tools) is still {left} tokens.")
+        return (
+            " truncation='auto' could not help: it drops whole earlier turns, oldest first, and this input is a "
+            "single turn (it never cuts into the last user message)."
+        )
+    left = len(render_prompt(head + conversation[starts[-1] :]))
+    return (
+        f" truncation='auto' dropped every earlier turn, but the last one on its own (from its user message, "
+        f"with the instructions and tools) is still {left} tokens."
+    )
 
 
-def _truncated(head: list[Message], conversation: list[Message], max_model_len: int,
-               max_output_tokens: int | None) -> list[int] | None:
+def _truncated(
+    head: list[Message], conversation: list[Message], max_model_len: int, max_output_tokens: int | None
+) -> list[int] | None:
     """truncation="auto": the prompt without the fewest oldest conversation messages that makes it
     fit (it starts at a user message), or None when even the last user message on does not fit.
     The stored conversation keeps them all."""
@@ -256,7 +300,7 @@ def _truncated(head: list[Message], conversation: list[Message], max_model_len: 
     best, low, high = None, 0, len(starts) - 1
     while low <= high:  # the prompt shrinks as the cut moves later: search for the earliest that fits
         middle = (low + high) // 2
-        prompt = render_prompt(head + conversation[starts[middle]:])
+        prompt = render_prompt(head + conversation[starts[middle] :])
         if _fits(prompt, max_model_len, max_output_tokens):
             best, high = prompt, middle - 1
         else:
@@ -264,8 +308,12 @@ def _truncated(head: list[Message], conversation: list[Message], max_model_len: 
     return best
 
 
-async def _previous(state: ServerState, response_id: str, owner: str | None = None,
-                    local_responses: Mapping[str, StoredResponse] | None = None) -> StoredResponse:
+async def _previous(
+    state: ServerState,
+    response_id: str,
+    owner: str | None = None,
+    local_responses: Mapping[str, StoredResponse] | None = None,
+) -> StoredResponse:
     if local_responses is not None and response_id in local_responses:
         return local_responses[response_id]
     run = state.runs.live(response_id, owner)
@@ -273,15 +321,24 @@ async def _previous(state: ServerState, response_id: str, owner: str | None = No
         if run.snapshot.status in TERMINAL:  # its last event is out, its record being stored
             await run.done.wait()
         else:
-            raise APIError(f"Previous response '{response_id}' is still in progress.",
-                           param="previous_response_id", code="previous_response_in_progress")
+            raise APIError(
+                f"Previous response '{response_id}' is still in progress.",
+                param="previous_response_id",
+                code="previous_response_in_progress",
+            )
     record = await state.store.get(response_id)
     if record is None or not visible(record.owner, owner):
-        raise APIError(f"Previous response with id '{response_id}' not found.", status=404,
-                       param="previous_response_id", code="previous_response_not_found")
+        raise APIError(
+            f"Previous response with id '{response_id}' not found.",
+            status=404,
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     if record.status not in ("completed", "incomplete"):
-        raise APIError(f"Previous response '{response_id}' has status '{record.status}' and cannot be continued.",
-                       param="previous_response_id")
+        raise APIError(
+            f"Previous response '{response_id}' has status '{record.status}' and cannot be continued.",
+            param="previous_response_id",
+        )
     return record
 
 
@@ -297,23 +354,30 @@ async def _conversation_item_ids(state: ServerState, conversation: StoredConvers
     return [item["id"] for item in items]
 
 
-async def _conversation_history(state: ServerState, conversation: StoredConversation
-                                ) -> tuple[list[Message], dict[str, str], list[str], set[str]]:
+async def _conversation_history(
+    state: ServerState, conversation: StoredConversation
+) -> tuple[list[Message], dict[str, str], list[str], set[str]]:
     """(Harmony messages, call names, instructions, listed MCP servers) a response in the
     conversation continues from: what its last response left, while no item was added or
     deleted since; otherwise its items, converted as input is."""
     saved = conversation.current_state
     if saved is not None:
-        return (messages_from_json(saved["conversation"]), dict(saved["function_calls"]),
-                list(saved["input_instructions"]), set(saved["mcp_listed"]))
+        return (
+            messages_from_json(saved["conversation"]),
+            dict(saved["function_calls"]),
+            list(saved["input_instructions"]),
+            set(saved["mcp_listed"]),
+        )
     stored = await state.store.conversation_items(conversation.id) or []
     items = []
     for item in stored:
         try:
             items.append(INPUT_ITEM.validate_python({k: v for k, v in item.items() if v is not None}))
         except ValidationError:
-            raise APIError(f"Item '{item.get('id')}' of conversation '{conversation.id}' cannot be given to the "
-                           "model.", param="conversation") from None
+            raise APIError(
+                f"Item '{item.get('id')}' of conversation '{conversation.id}' cannot be given to the model.",
+                param="conversation",
+            ) from None
     converted = input_to_messages(items, {}, **_openers(state, items))
     listed = {item.get("server_label") for item in stored if item.get("type") == "mcp_list_tools"}
     return converted.messages, converted.function_calls, converted.instructions, listed
@@ -343,8 +407,10 @@ def check_item_ids(items: list[Any], earlier: Iterable[str] = ()) -> None:
     for i, item in enumerate(items):
         item_id = getattr(item, "id", None)
         if item_id in seen:
-            raise APIError(f"Duplicate item found with id {item_id}. Remove duplicate items from your input and "
-                           "try again.", param=f"input[{i}].id")
+            raise APIError(
+                f"Duplicate item found with id {item_id}. Remove duplicate items from your input and try again.",
+                param=f"input[{i}].id",
+            )
         if item_id:
             seen.add(item_id)
 
@@ -364,8 +430,11 @@ def _check_calls_answered(previous: StoredResponse, items: list[Any]) -> None:
     a call the token limit cut short: nobody can run that)."""
     answered = {item.call_id for item in items if isinstance(item, FunctionCallOutputItem)}
     for output in previous.response.get("output", []):
-        if (output.get("type") == "function_call" and output.get("status") == "completed"
-                and output.get("call_id") not in answered):
+        if (
+            output.get("type") == "function_call"
+            and output.get("status") == "completed"
+            and output.get("call_id") not in answered
+        ):
             raise APIError(f"No tool output found for function call {output.get('call_id')}.", param="input")
 
 
@@ -376,8 +445,10 @@ def _check_mcp_choice(req: ResponseCreateRequest, active: ActiveTools) -> None:
         return
     for binding in active.mcp.values():
         if binding.label == choice.server_label and not any(t.name == choice.name for t in binding.namespace.tools):
-            raise APIError(f"Tool choice '{choice.name}' is not a tool of the '{choice.server_label}' server.",
-                           param="tool_choice.name")
+            raise APIError(
+                f"Tool choice '{choice.name}' is not a tool of the '{choice.server_label}' server.",
+                param="tool_choice.name",
+            )
 
 
 def _check_tool_choice(req: ResponseCreateRequest, tools: list[Any]) -> None:
@@ -389,12 +460,17 @@ def _check_tool_choice(req: ResponseCreateRequest, tools: list[Any]) -> None:
         raise APIError("Tool choice 'required' must be specified with 'tools' parameter.", param="tool_choice")
     if isinstance(choice, (ToolChoiceFunction, ToolChoiceCustom)):
         if not any(t.type == choice.type and t.name == choice.name for t in tools):
-            raise APIError(f"Tool choice '{choice.name}' is not one of the {choice.type} tools in 'tools'.",
-                           param="tool_choice")
+            raise APIError(
+                f"Tool choice '{choice.name}' is not one of the {choice.type} tools in 'tools'.", param="tool_choice"
+            )
     elif isinstance(choice, ToolChoiceBuiltin):
         if choice.type == "web_search":  # not a tool choice type (the SDK's Response cannot hold it)
-            raise APIError("Invalid value for 'tool_choice.type': 'web_search'; use 'web_search_preview', which "
-                           "chooses the web_search tool as well.", param="tool_choice.type", code="invalid_value")
+            raise APIError(
+                "Invalid value for 'tool_choice.type': 'web_search'; use 'web_search_preview', which "
+                "chooses the web_search tool as well.",
+                param="tool_choice.type",
+                code="invalid_value",
+            )
         wanted = "code_interpreter" if choice.type == "code_interpreter" else "web_search"
         if not any(t.type.startswith(wanted) for t in tools):
             raise APIError(f"Tool choice '{choice.type}' is not in 'tools'.", param="tool_choice")
@@ -403,8 +479,9 @@ def _check_tool_choice(req: ResponseCreateRequest, tools: list[Any]) -> None:
             raise APIError(f"Tool choice server '{choice.server_label}' is not in 'tools'.", param="tool_choice")
 
 
-def _turn_rules(req: ResponseCreateRequest, settings: RequestSettings, active: ActiveTools,
-                structure: bool) -> TurnRules | None:
+def _turn_rules(
+    req: ResponseCreateRequest, settings: RequestSettings, active: ActiveTools, structure: bool
+) -> TurnRules | None:
     """What the turn grammar holds this response's turns to (`agent_server/turn_grammar.py`):
     every turn's Harmony structure where `structure` is on, and in any case what the request
     asks to be enforced (a strict answer format or function, a forced tool); None: nothing."""
@@ -415,8 +492,11 @@ def _turn_rules(req: ResponseCreateRequest, settings: RequestSettings, active: A
             strict = True
             error = check_strict_schema(tool.parameters)
             if error:
-                raise APIError(f"Invalid schema for function '{tool.name}': {error}", param=param,
-                               code="invalid_function_parameters")
+                raise APIError(
+                    f"Invalid schema for function '{tool.name}': {error}",
+                    param=param,
+                    code="invalid_function_parameters",
+                )
     forced = active.forced_targets(req.tool_choice)
     if not (structure or forced or answer is not None or strict):
         return None
@@ -444,14 +524,18 @@ def _answer_schema(fmt: Any) -> dict[str, Any] | None:
     if isinstance(fmt, TextFormatJsonSchema) and fmt.strict:
         error = check_strict_schema(fmt.schema_)
         if error:
-            raise APIError(f"Invalid schema for response_format '{fmt.name}': {error}", param="text.format.schema",
-                           code="invalid_json_schema")
+            raise APIError(
+                f"Invalid schema for response_format '{fmt.name}': {error}",
+                param="text.format.schema",
+                code="invalid_json_schema",
+            )
         return fmt.schema_
     return None
 
 
-def _initial_snapshot(req: ResponseCreateRequest, response_id: str, instructions: str,
-                      max_output_tokens: int | None) -> SDKResponse:
+def _initial_snapshot(
+    req: ResponseCreateRequest, response_id: str, instructions: str, max_output_tokens: int | None
+) -> SDKResponse:
     """max_output_tokens: the limit the response runs under (the request's, or the server's default)."""
     text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
     text.setdefault("format", {"type": "text"})
@@ -522,8 +606,11 @@ def _declared(data: Any, sdk: Any) -> Any:
     if not (isinstance(data, dict) and isinstance(sdk, BaseModel)):
         return data
     fields = {f.alias or name: name for name, f in type(sdk).model_fields.items()}
-    return {key: _declared(value, getattr(sdk, fields[key], None)) if key in fields else value
-            for key, value in data.items() if key in fields or value is not None}
+    return {
+        key: _declared(value, getattr(sdk, fields[key], None)) if key in fields else value
+        for key, value in data.items()
+        if key in fields or value is not None
+    }
 
 
 def listed_input_items(items: list[Any]) -> list[dict[str, Any]]:

@@ -51,8 +51,13 @@ async def create_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     started = time.perf_counter()
     config = state.config
-    body = await read_request(request, ResponseCreateRequest, config.max_request_bytes, unsupported=UNSUPPORTED,
-                              max_items={"input": config.max_input_items, "tools": config.max_tools})
+    body = await read_request(
+        request,
+        ResponseCreateRequest,
+        config.max_request_bytes,
+        unsupported=UNSUPPORTED,
+        max_items={"input": config.max_input_items, "tools": config.max_tools},
+    )
     prepared = await prepare(state, body, started, request_owner(request))
     run = start_run(state, prepared)
     if body.stream:
@@ -99,16 +104,29 @@ async def compact_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     started = time.perf_counter()
     config = state.config
-    body = await read_request(request, ResponseCompactRequest, config.max_request_bytes,
-                              max_items={"input": config.max_input_items})
-    create = ResponseCreateRequest(model=body.model, input=body.input, instructions=body.instructions,
-                                   previous_response_id=body.previous_response_id, store=False)
+    body = await read_request(
+        request, ResponseCompactRequest, config.max_request_bytes, max_items={"input": config.max_input_items}
+    )
+    create = ResponseCreateRequest(
+        model=body.model,
+        input=body.input,
+        instructions=body.instructions,
+        previous_response_id=body.previous_response_id,
+        store=False,
+    )
     prepared = await prepare(state, create, started)
     conversation = prepared.history + prepared.new_messages
     compaction_id = new_id("resp")
-    work = asyncio.create_task(summarise(state.engine, conversation, prepared.instructions,
-                                         f"{compaction_id}/compaction", max_tokens=config.default_max_output_tokens,
-                                         metrics=state.metrics))
+    work = asyncio.create_task(
+        summarise(
+            state.engine,
+            conversation,
+            prepared.instructions,
+            f"{compaction_id}/compaction",
+            max_tokens=config.default_max_output_tokens,
+            metrics=state.metrics,
+        )
+    )
     watcher = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -120,25 +138,32 @@ async def compact_response(request: Request) -> Response:
     if work.cancelled():  # nobody is left to answer
         raise APIError("The client disconnected before the compaction ended.", code="client_disconnected")
     summary = work.result()
-    return JSONResponse({
-        "id": compaction_id,
-        "object": "response.compaction",
-        "created_at": int(time.time()),
-        "output": [*kept_items(prepared.input_instructions, conversation),
-                   compaction_item(state.seal.seal_summary, summary.text)],
-        "usage": usage_json(summary.usage),
-    })
+    return JSONResponse(
+        {
+            "id": compaction_id,
+            "object": "response.compaction",
+            "created_at": int(time.time()),
+            "output": [
+                *kept_items(prepared.input_instructions, conversation),
+                compaction_item(state.seal.seal_summary, summary.text),
+            ],
+            "usage": usage_json(summary.usage),
+        }
+    )
 
 
 async def count_input_tokens(request: Request) -> Response:
     """The tokens of the prompt a create request with these parameters would run on."""
     state: ServerState = request.app.state.server
     config = state.config
-    body = await read_request(request, InputTokensRequest, config.max_request_bytes,
-                              max_items={"input": config.max_input_items, "tools": config.max_tools})
+    body = await read_request(
+        request,
+        InputTokensRequest,
+        config.max_request_bytes,
+        max_items={"input": config.max_input_items, "tools": config.max_tools},
+    )
     prepared = await prepare(state, body.create_request(config.model_name), time.perf_counter(), counting=True)
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prepared.task.prompt)})
-
 
 
 # --- retrieve, delete, cancel, input items ------------------------------------------------
@@ -164,20 +189,29 @@ async def retrieve_response(request: Request) -> Response:
         return JSONResponse((await _stored(state, response_id, owner)).response)
     starting_after = int_query(request, "starting_after", -1, -1, 1 << 62)
     if run is not None and run.background:
-        return sse_response((sdk_event(e) async for e in run.stream(starting_after)),
-                            ping_seconds=state.config.sse_ping_seconds)
+        return sse_response(
+            (sdk_event(e) async for e in run.stream(starting_after)), ping_seconds=state.config.sse_ping_seconds
+        )
     record = None if run is not None else await _stored(state, response_id, owner)
     if record is None or record.events is None:
-        raise APIError("Only background responses can be streamed again; this one was not created with "
-                       "background=true.", param="stream")
+        raise APIError(
+            "Only background responses can be streamed again; this one was not created with background=true.",
+            param="stream",
+        )
 
     events = record.events
     if not events or events[-1].get("type") not in TERMINAL_EVENT.values():
         # The server stopped while it ran (the record was then marked failed): what it streamed
         # was not kept, but a stream still ends with the response's terminal event.
         status = record.status if record.status in TERMINAL else "failed"
-        events = [*events, {"type": TERMINAL_EVENT[status], "response": record.response,
-                            "sequence_number": max(len(events), starting_after + 1)}]
+        events = [
+            *events,
+            {
+                "type": TERMINAL_EVENT[status],
+                "response": record.response,
+                "sequence_number": max(len(events), starting_after + 1),
+            },
+        ]
 
     async def replay():
         for event in events:
@@ -236,15 +270,17 @@ async def list_input_items(request: Request) -> Response:
         ids = [item.get("id") for item in items]
         if after not in ids:
             raise APIError(f"No input item with id '{after}' in this response.", param="after")
-        items = items[ids.index(after) + 1:]
+        items = items[ids.index(after) + 1 :]
     page = items[:limit]
-    return JSONResponse({
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(items) > limit,
-    })
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
 
 
 routes = [

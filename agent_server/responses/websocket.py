@@ -90,20 +90,28 @@ class ResponsesSocket:
             stream_id = body.pop("stream_id", None)
             if stream_id is not None and not isinstance(stream_id, str):
                 stream_id = None
-                raise APIError("Invalid type for 'stream_id': expected a string.", param="stream_id",
-                               code="invalid_type")
+                raise APIError(
+                    "Invalid type for 'stream_id': expected a string.", param="stream_id", code="invalid_type"
+                )
             kind = body.pop("type", None)
             if kind == "response.create":
                 await self.create(body, stream_id)
             elif kind == "response.cancel":
                 self.cancel(body)
             elif kind == "response.steer":
-                raise APIError("'response.steer' is not supported by this server: send a new 'response.create' with "
-                               "previous_response_id once the response has ended.", param="type",
-                               code="unsupported_value")
+                raise APIError(
+                    "'response.steer' is not supported by this server: send a new 'response.create' with "
+                    "previous_response_id once the response has ended.",
+                    param="type",
+                    code="unsupported_value",
+                )
             else:
-                raise APIError(f"Invalid value for 'type': {kind!r}. This server takes 'response.create' and "
-                               "'response.cancel' messages.", param="type", code="invalid_value")
+                raise APIError(
+                    f"Invalid value for 'type': {kind!r}. This server takes 'response.create' and "
+                    "'response.cancel' messages.",
+                    param="type",
+                    code="invalid_value",
+                )
         except APIError as e:
             return {"type": "error", "status": e.status, **e.body()}, stream_id
         except Exception:
@@ -115,16 +123,23 @@ class ResponsesSocket:
     async def create(self, body: dict[str, Any], stream_id: str | None) -> None:
         started = time.perf_counter()
         if body.get("background") is True:
-            raise APIError("Background responses are not supported over a WebSocket; create them with POST "
-                           "/v1/responses.", param="background", code="unsupported_parameter")
+            raise APIError(
+                "Background responses are not supported over a WebSocket; create them with POST /v1/responses.",
+                param="background",
+                code="unsupported_parameter",
+            )
         generate = body.pop("generate", True)
         if not isinstance(generate, bool):
             raise APIError("Invalid type for 'generate': expected a boolean.", param="generate", code="invalid_type")
         for implied in ("stream", "background"):  # (over a WebSocket, the stream is the point)
             body.pop(implied, None)
         config = self.state.config
-        req = validate_body(body, ResponseCreateRequest, unsupported=UNSUPPORTED,
-                            max_items={"input": config.max_input_items, "tools": config.max_tools})
+        req = validate_body(
+            body,
+            ResponseCreateRequest,
+            unsupported=UNSUPPORTED,
+            max_items={"input": config.max_input_items, "tools": config.max_tools},
+        )
         try:
             prepared = await prepare(self.state, req, started, local_responses=self.kept)
         except APIError:
@@ -145,8 +160,12 @@ class ResponsesSocket:
         if response_id is not None:
             run = self.runs.get(response_id) if isinstance(response_id, str) else None
             if run is None:
-                raise APIError(f"No response with id '{response_id}' is in progress on this connection.",
-                               status=404, param="response_id", code="not_found")
+                raise APIError(
+                    f"No response with id '{response_id}' is in progress on this connection.",
+                    status=404,
+                    param="response_id",
+                    code="not_found",
+                )
             run.cancel()
             return
         if not self.runs:

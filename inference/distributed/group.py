@@ -69,8 +69,9 @@ class TensorParallelGroup:
         if mode not in ALL_REDUCE_MODES:
             raise ValueError(f"tp_all_reduce must be one of {', '.join(ALL_REDUCE_MODES)}, got {mode!r}")
         if mode == "symm_mem" and self.peer is None:
-            raise RuntimeError(f"tp_all_reduce 'symm_mem': peer memory is unavailable "
-                               f"({self.peer_unavailable or 'not set up'})")
+            raise RuntimeError(
+                f"tp_all_reduce 'symm_mem': peer memory is unavailable ({self.peer_unavailable or 'not set up'})"
+            )
         self.mode = {"auto": "peer" if self.peer is not None else "nccl", "symm_mem": "peer"}.get(mode, mode)
 
     def reduce_dtype(self, tokens: int, dtype: torch.dtype) -> torch.dtype:
@@ -127,9 +128,18 @@ class TensorParallelGroup:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def join_group(config: ModelConfig, rank: int, size: int, device: torch.device, store, *,
-               moe_parallel: str = "tensor", all_reduce: str = "auto", peer_bytes: int = 0,
-               devices: list[torch.device] | None = None) -> TensorParallelGroup:
+def join_group(
+    config: ModelConfig,
+    rank: int,
+    size: int,
+    device: torch.device,
+    store,
+    *,
+    moe_parallel: str = "tensor",
+    all_reduce: str = "auto",
+    peer_bytes: int = 0,
+    devices: list[torch.device] | None = None,
+) -> TensorParallelGroup:
     """Join the group as `rank` of `size` and set up its collectives: NCCL (gloo on CPU), and on
     CUDA with `all_reduce` "auto" or "symm_mem" a peer-memory buffer of `peer_bytes` shared
     with the ranks on `devices` (every rank's device). Collective: every rank calls it."""
@@ -150,7 +160,9 @@ def join_group(config: ModelConfig, rank: int, size: int, device: torch.device, 
         else:
             tp.peer_unavailable = "not a CUDA device" if device.type != "cuda" else "no buffer asked for"
         if tp.peer is None and rank == 0 and device.type == "cuda":
-            log.warning("tensor parallel: small all-reduces go through NCCL: peer memory is unavailable (%s)",
-                        tp.peer_unavailable)
+            log.warning(
+                "tensor parallel: small all-reduces go through NCCL: peer memory is unavailable (%s)",
+                tp.peer_unavailable,
+            )
     tp.set_all_reduce(all_reduce)
     return tp

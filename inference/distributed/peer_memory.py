@@ -147,8 +147,10 @@ class PeerAllReduce:
             deadline = time.monotonic() + SELF_TEST_TIMEOUT_S
             while not done.query():
                 if time.monotonic() > deadline:
-                    raise PeerMemoryHang(f"the symmetric-memory all-reduce of {rows} rows did not finish in "
-                                       f"{SELF_TEST_TIMEOUT_S:.0f} s (peers unreachable?)")
+                    raise PeerMemoryHang(
+                        f"the symmetric-memory all-reduce of {rows} rows did not finish in "
+                        f"{SELF_TEST_TIMEOUT_S:.0f} s (peers unreachable?)"
+                    )
                 time.sleep(0.001)
             if not torch.all(got == want):
                 return f"the symmetric-memory all-reduce of {rows} rows gave wrong sums"

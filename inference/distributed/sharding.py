@@ -84,8 +84,10 @@ def valid_sizes(config: ModelConfig, limit: int = 64, moe_parallel: str = "tenso
     """Every tensor_parallel_size up to `limit` this model can be split into."""
     units = config.intermediate_size // intermediate_unit(config)
     return [
-        n for n in range(1, limit + 1)
-        if config.num_attention_heads % n == 0 and config.num_key_value_heads % n == 0
+        n
+        for n in range(1, limit + 1)
+        if config.num_attention_heads % n == 0
+        and config.num_key_value_heads % n == 0
         and (n <= units if moe_parallel == "tensor" else config.num_local_experts % n == 0)
     ]
 

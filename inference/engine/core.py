@@ -79,8 +79,13 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 class LLMEngine:
     """The synchronous engine core. Not thread-safe: one thread drives it."""
 
-    def __init__(self, model: GptOssModel, config: EngineConfig | None = None, model_name: str = "gpt-oss",
-                 workers: executor.WorkerProcesses | None = None):
+    def __init__(
+        self,
+        model: GptOssModel,
+        config: EngineConfig | None = None,
+        model_name: str = "gpt-oss",
+        workers: executor.WorkerProcesses | None = None,
+    ):
         """`workers`: with tensor parallelism, on rank 0, the other ranks (`executor.py`), handed
         every step the runner runs."""
         config = config or EngineConfig()
@@ -92,9 +97,12 @@ class LLMEngine:
         self.vocab_size = c.vocab_size
         self.max_model_len = min(config.max_model_len or c.max_position_embeddings, model.max_positions)
         if self.max_model_len > c.max_position_embeddings:  # (RoPE still runs, past what it was trained on)
-            log.warning("max_model_len %d is beyond the %d positions the model's config.json gives "
-                        "(max_position_embeddings); output quality past them is not known",
-                        self.max_model_len, c.max_position_embeddings)
+            log.warning(
+                "max_model_len %d is beyond the %d positions the model's config.json gives "
+                "(max_position_embeddings); output quality past them is not known",
+                self.max_model_len,
+                c.max_position_embeddings,
+            )
         self.page_size = config.page_size
         has_sliding = any(c.is_sliding(i) for i in range(c.num_hidden_layers))
         dtype, device = model.dtype, model.device
@@ -106,8 +114,14 @@ class LLMEngine:
         warmup = getattr(model.attention_backend, "warmup", None)
         if warmup is not None:  # JIT kernels compile now (and count in the memory profile), not mid-request
             lc = model.local_config
-            warmup(lc.num_attention_heads, lc.num_key_value_heads, lc.head_dim, config.page_size,
-                   (None, c.sliding_window) if has_sliding else (None,), dtype)
+            warmup(
+                lc.num_attention_heads,
+                lc.num_key_value_heads,
+                lc.head_dim,
+                config.page_size,
+                (None, c.sliding_window) if has_sliding else (None,),
+                dtype,
+            )
 
         memory = None
         if config.num_pages is None:
@@ -115,9 +129,15 @@ class LLMEngine:
             if model.tp is not None:  # every rank gets the same pages: the tightest rank decides
                 memory = model.tp.min_across_ranks(memory)
         plan = plan_cache(
-            model.local_config, config.page_size, dtype, memory_bytes=memory, num_pages=config.num_pages,
-            num_sliding_pages=config.num_sliding_pages, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+            model.local_config,
+            config.page_size,
+            dtype,
+            memory_bytes=memory,
+            num_pages=config.num_pages,
+            num_sliding_pages=config.num_sliding_pages,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
             extra_full_page_bytes=self.drafter.kv_bytes_per_page(config.page_size) if self.drafter else 0,
         )
         min_sliding = -(-c.sliding_window // config.page_size) + 1
@@ -128,22 +148,35 @@ class LLMEngine:
             )
         log.info(describe_plan(plan, c, config.page_size))
         if plan.num_full_pages * config.page_size < self.max_model_len:
-            log.warning("the KV cache holds %d tokens: serving a context of %d tokens instead of %d",
-                        plan.num_full_pages * config.page_size, plan.num_full_pages * config.page_size,
-                        self.max_model_len)
+            log.warning(
+                "the KV cache holds %d tokens: serving a context of %d tokens instead of %d",
+                plan.num_full_pages * config.page_size,
+                plan.num_full_pages * config.page_size,
+                self.max_model_len,
+            )
             self.max_model_len = plan.num_full_pages * config.page_size
         self.kv_caches = allocate_kv_tensors(model.local_config, plan, config.page_size, dtype, device)
         if self.drafter is not None:
             self.drafter.allocate_kv(plan.num_full_pages, config.page_size)
         self.cache = KVCacheManager(
-            plan.num_full_pages, plan.num_sliding_pages, config.page_size,
-            c.sliding_window if has_sliding else None, plan.bytes_per_full_page, plan.bytes_per_sliding_page,
+            plan.num_full_pages,
+            plan.num_sliding_pages,
+            config.page_size,
+            c.sliding_window if has_sliding else None,
+            plan.bytes_per_full_page,
+            plan.bytes_per_sliding_page,
         )
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(
-            model, self.kv_caches, config.page_size, self.max_model_len, config.max_num_seqs,
-            has_sliding=has_sliding, enforce_eager=config.enforce_eager,
-            aux_layers=self.drafter.aux_layers if self.drafter else (), num_draft_tokens=self.num_draft_tokens,
+            model,
+            self.kv_caches,
+            config.page_size,
+            self.max_model_len,
+            config.max_num_seqs,
+            has_sliding=has_sliding,
+            enforce_eager=config.enforce_eager,
+            aux_layers=self.drafter.aux_layers if self.drafter else (),
+            num_draft_tokens=self.num_draft_tokens,
         )
         self.tokens_prefilled = 0
         self.tokens_decoded = 0
@@ -181,12 +214,22 @@ class LLMEngine:
         dtype = _dtype(dtype)
         if config.tensor_parallel_size > 1:
             return executor.start_tensor_parallel(
-                executor.ModelSource(model_dir=str(model_dir)), config, cls, device=device, dtype=dtype,
-                                attention_backend=attention_backend, moe_backend=moe_backend,
-                                model_name=model_name or Path(model_dir).name)
+                executor.ModelSource(model_dir=str(model_dir)),
+                config,
+                cls,
+                device=device,
+                dtype=dtype,
+                attention_backend=attention_backend,
+                moe_backend=moe_backend,
+                model_name=model_name or Path(model_dir).name,
+            )
         model = GptOssModel.from_pretrained(
-            model_dir, device=device, dtype=dtype, attention_backend=attention_backend,
-            moe_backend=moe_backend, max_positions=config.max_model_len,
+            model_dir,
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            moe_backend=moe_backend,
+            max_positions=config.max_model_len,
         )
         return cls(model, config, model_name=model_name or Path(model_dir).name)
 
@@ -210,8 +253,13 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             raise ValueError("random weights run on one device (tensor_parallel_size 1)")
         model = GptOssModel.from_random(
-            model_config, device=device, dtype=_dtype(dtype), attention_backend=attention_backend,
-            moe_backend=moe_backend, max_positions=config.max_model_len, seed=seed,
+            model_config,
+            device=device,
+            dtype=_dtype(dtype),
+            attention_backend=attention_backend,
+            moe_backend=moe_backend,
+            max_positions=config.max_model_len,
+            seed=seed,
         )
         return cls(model, config, model_name=model_name)
 
@@ -227,7 +275,7 @@ class LLMEngine:
         hidden = self.model(ids, scratch.metadata(tokens), scratch.kv_caches)
         # One logits row per sequence, or per verified position with speculation (drafts + 1).
         rows = self.config.max_num_seqs * (self.num_draft_tokens + 1)
-        self.model.compute_logits(hidden[-min(tokens, rows):])
+        self.model.compute_logits(hidden[-min(tokens, rows) :])
         torch.cuda.synchronize()
         peak, now = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
         del scratch, hidden
@@ -508,8 +556,11 @@ class LLMEngine:
             limit = 0
             if seq.status == SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed == 1:
                 # Room for every kept draft plus the token after them, within both limits.
-                limit = min(self.num_draft_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1,
-                            self.max_model_len - seq.num_tokens - 1)
+                limit = min(
+                    self.num_draft_tokens,
+                    seq.sampling.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1,
+                )
                 if limit > 0 and self.drafter.writes_ahead:
                     # The drafter writes K/V at the drafted positions: reserve next step's pages now.
                     limit = max(self.cache.fit_tokens(seq.pages, seq.num_computed, 1 + limit) - 1, 0)

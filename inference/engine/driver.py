@@ -34,8 +34,15 @@ class EngineDriver:
                 try:
                     self.engine.add_request(request)
                 except Exception as e:
-                    return [TokenDelta(request.request_id, [], finish_reason="error", error=str(e),
-                                       num_prompt_tokens=len(request.prompt_token_ids))], False
+                    return [
+                        TokenDelta(
+                            request.request_id,
+                            [],
+                            finish_reason="error",
+                            error=str(e),
+                            num_prompt_tokens=len(request.prompt_token_ids),
+                        )
+                    ], False
             elif kind == "abort":
                 delta = self.engine.abort(command[1])
                 return ([] if delta is None else [delta]), False

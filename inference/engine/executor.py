@@ -79,8 +79,9 @@ class ModelSource:
     def load(self, tp: TensorParallelGroup | None, **options):
         if self.model_dir is not None:
             return GptOssModel.from_pretrained(self.model_dir, tensor_parallel=tp, **options)
-        return GptOssModel.from_random(self.random_config, seed=self.seed, tensor_parallel=tp,
-                                       decisive_routing=self.decisive_routing, **options)
+        return GptOssModel.from_random(
+            self.random_config, seed=self.seed, tensor_parallel=tp, decisive_routing=self.decisive_routing, **options
+        )
 
 
 @dataclass(frozen=True)
@@ -105,14 +106,21 @@ def rank_devices(device, size: int) -> list[torch.device]:
     first = device.index if device.index is not None else torch.cuda.current_device()
     count = torch.cuda.device_count()
     if first + size > count:
-        raise ValueError(
-            f"tensor_parallel_size {size} needs GPUs {first}..{first + size - 1}; {count} are visible"
-        )
+        raise ValueError(f"tensor_parallel_size {size} needs GPUs {first}..{first + size - 1}; {count} are visible")
     return [torch.device("cuda", first + r) for r in range(size)]
 
 
-def start_tensor_parallel(source: ModelSource, engine_config: EngineConfig, engine_class: type, *, device=None,
-                          dtype=None, attention_backend=None, moe_backend=None, model_name: str = "gpt-oss"):
+def start_tensor_parallel(
+    source: ModelSource,
+    engine_config: EngineConfig,
+    engine_class: type,
+    *,
+    device=None,
+    dtype=None,
+    attention_backend=None,
+    moe_backend=None,
+    model_name: str = "gpt-oss",
+):
     """Build an `engine_class` (`LLMEngine`) over `engine_config.tensor_parallel_size` ranks; this
     process is rank 0, and every worker builds the same class on its shard.
 
@@ -123,22 +131,36 @@ def start_tensor_parallel(source: ModelSource, engine_config: EngineConfig, engi
     """
     engine_config.validate()
     size = engine_config.tensor_parallel_size
-    load_options = dict(dtype=dtype, attention_backend=attention_backend, moe_backend=moe_backend,
-                        max_positions=engine_config.max_model_len)
+    load_options = dict(
+        dtype=dtype,
+        attention_backend=attention_backend,
+        moe_backend=moe_backend,
+        max_positions=engine_config.max_model_len,
+    )
     if size == 1:
         return engine_class(source.load(None, device=device, **load_options), engine_config, model_name=model_name)
     config = source.config()
     check_tensor_parallel_size(config, size, engine_config.moe_parallel)
     devices = rank_devices(device, size)
     if dist.is_initialized():
-        raise RuntimeError("this process already belongs to a torch.distributed group: "
-                           "one tensor-parallel engine per process")
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed group: one tensor-parallel engine per process"
+        )
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # rank 0 is a NCCL peer too; workers inherit it
     disable_multicast_environment()
-    store = dist.TCPStore(RENDEZVOUS_HOST, 0, size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
-    spec = _WorkerSpec(source, engine_config, engine_class, tuple(str(d) for d in devices), load_options, store.port,
-                       os.getpid(), peer_buffer_bytes(config, engine_config))
+    store = dist.TCPStore(
+        RENDEZVOUS_HOST, 0, size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
+    )
+    spec = _WorkerSpec(
+        source,
+        engine_config,
+        engine_class,
+        tuple(str(d) for d in devices),
+        load_options,
+        store.port,
+        os.getpid(),
+        peer_buffer_bytes(config, engine_config),
+    )
     workers = WorkerProcesses(spec, size)
     tp = None
     try:
@@ -159,9 +181,15 @@ def start_tensor_parallel(source: ModelSource, engine_config: EngineConfig, engi
             tp.leave()
         raise
     gib = 1 << 30
-    log.info("tensor parallel: %d ranks on %s (MoE split by %s, small all-reduces over %s); checkpoint GiB read "
-             "per rank: %s", size, ", ".join(map(str, devices)), engine_config.moe_parallel,
-             "peer memory" if tp.peer is not None else "NCCL", ", ".join(f"{b / gib:.2f}" for b in workers.bytes_read))
+    log.info(
+        "tensor parallel: %d ranks on %s (MoE split by %s, small all-reduces over %s); checkpoint GiB read "
+        "per rank: %s",
+        size,
+        ", ".join(map(str, devices)),
+        engine_config.moe_parallel,
+        "peer memory" if tp.peer is not None else "NCCL",
+        ", ".join(f"{b / gib:.2f}" for b in workers.bytes_read),
+    )
     return engine
 
 
@@ -180,9 +208,17 @@ def peer_buffer_bytes(config: ModelConfig, engine_config: EngineConfig) -> int:
 
 def _join(spec: _WorkerSpec, config: ModelConfig, rank: int, device: torch.device, store) -> TensorParallelGroup:
     ec = spec.engine_config
-    return join_group(config, rank, len(spec.devices), device, store, moe_parallel=ec.moe_parallel,
-                      all_reduce=ec.tp_all_reduce, peer_bytes=spec.peer_bytes,
-                      devices=[torch.device(d) for d in spec.devices])
+    return join_group(
+        config,
+        rank,
+        len(spec.devices),
+        device,
+        store,
+        moe_parallel=ec.moe_parallel,
+        all_reduce=ec.tp_all_reduce,
+        peer_bytes=spec.peer_bytes,
+        devices=[torch.device(d) for d in spec.devices],
+    )
 
 
 class WorkerProcesses:
@@ -208,8 +244,12 @@ class WorkerProcesses:
         self.on_failure = None  # called (from the watchdog's thread) with the cause, once the workers are killed
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, spec, theirs, self.beats, self.done),
-                               name=f"oss-agent-tp{rank}", daemon=True)
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, spec, theirs, self.beats, self.done),
+                name=f"oss-agent-tp{rank}",
+                daemon=True,
+            )
             proc.start()
             theirs.close()
             self.conns.append(ours)
@@ -226,14 +266,18 @@ class WorkerProcesses:
         payloads = []
         # A spawned worker first re-imports the main script: one that builds an engine at import
         # time (no `if __name__ == "__main__":` guard) makes the worker fail before it starts.
-        hint = ("; a script that starts a tensor-parallel engine must do it under "
-                "`if __name__ == \"__main__\":`") if tag == "started" else ""
+        hint = (
+            ('; a script that starts a tensor-parallel engine must do it under `if __name__ == "__main__":`')
+            if tag == "started"
+            else ""
+        )
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
             deadline = time.monotonic() + timeout
             while not conn.poll(0.2):
                 if not proc.is_alive():
                     raise RuntimeError(
-                        f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before '{tag}'{hint}")
+                        f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before '{tag}'{hint}"
+                    )
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"tensor-parallel rank {rank} did not report '{tag}' within {timeout:.0f} s")
             try:
@@ -305,8 +349,10 @@ class WorkerProcesses:
             if now - beat > HEARTBEAT_TIMEOUT_S:
                 state = process_state(proc.pid)
                 if state == "stopped" or now - beat > SILENT_TIMEOUT_S:
-                    return (f"tensor-parallel rank {rank} stopped responding: no heartbeat for {now - beat:.0f} s "
-                            f"(process {proc.pid} {state})")
+                    return (
+                        f"tensor-parallel rank {rank} stopped responding: no heartbeat for {now - beat:.0f} s "
+                        f"(process {proc.pid} {state})"
+                    )
         with self._lock:
             finished = min(self.done)
             for step in [s for s in self._sent_at if s <= finished]:
@@ -315,8 +361,10 @@ class WorkerProcesses:
         if late:
             step, waited = min(late)
             ranks = ", ".join(str(r) for r, done in enumerate(self.done, start=1) if done < step)
-            return (f"tensor-parallel step {step} has not finished on rank {ranks} after {waited:.0f} s "
-                    f"(tp_step_timeout {step_timeout:g} s): a rank is hung")
+            return (
+                f"tensor-parallel step {step} has not finished on rank {ranks} after {waited:.0f} s "
+                f"(tp_step_timeout {step_timeout:g} s): a rank is hung"
+            )
         return None
 
     def _fail(self, cause: str) -> None:
@@ -396,8 +444,14 @@ def process_state(pid: int) -> str:
         state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "gone"
-    return {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped",
-            "Z": "a zombie"}.get(state, f"in state {state}")
+    return {
+        "R": "running",
+        "S": "sleeping",
+        "D": "in uninterruptible wait",
+        "T": "stopped",
+        "t": "stopped",
+        "Z": "a zombie",
+    }.get(state, f"in state {state}")
 
 
 class _Progress:
@@ -463,8 +517,13 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn, beats, done) -> None:
         else:  # the ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(spec.devices)))
         conn.send(("started", None))
-        store = dist.TCPStore(RENDEZVOUS_HOST, spec.store_port, len(spec.devices), is_master=False,
-                              timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        store = dist.TCPStore(
+            RENDEZVOUS_HOST,
+            spec.store_port,
+            len(spec.devices),
+            is_master=False,
+            timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+        )
         tp = _join(spec, spec.source.config(), rank, device, store)
         model = spec.source.load(tp, device=device, **spec.load_options)
         conn.send(("loaded", tp.bytes_read))

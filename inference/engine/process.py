@@ -38,8 +38,8 @@ from inference.engine.async_engine import AsyncEngine
 from inference.engine.client import StreamingEngineClient, put_deltas
 from inference.engine.core import LLMEngine
 from inference.engine.driver import EngineDriver
-from inference.scheduling.kv_cache import CacheUsage
 from inference.request import EngineStats, GenerationRequest, TokenDelta
+from inference.scheduling.kv_cache import CacheUsage
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,9 @@ class EngineSpec:
             raise ValueError("an EngineSpec names a model_dir or a random_config, not both or neither")
         if self.model_dir is not None:
             return LLMEngine.from_pretrained(self.model_dir, model_name=self.model_name, **self.options)
-        return LLMEngine.from_random(ModelConfig.from_dict(self.random_config),
-                                     model_name=self.model_name or "gpt-oss-random", **self.options)
+        return LLMEngine.from_random(
+            ModelConfig.from_dict(self.random_config), model_name=self.model_name or "gpt-oss-random", **self.options
+        )
 
 
 def start_engine_client(spec: EngineSpec, own_process: bool) -> StreamingEngineClient:
@@ -96,8 +97,9 @@ class EngineProcess(StreamingEngineClient):
         _enlarge_pipe(self._commands.fileno())
         self._events, their_events = ctx.Pipe(duplex=False)
         # Not a daemon: a tensor-parallel engine starts worker processes of its own.
-        self._process = ctx.Process(target=_engine_process_main, args=(spec, their_commands, their_events),
-                                    name="oss-agent-engine")
+        self._process = ctx.Process(
+            target=_engine_process_main, args=(spec, their_commands, their_events), name="oss-agent-engine"
+        )
         self._process.start()
         their_commands.close()
         their_events.close()
@@ -217,7 +219,10 @@ class EngineProcess(StreamingEngineClient):
                     self._end(message[1])
                     return
                 _, deltas, stats, usage, applied, idle = message
-                self._stats, self._usage = stats, usage  # first: a consumer handed its last delta reads stats that count it
+                self._stats, self._usage = (
+                    stats,
+                    usage,
+                )  # first: a consumer handed its last delta reads stats that count it
                 self._deliver(deltas)
                 with self._lock:
                     if idle and applied == self._sent:
@@ -236,8 +241,11 @@ class EngineProcess(StreamingEngineClient):
             loop.remove_reader(self._events.fileno())
         if not self._stopping:
             self._process.join(1)  # it died: its exit code, for the streams and the log
-        reason = ("the engine was shut down" if self._stopping
-                  else cause or f"the engine process exited (code {self._process.exitcode})")
+        reason = (
+            "the engine was shut down"
+            if self._stopping
+            else cause or f"the engine process exited (code {self._process.exitcode})"
+        )
         with self._lock:
             self._ended = reason
             sinks, self._sinks = self._sinks, {}
@@ -299,17 +307,27 @@ def _ended_delta(request_id: str, reason: str, stopping: bool) -> TokenDelta:
 def _engine_process_main(spec: EngineSpec, commands, events) -> None:
     """The engine process: build the engine, then run its loop until "stop" or the server is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
-    logging.basicConfig(level=spec.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s [engine process] %(message)s")
+    logging.basicConfig(
+        level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine process] %(message)s"
+    )
     events = _Events(events)
     try:
         engine = spec.build()
     except BaseException:
         events.send(("failed", traceback.format_exc()))
         return
-    events.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
-                           "vocab_size": engine.vocab_size, "stats": engine.stats(),
-                           "usage": engine.cache_usage()}))
+    events.send(
+        (
+            "ready",
+            {
+                "model_name": engine.model_name,
+                "max_model_len": engine.max_model_len,
+                "vocab_size": engine.vocab_size,
+                "stats": engine.stats(),
+                "usage": engine.cache_usage(),
+            },
+        )
+    )
     driver = EngineDriver(engine)
     applied = 0
     failure = None
@@ -427,8 +445,9 @@ class _CommandReader:
         self._queue.put(self._WAKE)
 
 
-def _engine_pass(driver: EngineDriver, commands, events, applied: int, passes: _Passes | None = None
-                 ) -> tuple[int, bool]:
+def _engine_pass(
+    driver: EngineDriver, commands, events, applied: int, passes: _Passes | None = None
+) -> tuple[int, bool]:
     """One pass of the engine process's loop: take the commands (waiting for one when idle), run
     a step, send the pass's message. Returns (commands applied so far, whether it stopped)."""
     engine = driver.engine

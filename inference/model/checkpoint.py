@@ -34,8 +34,10 @@ def checkpoint_folder_problem(model_dir: str | Path) -> str | None:
         return f"{model_dir} is a file, not a checkpoint folder (config.json and *.safetensors)"
     message = f"{model_dir} is not a Hugging Face checkpoint folder (no config.json there)"
     if (model_dir / "original" / "config.json").is_file():
-        message += ("; it holds only original/, the reference layout this server does not read: download the "
-                    "whole repository (config.json, model-*.safetensors), not just --include \"original/*\"")
+        message += (
+            "; it holds only original/, the reference layout this server does not read: download the "
+            'whole repository (config.json, model-*.safetensors), not just --include "original/*"'
+        )
     return message
 
 
@@ -117,7 +119,8 @@ class CheckpointReader:
                 f"checkpoint {self.model_dir} is in the original gpt-oss layout (the repository's original/ "
                 f"folder, tensors such as 'embedding.weight', 'block.0.attn.qkv.weight'); this server reads "
                 f"the Hugging Face layout: point it at the folder with config.json and model-*.safetensors "
-                f"(download the repository without --include \"original/*\")")
+                f'(download the repository without --include "original/*")'
+            )
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise CheckpointError(f"checkpoint {self.model_dir} is missing tensor '{missing[0]}'{more}")
@@ -131,8 +134,9 @@ class CheckpointReader:
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-                raise CheckpointError(f"{index} is not a valid safetensors index: 'weight_map' must map "
-                                      "tensor names to shard file names")
+                raise CheckpointError(
+                    f"{index} is not a valid safetensors index: 'weight_map' must map tensor names to shard file names"
+                )
             files = {name: self.model_dir / fname for name, fname in weight_map.items()}
             for path in set(files.values()):
                 if not path.is_file():
@@ -165,7 +169,9 @@ class CheckpointReader:
         try:
             tensor = handle.get_tensor(name)
         except Exception as e:
-            raise CheckpointError(f"cannot read tensor '{name}' from {path} (truncated or corrupt file?): {e}") from None
+            raise CheckpointError(
+                f"cannot read tensor '{name}' from {path} (truncated or corrupt file?): {e}"
+            ) from None
         self._check_shape(name, path, tuple(tensor.shape))
         self._check_dtype(name, path, tensor.dtype)
         return tensor
@@ -182,7 +188,9 @@ class CheckpointReader:
         except CheckpointError:
             raise
         except Exception as e:
-            raise CheckpointError(f"cannot read tensor '{name}' from {path} (truncated or corrupt file?): {e}") from None
+            raise CheckpointError(
+                f"cannot read tensor '{name}' from {path} (truncated or corrupt file?): {e}"
+            ) from None
         self._check_dtype(name, path, tensor.dtype)
         return tensor.contiguous()
 

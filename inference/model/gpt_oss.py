@@ -76,8 +76,20 @@ class Attention(nn.Module):
         v = qkv[:, q_dim + kv_dim :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         kind = self.cache_kind
-        out = backend.rope_kv_attention(q, k, v, cos_sin, k_cache, v_cache, meta, meta.block_tables[kind],
-                                        meta.slot_mapping[kind], self.sinks, self.sm_scale, self.window)
+        out = backend.rope_kv_attention(
+            q,
+            k,
+            v,
+            cos_sin,
+            k_cache,
+            v_cache,
+            meta,
+            meta.block_tables[kind],
+            meta.slot_mapping[kind],
+            self.sinks,
+            self.sm_scale,
+            self.window,
+        )
         out = out.reshape(t, q_dim)
         if self.tp is None:
             return self.o_proj(out)
@@ -103,8 +115,9 @@ class MoE(nn.Module):
         otherwise x's dtype; under tensor parallelism the sum of the ranks' partial outputs, in
         `reduce_dtype` (float32 at decode). valid_tokens: the real rows of a padded step
         (`GptOssModel.forward`)."""
-        out = backend.forward(x, self.prepared, self.top_k, self.limit, out_dtype=self._out_dtype(x, backend),
-                              valid_tokens=valid_tokens)
+        out = backend.forward(
+            x, self.prepared, self.top_k, self.limit, out_dtype=self._out_dtype(x, backend), valid_tokens=valid_tokens
+        )
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def add_norm_forward(self, x, delta, norm_weight, eps, backend, add_rms_norm, valid_tokens=None):
@@ -113,8 +126,17 @@ class MoE(nn.Module):
         tensor parallelism delta is the all-reduced attention output, float32 at decode)."""
         fused = getattr(backend, "add_norm_forward", None)
         if fused is not None:
-            result = fused(x, delta, norm_weight, eps, self.prepared, self.top_k, self.limit,
-                           out_dtype=self._out_dtype(x, backend), valid_tokens=valid_tokens)
+            result = fused(
+                x,
+                delta,
+                norm_weight,
+                eps,
+                self.prepared,
+                self.top_k,
+                self.limit,
+                out_dtype=self._out_dtype(x, backend),
+                valid_tokens=valid_tokens,
+            )
             if result is not None:
                 x, out = result
                 return x, (out if self.tp is None else self.tp.all_reduce(out))
@@ -132,8 +154,11 @@ class MoE(nn.Module):
         two implementations whose sums round differently (`random_tensor_source` explains why);
         the experts come from `seed` alone, so every rank and every engine picks the same. The
         bias is changed in place where the backend reads it, so captured graphs see it too."""
-        biases = {id(t): t for t in (self.weights.router_bias, getattr(self.prepared, "router_bias", None))
-                  if isinstance(t, torch.Tensor)}
+        biases = {
+            id(t): t
+            for t in (self.weights.router_bias, getattr(self.prepared, "router_bias", None))
+            if isinstance(t, torch.Tensor)
+        }
         if not hasattr(self, "_bias_backup"):
             self._bias_backup = {key: t.clone() for key, t in biases.items()}
         for key, t in biases.items():
@@ -158,8 +183,9 @@ class Block(nn.Module):
         previous block's fused add + norm. Returns (x after the block, x normed by `next_norm`)."""
         attention_backend, moe_backend = backends
         attn_out = self.attn(h, meta, kv_cache, cos_sin, attention_backend)
-        x, moe_out = self.mlp.add_norm_forward(x, attn_out, self.mlp_norm, self.eps, moe_backend, add_rms_norm,
-                                               valid_tokens)
+        x, moe_out = self.mlp.add_norm_forward(
+            x, attn_out, self.mlp_norm, self.eps, moe_backend, add_rms_norm, valid_tokens
+        )
         return add_rms_norm(x, moe_out, next_norm, self.eps)
 
 
@@ -170,8 +196,7 @@ class GptOssModel(nn.Module):
     gives the shapes it holds (heads, KV heads, expert columns); `config` stays the whole model's.
     """
 
-    def __init__(self, config: ModelConfig, attention_backend, moe_backend, max_positions: int | None = None,
-                 tp=None):
+    def __init__(self, config: ModelConfig, attention_backend, moe_backend, max_positions: int | None = None, tp=None):
         super().__init__()
         self.config = config
         self.tp = tp
@@ -194,7 +219,11 @@ class GptOssModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list, aux_layers: tuple[int, ...] = (),
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list,
+        aux_layers: tuple[int, ...] = (),
         valid_tokens: torch.Tensor | None = None,
     ):
         """input_ids: [T] int64 new tokens; kv_caches[layer] = (k_cache, v_cache). Returns hidden [T, H].
@@ -276,8 +305,17 @@ class GptOssModel(nn.Module):
         get = reader.get
         if tensor_parallel is not None:
             get = tensor_parallel.tensor_source(config, reader.get_slice, reader.get, tensor_shapes(config))
-        model = cls._assemble(config, get, device, dtype, attention_backend, moe_backend, max_positions,
-                              tensor_parallel, progress=progress and reader.total_bytes() >= (256 << 20))
+        model = cls._assemble(
+            config,
+            get,
+            device,
+            dtype,
+            attention_backend,
+            moe_backend,
+            max_positions,
+            tensor_parallel,
+            progress=progress and reader.total_bytes() >= (256 << 20),
+        )
         if tensor_parallel is not None:
             tensor_parallel.bytes_read = get.bytes_read
         return model
@@ -307,12 +345,23 @@ class GptOssModel(nn.Module):
         get = random_tensor_source(config, device, seed, decisive_routing)
         if tensor_parallel is not None:
             get = tensor_parallel.tensor_source(config, slice_of(get), get, tensor_shapes(config))
-        return cls._assemble(config, get, device, dtype, attention_backend, moe_backend, max_positions,
-                             tensor_parallel, progress=False)
+        return cls._assemble(
+            config, get, device, dtype, attention_backend, moe_backend, max_positions, tensor_parallel, progress=False
+        )
 
     @classmethod
-    def _assemble(cls, config: ModelConfig, get, device, dtype, attention_backend, moe_backend, max_positions,
-                  tensor_parallel, progress: bool) -> "GptOssModel":
+    def _assemble(
+        cls,
+        config: ModelConfig,
+        get,
+        device,
+        dtype,
+        attention_backend,
+        moe_backend,
+        max_positions,
+        tensor_parallel,
+        progress: bool,
+    ) -> "GptOssModel":
         """The model of `config` on `device` with the weights `get(name)` returns (the arguments
         as `from_pretrained` takes them): built on the meta device, backends chosen, weights
         loaded and converted once for the kernels."""

@@ -64,7 +64,12 @@ def hf_config_dict(overrides: dict[str, Any] | None = None, quantized: bool = Tr
     }
     if quantized:
         config["quantization_config"] = {
-            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
             "quant_method": "mxfp4",
         }
     return config
@@ -142,7 +147,10 @@ def write_tiny_checkpoint(
         part = {n: weights[n] for n in names[s * per : (s + 1) * per]}
         save_file(part, str(path / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in part})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())}, "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+        "weight_map": weight_map,
+    }
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return path
 

@@ -46,8 +46,20 @@ def add_rms_norm_reference(
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(X, Delta, W, Res, Out, H, stride_x, stride_d, eps, HAS_DELTA: tl.constexpr,
-                             BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    def _add_rms_norm_kernel(
+        X,
+        Delta,
+        W,
+        Res,
+        Out,
+        H,
+        stride_x,
+        stride_d,
+        eps,
+        HAS_DELTA: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         ok = cols < H
@@ -88,8 +100,18 @@ def add_rms_norm_triton(
     residual = x if delta is None else torch.empty_like(out)
     if t:
         _add_rms_norm_kernel[(t,)](
-            x, x if delta is None else delta, weight, residual, out, h, x.stride(0),
-            0 if delta is None else delta.stride(0), eps, HAS_DELTA=delta is not None,
-            BLOCK_H=triton.next_power_of_2(h), num_warps=4 if h <= 4096 else 8, **pdl_options(x.device, dependent=True),
+            x,
+            x if delta is None else delta,
+            weight,
+            residual,
+            out,
+            h,
+            x.stride(0),
+            0 if delta is None else delta.stride(0),
+            eps,
+            HAS_DELTA=delta is not None,
+            BLOCK_H=triton.next_power_of_2(h),
+            num_warps=4 if h <= 4096 else 8,
+            **pdl_options(x.device, dependent=True),
         )
     return residual, out

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.model.gpt_oss import GptOssModel
 from inference.ops.attention.reference import AttentionMetadata
 from inference.runner.graph_inputs_triton import KINDS, GraphInputs, StepValues, fill_graph_inputs
 from inference.runner.vocab_parallel import vocab_parallel_argmax
-from inference.model.gpt_oss import GptOssModel
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ class _Captured:
 
     def inputs(self) -> GraphInputs:
         """The static buffers `fill_graph_inputs` writes before a replay."""
-        return GraphInputs(self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables,
-                           self.valid_tokens)
+        return GraphInputs(
+            self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables, self.valid_tokens
+        )
 
 
 def record_graph(step, pool=None, warmups: int = 2):
@@ -164,10 +165,13 @@ class DecodeGraphRunner:
         previous ids and, for plain decode (the only steps async scheduling chains), with it."""
         dev = buf.input_ids.device
         t = b * q
-        step = StepValues(torch.zeros(t, dtype=torch.long, device=dev), torch.zeros(t, dtype=torch.long, device=dev),
-                          {k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in KINDS},
-                          torch.full((b,), q, dtype=torch.int32, device=dev),
-                          {k: torch.zeros(b, 1, dtype=torch.int32, device=dev) for k in KINDS})
+        step = StepValues(
+            torch.zeros(t, dtype=torch.long, device=dev),
+            torch.zeros(t, dtype=torch.long, device=dev),
+            {k: torch.full((t,), -1, dtype=torch.long, device=dev) for k in KINDS},
+            torch.full((b,), q, dtype=torch.int32, device=dev),
+            {k: torch.zeros(b, 1, dtype=torch.int32, device=dev) for k in KINDS},
+        )
         fill_graph_inputs(buf.inputs(), step, q)
         if q == 1:
             step.previous = torch.zeros(1, dtype=torch.long, device=dev)
@@ -191,8 +195,9 @@ class DecodeGraphRunner:
         whole logits only for steps that need them."""
         aux = None
         if self.aux_layers:
-            hidden, aux = self.model(buf.input_ids, meta, self.kv_caches, aux_layers=self.aux_layers,
-                                     valid_tokens=buf.valid_tokens)
+            hidden, aux = self.model(
+                buf.input_ids, meta, self.kv_caches, aux_layers=self.aux_layers, valid_tokens=buf.valid_tokens
+            )
         else:
             hidden = self.model(buf.input_ids, meta, self.kv_caches, valid_tokens=buf.valid_tokens)
         if self.model.tp is None:
@@ -204,8 +209,13 @@ class DecodeGraphRunner:
         sizes = self.sizes.get(tokens_per_seq)
         return bool(self.graphs) and bool(sizes) and batch <= sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, tokens_per_seq: int = 1,
-            previous: torch.Tensor | None = None):
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        tokens_per_seq: int = 1,
+        previous: torch.Tensor | None = None,
+    ):
         """A step where each of B sequences runs `tokens_per_seq` new tokens (len(input_ids) = B * that).
         previous: if given, input_ids are rows of it (the previous step's sampled ids, on the device).
 
@@ -223,8 +233,11 @@ class DecodeGraphRunner:
             q,
         )
         buf.graph.replay()
-        return (buf.logits[:t], (buf.aux[:t] if buf.aux is not None else None),
-                (buf.greedy_ids[:t] if buf.greedy_ids is not None else None))
+        return (
+            buf.logits[:t],
+            (buf.aux[:t] if buf.aux is not None else None),
+            (buf.greedy_ids[:t] if buf.greedy_ids is not None else None),
+        )
 
     def release(self) -> None:
         """Free the captured graphs (they hold the collectives they captured)."""
@@ -265,8 +278,15 @@ class PrefillGraphRunner:
     min(Q, max_seqs) rows (`rows`): those the step samples from, then whatever the buffer held.
     """
 
-    def __init__(self, model: GptOssModel, kv_caches: list, max_pages: int, max_context: int,
-                 buckets: tuple[int, ...] = PREFILL_BUCKETS, max_seqs: int = PREFILL_GRAPH_SEQS):
+    def __init__(
+        self,
+        model: GptOssModel,
+        kv_caches: list,
+        max_pages: int,
+        max_context: int,
+        buckets: tuple[int, ...] = PREFILL_BUCKETS,
+        max_seqs: int = PREFILL_GRAPH_SEQS,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.max_context = max_context
@@ -276,15 +296,18 @@ class PrefillGraphRunner:
         self.width = max_pages + -(-self.buckets[-1] // page_size)  # the padding's keys fit in its row
         # The padding's positions, for RoPE only (its rows are dropped): within the model's table.
         self.offsets = torch.arange(self.buckets[-1], dtype=torch.long, device=model.device).clamp(
-            max=model.max_positions - 1)
+            max=model.max_positions - 1
+        )
         # One logits buffer for every graph (a replay writes its rows at the end of the step): the
         # graphs' outputs cost 128 rows of the vocabulary in all (103 MB at 20b), not 128 a bucket.
-        self.logits = torch.empty(self.rows(self.buckets[-1]), model.config.vocab_size, dtype=torch.float32,
-                                  device=model.device)
+        self.logits = torch.empty(
+            self.rows(self.buckets[-1]), model.config.vocab_size, dtype=torch.float32, device=model.device
+        )
         # Block tables shared the same way (`fill` writes what a step reads): they would take 4 MB
         # a bucket and cache kind at 128k tokens of context.
-        self.block_tables = {k: torch.zeros(max_seqs, self.width, dtype=torch.int32, device=model.device)
-                             for k in KINDS}
+        self.block_tables = {
+            k: torch.zeros(max_seqs, self.width, dtype=torch.int32, device=model.device) for k in KINDS
+        }
         self.graphs: dict[int, _Captured] = {}
         self.pool = None
 
@@ -315,8 +338,13 @@ class PrefillGraphRunner:
         q, s = buf.input_ids.shape[0], self.max_seqs
         q_lens, contexts = exact or ([q] + [1] * (s - 1), [self.max_context] * s)
         return AttentionMetadata(
-            cu_seqlens_q=buf.cu_seqlens_q, context_lens=buf.context_lens, block_tables=buf.block_tables,
-            slot_mapping=buf.slots, positions=buf.positions, max_q_len=q, q_lens=q_lens,
+            cu_seqlens_q=buf.cu_seqlens_q,
+            context_lens=buf.context_lens,
+            block_tables=buf.block_tables,
+            slot_mapping=buf.slots,
+            positions=buf.positions,
+            max_q_len=q,
+            q_lens=q_lens,
             context_lens_list=contexts,
         )
 

@@ -81,15 +81,35 @@ def fill_graph_inputs_reference(dst: GraphInputs, src: StepValues, q: int) -> No
 
 
 if triton is not None:
-
     # Sizes and strides vary from step to step: not specialised (Triton would compile a variant
     # for each that is 1 or a multiple of 16, in the middle of serving).
     @triton.jit(do_not_specialize=["n", "w", "P", "stride_full", "stride_sliding"])
     def _fill_kernel(
-        ids_out, pos_out, slot_full_out, slot_sliding_out, ctx_out, table_full_out, table_sliding_out, valid_out,
-        ids_in, previous, pos_in, slot_full_in, slot_sliding_in, ctx_in, table_full_in, table_sliding_in,
-        n, w, P, stride_full, stride_sliding,
-        Q: tl.constexpr, Q_POW2: tl.constexpr, GATHER: tl.constexpr, BLOCK_P: tl.constexpr,
+        ids_out,
+        pos_out,
+        slot_full_out,
+        slot_sliding_out,
+        ctx_out,
+        table_full_out,
+        table_sliding_out,
+        valid_out,
+        ids_in,
+        previous,
+        pos_in,
+        slot_full_in,
+        slot_sliding_in,
+        ctx_in,
+        table_full_in,
+        table_sliding_in,
+        n,
+        w,
+        P,
+        stride_full,
+        stride_sliding,
+        Q: tl.constexpr,
+        Q_POW2: tl.constexpr,
+        GATHER: tl.constexpr,
+        BLOCK_P: tl.constexpr,
     ):
         """Program (r, block): see the module docstring. Output tables are contiguous [B, P]."""
         r = tl.program_id(0)
@@ -134,8 +154,10 @@ def fill_graph_inputs_triton(dst: GraphInputs, src: StepValues, q: int) -> None:
         raise ValueError("both block tables need the same width and unit column stride")
     if w > p:
         raise ValueError(f"block tables {w} pages wide do not fit the graph's {p}")
-    if not all(t.is_contiguous() for t in (*dst.block_tables.values(), *dst.slots.values(), dst.input_ids,
-                                           dst.positions, dst.context_lens)):
+    if not all(
+        t.is_contiguous()
+        for t in (*dst.block_tables.values(), *dst.slots.values(), dst.input_ids, dst.positions, dst.context_lens)
+    ):
         raise ValueError("the graph's buffers must be contiguous")
     vectors = (src.input_ids, src.positions, *src.slots.values(), src.context_lens)
     if src.previous is not None:
@@ -144,12 +166,32 @@ def fill_graph_inputs_triton(dst: GraphInputs, src: StepValues, q: int) -> None:
         raise ValueError("ids, positions, slots, context lengths and previous ids must be unit-stride vectors")
     gather = src.previous is not None
     _fill_kernel[(b, triton.cdiv(p, BLOCK_P))](
-        dst.input_ids, dst.positions, dst.slots["full"], dst.slots["sliding"], dst.context_lens,
-        dst.block_tables["full"], dst.block_tables["sliding"], dst.valid_tokens,
-        src.input_ids, src.previous if gather else src.input_ids, src.positions, src.slots["full"],
-        src.slots["sliding"], src.context_lens, full, sliding,
-        n, w, p, full.stride(0), sliding.stride(0),
-        Q=q, Q_POW2=triton.next_power_of_2(q), GATHER=gather, BLOCK_P=BLOCK_P, num_warps=4,
+        dst.input_ids,
+        dst.positions,
+        dst.slots["full"],
+        dst.slots["sliding"],
+        dst.context_lens,
+        dst.block_tables["full"],
+        dst.block_tables["sliding"],
+        dst.valid_tokens,
+        src.input_ids,
+        src.previous if gather else src.input_ids,
+        src.positions,
+        src.slots["full"],
+        src.slots["sliding"],
+        src.context_lens,
+        full,
+        sliding,
+        n,
+        w,
+        p,
+        full.stride(0),
+        sliding.stride(0),
+        Q=q,
+        Q_POW2=triton.next_power_of_2(q),
+        GATHER=gather,
+        BLOCK_P=BLOCK_P,
+        num_warps=4,
     )
 
 

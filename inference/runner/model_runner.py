@@ -34,15 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.ops.attention.reference import AttentionMetadata
 from inference.model.gpt_oss import GptOssModel
+from inference.ops.attention.reference import AttentionMetadata
 from inference.request import TokenLogprob
+from inference.runner.step_inputs import StepInputPacker, StepInputs
+from inference.runner.vocab_parallel import vocab_parallel_argmax
 from inference.sample.rejection_sampler import RejectionSampler, VerifyOutput
 from inference.sample.sampler import SampledTokens
 from inference.sample.token_mask import MaskedEntry, TokenMaskBuilder, TokenMasks
 from inference.scheduling.scheduler import ScheduledBatch, Sequence, SequenceStatus
-from inference.runner.step_inputs import StepInputPacker, StepInputs
-from inference.runner.vocab_parallel import vocab_parallel_argmax
 from inference.transfers import to_device
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,14 @@ class StepPlan:
 def plain_greedy(params) -> bool:
     """Whether a row's next token is the plain argmax of its logits: greedy, with no logprobs,
     logit bias, penalty or grammar (which need the whole row of logits on rank 0)."""
-    return (params.greedy and params.logprobs is None and not params.logit_bias
-            and not params.frequency_penalty and not params.presence_penalty and params.grammar is None)
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and not params.frequency_penalty
+        and not params.presence_penalty
+        and params.grammar is None
+    )
 
 
 @dataclass
@@ -192,8 +198,15 @@ class ModelRunner:
         max_pages = -(-max_model_len // self.page_size)
         tokens_per_seq = (1, num_draft_tokens + 1) if num_draft_tokens else (1,)
         try:
-            runner = DecodeGraphRunner(self.model, self.kv_caches, max_pages, max_model_len, max_batch=max_num_seqs,
-                                       tokens_per_seq=tokens_per_seq, aux_layers=self.aux_layers)
+            runner = DecodeGraphRunner(
+                self.model,
+                self.kv_caches,
+                max_pages,
+                max_model_len,
+                max_batch=max_num_seqs,
+                tokens_per_seq=tokens_per_seq,
+                aux_layers=self.aux_layers,
+            )
             runner.capture()
             return runner
         except Exception:  # a backend that cannot be captured still serves, eagerly
@@ -243,11 +256,22 @@ class ModelRunner:
         q_len = q_lens[0]
         uniform = all(n == q_len for n in q_lens) and (q_len == 1 or all(d == q_len - 1 for d in drafts))
         graph = self.graphs is not None and uniform and self.graphs.can_run(len(batch), q_len)
-        greedy = (self.model.tp is not None and bool(sample_index) and not any(drafts)
-                  and all(plain_greedy(seqs[b].sampling) for b in sample_index))
-        plan = StepPlan(ids, [seq.pages.full for seq in seqs],
-                        [seq.pages.sliding for seq in seqs] if self.has_sliding else None, starts, list(q_lens),
-                        sample_rows, q_len if graph else None, greedy=greedy)
+        greedy = (
+            self.model.tp is not None
+            and bool(sample_index)
+            and not any(drafts)
+            and all(plain_greedy(seqs[b].sampling) for b in sample_index)
+        )
+        plan = StepPlan(
+            ids,
+            [seq.pages.full for seq in seqs],
+            [seq.pages.sliding for seq in seqs] if self.has_sliding else None,
+            starts,
+            list(q_lens),
+            sample_rows,
+            q_len if graph else None,
+            greedy=greedy,
+        )
         return plan, sample_index, first_row
 
     def plan_after(self, batch: ScheduledBatch, after: LaunchedStep) -> tuple[StepPlan, list[int], list[int]]:
@@ -259,19 +283,27 @@ class ModelRunner:
         rows = after.token_rows()
         computed = {seq: seq.num_computed + k for seq, k in zip(after.batch.seqs, after.batch.num_new)}
         graph = self.graphs is not None and self.graphs.can_run(n, 1)
-        plan = StepPlan([rows[seq] for seq in seqs], [seq.pages.full for seq in seqs],
-                        [seq.pages.sliding for seq in seqs] if self.has_sliding else None,
-                        [computed[seq] for seq in seqs], [1] * n, list(range(n)), 1 if graph else None,
-                        inputs_from_previous=True)
+        plan = StepPlan(
+            [rows[seq] for seq in seqs],
+            [seq.pages.full for seq in seqs],
+            [seq.pages.sliding for seq in seqs] if self.has_sliding else None,
+            [computed[seq] for seq in seqs],
+            [1] * n,
+            list(range(n)),
+            1 if graph else None,
+            inputs_from_previous=True,
+        )
         return plan, list(range(n)), list(range(n))
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        return self.packer.pack(plan.input_ids, plan.full_tables, plan.sliding_tables, plan.starts, plan.q_lens,
-                                plan.sample_rows)
+        return self.packer.pack(
+            plan.input_ids, plan.full_tables, plan.sliding_tables, plan.starts, plan.q_lens, plan.sample_rows
+        )
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def execute(
+        self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Run the model on this device (every tensor-parallel rank runs each plan).
         previous_tokens: the previous step's sampled ids [N] when plan.inputs_from_previous.
         Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None,
@@ -307,11 +339,16 @@ class ModelRunner:
     def _step_graph_fits(self, plan: StepPlan) -> bool:
         """A step no decode graph runs (prefill chunks, with or without decode rows beside them;
         uneven drafts), of at most the largest captured bucket's tokens and sequences."""
-        return (self.prefill_graphs is not None and plan.graph_tokens is None and not plan.inputs_from_previous
-                and self.prefill_graphs.can_run(len(plan.input_ids), len(plan.q_lens), len(plan.sample_rows)))
+        return (
+            self.prefill_graphs is not None
+            and plan.graph_tokens is None
+            and not plan.inputs_from_previous
+            and self.prefill_graphs.can_run(len(plan.input_ids), len(plan.q_lens), len(plan.sample_rows))
+        )
 
-    def forward_step(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def forward_step(
+        self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """`execute` on every rank: hand the plan to the tensor-parallel workers first, if any."""
         if self.workers is not None:
             if plan.inputs_from_previous:  # the workers hold no sampled ids
@@ -340,7 +377,9 @@ class ModelRunner:
             sampled = SampledTokens(greedy_ids, [batch.seqs[b].sampling for b, _ in plain], None)
         elif plain:
             seqs = [batch.seqs[b] for b, _ in plain]
-            rows_logits = logits if not verified else logits[to_device([r for _, r in plain], torch.long, logits.device)]
+            rows_logits = (
+                logits if not verified else logits[to_device([r for _, r in plain], torch.long, logits.device)]
+            )
             if after is not None and any(s.grammar is not None for s in seqs):
                 pending = (rows_logits, seqs)  # its masks need `after`'s tokens
             else:
@@ -352,25 +391,44 @@ class ModelRunner:
             firsts = [0]
             for d in draft_ids:
                 firsts.append(firsts[-1] + len(d) + 1)
-            masks = self.masks.build([MaskedEntry(first, s.grammar, tuple(d))
-                                      for s, d, first in zip(seqs, draft_ids, firsts) if s.grammar is not None])
+            masks = self.masks.build(
+                [
+                    MaskedEntry(first, s.grammar, tuple(d))
+                    for s, d, first in zip(seqs, draft_ids, firsts)
+                    if s.grammar is not None
+                ]
+            )
             verify_out = self.sampler.verify(
-                logits[to_device(row_index, torch.long, logits.device)], draft_ids,
-                [s.sampling for s in seqs], [self._history(s) for s in seqs], [s.generator for s in seqs],
+                logits[to_device(row_index, torch.long, logits.device)],
+                draft_ids,
+                [s.sampling for s in seqs],
+                [self._history(s) for s in seqs],
+                [s.generator for s in seqs],
                 masks=masks,
             )
-        return LaunchedStep(batch, first_row, aux, [b for b, _ in plain], sampled, [b for b, _ in verified],
-                            verify_out, pending)
+        return LaunchedStep(
+            batch, first_row, aux, [b for b, _ in plain], sampled, [b for b, _ in verified], verify_out, pending
+        )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
-        return self.sampler.sample(logits, [s.sampling for s in seqs], [self._history(s) for s in seqs],
-                                   [s.generator for s in seqs], self._masks(seqs))
+        return self.sampler.sample(
+            logits,
+            [s.sampling for s in seqs],
+            [self._history(s) for s in seqs],
+            [s.generator for s in seqs],
+            self._masks(seqs),
+        )
 
     def _masks(self, seqs: list[Sequence]) -> TokenMasks | None:
         """Grammar masks of the rows of `seqs` that have a grammar (not of sequences that ended
         while their row was queued: that row is dropped)."""
-        return self.masks.build([MaskedEntry(j, s.grammar) for j, s in enumerate(seqs)
-                                 if s.grammar is not None and s.status == SequenceStatus.RUNNING])
+        return self.masks.build(
+            [
+                MaskedEntry(j, s.grammar)
+                for j, s in enumerate(seqs)
+                if s.grammar is not None and s.status == SequenceStatus.RUNNING
+            ]
+        )
 
     def sample_pending(self, step: LaunchedStep) -> None:
         """Queue the sampling of a step launched ahead with constrained rows, now that the

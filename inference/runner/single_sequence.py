@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from inference.ops.attention.reference import AttentionMetadata
 from inference.model.gpt_oss import GptOssModel
+from inference.ops.attention.reference import AttentionMetadata
 
 
 class SingleSequenceCache:
@@ -24,7 +24,10 @@ class SingleSequenceCache:
         self.length = 0  # tokens already in the cache
         shape = (self.num_pages, page_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=model.device), torch.zeros(shape, dtype=model.dtype, device=model.device))
+            (
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+            )
             for _ in range(c.num_hidden_layers)
         ]
         self.block_table = torch.arange(self.num_pages, dtype=torch.int32, device=model.device)[None]

@@ -66,8 +66,7 @@ def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     part_value = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
     part_index = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
     _argmax_partial_kernel[(n, chunks)](x, part_value, part_index, v, x.stride(0), chunks, CHUNK=CHUNK, num_warps=4)
-    _argmax_final_kernel[(n,)](part_value, part_index, out, chunks, BLOCK_C=triton.next_power_of_2(chunks),
-                               num_warps=4)
+    _argmax_final_kernel[(n,)](part_value, part_index, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
     return out
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.sample.argmax_triton import argmax_rows
 from inference.request import SamplingParams, TokenLogprob
+from inference.sample.argmax_triton import argmax_rows
 from inference.sample.sampler import Sampler
 from inference.sample.token_mask import TokenMasks, apply_token_masks
 

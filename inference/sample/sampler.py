@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.request import SamplingParams, TokenLogprob
 from inference.sample.argmax_triton import argmax_rows
 from inference.sample.token_mask import TokenMasks, apply_token_masks
-from inference.request import SamplingParams, TokenLogprob
 from inference.transfers import HostCopy, to_device
 
 
@@ -175,7 +175,7 @@ class Sampler:
         logprobs = torch.log_softmax(logits[rows], dim=-1)
         chosen = logprobs.gather(1, tokens[rows, None]).squeeze(1)
         k = max(params[i].logprobs for i in wanted)
-        top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         return [chosen, top_values, top_ids]
 
     @staticmethod

@@ -141,8 +141,15 @@ class KVCacheManager:
     sliding pool is unused and sliding page tables stay empty).
     """
 
-    def __init__(self, num_full_pages: int, num_sliding_pages: int, page_size: int, window: int | None,
-                 bytes_per_full_page: int = 0, bytes_per_sliding_page: int = 0):
+    def __init__(
+        self,
+        num_full_pages: int,
+        num_sliding_pages: int,
+        page_size: int,
+        window: int | None,
+        bytes_per_full_page: int = 0,
+        bytes_per_sliding_page: int = 0,
+    ):
         self.page_size = page_size
         self.window = window
         self.full = PagePool(num_full_pages)
@@ -286,8 +293,9 @@ class KVCacheManager:
         table.full, table.sliding, table.hashes = full_pages[:num], sliding_pages, hashes[:num]
         return num * ps
 
-    def take_over(self, parked: PageTable, parked_tokens: list[int], parked_computed: int,
-                  table: PageTable, token_ids: list[int]) -> int:
+    def take_over(
+        self, parked: PageTable, parked_tokens: list[int], parked_computed: int, table: PageTable, token_ids: list[int]
+    ) -> int:
         """Move a parked sequence's pages to a new sequence that continues it.
 
         `parked_computed` tokens of `parked_tokens` have KV in `parked`. Reuses the longest
@@ -429,8 +437,9 @@ def plan_cache(
     return CachePlan(num_pages, num_sliding_pages if has_sliding else 0, full_bytes, sliding_bytes)
 
 
-def allocate_kv_tensors(config: ModelConfig, plan: CachePlan, page_size: int, dtype: torch.dtype,
-                        device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_tensors(
+    config: ModelConfig, plan: CachePlan, page_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k_cache, v_cache) pair per layer, [pool pages, page_size, Hkv, D], from its kind's pool."""
     caches = []
     for layer in range(config.num_hidden_layers):

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.grammar import GrammarMatcher
-from inference.scheduling.kv_cache import KVCacheManager, PageTable
 from inference.request import SamplingParams
+from inference.scheduling.kv_cache import KVCacheManager, PageTable
 
 
 class SequenceStatus(enum.Enum):

@@ -32,6 +32,7 @@ import torch
 
 from inference.scheduling.scheduler import Sequence
 
+
 @dataclass
 class DraftContext:
     """What one target step leaves for the drafter; lists are per batch entry, in batch order.

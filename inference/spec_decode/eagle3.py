@@ -54,8 +54,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from inference.config import ConfigError, ModelConfig, RopeConfig
-from inference.runner.model_runner import build_metadata
 from inference.model.rope import cos_sin_table
+from inference.runner.model_runner import build_metadata
 from inference.scheduling.scheduler import SequenceStatus
 from inference.spec_decode.drafter import DraftContext
 
@@ -134,9 +134,11 @@ class Eagle3Config:
         d = self.head_dim
         if kind == "yarn":
             rope = RopeConfig(
-                theta=self.rope_theta, factor=float(scaling.get("factor", 1.0)),
+                theta=self.rope_theta,
+                factor=float(scaling.get("factor", 1.0)),
                 original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
-                beta_fast=float(scaling.get("beta_fast", 32.0)), beta_slow=float(scaling.get("beta_slow", 1.0)),
+                beta_fast=float(scaling.get("beta_fast", 32.0)),
+                beta_slow=float(scaling.get("beta_slow", 1.0)),
                 truncate=bool(scaling.get("truncate", True)),
             )
             return cos_sin_table(rope, d, max_positions, device)
@@ -212,8 +214,20 @@ class Eagle3DraftModel(nn.Module):
         k = qkv[:, q_dim : q_dim + kv_dim].view(t, c.num_key_value_heads, c.head_dim)
         v = qkv[:, q_dim + kv_dim :].view(t, c.num_key_value_heads, c.head_dim)
         k_cache, v_cache = kv_cache
-        out = backend.rope_kv_attention(q, k, v, self.cos_sin, k_cache, v_cache, meta, meta.block_tables["full"],
-                                        meta.slot_mapping["full"], self.sinks, c.head_dim ** -0.5, None)
+        out = backend.rope_kv_attention(
+            q,
+            k,
+            v,
+            self.cos_sin,
+            k_cache,
+            v_cache,
+            meta,
+            meta.block_tables["full"],
+            meta.slot_mapping["full"],
+            self.sinks,
+            c.head_dim**-0.5,
+            None,
+        )
         x = residual + self.o_proj(out.reshape(t, q_dim))
         gate, up = self.gate_up(llama_rms_norm(x, self.post_attention_layernorm, eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -291,8 +305,12 @@ def _load(model: Eagle3DraftModel, tensors: dict[str, torch.Tensor], c: Eagle3Co
     if "embed_tokens.weight" in tensors:
         expected["embed_tokens.weight"] = (c.vocab_size, h)
     if c.attention_bias:
-        expected.update({f"layers.0.self_attn.{n}_proj.bias": (size,) for n, size in
-                         (("q", q_dim), ("k", kv_dim), ("v", kv_dim), ("o", h))})
+        expected.update(
+            {
+                f"layers.0.self_attn.{n}_proj.bias": (size,)
+                for n, size in (("q", q_dim), ("k", kv_dim), ("v", kv_dim), ("o", h))
+            }
+        )
     for name, shape in expected.items():
         if name not in tensors:
             raise ConfigError(f"the EAGLE-3 draft checkpoint has no tensor {name!r}")
@@ -396,8 +414,9 @@ class Eagle3Drafter:
             index = torch.tensor(keep, device=dev)
             active = [active[j] for j in keep]
             positions = [ctx.start[i] + ctx.num_kept[i] + step - 1 for i in active]
-            meta = build_metadata(self.page_size, [ctx.seqs[i].pages.full for i in active], None, positions,
-                                  [1] * len(active), dev)
+            meta = build_metadata(
+                self.page_size, [ctx.seqs[i].pages.full for i in active], None, positions, [1] * len(active), dev
+            )
             outputs = self.draft(guesses[index], outputs[index], meta, self.kv_cache, backend)
             guesses = self.draft.guess(outputs)
 
@@ -458,13 +477,13 @@ def write_random_eagle3_checkpoint(
         "midlayer.self_attn.q_proj.weight": randn(q_dim, 2 * h, std=1.5 * (2 * h) ** -0.5),
         "midlayer.self_attn.k_proj.weight": randn(kv_dim, 2 * h, std=1.5 * (2 * h) ** -0.5),
         "midlayer.self_attn.v_proj.weight": randn(kv_dim, 2 * h, std=(2 * h) ** -0.5),
-        "midlayer.self_attn.o_proj.weight": randn(h, q_dim, std=q_dim ** -0.5),
+        "midlayer.self_attn.o_proj.weight": randn(h, q_dim, std=q_dim**-0.5),
         "midlayer.post_attention_layernorm.weight": ones.clone(),
-        "midlayer.mlp.gate_proj.weight": randn(inter, h, std=h ** -0.5),
-        "midlayer.mlp.up_proj.weight": randn(inter, h, std=h ** -0.5),
-        "midlayer.mlp.down_proj.weight": randn(h, inter, std=inter ** -0.5),
+        "midlayer.mlp.gate_proj.weight": randn(inter, h, std=h**-0.5),
+        "midlayer.mlp.up_proj.weight": randn(inter, h, std=h**-0.5),
+        "midlayer.mlp.down_proj.weight": randn(h, inter, std=inter**-0.5),
         "norm.weight": ones.clone(),
-        "lm_head.weight": randn(draft_vocab_size, h, std=h ** -0.5),
+        "lm_head.weight": randn(draft_vocab_size, h, std=h**-0.5),
     }
     if with_embedding:
         w["embed_tokens.weight"] = randn(target.vocab_size, h, std=1.0)

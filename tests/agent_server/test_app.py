@@ -43,8 +43,9 @@ def test_health_ready_and_models(live_server):
 def test_metrics_move_as_requests_are_served(fake_server, fake_tools):
     engine, client = fake_server.engine, fake_server.client()
     before = httpx.get(f"{fake_server.url}/metrics").text
-    engine.say("<|channel|>analysis to=python code<|message|>print(1)<|call|>",
-               "<|channel|>final<|message|>1<|return|>")
+    engine.say(
+        "<|channel|>analysis to=python code<|message|>print(1)<|call|>", "<|channel|>final<|message|>1<|return|>"
+    )
     client.responses.create(model=MODEL, input="x", tools=[{"type": "code_interpreter", "container": "auto"}])
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError):
@@ -67,7 +68,8 @@ def test_metrics_move_as_requests_are_served(fake_server, fake_tools):
     assert grew("oss_agent_request_duration_seconds_count", endpoint="/v1/responses") == 1
     stats = engine.stats()
     assert metric(after, "oss_agent_prefix_cache_hit_ratio") == pytest.approx(
-        stats.prefix_hit_tokens / stats.prefix_queries_tokens)
+        stats.prefix_hit_tokens / stats.prefix_queries_tokens
+    )
     assert "oss_agent_kv_cache_usage_ratio" in after
 
 
@@ -97,15 +99,17 @@ def test_streams_reach_the_engine_before_the_response_starts(tmp_path):
 
             await app(scope, receive, recorded)
 
-    bodies = {"chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
-              "responses": {"model": MODEL, "input": "hi", "stream": True}}
+    bodies = {
+        "chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        "responses": {"model": MODEL, "input": "hi", "stream": True},
+    }
     with LiveServer(Recorder()) as server:
         for path, body in bodies.items():
             order.clear()
             with httpx.stream("POST", f"{server.url}/v1/{path}", json=body, timeout=60) as r:
                 assert r.status_code == 200
                 text = "".join(r.iter_text())
-            assert "\"OK" in text  # the scripted answer streamed
+            assert '"OK' in text  # the scripted answer streamed
             assert order == ["engine", "response"], path
 
 
@@ -158,8 +162,9 @@ def test_model_endpoints_wait_for_the_engine(tmp_path):
 
 
 def test_cli_has_serve_and_generate():
-    args = build_parser().parse_args(["serve", "--port", "9000", "--tool-server", "demo", "--engine-option",
-                                      "num_pages=64"])
+    args = build_parser().parse_args(
+        ["serve", "--port", "9000", "--tool-server", "demo", "--engine-option", "num_pages=64"]
+    )
     assert args.command == "serve" and args.port == 9000 and args.tool_server == ["demo"]
     from agent_server.cli.serve import engine_options
 

@@ -57,8 +57,15 @@ def assert_401(r: httpx.Response) -> dict:
 def test_every_endpoint_but_health_wants_the_key(keyed, method, path, body):
     missing = assert_401(httpx.request(method, keyed.url + path, json=body))
     assert "missing" in missing["message"].lower()
-    for header in (f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", "Bearer", f"Basic {KEY}", KEY, f"Token {KEY}",
-                   f"Bearer {KEY.upper()}"):
+    for header in (
+        f"Bearer {KEY}x",
+        f"Bearer {KEY[:-1]}",
+        "Bearer",
+        f"Basic {KEY}",
+        KEY,
+        f"Token {KEY}",
+        f"Bearer {KEY.upper()}",
+    ):
         wrong = assert_401(httpx.request(method, keyed.url + path, json=body, headers={"Authorization": header}))
         assert "incorrect" in wrong["message"].lower()
     r = httpx.request(method, keyed.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -108,8 +115,10 @@ def test_no_key_configured_means_no_auth(fake_server):
 
 
 def test_cors_is_off_by_default(fake_server):
-    preflight = httpx.options(f"{fake_server.url}/v1/responses", headers={
-        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    preflight = httpx.options(
+        f"{fake_server.url}/v1/responses",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     assert "access-control-allow-origin" not in preflight.headers
     r = httpx.get(f"{fake_server.url}/v1/models", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in r.headers
@@ -118,19 +127,27 @@ def test_cors_is_off_by_default(fake_server):
 def test_cors_allows_only_the_configured_origins_and_still_wants_the_key(tmp_path):
     app = make_app(ScriptedEngine, tmp_path / "r.db", api_key=KEY, cors_origins=["https://app.example"])
     with LiveServer(app, api_key=KEY) as server:
-        preflight = httpx.options(f"{server.url}/v1/responses", headers={
-            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type"})
+        preflight = httpx.options(
+            f"{server.url}/v1/responses",
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
         assert preflight.status_code == 200  # a preflight carries no key and must not need one
         assert preflight.headers["access-control-allow-origin"] == "https://app.example"
-        other = httpx.options(f"{server.url}/v1/responses", headers={
-            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        other = httpx.options(
+            f"{server.url}/v1/responses",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
         r = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example"})
         assert_401(r)
         assert r.headers["access-control-allow-origin"] == "https://app.example"  # the browser can read the 401
-        r = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
-                                                          "Authorization": f"Bearer {KEY}"})
+        r = httpx.get(
+            f"{server.url}/v1/models", headers={"Origin": "https://app.example", "Authorization": f"Bearer {KEY}"}
+        )
         assert r.status_code == 200 and "x-request-id" in r.headers["access-control-expose-headers"]
 
 
@@ -166,7 +183,7 @@ def test_request_ids_are_in_headers_and_logs(fake_server, server_logs):
     # A client's own id is kept when it is a plain token, replaced when it could forge a log line.
     r3 = httpx.get(f"{fake_server.url}/health", headers={"x-request-id": "trace-42.a"})
     assert r3.headers["x-request-id"] == "trace-42.a"
-    r4 = httpx.get(f"{fake_server.url}/health", headers={"x-request-id": "x\" forged=1"})
+    r4 = httpx.get(f"{fake_server.url}/health", headers={"x-request-id": 'x" forged=1'})
     assert r4.headers["x-request-id"].startswith("req_")
     access = {rec.request_id: rec.getMessage() for rec in server_logs if rec.name == "oss_agent.access"}
     assert access[r1.headers["x-request-id"]].startswith("GET /v1/models 200")

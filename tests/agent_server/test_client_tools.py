@@ -16,12 +16,27 @@ from inference.tokenizer import harmony_encoding
 from tests.conftest import MODEL
 from tests.fake_engine import harmony_tokens
 
-NAMESPACE = {"type": "namespace", "name": "multi_agent", "description": "Tools for sub-agents.", "tools": [
-    {"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
-     "parameters": {"type": "object", "properties": {"target": {"type": "string"}}, "required": ["target"]}},
-    {"type": "custom", "name": "note", "description": "Leave a note."}]}
-PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch to files.",
-         "format": {"type": "grammar", "syntax": "lark", "definition": "start: \"*** Begin Patch\" /(.|\\n)*/"}}
+NAMESPACE = {
+    "type": "namespace",
+    "name": "multi_agent",
+    "description": "Tools for sub-agents.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "close_agent",
+            "description": "Close an agent.",
+            "strict": False,
+            "parameters": {"type": "object", "properties": {"target": {"type": "string"}}, "required": ["target"]},
+        },
+        {"type": "custom", "name": "note", "description": "Leave a note."},
+    ],
+}
+PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Apply a patch to files.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'},
+}
 SHELL = {"type": "local_shell"}
 DONE = "<|channel|>final<|message|>Done.<|return|>"
 
@@ -35,8 +50,7 @@ def forced_recipients(engine) -> list[str]:
     grammar = engine.calls[-1].request.sampling.grammar
     if grammar is None or not grammar.text.startswith("start: call_"):
         return []
-    return sorted(line.split(" to=")[1].split(" ")[0] for line in grammar.text.splitlines()
-                  if line.startswith("call_"))
+    return sorted(line.split(" to=")[1].split(" ")[0] for line in grammar.text.splitlines() if line.startswith("call_"))
 
 
 def post(server, body, status=200):
@@ -47,8 +61,11 @@ def post(server, body, status=200):
 
 def test_a_namespace_is_a_harmony_namespace_of_its_own(tool_server):
     engine = tool_server.engine
-    engine.say("<|channel|>commentary to=multi_agent.close_agent <|constrain|>json<|message|>{\"target\": \"a1\"}"
-               "<|call|>", DONE, DONE)
+    engine.say(
+        '<|channel|>commentary to=multi_agent.close_agent <|constrain|>json<|message|>{"target": "a1"}<|call|>',
+        DONE,
+        DONE,
+    )
     first = post(tool_server, {"input": "Close a1.", "tools": [NAMESPACE]})
     text = prompt_text(engine)
     assert "## multi_agent\n\n// Tools for sub-agents.\nnamespace multi_agent {" in text
@@ -59,11 +76,14 @@ def test_a_namespace_is_a_harmony_namespace_of_its_own(tool_server):
     output = {"type": "function_call_output", "call_id": call["call_id"], "output": "closed"}
     post(tool_server, {"previous_response_id": first["id"], "tools": [NAMESPACE], "input": [output]})
     chained = engine.calls[-1].request.prompt_token_ids
-    assert prompt_text(engine).endswith("<|start|>multi_agent.close_agent to=assistant<|channel|>commentary"
-                                        "<|message|>closed<|end|><|start|>assistant")
+    assert prompt_text(engine).endswith(
+        "<|start|>multi_agent.close_agent to=assistant<|channel|>commentary<|message|>closed<|end|><|start|>assistant"
+    )
     # The same turn replayed by a client that keeps the conversation itself.
-    post(tool_server, {"tools": [NAMESPACE], "store": False,
-                       "input": [{"role": "user", "content": "Close a1."}, call, output]})
+    post(
+        tool_server,
+        {"tools": [NAMESPACE], "store": False, "input": [{"role": "user", "content": "Close a1."}, call, output]},
+    )
     assert engine.calls[-1].request.prompt_token_ids == chained
 
 
@@ -81,42 +101,62 @@ def test_custom_tools_take_freeform_text(tool_server):
     assert (call.type, call.name, call.input) == ("custom_tool_call", "apply_patch", patch)
     deltas = "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta")
     assert deltas == patch and [e.type for e in events].count("response.custom_tool_call_input.done") == 1
-    tool_server.client().responses.create(model=MODEL, previous_response_id=first.id, tools=[PATCH], input=[
-        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "applied"}])
-    assert prompt_text(engine).endswith("<|start|>functions.apply_patch to=assistant<|channel|>commentary"
-                                        "<|message|>applied<|end|><|start|>assistant")
+    tool_server.client().responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        tools=[PATCH],
+        input=[{"type": "custom_tool_call_output", "call_id": call.call_id, "output": "applied"}],
+    )
+    assert prompt_text(engine).endswith(
+        "<|start|>functions.apply_patch to=assistant<|channel|>commentary<|message|>applied<|end|><|start|>assistant"
+    )
 
 
 def test_a_custom_input_quoted_as_a_json_string_is_unquoted(fake_server):
-    fake_server.engine.say("<|channel|>commentary to=functions.apply_patch <|constrain|>json<|message|>"
-                           "\"line one\\nline two\"<|call|>")
+    fake_server.engine.say(
+        '<|channel|>commentary to=functions.apply_patch <|constrain|>json<|message|>"line one\\nline two"<|call|>'
+    )
     call = post(fake_server, {"input": "x", "tools": [PATCH]})["output"][-1]
     assert call["input"] == "line one\nline two"
 
 
 def test_local_shell_calls_and_their_outputs(tool_server):
     engine = tool_server.engine
-    engine.say("<|channel|>commentary to=functions.local_shell <|constrain|>json<|message|>"
-               "{\"command\": [\"ls\", \"-la\"], \"workdir\": \"/tmp\", \"timeout_ms\": 5000}<|call|>", DONE, DONE)
+    engine.say(
+        "<|channel|>commentary to=functions.local_shell <|constrain|>json<|message|>"
+        '{"command": ["ls", "-la"], "workdir": "/tmp", "timeout_ms": 5000}<|call|>',
+        DONE,
+        DONE,
+    )
     first = post(tool_server, {"input": "List /tmp", "tools": [SHELL]})
     assert "type local_shell = (_: {" in prompt_text(engine)
     call = first["output"][-1]
     assert call["type"] == "local_shell_call" and call["status"] == "completed"
-    assert call["action"] == {"type": "exec", "command": ["ls", "-la"], "env": {}, "timeout_ms": 5000,
-                              "working_directory": "/tmp", "user": None}
+    assert call["action"] == {
+        "type": "exec",
+        "command": ["ls", "-la"],
+        "env": {},
+        "timeout_ms": 5000,
+        "working_directory": "/tmp",
+        "user": None,
+    }
     output = {"type": "local_shell_call_output", "id": call["call_id"], "output": "a.txt"}
     post(tool_server, {"previous_response_id": first["id"], "tools": [SHELL], "input": [output]})
     chained = engine.calls[-1].request.prompt_token_ids
-    assert prompt_text(engine).endswith("<|start|>functions.local_shell to=assistant<|channel|>commentary"
-                                        "<|message|>a.txt<|end|><|start|>assistant")
-    post(tool_server, {"tools": [SHELL], "store": False, "input": [{"role": "user", "content": "List /tmp"}, call,
-                                                                  output]})
+    assert prompt_text(engine).endswith(
+        "<|start|>functions.local_shell to=assistant<|channel|>commentary<|message|>a.txt<|end|><|start|>assistant"
+    )
+    post(
+        tool_server,
+        {"tools": [SHELL], "store": False, "input": [{"role": "user", "content": "List /tmp"}, call, output]},
+    )
     assert engine.calls[-1].request.prompt_token_ids == chained
 
 
 def test_a_shell_command_given_as_one_string_runs_through_bash(fake_server):
-    fake_server.engine.say("<|channel|>commentary to=functions.local_shell <|constrain|>json<|message|>"
-                           "{\"command\": \"ls | wc -l\"}<|call|>")
+    fake_server.engine.say(
+        '<|channel|>commentary to=functions.local_shell <|constrain|>json<|message|>{"command": "ls | wc -l"}<|call|>'
+    )
     call = post(fake_server, {"input": "x", "tools": [SHELL]})["output"][-1]
     assert call["action"]["command"] == ["bash", "-lc", "ls | wc -l"]
 
@@ -124,19 +164,47 @@ def test_a_shell_command_given_as_one_string_runs_through_bash(fake_server):
 def test_allowed_tools_and_custom_choices(fake_server):
     engine = fake_server.engine
     weather = {"type": "function", "name": "weather", "parameters": {"type": "object", "properties": {}}}
-    post(fake_server, {"input": "x", "tools": [weather, PATCH], "tool_choice": {
-        "type": "allowed_tools", "mode": "required", "tools": [{"type": "custom", "name": "apply_patch"}]}})
+    post(
+        fake_server,
+        {
+            "input": "x",
+            "tools": [weather, PATCH],
+            "tool_choice": {
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "custom", "name": "apply_patch"}],
+            },
+        },
+    )
     text = prompt_text(engine)
     assert "apply_patch" in text and "type weather" not in text and "You must" not in text
     assert forced_recipients(engine) == ["functions.apply_patch"]  # the allowed tools only, through the grammar
-    post(fake_server, {"input": "x", "tools": [weather, PATCH], "tool_choice": {"type": "custom",
-                                                                                "name": "apply_patch"}})
+    post(
+        fake_server, {"input": "x", "tools": [weather, PATCH], "tool_choice": {"type": "custom", "name": "apply_patch"}}
+    )
     assert forced_recipients(engine) == ["functions.apply_patch"] and "You must" not in prompt_text(engine)
-    post(fake_server, {"input": "x", "tools": [weather, PATCH], "tool_choice": {
-        "type": "allowed_tools", "mode": "auto", "tools": [{"type": "custom", "name": "apply_patch"}]}})
+    post(
+        fake_server,
+        {
+            "input": "x",
+            "tools": [weather, PATCH],
+            "tool_choice": {
+                "type": "allowed_tools",
+                "mode": "auto",
+                "tools": [{"type": "custom", "name": "apply_patch"}],
+            },
+        },
+    )
     assert forced_recipients(engine) == []  # "auto" mode forces nothing
-    error = post(fake_server, {"input": "x", "tools": [weather], "tool_choice": {
-        "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]}}, 400)["error"]
+    error = post(
+        fake_server,
+        {
+            "input": "x",
+            "tools": [weather],
+            "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]},
+        },
+        400,
+    )["error"]
     assert error["param"] == "tool_choice.tools[0]"
 
 
@@ -144,25 +212,47 @@ def test_additional_tools_tool_search_and_deferred_tools(fake_server):
     engine = fake_server.engine
     deferred = {"type": "function", "name": "rare_tool", "defer_loading": True, "parameters": {"type": "object"}}
     extra = {"type": "function", "name": "late_tool", "parameters": {"type": "object"}}
-    body = post(fake_server, {"tools": [{"type": "tool_search"}, deferred], "input": [
-        {"role": "user", "content": "x"},
-        {"type": "additional_tools", "role": "developer", "tools": [extra]}]})
+    body = post(
+        fake_server,
+        {
+            "tools": [{"type": "tool_search"}, deferred],
+            "input": [
+                {"role": "user", "content": "x"},
+                {"type": "additional_tools", "role": "developer", "tools": [extra]},
+            ],
+        },
+    )
     text = prompt_text(engine)
     # gpt-oss is shown every tool up front: the deferred one too, and no search tool.
     assert "type rare_tool" in text and "type late_tool" in text and "tool_search" not in text
     assert [t["type"] for t in body["tools"]] == ["tool_search", "function"]
-    post(fake_server, {"input": [
-        {"role": "user", "content": "x"},
-        {"type": "tool_search_call", "call_id": "ts_1", "arguments": {"query": "weather"}, "execution": "client"},
-        {"type": "tool_search_output", "call_id": "ts_1", "execution": "client", "tools": [NAMESPACE]}]})
+    post(
+        fake_server,
+        {
+            "input": [
+                {"role": "user", "content": "x"},
+                {
+                    "type": "tool_search_call",
+                    "call_id": "ts_1",
+                    "arguments": {"query": "weather"},
+                    "execution": "client",
+                },
+                {"type": "tool_search_output", "call_id": "ts_1", "execution": "client", "tools": [NAMESPACE]},
+            ]
+        },
+    )
     assert "namespace multi_agent {" in prompt_text(engine)
 
 
-@pytest.mark.parametrize("kind", ["web_search", "web_search_2025_08_26", "web_search_preview",
-                                  "web_search_preview_2025_03_11"])
+@pytest.mark.parametrize(
+    "kind", ["web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11"]
+)
 def test_every_web_search_alias_with_its_options(fake_server, kind):
-    tool = {"type": kind, "user_location": {"type": "approximate", "city": "Oslo", "country": "NO",
-                                            "timezone": "Europe/Oslo"}, "search_context_size": "low"}
+    tool = {
+        "type": kind,
+        "user_location": {"type": "approximate", "city": "Oslo", "country": "NO", "timezone": "Europe/Oslo"},
+        "search_context_size": "low",
+    }
     if not kind.startswith("web_search_preview"):
         tool |= {"external_web_access": False, "filters": {"allowed_domains": ["example.org"]}}
     else:
@@ -177,35 +267,56 @@ def test_every_web_search_alias_with_its_options(fake_server, kind):
 
 def test_no_live_web_asked_of_a_browser_that_searches_the_web(fake_server, fake_tools):
     fake_tools["browser"].live_web = True
-    error = post(fake_server, {"input": "x", "tools": [{"type": "web_search", "external_web_access": False}]},
-                 400)["error"]
+    error = post(fake_server, {"input": "x", "tools": [{"type": "web_search", "external_web_access": False}]}, 400)[
+        "error"
+    ]
     assert error["param"] == "tools[0].external_web_access" and error["code"] == "unsupported_value"
     post(fake_server, {"input": "x", "tools": [{"type": "web_search", "external_web_access": True}]})
 
 
 def test_settings_harmony_has_no_field_for(fake_server):
     engine = fake_server.engine
-    earlier = [{"role": "user", "content": "a"},
-               {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Old thought."}]},
-               {"role": "assistant", "content": "A."}, {"role": "user", "content": "b"}]
+    earlier = [
+        {"role": "user", "content": "a"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Old thought."}]},
+        {"role": "assistant", "content": "A."},
+        {"role": "user", "content": "b"},
+    ]
     post(fake_server, {"input": earlier, "text": {"verbosity": "high"}})
     text = prompt_text(engine)
     assert "Old thought." not in text and "Give a thorough, detailed final answer." in text
     post(fake_server, {"input": earlier, "reasoning": {"context": "all_turns", "effort": "xhigh"}})
     text = prompt_text(engine)
     assert "Old thought." in text and "Reasoning: high" in text
-    post(fake_server, {"input": [*earlier, {"type": "configuration_update", "reasoning": {"effort": "minimal"},
-                                            "text": {"format": {"type": "json_schema", "name": "out",
-                                                                "schema": {"type": "object"}}}}]})
+    post(
+        fake_server,
+        {
+            "input": [
+                *earlier,
+                {
+                    "type": "configuration_update",
+                    "reasoning": {"effort": "minimal"},
+                    "text": {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}}},
+                },
+            ]
+        },
+    )
     text = prompt_text(engine)
     assert "Reasoning: low" in text and "## out" in text
 
 
 def test_accepted_settings_are_echoed(fake_server):
-    body = post(fake_server, {"input": "x", "prompt_cache_key": "k", "prompt_cache_retention": "in_memory",
-                              "context_management": [{"type": "compaction", "compact_threshold": 1000}],
-                              "reasoning": {"summary": "detailed", "effort": "none"},
-                              "client_metadata": {"x-codex-turn-metadata": "{}"}})
+    body = post(
+        fake_server,
+        {
+            "input": "x",
+            "prompt_cache_key": "k",
+            "prompt_cache_retention": "in_memory",
+            "context_management": [{"type": "compaction", "compact_threshold": 1000}],
+            "reasoning": {"summary": "detailed", "effort": "none"},
+            "client_metadata": {"x-codex-turn-metadata": "{}"},
+        },
+    )
     assert body["reasoning"] == {"effort": "none", "summary": "detailed"}
     assert body["prompt_cache_key"] == "k" and body["prompt_cache_retention"] == "in_memory"
     assert "Reasoning: low" in prompt_text(fake_server.engine)
@@ -221,15 +332,31 @@ def test_the_turn_grammar_addresses_every_client_tool(fake_server):
     """Client tools are the grammar's recipients: a function with its arguments, a custom tool
     with one JSON string (its input), local_shell, and a namespace's tools under their namespace."""
     engine = fake_server.engine
-    weather = {"type": "function", "name": "weather", "strict": True, "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-        "additionalProperties": False}}
+    weather = {
+        "type": "function",
+        "name": "weather",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
     post(fake_server, {"input": "x", "tools": [weather, PATCH, SHELL, NAMESPACE], "tool_choice": "required"})
-    assert forced_recipients(engine) == ["functions.apply_patch", "functions.local_shell", "functions.weather",
-                                         "multi_agent.close_agent", "multi_agent.note"]
+    assert forced_recipients(engine) == [
+        "functions.apply_patch",
+        "functions.local_shell",
+        "functions.weather",
+        "multi_agent.close_agent",
+        "multi_agent.note",
+    ]
     lines = engine.calls[-1].request.sampling.grammar.text.splitlines()
-    bodies = {line.split(" to=")[1].split(" ")[0]: line.split("<|message|> ")[1].split(" ")[0]
-              for line in lines if line.startswith("call_")}
+    bodies = {
+        line.split(" to=")[1].split(" ")[0]: line.split("<|message|> ")[1].split(" ")[0]
+        for line in lines
+        if line.startswith("call_")
+    }
     body_of = {line.split(":")[0]: line for line in lines if line.startswith("body_")}
     assert '"type": "string"' in body_of[bodies["functions.apply_patch"]]
     assert '"city"' in body_of[bodies["functions.weather"]]

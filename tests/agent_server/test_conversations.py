@@ -15,27 +15,37 @@ from tests.agent_server.responses.test_routes import prompt_text
 from tests.conftest import MODEL, LiveServer, make_app
 from tests.fake_engine import ScriptedEngine
 
-ANSWER = "<|channel|>analysis<|message|>Her name was given.<|end|><|start|>assistant<|channel|>final<|message|>" \
-         "You are Ada.<|return|>"
+ANSWER = (
+    "<|channel|>analysis<|message|>Her name was given.<|end|><|start|>assistant<|channel|>final<|message|>"
+    "You are Ada.<|return|>"
+)
 
 
 def test_conversations_and_their_items(fake_server):
     client = fake_server.client()
-    conversation = client.conversations.create(items=[{"role": "user", "content": "My name is Ada."}],
-                                               metadata={"topic": "names"})
+    conversation = client.conversations.create(
+        items=[{"role": "user", "content": "My name is Ada."}], metadata={"topic": "names"}
+    )
     assert conversation.object == "conversation" and conversation.id.startswith("conv_")
     assert client.conversations.retrieve(conversation.id).metadata == {"topic": "names"}
     assert client.conversations.update(conversation.id, metadata={"topic": "people"}).metadata == {"topic": "people"}
 
-    added = client.conversations.items.create(conversation.id, items=[
-        {"type": "message", "role": "assistant", "content": "Hello, Ada."},
-        {"type": "message", "role": "user", "content": "What is my name?"}])
+    added = client.conversations.items.create(
+        conversation.id,
+        items=[
+            {"type": "message", "role": "assistant", "content": "Hello, Ada."},
+            {"type": "message", "role": "user", "content": "What is my name?"},
+        ],
+    )
     assert [item.role for item in added.data] == ["assistant", "user"] and not added.has_more
     assert added.first_id == added.data[0].id and added.last_id == added.data[1].id
 
     newest_first = client.conversations.items.list(conversation.id)
-    assert [item.content[0].text for item in newest_first.data] == ["What is my name?", "Hello, Ada.",
-                                                                     "My name is Ada."]
+    assert [item.content[0].text for item in newest_first.data] == [
+        "What is my name?",
+        "Hello, Ada.",
+        "My name is Ada.",
+    ]
     page = client.conversations.items.list(conversation.id, order="asc", limit=2)
     assert [item.role for item in page.data] == ["user", "assistant"] and page.has_more
     rest = client.conversations.items.list(conversation.id, order="asc", after=page.data[-1].id)
@@ -44,8 +54,9 @@ def test_conversations_and_their_items(fake_server):
     assert [item.id for item in every] == [*[item.id for item in page.data], rest.data[0].id]
 
     hello = page.data[1]
-    assert client.conversations.items.retrieve(hello.id, conversation_id=conversation.id).content[0].text == \
-        "Hello, Ada."
+    assert (
+        client.conversations.items.retrieve(hello.id, conversation_id=conversation.id).content[0].text == "Hello, Ada."
+    )
     assert client.conversations.items.delete(hello.id, conversation_id=conversation.id).id == conversation.id
     with pytest.raises(openai.NotFoundError):
         client.conversations.items.retrieve(hello.id, conversation_id=conversation.id)
@@ -74,8 +85,10 @@ def test_bad_conversation_requests(fake_server):
     assert httpx.get(f"{url}/{conversation.id}/items", params={"order": "up"}).json()["error"]["param"] == "order"
     assert httpx.get(f"{url}/{conversation.id}/items", params={"after": "msg_2"}).json()["error"]["param"] == "after"
     assert httpx.get(f"{url}/{conversation.id}/items", params={"include": "everything"}).status_code == 400
-    assert httpx.get(f"{url}/{conversation.id}/items", params={"include": "reasoning.encrypted_content"}
-                     ).status_code == 200
+    assert (
+        httpx.get(f"{url}/{conversation.id}/items", params={"include": "reasoning.encrypted_content"}).status_code
+        == 200
+    )
     with pytest.raises(openai.NotFoundError):
         client.conversations.update("conv_missing", metadata={})
     with pytest.raises(openai.NotFoundError) as info:
@@ -86,8 +99,9 @@ def test_bad_conversation_requests(fake_server):
         client.responses.create(model=MODEL, conversation=conversation.id, previous_response_id=first.id, input="x")
     assert info.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as info:  # an item the conversation holds, given again
-        client.responses.create(model=MODEL, conversation=conversation.id,
-                                input=[{"id": "msg_1", "role": "user", "content": "x"}])
+        client.responses.create(
+            model=MODEL, conversation=conversation.id, input=[{"id": "msg_1", "role": "user", "content": "x"}]
+        )
     assert info.value.body["param"] == "input[0].id"
 
 
@@ -126,8 +140,9 @@ def test_a_conversation_continues_across_a_restart(tmp_path):
     engine = ScriptedEngine().say(ANSWER)
     with LiveServer(make_app(lambda: engine, store)) as server:
         client = server.client()
-        conversation = client.conversations.create(items=[{"role": "user", "content": "My name is Ada."}],
-                                                   metadata={"k": "v"})
+        conversation = client.conversations.create(
+            items=[{"role": "user", "content": "My name is Ada."}], metadata={"k": "v"}
+        )
         client.responses.create(model=MODEL, conversation=conversation.id, input="What is my name?")
         engine.say(ANSWER)
         client.responses.create(model=MODEL, conversation=conversation.id, input="And again?", store=False)
@@ -138,7 +153,7 @@ def test_a_conversation_continues_across_a_restart(tmp_path):
         assert client.conversations.retrieve(conversation.id).metadata == {"k": "v"}
         client.responses.create(model=MODEL, conversation=conversation.id, input="And again?")
         start = len(assistant_start_tokens())  # (the prompt before ends where the model was to answer)
-        assert engine.calls[-1].request.prompt_token_ids[:len(expected) - start] == expected[:-start]
+        assert engine.calls[-1].request.prompt_token_ids[: len(expected) - start] == expected[:-start]
         text = prompt_text(engine.calls[-1])
         assert text.count("My name is Ada.") == 1 and text.count("What is my name?") == 1
         assert text.count("And again?") == 2  # the answer to the first "And again?" went in too
@@ -153,4 +168,4 @@ def test_a_conversation_on_the_real_engine(tiny_engine_server):
     second = client.responses.create(model=MODEL, conversation=conversation.id, input="Again?", max_output_tokens=6)
     assert second.usage.input_tokens == counted.input_tokens > first.usage.input_tokens
     listed = client.conversations.items.list(conversation.id, order="asc", limit=100).data
-    assert [item.id for item in listed][-len(second.output):] == [item.id for item in second.output]
+    assert [item.id for item in listed][-len(second.output) :] == [item.id for item in second.output]

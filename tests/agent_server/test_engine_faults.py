@@ -94,8 +94,9 @@ def sse_events(lines) -> list[dict]:
 @pytest.fixture
 def faulty_server(tmp_path, tiny_checkpoint, monkeypatch):
     """The real engine (at most 2 sequences per step) whose runner can be held and made to fail."""
-    engine = AsyncEngine.from_pretrained(str(tiny_checkpoint), device="cpu", max_model_len=1024, num_pages=256,
-                                         enforce_eager=True, max_num_seqs=2)
+    engine = AsyncEngine.from_pretrained(
+        str(tiny_checkpoint), device="cpu", max_model_len=1024, num_pages=256, enforce_eager=True, max_num_seqs=2
+    )
     control = type("Control", (), {})()
     control.entered, control.release = threading.Event(), threading.Event()
     control.failed_ids: list[str] = []
@@ -107,8 +108,11 @@ def faulty_server(tmp_path, tiny_checkpoint, monkeypatch):
         if control.hold_first and not control.entered.is_set():
             control.entered.set()  # hold the engine inside its first step while requests queue up
             control.release.wait(60)
-        elif not control.failed_ids and any(i.startswith("resp_") for i in ids) \
-                and any(i.startswith("chatcmpl-") for i in ids):
+        elif (
+            not control.failed_ids
+            and any(i.startswith("resp_") for i in ids)
+            and any(i.startswith("chatcmpl-") for i in ids)
+        ):
             control.failed_ids = ids  # the first step holding a response and a chat completion
             raise InjectedFault("injected for the test")
         return real_run(batch)
@@ -144,8 +148,10 @@ def test_a_fault_mid_batch_fails_only_those_requests_over_http(faulty_server, ca
         body = {"model": MODEL, "input": "fourth", "max_output_tokens": 16}
         results["D"] = httpx.post(f"{url}/v1/responses", json=body, timeout=120)
 
-    threads = {name: threading.Thread(target=fn) for name, fn in
-               (("A", responses_stream), ("B", chat_plain), ("C", chat_stream), ("D", responses_plain))}
+    threads = {
+        name: threading.Thread(target=fn)
+        for name, fn in (("A", responses_stream), ("B", chat_plain), ("C", chat_stream), ("D", responses_plain))
+    }
     threads["A"].start()
     assert control.entered.wait(60)  # A's prefill is the step being held
     for i, name in enumerate("BCD", start=1):
@@ -210,11 +216,14 @@ def test_a_fault_mid_batch_fails_only_those_requests_over_http(faulty_server, ca
     assert not any(i.startswith(results["D"].json()["id"]) for i in failed)
 
     # The engine keeps serving, and the failed requests left nothing behind.
-    later = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "after", "max_output_tokens": 8},
-                       timeout=120)
+    later = httpx.post(
+        f"{url}/v1/responses", json={"model": MODEL, "input": "after", "max_output_tokens": 8}, timeout=120
+    )
     assert later.status_code == 200 and later.json()["status"] in ("completed", "incomplete")
-    later = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 8,
-                                                           "messages": [{"role": "user", "content": "after"}]})
+    later = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "after"}]},
+    )
     assert later.status_code == 200
     deadline = time.monotonic() + 10
     while engine.stats().running or engine.stats().pages_used:

@@ -27,26 +27,44 @@ from tests.fake_tools import FakeBrowser, FakeMcp, FakePython
 
 MAX_BYTES = 64 << 10  # small, so the huge bodies below meet the limit
 
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     engine = ScriptedEngine(max_model_len=4096)
     tools = [FakeBrowser(), FakePython(), FakeMcp()]
-    app = make_app(lambda: engine, tmp_path_factory.mktemp("fuzz") / "r.db", tools=tools,
-                   max_request_bytes=MAX_BYTES, sse_ping_seconds=60)
+    app = make_app(
+        lambda: engine,
+        tmp_path_factory.mktemp("fuzz") / "r.db",
+        tools=tools,
+        max_request_bytes=MAX_BYTES,
+        sse_ping_seconds=60,
+    )
     with LiveServer(app) as live:
         live.http = httpx.Client(base_url=live.url, timeout=60)
         # A few real responses (one background, one with function-call items) for the id fuzzing.
-        live.ids = [live.http.post("/v1/responses", json=body).json()["id"] for body in (
-            {"model": MODEL, "input": "hello"},
-            {"model": MODEL, "input": "later", "background": True},
-            {"model": MODEL, "input": [{"role": "user", "content": "x"},
-                                       {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-                                       {"type": "function_call_output", "call_id": "c1", "output": "1"}]},
-        )]
+        live.ids = [
+            live.http.post("/v1/responses", json=body).json()["id"]
+            for body in (
+                {"model": MODEL, "input": "hello"},
+                {"model": MODEL, "input": "later", "background": True},
+                {
+                    "model": MODEL,
+                    "input": [
+                        {"role": "user", "content": "x"},
+                        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+                    ],
+                },
+            )
+        ]
         yield live
         live.http.close()
 
@@ -73,10 +91,12 @@ def assert_still_serving(server) -> None:
 
 # --- values -------------------------------------------------------------------------------
 
-scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
-           | st.text(max_size=40))
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=16)
+scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=40)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=16,
+)
 lone_surrogates = st.text(st.characters(categories=["Cs"]), min_size=1, max_size=4)
 huge_strings = st.sampled_from([1_000, 20_000, 60_000, 200_000]).map(lambda n: "é" * n)
 
@@ -89,42 +109,70 @@ def nested(depth: int) -> list:
 
 
 # Nesting a json.dumps can still write; deeper nesting is built as text below.
-wild_values = (json_values | lone_surrogates | huge_strings | st.integers(2, 200).map(nested)
-               | st.sampled_from([2**63, -(2**63) - 1, 10**30, 1e308, -0.0, "", [], {}]))
+wild_values = (
+    json_values
+    | lone_surrogates
+    | huge_strings
+    | st.integers(2, 200).map(nested)
+    | st.sampled_from([2**63, -(2**63) - 1, 10**30, 1e308, -0.0, "", [], {}])
+)
 
 RESPONSE_FIELDS = {
     "model": st.just(MODEL),
-    "input": st.sampled_from(["hi", [{"role": "user", "content": "hi"}]]) | st.lists(
-        st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call", "function_call_output",
-                                                        "reasoning", "mcp_call", "input_image", "nope"]),
-                               "role": st.sampled_from(["user", "assistant", "system", "tool"]),
-                               "content": wild_values}), max_size=3),
+    "input": st.sampled_from(["hi", [{"role": "user", "content": "hi"}]])
+    | st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(
+                    ["message", "function_call", "function_call_output", "reasoning", "mcp_call", "input_image", "nope"]
+                ),
+                "role": st.sampled_from(["user", "assistant", "system", "tool"]),
+                "content": wild_values,
+            }
+        ),
+        max_size=3,
+    ),
     "instructions": st.text(max_size=30),
-    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search", "code_interpreter",
-                                                                      "mcp", "file_search"])},
-                                            optional={"name": st.text(max_size=10), "parameters": wild_values,
-                                                      "server_label": st.sampled_from(["weather", "x"]),
-                                                      "require_approval": wild_values,
-                                                      "allowed_tools": wild_values,
-                                                      "user_location": wild_values, "container": wild_values}),
-                      max_size=3),
-    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"},
-                                    {"type": "mcp", "server_label": "weather"}]),
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "web_search", "code_interpreter", "mcp", "file_search"])},
+            optional={
+                "name": st.text(max_size=10),
+                "parameters": wild_values,
+                "server_label": st.sampled_from(["weather", "x"]),
+                "require_approval": wild_values,
+                "allowed_tools": wild_values,
+                "user_location": wild_values,
+                "container": wild_values,
+            },
+        ),
+        max_size=3,
+    ),
+    "tool_choice": st.sampled_from(
+        ["auto", "none", "required", {"type": "function", "name": "f"}, {"type": "mcp", "server_label": "weather"}]
+    ),
     "max_output_tokens": st.integers(-5, 10**6),
     "max_tool_calls": st.integers(-5, 10),
     "temperature": st.floats(-1, 3),
-    "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "json_object", "json_schema"])},
-        optional={"name": st.text(max_size=8), "schema": wild_values})}),
-    "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "high", "max"]),
-                                                     "summary": wild_values}),
+    "text": st.fixed_dictionaries(
+        {
+            "format": st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                optional={"name": st.text(max_size=8), "schema": wild_values},
+            )
+        }
+    ),
+    "reasoning": st.fixed_dictionaries(
+        {}, optional={"effort": st.sampled_from(["low", "high", "max"]), "summary": wild_values}
+    ),
     "stream": st.booleans(),
     "background": st.booleans(),
     "store": st.booleans(),
     "previous_response_id": st.text(max_size=20),
     "metadata": wild_values,
-    "include": st.lists(st.sampled_from(["reasoning.encrypted_content", "code_interpreter_call.outputs", "x"]),
-                        max_size=2),
+    "include": st.lists(
+        st.sampled_from(["reasoning.encrypted_content", "code_interpreter_call.outputs", "x"]), max_size=2
+    ),
     "truncation": st.sampled_from(["auto", "disabled"]),
     "conversation": st.text(max_size=5),
     "unknown_field": wild_values,
@@ -132,10 +180,18 @@ RESPONSE_FIELDS = {
 
 CHAT_FIELDS = {
     "model": st.just(MODEL),
-    "messages": st.lists(st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "robot"])},
-        optional={"content": wild_values, "tool_calls": wild_values, "tool_call_id": wild_values,
-                  "name": st.text(max_size=10)}), max_size=3),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "robot"])},
+            optional={
+                "content": wild_values,
+                "tool_calls": wild_values,
+                "tool_call_id": wild_values,
+                "name": st.text(max_size=10),
+            },
+        ),
+        max_size=3,
+    ),
     "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": wild_values}), max_size=2),
     "tool_choice": wild_values,
     "n": st.integers(-1, 20),
@@ -172,15 +228,29 @@ def raw_bodies(base: dict) -> st.SearchStrategy[bytes]:
         st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")),
         json_values.map(lambda v: json.dumps(v).encode()),
         st.integers(0, len(valid)).map(lambda i: valid[:i].encode()),  # truncated
-        st.integers(10, 100_000).map(lambda d: ('{"model": "%s", "input": ' % MODEL + "[" * d + "]" * d + "}").encode()),
+        st.integers(10, 100_000).map(
+            lambda d: ('{"model": "%s", "input": ' % MODEL + "[" * d + "]" * d + "}").encode()
+        ),
         st.integers(10, 100_000).map(lambda d: ('{"a":' * d + "1" + "}" * d).encode()),
-        st.sampled_from([b'{"model": "m", "input": "\xff\xfe"}', b'{"model": "m", "input": "\xed\xa0\x80"}',
-                         b'{"model": "m", "input": "\\ud800"}', b'{"model": "m", "input": "a\\udc00b"}',
-                         b'{"model": "m", "temperature": NaN}', b'{"model": "m", "max_tokens": Infinity}',
-                         b'{"model": "m", "seed": ' + b"9" * 5000 + b"}", b"\xef\xbb\xbf{}", b"null", b"",
-                         b'{"model": "m", "model": 1}', valid.encode("utf-16")]),
+        st.sampled_from(
+            [
+                b'{"model": "m", "input": "\xff\xfe"}',
+                b'{"model": "m", "input": "\xed\xa0\x80"}',
+                b'{"model": "m", "input": "\\ud800"}',
+                b'{"model": "m", "input": "a\\udc00b"}',
+                b'{"model": "m", "temperature": NaN}',
+                b'{"model": "m", "max_tokens": Infinity}',
+                b'{"model": "m", "seed": ' + b"9" * 5000 + b"}",
+                b"\xef\xbb\xbf{}",
+                b"null",
+                b"",
+                b'{"model": "m", "model": 1}',
+                valid.encode("utf-16"),
+            ]
+        ),
         st.sampled_from([10_000, MAX_BYTES + 1, 4 * MAX_BYTES]).map(
-            lambda n: json.dumps({**base, "instructions": "x" * n}).encode()),
+            lambda n: json.dumps({**base, "instructions": "x" * n}).encode()
+        ),
     )
 
 
@@ -206,12 +276,19 @@ def test_chat_completions_survive_anything(server, body, content_type):
     assert_clean(server.http.post("/v1/chat/completions", content=body, headers={"content-type": content_type}))
 
 
-response_ids = st.one_of(st.text(max_size=60), st.sampled_from(["resp_", "resp_" + "0" * 5000, "..", "%00", "a/b"]),
-                         st.text(max_size=20).map(lambda t: "resp_" + t))
-query_values = st.one_of(st.text(max_size=30), st.integers(-(2**80), 2**80).map(str),
-                         st.sampled_from(["true", "false", "-1", "0", "1e3", "asc", "desc", "", "\x00"]))
-queries = st.dictionaries(st.sampled_from(["stream", "starting_after", "limit", "order", "after", "include", "x"]),
-                          query_values, max_size=4)
+response_ids = st.one_of(
+    st.text(max_size=60),
+    st.sampled_from(["resp_", "resp_" + "0" * 5000, "..", "%00", "a/b"]),
+    st.text(max_size=20).map(lambda t: "resp_" + t),
+)
+query_values = st.one_of(
+    st.text(max_size=30),
+    st.integers(-(2**80), 2**80).map(str),
+    st.sampled_from(["true", "false", "-1", "0", "1e3", "asc", "desc", "", "\x00"]),
+)
+queries = st.dictionaries(
+    st.sampled_from(["stream", "starting_after", "limit", "order", "after", "include", "x"]), query_values, max_size=4
+)
 
 
 @FUZZ
@@ -231,11 +308,26 @@ def test_response_endpoints_survive_any_id_and_query(server, data, action, query
 
 
 @FUZZ
-@given(path=st.sampled_from(["/v1/models", "/health", "/ready", "/metrics", "/v1/responses", "/v1/chat/completions",
-                             "/v1/models/", "/", "/v1", "/v1/responses/x/y/z"])
-       | st.text(max_size=40).map(lambda t: "/v1/models/" + quote(t, safe="")),
-       method=st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
-       query=queries, body=st.binary(max_size=100))
+@given(
+    path=st.sampled_from(
+        [
+            "/v1/models",
+            "/health",
+            "/ready",
+            "/metrics",
+            "/v1/responses",
+            "/v1/chat/completions",
+            "/v1/models/",
+            "/",
+            "/v1",
+            "/v1/responses/x/y/z",
+        ]
+    )
+    | st.text(max_size=40).map(lambda t: "/v1/models/" + quote(t, safe="")),
+    method=st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
+    query=queries,
+    body=st.binary(max_size=100),
+)
 def test_other_endpoints_survive_any_method_and_query(server, path, method, query, body):
     r = server.http.request(method, path, params=query, content=body if method not in ("GET", "HEAD") else None)
     assert r.status_code < 500, (method, path, r.status_code, r.text[:300])
@@ -265,11 +357,18 @@ LOAD_SECONDS = 120  # the whole round, bounded
 def paced_server(tmp_path_factory):
     """A server of its own whose answers take a second or two (a token every 5 ms)."""
     engine = ScriptedEngine(max_model_len=4096, token_delay=0.005)
-    answer = harmony_tokens("<|channel|>analysis<|message|>" + "think " * 40 + "<|end|><|start|>assistant"
-                            "<|channel|>final<|message|>" + "word " * 200 + "<|return|>")
+    answer = harmony_tokens(
+        "<|channel|>analysis<|message|>" + "think " * 40 + "<|end|><|start|>assistant"
+        "<|channel|>final<|message|>" + "word " * 200 + "<|return|>"
+    )
     engine.say(*[answer] * (4 * STREAMS))
-    app = make_app(lambda: engine, tmp_path_factory.mktemp("load") / "r.db", tools=[FakeBrowser(), FakePython(),
-                   FakeMcp()], max_request_bytes=MAX_BYTES, sse_ping_seconds=60)
+    app = make_app(
+        lambda: engine,
+        tmp_path_factory.mktemp("load") / "r.db",
+        tools=[FakeBrowser(), FakePython(), FakeMcp()],
+        max_request_bytes=MAX_BYTES,
+        sse_ping_seconds=60,
+    )
     with LiveServer(app) as live:
         live.http = httpx.Client(base_url=live.url, timeout=60)
         yield live
@@ -298,18 +397,49 @@ async def stream_and_maybe_hang_up(client: httpx.AsyncClient, api: str, read: in
     return {"api": api, "status": status, "events": events, "cut": read is not None}
 
 
-async def malformed(client: httpx.AsyncClient, limit: asyncio.Semaphore, path: str, body: bytes,
-                    content_type: str) -> httpx.Response:
+async def malformed(
+    client: httpx.AsyncClient, limit: asyncio.Semaphore, path: str, body: bytes, content_type: str
+) -> httpx.Response:
     async with limit:
         return await client.post(path, content=body, headers={"content-type": content_type})
 
 
 # Values of every kind and shape, for the fields of the malformed bodies below.
-WILD = [None, True, 0, -1, 2**63, 1e308, -0.0, "", "x", "\ud800", "é" * 20_000, [], {}, [[[]]], {"a": {"b": [1]}},
-        [{"role": "user"}], {"type": "function"}, "gpt-oss-test", [None], {"": ""}]
-RAW = [b"", b"null", b"[]", b"\xef\xbb\xbf{}", b'{"model": "m", "input": "\xff\xfe"}', b'{"model": NaN}',
-       b'{"model": "m", "temperature": Infinity}', b'{"a": 1} trailing', b"{" * 5000, b'{"model": "m", "seed": ' +
-       b"9" * 5000 + b"}", json.dumps({"x": "y"}).encode("utf-16")]
+WILD = [
+    None,
+    True,
+    0,
+    -1,
+    2**63,
+    1e308,
+    -0.0,
+    "",
+    "x",
+    "\ud800",
+    "é" * 20_000,
+    [],
+    {},
+    [[[]]],
+    {"a": {"b": [1]}},
+    [{"role": "user"}],
+    {"type": "function"},
+    "gpt-oss-test",
+    [None],
+    {"": ""},
+]
+RAW = [
+    b"",
+    b"null",
+    b"[]",
+    b"\xef\xbb\xbf{}",
+    b'{"model": "m", "input": "\xff\xfe"}',
+    b'{"model": NaN}',
+    b'{"model": "m", "temperature": Infinity}',
+    b'{"a": 1} trailing',
+    b"{" * 5000,
+    b'{"model": "m", "seed": ' + b"9" * 5000 + b"}",
+    json.dumps({"x": "y"}).encode("utf-16"),
+]
 
 
 def malformed_bodies(rng: random.Random, base: dict, fields: list[str], count: int) -> list[tuple[bytes, str]]:
@@ -318,10 +448,11 @@ def malformed_bodies(rng: random.Random, base: dict, fields: list[str], count: i
     valid = json.dumps(base).encode()
     makers = [
         lambda: rng.randbytes(rng.randint(0, 300)),
-        lambda: valid[:rng.randint(0, len(valid) - 1)],
+        lambda: valid[: rng.randint(0, len(valid) - 1)],
         lambda: json.dumps(rng.choice(WILD)).encode(),
-        lambda: json.dumps({**base, **{rng.choice(fields): rng.choice(WILD)
-                                       for _ in range(rng.randint(1, 4))}}).encode(),
+        lambda: json.dumps(
+            {**base, **{rng.choice(fields): rng.choice(WILD) for _ in range(rng.randint(1, 4))}}
+        ).encode(),
         lambda: json.dumps({**base, "unknown_field": rng.choice(WILD)}).encode(),
         lambda: json.dumps({k: v for k, v in base.items() if k != rng.choice(list(base))}).encode(),
         lambda: (('{"model": "%s", "input": ' % MODEL) + "[" * (d := rng.randint(50, 50_000)) + "]" * d + "}").encode(),
@@ -339,12 +470,16 @@ def test_streams_with_disconnects_and_malformed_bodies_all_at_once(paced_server)
     its end well formed, every stored response stored with a final status, and the server idle
     and serving afterwards."""
     server, rng = paced_server, random.Random(45)
-    bodies = [("/v1/responses", *b) for b in malformed_bodies(rng, RESPONSE_BASE, list(RESPONSE_FIELDS),
-                                                              MALFORMED // 2)]
-    bodies += [("/v1/chat/completions", *b) for b in malformed_bodies(rng, CHAT_BASE, list(CHAT_FIELDS),
-                                                                      MALFORMED // 2)]
-    plan = [("chat" if i % 2 else "responses", rng.choice([None, rng.randint(0, 120)]) if i % 4 else None)
-            for i in range(STREAMS)]
+    bodies = [
+        ("/v1/responses", *b) for b in malformed_bodies(rng, RESPONSE_BASE, list(RESPONSE_FIELDS), MALFORMED // 2)
+    ]
+    bodies += [
+        ("/v1/chat/completions", *b) for b in malformed_bodies(rng, CHAT_BASE, list(CHAT_FIELDS), MALFORMED // 2)
+    ]
+    plan = [
+        ("chat" if i % 2 else "responses", rng.choice([None, rng.randint(0, 120)]) if i % 4 else None)
+        for i in range(STREAMS)
+    ]
     errors_before = server_errors(server)
 
     async def round_() -> tuple[list, list]:
@@ -391,5 +526,10 @@ def server_errors(server) -> float:
     from agent_server.bench.server_metrics import parse_metrics
 
     samples = parse_metrics(server.http.get("/metrics").text)
-    return sum(v for (name, labels), v in samples.items() if name == "oss_agent_requests_total"
-               and dict(labels)["status"].startswith("5") and dict(labels)["endpoint"] != "/ready")
+    return sum(
+        v
+        for (name, labels), v in samples.items()
+        if name == "oss_agent_requests_total"
+        and dict(labels)["status"].startswith("5")
+        and dict(labels)["endpoint"] != "/ready"
+    )

@@ -8,7 +8,7 @@ import random
 import pytest
 from openai_harmony import Role
 
-from tools.browser.citation_stream import CitationStreamer
+from agent_server.chat.stop_strings import StopStringMatcher
 from agent_server.errors import from_validation_error
 from agent_server.harmony import (
     MAX_HEADER_TOKENS,
@@ -16,17 +16,17 @@ from agent_server.harmony import (
     HarmonyStream,
     MessageEnd,
     MessageStart,
-    PromptConfig,
     PreambleTokens,
+    PromptConfig,
     continuation_tokens,
     preamble,
     render_prompt,
     tool_message,
 )
-from agent_server.chat.stop_strings import StopStringMatcher
 from agent_server.store import SQLiteResponseStore, StoredResponse
 from inference.tokenizer import harmony_encoding
 from tests.fake_engine import harmony_tokens
+from tools.browser.citation_stream import CitationStreamer
 
 
 def parse(text_or_tokens):
@@ -52,8 +52,10 @@ def parse(text_or_tokens):
 
 
 def test_well_formed_turn():
-    ends = parse("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary "
-                 "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+    ends = parse(
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+    )
     assert [(e.channel, e.recipient, e.text, e.malformed) for e in ends] == [
         ("analysis", None, "Think.", None),
         ("commentary", "functions.get_weather", '{"city": "Paris"}', None),
@@ -62,8 +64,9 @@ def test_well_formed_turn():
 
 
 def test_junk_after_a_message_is_kept_as_malformed_text_and_parsing_resumes():
-    ends = parse("<|channel|>final<|message|>Hi<|end|>stray words<|start|>assistant<|channel|>final"
-                 "<|message|>Again<|return|>")
+    ends = parse(
+        "<|channel|>final<|message|>Hi<|end|>stray words<|start|>assistant<|channel|>final<|message|>Again<|return|>"
+    )
     assert [e.text for e in ends] == ["Hi", "stray words", "Again"]
     assert ends[1].malformed and not ends[0].malformed and not ends[2].malformed
 
@@ -120,8 +123,12 @@ def test_continuation_tokens_match_harmony_rendering():
     user = Message.from_role_and_content(Role.USER, "Search.")
     prompt = render_prompt(preamble(config) + [user])
     call_text = '{"query":"x"}'
-    call = (Message.from_role_and_content(Role.ASSISTANT, call_text).with_channel("analysis")
-            .with_recipient("browser.search").with_content_type("<|constrain|>json"))
+    call = (
+        Message.from_role_and_content(Role.ASSISTANT, call_text)
+        .with_channel("analysis")
+        .with_recipient("browser.search")
+        .with_content_type("<|constrain|>json")
+    )
     generated = harmony_encoding().render(call)[2:]  # the model's tokens after "<|start|>assistant"
     answer = tool_message("browser.search", "results")
     whole = render_prompt(preamble(config) + [user, call, answer])
@@ -132,26 +139,33 @@ def test_preamble_tokens_are_reused_only_for_the_same_preamble():
     """render_prompt's cached system and developer messages give what Harmony renders for the whole
     conversation, whatever follows them (function tools in the developer message change the system
     message's text), and no two different preambles share tokens."""
-    from openai_harmony import (Conversation, Message, RenderConversationConfig, ToolDescription,
-                                ToolNamespaceConfig)
+    from openai_harmony import Conversation, Message, RenderConversationConfig, ToolDescription, ToolNamespaceConfig
 
     def uncached(messages):
         return harmony_encoding().render_conversation_for_completion(
-            Conversation.from_messages(messages), Role.ASSISTANT, RenderConversationConfig(auto_drop_analysis=True))
+            Conversation.from_messages(messages), Role.ASSISTANT, RenderConversationConfig(auto_drop_analysis=True)
+        )
 
     user = Message.from_role_and_content(Role.USER, "What is 2 + 2?")
     thought = Message.from_role_and_content(Role.ASSISTANT, "Easy.").with_channel("analysis")
     final = Message.from_role_and_content(Role.ASSISTANT, "4").with_channel("final")
-    call = (Message.from_role_and_content(Role.ASSISTANT, '{"code":"1"}').with_channel("analysis")
-            .with_recipient("python"))
-    weather = ToolDescription.new("weather", "Weather now", parameters={"type": "object",
-                                                                      "properties": {"city": {"type": "string"}}})
+    call = (
+        Message.from_role_and_content(Role.ASSISTANT, '{"code":"1"}').with_channel("analysis").with_recipient("python")
+    )
+    weather = ToolDescription.new(
+        "weather", "Weather now", parameters={"type": "object", "properties": {"city": {"type": "string"}}}
+    )
     other = ToolNamespaceConfig(name="functions2", description="", tools=[weather])
-    configs = [PromptConfig(), PromptConfig(reasoning_effort="high"), PromptConfig(conversation_start_date="2026-01-02"),
-               PromptConfig(conversation_start_date="2026-01-03"),
-               PromptConfig(tool_namespaces=[ToolNamespaceConfig.browser(), ToolNamespaceConfig.python()]),
-               PromptConfig(tool_namespaces=[ToolNamespaceConfig.browser()]), PromptConfig(tool_namespaces=[other]),
-               PromptConfig(instructions="Be brief.", function_tools=[weather])]
+    configs = [
+        PromptConfig(),
+        PromptConfig(reasoning_effort="high"),
+        PromptConfig(conversation_start_date="2026-01-02"),
+        PromptConfig(conversation_start_date="2026-01-03"),
+        PromptConfig(tool_namespaces=[ToolNamespaceConfig.browser(), ToolNamespaceConfig.python()]),
+        PromptConfig(tool_namespaces=[ToolNamespaceConfig.browser()]),
+        PromptConfig(tool_namespaces=[other]),
+        PromptConfig(instructions="Be brief.", function_tools=[weather]),
+    ]
     rests = [[user], [user, thought, final, user], [user, call, tool_message("python", "1")]]
     heads = set()
     for _ in range(2):  # the second pass reads the cache
@@ -179,13 +193,39 @@ def test_user_messages_rendered_by_hand_match_harmony():
 
     def uncached(messages):
         return harmony_encoding().render_conversation_for_completion(
-            Conversation.from_messages(messages), Role.ASSISTANT, RenderConversationConfig(auto_drop_analysis=True))
+            Conversation.from_messages(messages), Role.ASSISTANT, RenderConversationConfig(auto_drop_analysis=True)
+        )
 
     rng = random.Random(5)
-    pieces = ["", " ", "\n", "\n\n", "  x", "hello", " world", "<|start|>", "<|end|>", "<|message|>assistant",
-              "<|endoftext|>", "<|reserved_200100|>", "é", "日本語", "🙂", "\t", "123456", "user", "'s", "\r\n"]
-    texts = ["", "hi", "<|start|>user<|message|>x<|end|>", "a" * 3000, harmony_encoding().decode(
-        [rng.randrange(1000, 199000) for _ in range(256)])]
+    pieces = [
+        "",
+        " ",
+        "\n",
+        "\n\n",
+        "  x",
+        "hello",
+        " world",
+        "<|start|>",
+        "<|end|>",
+        "<|message|>assistant",
+        "<|endoftext|>",
+        "<|reserved_200100|>",
+        "é",
+        "日本語",
+        "🙂",
+        "\t",
+        "123456",
+        "user",
+        "'s",
+        "\r\n",
+    ]
+    texts = [
+        "",
+        "hi",
+        "<|start|>user<|message|>x<|end|>",
+        "a" * 3000,
+        harmony_encoding().decode([rng.randrange(1000, 199000) for _ in range(256)]),
+    ]
     texts += ["".join(rng.choice(pieces) for _ in range(rng.randrange(1, 12))) for _ in range(200)]
     config = PromptConfig(reasoning_effort="low")
     for text in texts:
@@ -216,7 +256,7 @@ def _released_by_definition(stops: list[str], chunks: list[str]) -> tuple[str, b
         if hits:
             return out + buffer[: min(hits)], True
         keep = max((n for s in stops for n in range(1, len(s)) if buffer.endswith(s[:n])), default=0)
-        held, out = buffer[len(buffer) - keep:], out + buffer[: len(buffer) - keep]
+        held, out = buffer[len(buffer) - keep :], out + buffer[: len(buffer) - keep]
     return out + held, False
 
 
@@ -272,8 +312,10 @@ def test_citations_merge_repeats_and_drop_an_unfinished_mark_at_the_end():
     # Same URL twice in a row (only whitespace between): one link, the space before the repeat
     # gone with it. Text or another URL between: kept.
     assert run(["A 【3†L1】 【3", "†L4】. B 【3†L2】"]) == ("A [src]. B [src]", ["https://a.example"] * 2)
-    assert run(["A 【3†L1】【4†L2】【3†L3】"]) == ("A [src][src][src]", ["https://a.example", "https://b.example",
-                                                                    "https://a.example"])
+    assert run(["A 【3†L1】【4†L2】【3†L3】"]) == (
+        "A [src][src][src]",
+        ["https://a.example", "https://b.example", "https://a.example"],
+    )
     # The answer ends inside a mark: removed; a 【 that is no citation stays.
     assert run(["Done 【3†L1"]) == ("Done ", [])
     assert run(["Done 【"]) == ("Done ", [])
@@ -288,10 +330,21 @@ def test_streamed_citations_match_the_browsers_spacing():
     from tools.browser.citations import resolve_citations
 
     pages = pages_for_citations()
-    for answer in ["Fact 【1†L2】 and more", "Fact【1†L2】 and more", "A 【0†L4】 B\n【0†L6】【0†L7】",
-                   # unresolvable marks take the spaces before them when punctuation, a space or the end follows
-                   "fact 【9†L1】.", "fact 【9†L1】 more", "fact  【9†L1】more", "end 【9†L1】", "end 【9†L1】 ",
-                   "A 【0†L4】 【0†L4】 B", "two  spaces kept", "trailing spaces kept  ", "x 【9†L1】\ny"]:
+    for answer in [
+        "Fact 【1†L2】 and more",
+        "Fact【1†L2】 and more",
+        "A 【0†L4】 B\n【0†L6】【0†L7】",
+        # unresolvable marks take the spaces before them when punctuation, a space or the end follows
+        "fact 【9†L1】.",
+        "fact 【9†L1】 more",
+        "fact  【9†L1】more",
+        "end 【9†L1】",
+        "end 【9†L1】 ",
+        "A 【0†L4】 【0†L4】 B",
+        "two  spaces kept",
+        "trailing spaces kept  ",
+        "x 【9†L1】\ny",
+    ]:
         streamer = CitationStreamer(lambda mark: resolve_citations(mark, pages))
         chunks = [c for char in answer for c in streamer.feed(char)] + streamer.flush()
         text, spans = "", []
@@ -312,8 +365,10 @@ def test_validation_errors_name_the_parameter():
         "temperature": {"model": "m", "input": "x", "temperature": 7},
         "foo": {"model": "m", "input": "x", "foo": 1},
         "model": {"input": "x"},
-        "input[1].content[0]": {"model": "m", "input": [{"role": "user", "content": "a"},
-                                                    {"role": "user", "content": [{"type": "input_image"}]}]},
+        "input[1].content[0]": {
+            "model": "m",
+            "input": [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_image"}]}],
+        },
         "tools[0].name": {"model": "m", "input": "x", "tools": [{"type": "function", "name": "bad name!"}]},
         "reasoning.effort": {"model": "m", "input": "x", "reasoning": {"effort": "extreme"}},
     }
@@ -329,9 +384,13 @@ def test_sqlite_store_round_trip_and_interrupted_responses(tmp_path):
 
     async def scenario():
         store = SQLiteResponseStore(tmp_path / "r.db")
-        done = StoredResponse("resp_1", {"id": "resp_1", "status": "completed"}, [{"id": "msg_1"}],
-                              conversation=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                              function_calls={"call_1": "f"})
+        done = StoredResponse(
+            "resp_1",
+            {"id": "resp_1", "status": "completed"},
+            [{"id": "msg_1"}],
+            conversation=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            function_calls={"call_1": "f"},
+        )
         running = StoredResponse("resp_2", {"id": "resp_2", "status": "in_progress"}, [])
         await store.put(done)
         await store.put(running)

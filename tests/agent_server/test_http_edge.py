@@ -32,8 +32,11 @@ HELLO = b'{"model": "%s", "input": "hi"}' % MODEL.encode()
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    app = make_app(lambda: ScriptedEngine(), tmp_path_factory.mktemp("http") / "r.db",
-                   allowed_hosts=["127.0.0.1", "models.example.lan", "*.corp.example"])
+    app = make_app(
+        lambda: ScriptedEngine(),
+        tmp_path_factory.mktemp("http") / "r.db",
+        allowed_hosts=["127.0.0.1", "models.example.lan", "*.corp.example"],
+    )
     with LiveServer(app) as live:
         live.port = int(live.url.rsplit(":", 1)[1])
         yield live
@@ -49,25 +52,56 @@ def error_of(r: httpx.Response, status: int = 400) -> dict:
 # --- Host -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method,path", [("GET", "/health"), ("GET", "/"), ("GET", "/v1/models"),
-                                         ("POST", "/v1/responses"), ("POST", "/v1/chat/completions")])
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil.example", "corp.example",
-                                  "models.example.lan.evil.example"])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("GET", "/health"),
+        ("GET", "/"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/responses"),
+        ("POST", "/v1/chat/completions"),
+    ],
+)
+@pytest.mark.parametrize(
+    "host",
+    ["evil.example", "evil.example:8000", "localhost.evil.example", "corp.example", "models.example.lan.evil.example"],
+)
 def test_a_rebound_name_is_refused(server, method, path, host):
-    r = httpx.request(method, server.url + path, headers={"Host": host, "Content-Type": "application/json"},
-                      content=HELLO if method == "POST" else None)
+    r = httpx.request(
+        method,
+        server.url + path,
+        headers={"Host": host, "Content-Type": "application/json"},
+        content=HELLO if method == "POST" else None,
+    )
     error = error_of(r)
     assert error["code"] == "invalid_host" and "--allowed-host" in error["message"]
     assert "x-request-id" in r.headers
 
 
-@pytest.mark.parametrize("host", ["localhost", "localhost:{port}", "LOCALHOST:{port}", "127.0.0.1:{port}",
-                                  "[::1]:{port}", "app.localhost:{port}", "192.168.1.20:{port}", "10.0.0.1",
-                                  "[fe80::1]", "models.example.lan", "models.example.lan.:{port}",
-                                  "a.corp.example:{port}", "b.a.corp.example"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "localhost",
+        "localhost:{port}",
+        "LOCALHOST:{port}",
+        "127.0.0.1:{port}",
+        "[::1]:{port}",
+        "app.localhost:{port}",
+        "192.168.1.20:{port}",
+        "10.0.0.1",
+        "[fe80::1]",
+        "models.example.lan",
+        "models.example.lan.:{port}",
+        "a.corp.example:{port}",
+        "b.a.corp.example",
+    ],
+)
 def test_served_names_are_answered(server, host):
-    r = httpx.post(f"{server.url}/v1/responses", content=HELLO,
-                   headers={"Host": host.format(port=server.port), "Content-Type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/v1/responses",
+        content=HELLO,
+        headers={"Host": host.format(port=server.port), "Content-Type": "application/json"},
+    )
     assert r.status_code == 200, r.text[:300]
     assert r.json()["status"] == "completed"
 
@@ -79,8 +113,20 @@ def test_any_host_with_a_star(tmp_path):
 
 
 def test_serve_answers_its_host_and_the_allowed_hosts(tiny_checkpoint, tmp_path):
-    served = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"), "--host",
-                             "box.lan", "--allowed-host", "a.example", "--allowed-host", "*.b.example"])
+    served = serve_captured(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--store",
+            str(tmp_path / "r.db"),
+            "--host",
+            "box.lan",
+            "--allowed-host",
+            "a.example",
+            "--allowed-host",
+            "*.b.example",
+        ]
+    )
     assert served["app"].state.server.config.allowed_hosts == ["box.lan", "a.example", "*.b.example"]
     served = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db")])
     assert served["app"].state.server.config.allowed_hosts == ["127.0.0.1"]
@@ -90,12 +136,25 @@ def test_serve_answers_its_host_and_the_allowed_hosts(tiny_checkpoint, tmp_path)
 
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/chat/completions"])
-@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x", "application/jsonx", "", None])
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonx",
+        "",
+        None,
+    ],
+)
 def test_an_api_post_that_is_not_json_is_refused(server, path, content_type):
     # What a page can send to any origin without a CORS preflight, with a JSON body all the same.
-    body = HELLO if path == "/v1/responses" else b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}' \
-        % MODEL.encode()
+    body = (
+        HELLO
+        if path == "/v1/responses"
+        else b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}' % MODEL.encode()
+    )
     headers = {} if content_type is None else {"Content-Type": content_type}
     request = httpx.Request("POST", server.url + path, content=body, headers=headers)
     assert ("content-type" in request.headers) == (content_type is not None)
@@ -108,14 +167,19 @@ def test_an_api_post_that_is_not_json_is_refused(server, path, content_type):
 
 def test_openais_words_for_a_wrong_content_type(server):
     error = error_of(httpx.post(f"{server.url}/v1/responses", content=HELLO, headers={"Content-Type": "text/plain"}))
-    assert error == {"message": "Unsupported content type: 'text/plain'. This API method only accepts "
-                                "'application/json' requests, but you specified the header 'Content-Type: "
-                                "text/plain'. Please try again with a supported content type.",
-                     "type": "invalid_request_error", "param": None, "code": "unsupported_content_type"}
+    assert error == {
+        "message": "Unsupported content type: 'text/plain'. This API method only accepts "
+        "'application/json' requests, but you specified the header 'Content-Type: "
+        "text/plain'. Please try again with a supported content type.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "unsupported_content_type",
+    }
 
 
-@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
-                                          "Application/JSON;charset=UTF-8"])
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON;charset=UTF-8"]
+)
 def test_json_with_any_parameters_is_taken(server, content_type):
     r = httpx.post(f"{server.url}/v1/responses", content=HELLO, headers={"Content-Type": content_type})
     assert r.status_code == 200, r.text[:300]
@@ -178,8 +242,10 @@ class Attack:
     def __init__(self, server, clients: int, first: bytes, piece: bytes, every: float, until: float):
         self.results: list[dict] = []
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._one, args=(server, first, piece, every, until), daemon=True)
-                        for _ in range(clients)]
+        self.threads = [
+            threading.Thread(target=self._one, args=(server, first, piece, every, until), daemon=True)
+            for _ in range(clients)
+        ]
 
     def _one(self, server, first, piece, every, until):
         sock = connect(server)
@@ -237,14 +303,30 @@ def probe_latencies(server, seconds: float) -> list[float]:
 def server_errors(server) -> float:
     """5xx answers so far (but /ready's while the model loads)."""
     samples = parse_metrics(httpx.get(f"{server.url}/metrics").text)
-    return sum(v for (name, labels), v in samples.items()
-               if name == "oss_agent_requests_total" and dict(labels)["status"].startswith("5")
-               and dict(labels)["endpoint"] != "/ready")
+    return sum(
+        v
+        for (name, labels), v in samples.items()
+        if name == "oss_agent_requests_total"
+        and dict(labels)["status"].startswith("5")
+        and dict(labels)["endpoint"] != "/ready"
+    )
 
 
 def test_serve_runs_the_limits_it_is_given(tiny_checkpoint, tmp_path):
-    served = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"), "--max-header-bytes",
-                             "9000", "--header-timeout", "3", "--body-timeout", "7"])
+    served = serve_captured(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--store",
+            str(tmp_path / "r.db"),
+            "--max-header-bytes",
+            "9000",
+            "--header-timeout",
+            "3",
+            "--body-timeout",
+            "7",
+        ]
+    )
     assert issubclass(served["http"], LimitedHttpToolsProtocol)
     assert served["http"].limits == HttpLimits(max_head_bytes=9000, head_timeout=3.0, body_timeout=7.0)
     defaults = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db")])
@@ -290,8 +372,10 @@ def test_a_silent_connection_is_closed(limited):
 
 def test_a_trickled_body_is_cut_off(limited):
     # A body of 1000 bytes sent a byte every 50 ms would take 50 s; the body timeout is 1 s.
-    head = (b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 1000\r\n\r\n{")
+    head = (
+        b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n{"
+    )
     results = Attack(limited, 8, head, b" ", 0.05, until=6.0).start()
     latencies = probe_latencies(limited, 1.5)
     for result in results.join():
@@ -306,7 +390,7 @@ def test_heads_in_pieces_pipelined_or_at_the_limit_are_served(limited):
     # Byte by byte (the blank line split across reads, too).
     sock = connect(limited)
     for i in range(len(request)):
-        sock.sendall(request[i:i + 1])
+        sock.sendall(request[i : i + 1])
         time.sleep(0.005)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
     assert read_all(sock).count(b"HTTP/1.1 200 ") == 2
@@ -319,16 +403,20 @@ def test_heads_in_pieces_pipelined_or_at_the_limit_are_served(limited):
     body = b'{"model": "%s", "input": "hi"}' % MODEL.encode()
     padding = b"X-Pad: " + b"p" * (LIMITS.max_head_bytes - 300) + b"\r\n"
     sock = connect(limited)
-    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\n" + padding + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    sock.sendall(
+        b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\n" + padding + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
     answer = read_all(sock)
     assert answer.startswith(b"HTTP/1.1 200 ") and b'"status":"completed"' in answer
     # A small head whose body, in the same write, is far larger than the head limit.
     words = b"word " * (LIMITS.max_head_bytes // 4)
     body = b'{"model": "%s", "input": "hi", "instructions": "%s"}' % (MODEL.encode(), words)
     sock = connect(limited)
-    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    sock.sendall(
+        b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
     answer = read_all(sock)
     assert answer.startswith(b"HTTP/1.1 200 ") and b'"status":"completed"' in answer
     # Bare LF line ends: answered at once one way or the other, not left waiting.

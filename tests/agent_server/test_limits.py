@@ -36,8 +36,13 @@ def server(request, tmp_path_factory):
         engine = ScriptedEngine(max_model_len=CONTEXT)
     else:
         engine = build_tiny_engine(request.getfixturevalue("tiny_checkpoint"))
-    app = make_app(lambda: engine, tmp_path_factory.mktemp("limits") / "r.db", max_request_bytes=MAX_BYTES,
-                   max_input_items=MAX_ITEMS, max_tools=MAX_TOOLS)
+    app = make_app(
+        lambda: engine,
+        tmp_path_factory.mktemp("limits") / "r.db",
+        max_request_bytes=MAX_BYTES,
+        max_input_items=MAX_ITEMS,
+        max_tools=MAX_TOOLS,
+    )
     with LiveServer(app, kind=request.param) as live:
         live.http = httpx.Client(base_url=live.url, timeout=120, headers={"Content-Type": "application/json"})
         assert live.engine.max_model_len == CONTEXT
@@ -175,16 +180,20 @@ def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(tmp_path, a
     app = make_app(lambda: ScriptedEngine(max_model_len=CONTEXT), tmp_path / "r.db", max_request_bytes=16 << 20)
     text = "word " * ((8 << 20) // 5)
     message = {"role": "user", "content": text}
-    path, body = (("/v1/responses", {"model": MODEL, "input": [message]}) if api == "responses"
-                  else ("/v1/chat/completions", {"model": MODEL, "messages": [message]}))
+    path, body = (
+        ("/v1/responses", {"model": MODEL, "input": [message]})
+        if api == "responses"
+        else ("/v1/chat/completions", {"model": MODEL, "messages": [message]})
+    )
     with LiveServer(app) as live:
         thread, result = request_in_the_background(live.url, path, body)
         latencies = health_latencies_while(live.url, thread)
         thread.join()
     assert max(latencies, default=0) < 0.5, sorted(latencies)[-3:]
     error = error_of(result["response"])
-    assert error["code"] == "context_length_exceeded" and error["param"] == ("input" if api == "responses"
-                                                                             else "messages")
+    assert error["code"] == "context_length_exceeded" and error["param"] == (
+        "input" if api == "responses" else "messages"
+    )
     assert f"at least {len(text) // 128} tokens" in error["message"] and str(CONTEXT) in error["message"]
 
 
@@ -195,15 +204,20 @@ def test_a_long_prompt_that_may_fit_is_tokenized_off_the_event_loop(tmp_path, ap
     engine = ScriptedEngine(max_model_len=2_000_000)
     app = make_app(lambda: engine, tmp_path / "r.db", max_request_bytes=16 << 20)
     text = "word " * 500_000
-    path, body = {"responses": ("/v1/responses", {"model": MODEL, "input": text}),
-                  "instructions": ("/v1/responses", {"model": MODEL, "input": "hi", "instructions": text}),
-                  "chat": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}),
-                  }[api]
+    path, body = {
+        "responses": ("/v1/responses", {"model": MODEL, "input": text}),
+        "instructions": ("/v1/responses", {"model": MODEL, "input": "hi", "instructions": text}),
+        "chat": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}),
+    }[api]
     with LiveServer(app) as live:
         # (the first long prompt starts the worker process: not what is measured; the second is
         # another text, as rendered instructions are kept for the next request that has them)
-        assert httpx.post(live.url + path, json=json.loads(json.dumps(body).replace("word", "wort")),
-                          timeout=300).status_code == 200
+        assert (
+            httpx.post(
+                live.url + path, json=json.loads(json.dumps(body).replace("word", "wort")), timeout=300
+            ).status_code
+            == 200
+        )
         thread, result = request_in_the_background(live.url, path, body)
         latencies = health_latencies_while(live.url, thread)
         thread.join()
@@ -252,28 +266,63 @@ RESPONSES_INVALID = [
     ({"input": "hi", "stream": "yes"}, "stream", "invalid_type"),
     ({"input": [USER, {"role": "user", "content": 5}]}, "input[1].content", "invalid_type"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role", "invalid_value"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
-     "unsupported_value"),
-    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id",
-     "missing_required_parameter"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "input[0].content[0]",
+        "unsupported_value",
+    ),
+    (
+        {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+        "input[0].call_id",
+        "missing_required_parameter",
+    ),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name", "invalid_value"),
     ({"input": "hi", "tools": [{"type": "file_search"}]}, "tools[0]", "unsupported_value"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
-     "text.format.schema", "invalid_value"),
-    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": 5}}]},
-     "tools[0].parameters", "invalid_value"),
+    (
+        {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+        "text.format.schema",
+        "invalid_value",
+    ),
+    (
+        {
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": 5}}],
+        },
+        "tools[0].parameters",
+        "invalid_value",
+    ),
     ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "object_above_max_properties"),
     ({"input": "hi", "include": ["everything"]}, "include[0]", "invalid_value"),
     # Our own output items sent back: the fields the server replays are typed.
     ({"input": [{"type": "code_interpreter_call", "id": "c", "code": 5}]}, "input[0].code", "invalid_type"),
-    ({"input": [{"type": "code_interpreter_call", "id": "c", "code": "x", "outputs": [{"type": "logs", "logs": 5}]}]},
-     "input[0].outputs[0].logs", "invalid_type"),
-    ({"input": [{"type": "mcp_call", "id": "m", "name": "n", "server_label": "x", "arguments": "{}",
-                 "output": {"a": 1}}]}, "input[0].output", "invalid_type"),
-    ({"input": [{"type": "mcp_call", "id": "m", "name": "n", "server_label": "x", "arguments": {"a": 1}}]},
-     "input[0].arguments", "invalid_type"),
-    ({"input": [{"type": "function_call", "call_id": "c1", "name": "", "arguments": "{}"}]}, "input[0].name",
-     "invalid_value"),
+    (
+        {
+            "input": [
+                {"type": "code_interpreter_call", "id": "c", "code": "x", "outputs": [{"type": "logs", "logs": 5}]}
+            ]
+        },
+        "input[0].outputs[0].logs",
+        "invalid_type",
+    ),
+    (
+        {
+            "input": [
+                {"type": "mcp_call", "id": "m", "name": "n", "server_label": "x", "arguments": "{}", "output": {"a": 1}}
+            ]
+        },
+        "input[0].output",
+        "invalid_type",
+    ),
+    (
+        {"input": [{"type": "mcp_call", "id": "m", "name": "n", "server_label": "x", "arguments": {"a": 1}}]},
+        "input[0].arguments",
+        "invalid_type",
+    ),
+    (
+        {"input": [{"type": "function_call", "call_id": "c1", "name": "", "arguments": "{}"}]},
+        "input[0].name",
+        "invalid_value",
+    ),
     ({}, "input", "missing_required_parameter"),
 ]
 CHAT_INVALID = [
@@ -292,35 +341,75 @@ CHAT_INVALID = [
     ({"messages": [USER], "top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     ({"messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages[0].extra", "unknown_parameter"),
-    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
-     "tools[0].function.parameters", "invalid_type"),
-    ({"messages": [USER], "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "required": "city"}}}]},
-     "tools[0].function.parameters", "invalid_value"),
+    (
+        {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+        "tools[0].function.parameters",
+        "invalid_type",
+    ),
+    (
+        {
+            "messages": [USER],
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "city"}}}
+            ],
+        },
+        "tools[0].function.parameters",
+        "invalid_value",
+    ),
 ]
 
 
 # Strings the server echoes back and stores, with OpenAI's limits and words: (field, value, param,
 # code, message).
 ECHOED_TOO_LONG = [
-    ("user", "u" * 65, "user", "string_above_max_length",
-     "Invalid 'user': string too long. Expected a string with maximum length 64, but got a string with length 65 "
-     "instead."),
-    ("safety_identifier", "s" * 1000, "safety_identifier", "string_above_max_length",
-     "Invalid 'safety_identifier': string too long. Expected a string with maximum length 64, but got a string with "
-     "length 1000 instead."),
-    ("prompt_cache_key", "é" * 65, "prompt_cache_key", "string_above_max_length",
-     "Invalid 'prompt_cache_key': string too long. Expected a string with maximum length 64, but got a string with "
-     "length 65 instead."),
-    ("metadata", {f"k{i}": "v" for i in range(17)}, "metadata", "object_above_max_properties",
-     "Invalid 'metadata': too many properties. Expected an object with at most 16 properties, but got an object "
-     "with 17 properties instead."),
-    ("metadata", {"a.b" + "k" * 62: "v"}, "metadata.a.b" + "k" * 62, "property_name_above_max_length",
-     "Invalid property name in 'metadata': 'a.b" + "k" * 62 + "' is too long. Expected a string with maximum length "
-     "64, but got a string with length 65 instead."),
-    ("metadata", {"topic": "x" * 513}, "metadata.topic", "string_above_max_length",
-     "Invalid 'metadata.topic': string too long. Expected a string with maximum length 512, but got a string with "
-     "length 513 instead."),
+    (
+        "user",
+        "u" * 65,
+        "user",
+        "string_above_max_length",
+        "Invalid 'user': string too long. Expected a string with maximum length 64, but got a string with length 65 "
+        "instead.",
+    ),
+    (
+        "safety_identifier",
+        "s" * 1000,
+        "safety_identifier",
+        "string_above_max_length",
+        "Invalid 'safety_identifier': string too long. Expected a string with maximum length 64, but got a string with "
+        "length 1000 instead.",
+    ),
+    (
+        "prompt_cache_key",
+        "é" * 65,
+        "prompt_cache_key",
+        "string_above_max_length",
+        "Invalid 'prompt_cache_key': string too long. Expected a string with maximum length 64, but got a string with "
+        "length 65 instead.",
+    ),
+    (
+        "metadata",
+        {f"k{i}": "v" for i in range(17)},
+        "metadata",
+        "object_above_max_properties",
+        "Invalid 'metadata': too many properties. Expected an object with at most 16 properties, but got an object "
+        "with 17 properties instead.",
+    ),
+    (
+        "metadata",
+        {"a.b" + "k" * 62: "v"},
+        "metadata.a.b" + "k" * 62,
+        "property_name_above_max_length",
+        "Invalid property name in 'metadata': 'a.b" + "k" * 62 + "' is too long. Expected a string with maximum length "
+        "64, but got a string with length 65 instead.",
+    ),
+    (
+        "metadata",
+        {"topic": "x" * 513},
+        "metadata.topic",
+        "string_above_max_length",
+        "Invalid 'metadata.topic': string too long. Expected a string with maximum length 512, but got a string with "
+        "length 513 instead.",
+    ),
 ]
 
 
@@ -334,8 +423,12 @@ def test_echoed_strings_have_openais_limits(server, api, field, value, param, co
 
 
 def test_echoed_strings_at_their_limits_are_echoed(fake_server):
-    limits = {"user": "u" * 64, "safety_identifier": "s" * 64, "prompt_cache_key": "p" * 64,
-              "metadata": {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}}
+    limits = {
+        "user": "u" * 64,
+        "safety_identifier": "s" * 64,
+        "prompt_cache_key": "p" * 64,
+        "metadata": {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)},
+    }
     r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", **limits})
     assert r.status_code == 200, r.text[:300]
     assert {k: r.json()[k] for k in limits} == limits
@@ -359,8 +452,10 @@ def test_fields_the_sdk_response_rejects_are_a_400(fake_server):
     # The SDK's Response type (which the response is built on) wants a container {"type": "auto",
     # ...}; the request schema types it the same way, so the error names the field it is about
     # (test_hardening_tool_shapes goes through every tool field).
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={
-        "model": MODEL, "input": "hi", "tools": [{"type": "code_interpreter", "container": {"kind": "big"}}]})
+    r = httpx.post(
+        f"{fake_server.url}/v1/responses",
+        json={"model": MODEL, "input": "hi", "tools": [{"type": "code_interpreter", "container": {"kind": "big"}}]},
+    )
     error = error_of(r)
     assert (error["param"], error["code"]) == ("tools[0].container.kind", "unknown_parameter")
 
@@ -395,18 +490,22 @@ def test_malformed_json(server, path, raw, param):
     assert error["code"] == "invalid_json" and error["param"] == param
 
 
-@pytest.mark.parametrize("raw,param", [
-    (b'{"model": "m", "input": "a\\ud800b"}', "input"),  # a lone surrogate escape
-    (b'{"model": "m", "input": [{"role": "user", "content": "\\udfff"}]}', "input[0].content"),
-    (b'{"model": "m", "input": "\xed\xa0\x80"}', "input"),  # a surrogate encoded as bytes (CESU-8)
-    (b'{"model": "m", "metadata": {"\\ud83d": "x"}}', "metadata"),  # in a key
-])
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (b'{"model": "m", "input": "a\\ud800b"}', "input"),  # a lone surrogate escape
+        (b'{"model": "m", "input": [{"role": "user", "content": "\\udfff"}]}', "input[0].content"),
+        (b'{"model": "m", "input": "\xed\xa0\x80"}', "input"),  # a surrogate encoded as bytes (CESU-8)
+        (b'{"model": "m", "metadata": {"\\ud83d": "x"}}', "metadata"),  # in a key
+    ],
+)
 def test_unpaired_surrogates_are_invalid_unicode(server, raw, param):
     error = error_of(server.http.post("/v1/responses", content=raw))
     assert error["code"] == "invalid_value" and error["param"] == param and "Unicode" in error["message"]
     # A proper pair (an emoji written as two escapes) is fine.
-    r = server.http.post("/v1/responses", content=b'{"model": "%s", "input": "\\ud83d\\ude00", "max_output_tokens": 3}'
-                         % MODEL.encode())
+    r = server.http.post(
+        "/v1/responses", content=b'{"model": "%s", "input": "\\ud83d\\ude00", "max_output_tokens": 3}' % MODEL.encode()
+    )
     assert r.status_code == 200
 
 
@@ -423,8 +522,13 @@ def test_integers_beyond_64_bits(server):
 
 def test_query_parameters_are_checked(server):
     rid = respond(server, input="hi", max_output_tokens=3).json()["id"]
-    for query, param in (({"limit": "0"}, "limit"), ({"limit": "ten"}, "limit"), ({"limit": "9" * 5000}, "limit"),
-                         ({"order": "sideways"}, "order"), ({"after": "item_nope"}, "after")):
+    for query, param in (
+        ({"limit": "0"}, "limit"),
+        ({"limit": "ten"}, "limit"),
+        ({"limit": "9" * 5000}, "limit"),
+        ({"order": "sideways"}, "order"),
+        ({"after": "item_nope"}, "after"),
+    ):
         error = error_of(server.http.get(f"/v1/responses/{rid}/input_items", params=query))
         assert error["param"] == param
     error = error_of(server.http.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "x"}))
@@ -432,13 +536,23 @@ def test_query_parameters_are_checked(server):
     error_of(server.http.get("/v1/responses/resp_missing"), 404)
 
 
-@pytest.mark.parametrize("path,raw,param", [
-    ("/v1/responses", b'{"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", '
-     b'"parameters": {"type": "object", "x": 1e400}}]}', "tools[0].parameters.x"),
-    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
-     b'"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"maximum": -1e999}}}}',
-     "response_format.json_schema.schema.maximum"),
-])
+@pytest.mark.parametrize(
+    "path,raw,param",
+    [
+        (
+            "/v1/responses",
+            b'{"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", '
+            b'"parameters": {"type": "object", "x": 1e400}}]}',
+            "tools[0].parameters.x",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+            b'"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"maximum": -1e999}}}}',
+            "response_format.json_schema.schema.maximum",
+        ),
+    ],
+)
 def test_numbers_beyond_the_float_range(server, path, raw, param):
     # json.loads reads 1e400 as infinity, which no JSON can carry on to the prompt.
     error = error_of(server.http.post(path, content=raw))
@@ -468,8 +582,10 @@ def test_text_over_the_budget_is_cut_before_the_run_that_crosses_it():
     text = "a b " + "x" * 100 + " c " + "y" * 100 + " d"
     assert fit_tokenization_budget(text, budget=2 * 100**2) == text
     cut = fit_tokenization_budget(text, budget=100**2 + 50**2)
-    assert cut == "a b " + "x" * 100 + " c \n[... 102 characters left out: a run of 100 characters with no word " \
-                  "boundary is too long to tokenize]"
+    assert (
+        cut == "a b " + "x" * 100 + " c \n[... 102 characters left out: a run of 100 characters with no word "
+        "boundary is too long to tokenize]"
+    )
 
 
 def test_text_that_would_tokenize_slowly_is_refused(server):
@@ -481,8 +597,19 @@ def test_text_that_would_tokenize_slowly_is_refused(server):
     error = error_of(respond(server, input="\u0e01\u0e34" * 5_000))  # 30 KB of Thai letters and vowel signs
     assert error["param"] == "input"
     # Keys reach the prompt too: a function's parameter names.
-    error = error_of(respond(server, input="hi", tools=[{"type": "function", "name": "f", "parameters": {
-        "type": "object", "properties": {"p" * 30_000: {"type": "string"}}}}]))
+    error = error_of(
+        respond(
+            server,
+            input="hi",
+            tools=[
+                {
+                    "type": "function",
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"p" * 30_000: {"type": "string"}}},
+                }
+            ],
+        )
+    )
     assert error["param"] == "tools[0].parameters.properties"
     # Several shorter runs count together.
     error = error_of(respond(server, input=[{"role": "user", "content": "y" * 15_000}] * 3))
@@ -494,33 +621,56 @@ def test_text_that_would_tokenize_slowly_is_refused(server):
 
 def test_a_requests_schemas_together_are_bounded(fake_server):
     # Each schema is under 64 KB, but 5 tools of 60 KB would be more than 0.8 s of jsonschema.
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 30}
-                                               for i in range(800)}}
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "description": "d" * 30} for i in range(800)},
+    }
     tools = [{"type": "function", "name": f"f{i}", "parameters": schema} for i in range(5)]
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools},
-                   timeout=60)  # (seconds of jsonschema on a busy machine: more than httpx's default 5)
+    r = httpx.post(
+        f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools}, timeout=60
+    )  # (seconds of jsonschema on a busy machine: more than httpx's default 5)
     error = error_of(r)
     assert (error["param"], error["code"]) == ("tools[4].parameters", "invalid_value") and "in all" in error["message"]
-    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={
-        "model": MODEL, "messages": [USER], "tools": [{"type": "function", "function": {
-            "name": t["name"], "parameters": schema}} for t in tools[:4]],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, timeout=60)
+    r = httpx.post(
+        f"{fake_server.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [USER],
+            "tools": [{"type": "function", "function": {"name": t["name"], "parameters": schema}} for t in tools[:4]],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        },
+        timeout=60,
+    )
     assert error_of(r)["param"] == "response_format.json_schema.schema"
     # Four of them pass the schema checks (and reach the prompt, which they overfill).
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools[:4]},
-                   timeout=60)
+    r = httpx.post(
+        f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": tools[:4]}, timeout=60
+    )
     assert error_of(r)["code"] == "context_length_exceeded"
 
 
 def test_response_schemas_over_64_kb_are_refused(fake_server):
     # jsonschema checks a schema against its meta-schema at about 0.4 MB a second, holding the server.
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 30}
-                                               for i in range(1200)}}
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={
-        "model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}})
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "description": "d" * 30} for i in range(1200)},
+    }
+    r = httpx.post(
+        f"{fake_server.url}/v1/responses",
+        json={
+            "model": MODEL,
+            "input": "hi",
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}},
+        },
+    )
     error = error_of(r)
     assert (error["param"], error["code"]) == ("text.format.schema", "invalid_value") and "bytes" in error["message"]
-    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={
-        "model": MODEL, "messages": [USER], "response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": schema}}})
+    r = httpx.post(
+        f"{fake_server.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [USER],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        },
+    )
     assert error_of(r)["param"] == "response_format.json_schema.schema"

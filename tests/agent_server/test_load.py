@@ -52,8 +52,14 @@ def load_server(tmp_path, tiny_checkpoint):
 
 async def good_client(client: httpx.AsyncClient, url: str, api: str, prompt: str):
     """A streaming request read to the end; returns its result (bench_serve checks the stream)."""
-    target = ServeTarget(base_url=url, model=MODEL, api=api, ignore_eos=api == "chat", timeout=120,
-                         extra_body={"store": True} if api == "responses" else {})
+    target = ServeTarget(
+        base_url=url,
+        model=MODEL,
+        api=api,
+        ignore_eos=api == "chat",
+        timeout=120,
+        extra_body={"store": True} if api == "responses" else {},
+    )
     result = await send_request(client, target, BenchRequest(prompt, 0, GOOD_TOKENS))
     return api, result
 
@@ -62,11 +68,21 @@ async def disconnecting_client(client: httpx.AsyncClient, url: str, api: str, pr
     """Starts a long stream, reads it until the first generated text, waits a little more (the
     model keeps generating), then hangs up. Returns the response id (Responses) or None."""
     if api == "chat":
-        path, body = "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-                                              "stream": True, "max_tokens": LONG_TOKENS, "ignore_eos": True}
+        path, body = (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt}],
+                "stream": True,
+                "max_tokens": LONG_TOKENS,
+                "ignore_eos": True,
+            },
+        )
     else:
-        path, body = "/v1/responses", {"model": MODEL, "input": prompt, "stream": True,
-                                       "max_output_tokens": LONG_TOKENS}
+        path, body = (
+            "/v1/responses",
+            {"model": MODEL, "input": prompt, "stream": True, "max_output_tokens": LONG_TOKENS},
+        )
     response_id = None
     async with client.stream("POST", url + path, json=body, timeout=120) as response:
         assert response.status_code == 200
@@ -106,8 +122,7 @@ def bad_requests(long_prompt: str) -> list[tuple[str, str, object, int]]:
 
 async def bad_client(client: httpx.AsyncClient, url: str, method: str, path: str, body, expected: int):
     if isinstance(body, bytes):
-        response = await client.request(method, url + path, content=body,
-                                        headers={"Content-Type": "application/json"})
+        response = await client.request(method, url + path, content=body, headers={"Content-Type": "application/json"})
     else:
         response = await client.request(method, url + path, json=body)
     return path, expected, response.status_code, response.json()
@@ -161,8 +176,18 @@ def python_memory() -> int:
 
 # Objects of these packages belong to requests while they run (runs, events, engine requests,
 # sequences, asyncio tasks and queues, connections); none may outlive a round.
-SERVER_PACKAGES = ("agent_server", "inference", "schemas", "openai", "starlette", "sse_starlette", "uvicorn",
-                   "h11", "asyncio", "anyio")
+SERVER_PACKAGES = (
+    "agent_server",
+    "inference",
+    "schemas",
+    "openai",
+    "starlette",
+    "sse_starlette",
+    "uvicorn",
+    "h11",
+    "asyncio",
+    "anyio",
+)
 
 
 def live_objects() -> Counter[str]:
@@ -171,8 +196,11 @@ def live_objects() -> Counter[str]:
     counts: Counter[str] = Counter()
     for obj in gc.get_objects():
         module = type(obj).__module__
-        if isinstance(module, str) and module.startswith(SERVER_PACKAGES) \
-                and not module.startswith("agent_server.bench."):
+        if (
+            isinstance(module, str)
+            and module.startswith(SERVER_PACKAGES)
+            and not module.startswith("agent_server.bench.")
+        ):
             counts[f"{module}.{type(obj).__qualname__}"] += 1
     return counts
 
@@ -214,8 +242,12 @@ async def check_good(client: httpx.AsyncClient, url: str, api: str, result) -> N
     stored = (await client.get(f"{url}/v1/responses/{result.response_id}")).json()
     assert stored["status"] == result.finish_reason in ("completed", "incomplete")
     assert stored["usage"]["output_tokens"] == result.output_tokens
-    text = "".join(part.get("text", "") for item in stored["output"] if item["type"] in ("message", "reasoning")
-                   for part in item.get("content") or [])
+    text = "".join(
+        part.get("text", "")
+        for item in stored["output"]
+        if item["type"] in ("message", "reasoning")
+        for part in item.get("content") or []
+    )
     assert text == result.text  # what streamed is what was stored
 
 
@@ -267,8 +299,9 @@ async def test_64_concurrent_clients_with_disconnects_and_bad_requests(load_serv
     # No 5xx, and the generation counter shows every disconnected stream was cut mid-stream.
     metrics_after = parse_metrics(httpx.get(f"{url}/metrics").text)
     delta = {key: metrics_after[key] - metrics_before.get(key, 0.0) for key in metrics_after}
-    statuses = {dict(labels)["status"]: n for (name, labels), n in delta.items()
-                if name == "oss_agent_requests_total" and n}
+    statuses = {
+        dict(labels)["status"]: n for (name, labels), n in delta.items() if name == "oss_agent_requests_total" and n
+    }
     assert not any(s.startswith("5") for s in statuses), statuses
     generated = delta[("oss_agent_generation_tokens_total", ())]
     good_tokens = sum(r.output_tokens for _, r in good)

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from openai_harmony import ToolNamespaceConfig
 
+from tests.agent_server.responses.test_routes import PYTHON
 from tests.conftest import MODEL, LiveServer, build_tiny_engine, make_app, wait_for
 from tests.fake_engine import TeacherForcedEngine
-from tests.agent_server.responses.test_routes import PYTHON
 from tools.protocol import ToolResult
 
 GAUGE = "oss_agent_kv_cache_usage_ratio"
@@ -81,7 +81,8 @@ def test_kv_usage_gauge_follows_the_pages_a_request_holds(tmp_path, tiny_checkpo
 
         def ask():
             result["response"] = server.client().responses.create(
-                model=MODEL, input="6*7?", tools=[{"type": "code_interpreter", "container": {"type": "auto"}}])
+                model=MODEL, input="6*7?", tools=[{"type": "code_interpreter", "container": {"type": "auto"}}]
+            )
 
         thread = threading.Thread(target=ask)
         thread.start()
@@ -101,6 +102,5 @@ def test_kv_usage_gauge_follows_the_pages_a_request_holds(tmp_path, tiny_checkpo
             thread.join(60)
         assert result["response"].status == "completed" and result["response"].output_text == "42."
         # The continuation took the parked pages over and finished; everything is free again.
-        wait_for(lambda: engine.stats().parked == 0 and engine.stats().running == 0 and
-                 engine.stats().pages_used == 0)
+        wait_for(lambda: engine.stats().parked == 0 and engine.stats().running == 0 and engine.stats().pages_used == 0)
         assert scrape(server.url, GAUGE) == 0.0

@@ -33,8 +33,9 @@ def server(tmp_path):
     engine = ScriptedEngine(token_delay=0.01)
     app = make_app(lambda: engine, tmp_path / "r.db", api_key=DEFAULT_KEY, api_keys=KEYS)
     with LiveServer(app, api_key=DEFAULT_KEY) as live:
-        live.alice, live.alice2, live.bob, live.default = (client(live, k) for k in (
-            "sk-alice-1", "sk-alice-2", "sk-bob", DEFAULT_KEY))
+        live.alice, live.alice2, live.bob, live.default = (
+            client(live, k) for k in ("sk-alice-1", "sk-alice-2", "sk-bob", DEFAULT_KEY)
+        )
         live.engine_ = engine
         yield live
 
@@ -61,9 +62,11 @@ def test_another_owner_cannot_reach_a_stored_response(server):
     assert_missing(server.bob.get(f"/v1/responses/{rid}/input_items"), rid)
     assert_missing(server.bob.post(f"/v1/responses/{rid}/cancel"), rid)
     assert_missing(server.bob.get(f"/v1/responses/{rid}", params={"stream": "true"}), rid)
-    assert_missing(server.bob.post("/v1/responses", json={"model": MODEL, "input": "go on",
-                                                          "previous_response_id": rid}),
-                   rid, "previous_response_id")
+    assert_missing(
+        server.bob.post("/v1/responses", json={"model": MODEL, "input": "go on", "previous_response_id": rid}),
+        rid,
+        "previous_response_id",
+    )
     r = server.bob.post("/v1/responses", json={"model": MODEL, "input": [{"type": "item_reference", "id": item_id}]})
     assert_missing(r, item_id, "input[0].id")
     assert_missing(server.bob.delete(f"/v1/responses/{rid}"), rid)
@@ -92,8 +95,11 @@ def test_another_owner_cannot_reach_a_running_response(server):
     assert_missing(server.bob.get(f"/v1/responses/{rid}/input_items"), rid)
     assert_missing(server.bob.post(f"/v1/responses/{rid}/cancel"), rid)
     assert_missing(server.bob.delete(f"/v1/responses/{rid}"), rid)
-    assert_missing(server.bob.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": rid}),
-                   rid, "previous_response_id")
+    assert_missing(
+        server.bob.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": rid}),
+        rid,
+        "previous_response_id",
+    )
     # Untouched by all that: still running for Alice, whose stream resumes, and who can cancel it.
     assert server.alice.get(f"/v1/responses/{rid}").json()["status"] == "in_progress"
     with server.alice.stream("GET", f"/v1/responses/{rid}", params={"stream": "true"}) as stream:
@@ -117,8 +123,9 @@ def test_ownership_outlives_a_restart(tmp_path):
 
 
 def test_the_sdk_with_several_keys(server):
-    alice, bob = (openai.OpenAI(base_url=f"{server.url}/v1", api_key=k, max_retries=0) for k in ("sk-alice-1",
-                                                                                                 "sk-bob"))
+    alice, bob = (
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key=k, max_retries=0) for k in ("sk-alice-1", "sk-bob")
+    )
     response = alice.responses.create(model=MODEL, input="hi")
     with pytest.raises(openai.NotFoundError):
         bob.responses.retrieve(response.id)
@@ -135,13 +142,24 @@ def test_unknown_keys_are_refused(server):
 
 def test_reading_a_keys_file(tmp_path):
     path = tmp_path / "keys"
-    path.write_text("# team keys\nalice:sk-a1\n\n  alice:sk-a2  \nbob@example.com:sk-b\nsk-anonymous\n"
-                    "carol:sk-c:with-colon\n")
-    assert read_keys_file(path) == {"sk-a1": "alice", "sk-a2": "alice", "sk-b": "bob@example.com",
-                                    "sk-anonymous": anonymous_owner("sk-anonymous"), "sk-c:with-colon": "carol"}
+    path.write_text(
+        "# team keys\nalice:sk-a1\n\n  alice:sk-a2  \nbob@example.com:sk-b\nsk-anonymous\ncarol:sk-c:with-colon\n"
+    )
+    assert read_keys_file(path) == {
+        "sk-a1": "alice",
+        "sk-a2": "alice",
+        "sk-b": "bob@example.com",
+        "sk-anonymous": anonymous_owner("sk-anonymous"),
+        "sk-c:with-colon": "carol",
+    }
     assert anonymous_owner("sk-anonymous").startswith("key-") and "sk-anonymous" not in anonymous_owner("sk-anonymous")
-    for bad, problem in [("alice:\n", "empty"), ("bad name:sk-x\n", "name"), ("alice:sk x\n", "white space"),
-                         ("a:sk-1\nb:sk-1\n", "twice"), ("# nothing\n\n", "no keys")]:
+    for bad, problem in [
+        ("alice:\n", "empty"),
+        ("bad name:sk-x\n", "name"),
+        ("alice:sk x\n", "white space"),
+        ("a:sk-1\nb:sk-1\n", "twice"),
+        ("# nothing\n\n", "no keys"),
+    ]:
         path.write_text(bad)
         with pytest.raises(ValueError, match=problem):
             read_keys_file(path)
@@ -151,8 +169,18 @@ def test_serve_reads_the_keys_file(tiny_checkpoint, tmp_path, caplog):
     path = tmp_path / "keys"
     path.write_text("alice:sk-a\nbob:sk-b\n")
     path.chmod(0o600)
-    served = serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"), "--api-keys-file",
-                             str(path), "--api-key", "sk-d"])
+    served = serve_captured(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--store",
+            str(tmp_path / "r.db"),
+            "--api-keys-file",
+            str(path),
+            "--api-key",
+            "sk-d",
+        ]
+    )
     config = served["app"].state.server.config
     assert config.api_keys == {"sk-a": "alice", "sk-b": "bob"} and config.api_key == "sk-d"
 
@@ -160,7 +188,12 @@ def test_serve_reads_the_keys_file(tiny_checkpoint, tmp_path, caplog):
     from agent_server.cli.serve import run
 
     path.write_text("bad name:sk\n")
-    assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--api-keys-file",
-                                          str(path)])) == 2
-    assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--api-keys-file",
-                                          str(tmp_path / "missing")])) == 2
+    assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--api-keys-file", str(path)])) == 2
+    assert (
+        run(
+            build_parser().parse_args(
+                ["serve", "--model", str(tiny_checkpoint), "--api-keys-file", str(tmp_path / "missing")]
+            )
+        )
+        == 2
+    )

@@ -23,25 +23,45 @@ from tests.conftest import MODEL, LiveServer, make_app
 from tests.fake_engine import ScriptedEngine
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "playground"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TIMEOUT_MS = 45_000  # waits, not assertions: a loaded 2-core CI machine renders slowly
 
-SEARCH = ("<|channel|>analysis<|message|>I should look this up.<|end|><|start|>assistant<|channel|>analysis "
-          "to=browser.search <|constrain|>json<|message|>{\"query\": \"gpt-oss license\"}<|call|>")
-CITED_TEXT = ("gpt-oss is released under the Apache-2.0 license, which allows commercial use, modification "
-              "and redistribution 【0†L1-L2】.")
-CITED = ("<|channel|>analysis<|message|>The release notes answer it.<|end|><|start|>assistant<|channel|>final"
-         f"<|message|>{CITED_TEXT}<|return|>")
+SEARCH = (
+    "<|channel|>analysis<|message|>I should look this up.<|end|><|start|>assistant<|channel|>analysis "
+    'to=browser.search <|constrain|>json<|message|>{"query": "gpt-oss license"}<|call|>'
+)
+CITED_TEXT = (
+    "gpt-oss is released under the Apache-2.0 license, which allows commercial use, modification "
+    "and redistribution 【0†L1-L2】."
+)
+CITED = (
+    "<|channel|>analysis<|message|>The release notes answer it.<|end|><|start|>assistant<|channel|>final"
+    f"<|message|>{CITED_TEXT}<|return|>"
+)
 # The chip follows the sentence's full stop (after it, the stop read as "notes ." with a space).
 CITED_SHOWN = CITED_TEXT.replace(" 【0†L1-L2】.", ". gpt-oss release notes")
 PYTHON = "<|channel|>analysis to=python code<|message|>print(6 * 7)<|call|>"
-WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 MCP_TOOL = {"type": "mcp", "server_label": "weather", "require_approval": "never"}
-MCP_CALL = "<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|>"
-WEATHER_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
-                "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+MCP_CALL = '<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{"city": "Oslo"}<|call|>'
+WEATHER_CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+)
 
 
 def final(text: str, reasoning: str | None = None) -> str:
@@ -63,8 +83,12 @@ def prompt_text(call) -> str:
 
 
 def chromium_executable() -> str | None:
-    candidates = [os.environ.get("OSS_AGENT_CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser"),
-                  shutil.which("google-chrome")]
+    candidates = [
+        os.environ.get("OSS_AGENT_CHROMIUM"),
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+        shutil.which("google-chrome"),
+    ]
     return next((c for c in candidates if c and os.path.exists(c)), None)
 
 
@@ -72,8 +96,10 @@ def chromium_executable() -> str | None:
 def browser():
     executable = chromium_executable()
     if executable is None:
-        pytest.skip("headless Chromium is not installed (run `bash .ci/browser.sh`, or point OSS_AGENT_CHROMIUM "
-                    "at a Chromium binary): the playground's browser tests are skipped")
+        pytest.skip(
+            "headless Chromium is not installed (run `bash .ci/browser.sh`, or point OSS_AGENT_CHROMIUM "
+            "at a Chromium binary): the playground's browser tests are skipped"
+        )
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -128,7 +154,9 @@ class Page:
         # once the request has closed too (body not busy), so wait for both.
         self.page.wait_for_function(
             "n => { const t = document.querySelectorAll('.turn.assistant')[n];"
-            " return t && t.dataset.state !== 'streaming' && document.body.dataset.busy !== 'true'; }", arg=n)
+            " return t && t.dataset.state !== 'streaming' && document.body.dataset.busy !== 'true'; }",
+            arg=n,
+        )
         state = self.turn(n).get_attribute("data-state")
         assert state in (expected or ("completed",)), f"turn {n} ended {state}: {self.turn(n).inner_text()}"
 
@@ -170,8 +198,13 @@ def test_page_and_assets_are_served_without_a_key_and_locked_down(tmp_path):
             kind = {"js": "javascript", "css": "text/css"}[path.rsplit(".", 1)[1]]
             assert kind in r.headers["content-type"], (path, r.headers["content-type"])
             assets |= {f"static/{name}" for name in re.findall(r'from "\./([\w.]+)"', r.text)}
-        assert {"static/playground.js", "static/markdown.js", "static/turn.js", "static/api.js",
-                "static/playground.css"} <= seen
+        assert {
+            "static/playground.js",
+            "static/markdown.js",
+            "static/turn.js",
+            "static/api.js",
+            "static/playground.css",
+        } <= seen
         # The API behind it still wants the key; the static mount serves nothing outside its folder.
         assert httpx.get(f"{server.url}/v1/models").status_code == 401
         # (%2e%2e reaches the server as "/static/../x": public by prefix, so it must not escape.)
@@ -197,12 +230,15 @@ def test_streams_reasoning_search_step_citations_and_continues(fake_server, page
     reasoning = page.turn(0).locator("details.reasoning").first
     reasoning.locator("summary").click()
     assert reasoning.get_attribute("open") is not None
-    page.page.wait_for_function("() => document.querySelector('.reasoning-text')?.textContent === 'I should look this up.'")
+    page.page.wait_for_function(
+        "() => document.querySelector('.reasoning-text')?.textContent === 'I should look this up.'"
+    )
 
     # The answer streams in: there is a moment with part of the text on the page, still streaming.
     partial = page.page.wait_for_function(
         "() => { const t = document.querySelector('.turn.assistant'); const a = t.querySelector('.answer');"
-        " return t.dataset.state === 'streaming' && a && a.textContent.length > 10 && a.textContent; }").json_value()
+        " return t.dataset.state === 'streaming' && a && a.textContent.length > 10 && a.textContent; }"
+    ).json_value()
     page.screenshot("streaming")
     page.finished(0)
     answer = page.turn(0).locator(".answer")
@@ -214,13 +250,17 @@ def test_streams_reasoning_search_step_citations_and_continues(fake_server, page
     assert step.locator(".step-title").inner_text() == "Searched “gpt-oss license”"
     step.locator("summary").click()
     assert step.locator(".sources a").evaluate_all("links => links.map(a => a.href)") == [
-        "https://example.org/oss", "https://example.org/harmony"]
+        "https://example.org/oss",
+        "https://example.org/harmony",
+    ]
     citation = answer.locator("a.citation")
     assert citation.inner_text() == "gpt-oss release notes"
     assert citation.get_attribute("href") == "https://example.org/oss"
     assert citation.get_attribute("target") == "_blank" and "noopener" in citation.get_attribute("rel")
     assert page.turn(0).locator("details.reasoning").count() == 2  # before the search, and after it
-    assert re.match(r"completed · \d+ in · \d+ out \(\d+ reasoning\) tokens", page.turn(0).locator(".meta").inner_text())
+    assert re.match(
+        r"completed · \d+ in · \d+ out \(\d+ reasoning\) tokens", page.turn(0).locator(".meta").inner_text()
+    )
     assert fake_tools["browser"].calls == [("browser.search", '{"query": "gpt-oss license"}')]
     first = page.sent[0]
     assert first["reasoning"] == {"effort": "high"} and first["tools"] == [{"type": "web_search_preview"}]
@@ -294,7 +334,8 @@ def test_python_mcp_and_function_steps_and_sending_a_function_output(fake_server
     assert sent["previous_response_id"] == first_id
     assert prompt_text(engine.calls[-1]).endswith(
         "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21 °C and sunny<|end|>"
-        "<|start|>assistant")
+        "<|start|>assistant"
+    )
     assert page.turn(1).locator(".answer").inner_text() == "It is 21 °C in Paris."
 
 
@@ -320,9 +361,13 @@ def test_a_message_typed_instead_of_a_function_output_goes_on(fake_server, page)
     page.finished(2)
     first = fake_server.client().responses.retrieve(page.turn(0).get_attribute("data-response-id"))
     assert page.sent[1]["input"] == [
-        {"type": "function_call_output", "call_id": first.output[-1].call_id,
-         "output": "(no output: the user wrote a message instead)"},
-        {"role": "user", "content": "Never mind, just say hello."}]
+        {
+            "type": "function_call_output",
+            "call_id": first.output[-1].call_id,
+            "output": "(no output: the user wrote a message instead)",
+        },
+        {"role": "user", "content": "Never mind, just say hello."},
+    ]
     assert page.sent[2]["input"] == "Hello?"
     assert page.turn(2).locator(".answer").inner_text() == "Hello again!"
 
@@ -339,8 +384,10 @@ def test_outputs_that_did_not_get_through_go_with_the_next_message(fake_server, 
     page.send("So?")
     page.finished(2)
     call_id = fake_server.client().responses.retrieve(page.turn(0).get_attribute("data-response-id")).output[-1].call_id
-    assert page.sent[-1]["input"] == [{"type": "function_call_output", "call_id": call_id, "output": "21 °C"},
-                                      {"role": "user", "content": "So?"}]
+    assert page.sent[-1]["input"] == [
+        {"type": "function_call_output", "call_id": call_id, "output": "21 °C"},
+        {"role": "user", "content": "So?"},
+    ]
     assert page.turn(2).locator(".answer").inner_text() == "It is 21 °C."
 
 
@@ -387,16 +434,16 @@ def test_stop_ends_the_generation_and_the_chat_goes_on(fake_server, page):
 
 MARKDOWN = (
     "# Title\n\nSome **bold**, *italic* and `inline <b>code</b>` text.\n\n"
-    "<script>window.__pwned = 1</script>\n<img src=x onerror=\"window.__pwned = 2\">\n\n"
+    '<script>window.__pwned = 1</script>\n<img src=x onerror="window.__pwned = 2">\n\n'
     "[bad link](javascript:window.__pwned=3) and [good link](https://example.org/page) and https://example.org/bare\n\n"
     "- one\n- two\n  1. nested\n\n"
     "| a | b |\n|---|:-:|\n| <i>x</i> | 2 |\n\n"
-    "```html\n<iframe src=\"javascript:window.__pwned=4\"></iframe>\n```\n\n> quoted"
+    '```html\n<iframe src="javascript:window.__pwned=4"></iframe>\n```\n\n> quoted'
 )
 
 
 def test_markdown_is_rendered_and_model_html_stays_text(fake_server, page):
-    fake_server.engine.say(final(MARKDOWN, reasoning="<img src=y onerror=\"window.__pwned = 5\"> thinking"))
+    fake_server.engine.say(final(MARKDOWN, reasoning='<img src=y onerror="window.__pwned = 5"> thinking'))
     page.open(fake_server)
     page.send("Show me some markdown.")
     page.finished(0)
@@ -406,7 +453,7 @@ def test_markdown_is_rendered_and_model_html_stays_text(fake_server, page):
     assert answer.locator("p code").first.inner_text() == "inline <b>code</b>"
     assert answer.locator("ul > li").count() == 2 and answer.locator("ul ol > li").inner_text() == "nested"
     assert answer.locator("table td").all_inner_texts() == ["<i>x</i>", "2"]
-    assert answer.locator("pre code").inner_text() == "<iframe src=\"javascript:window.__pwned=4\"></iframe>"
+    assert answer.locator("pre code").inner_text() == '<iframe src="javascript:window.__pwned=4"></iframe>'
     assert answer.locator("blockquote").inner_text() == "quoted"
     # Model-written HTML is shown as text, never turned into elements; unsafe links lose their target.
     text = answer.inner_text()
@@ -414,10 +461,12 @@ def test_markdown_is_rendered_and_model_html_stays_text(fake_server, page):
     for tag in ("script", "img", "iframe", "b", "i"):
         assert answer.locator(tag).count() == 0, tag
     assert answer.locator("a").evaluate_all("links => links.map(a => a.href)") == [
-        "https://example.org/page", "https://example.org/bare"]
+        "https://example.org/page",
+        "https://example.org/bare",
+    ]
     assert "bad link" in text
     reasoning = page.turn(0).locator(".reasoning-text")
-    assert reasoning.evaluate("r => r.textContent") == "<img src=y onerror=\"window.__pwned = 5\"> thinking"
+    assert reasoning.evaluate("r => r.textContent") == '<img src=y onerror="window.__pwned = 5"> thinking'
     assert reasoning.locator("img").count() == 0
     assert page.page.evaluate("window.__pwned") is None
     page.screenshot("markdown")
@@ -469,8 +518,12 @@ def test_code_in_a_numbered_list_keeps_its_indentation(fake_server, page):
     # (and copied) must not keep a stray leading space, which breaks pasted Python.
     code = "def f():\n    return 1"
     indented = "\n".join(f"   {line}" for line in code.split("\n"))
-    fake_server.engine.say(final(f"1. Define it:\n   ```python\n{indented}\n   ```\n2. Call it.\n\n"
-                                 f"10. Later:\n    ```python\n    x = 1\n    ```"))
+    fake_server.engine.say(
+        final(
+            f"1. Define it:\n   ```python\n{indented}\n   ```\n2. Call it.\n\n"
+            f"10. Later:\n    ```python\n    x = 1\n    ```"
+        )
+    )
     page.open(fake_server)
     page.send("Show me a function.")
     page.finished(0)
@@ -488,16 +541,19 @@ def test_copy_works_when_the_page_is_served_over_plain_http(tmp_path, fake_engin
     server = LiveServer(app).start()
     fake_engine.say(final("```bash\necho hi\n```"))
     port = server.url.rsplit(":", 1)[1]
-    lan = browser.browser_type.launch(executable_path=chromium_executable(),
-                                      args=CHROMIUM_ARGS + ["--host-resolver-rules=MAP gpu-box.test 127.0.0.1"])
+    lan = browser.browser_type.launch(
+        executable_path=chromium_executable(), args=CHROMIUM_ARGS + ["--host-resolver-rules=MAP gpu-box.test 127.0.0.1"]
+    )
     try:
         view = lan.new_page()
         view.set_default_timeout(TIMEOUT_MS)
         view.goto(f"http://gpu-box.test:{port}/")
         view.wait_for_selector("body[data-ready=true]")
         assert view.evaluate("isSecureContext") is False
-        view.evaluate("() => document.addEventListener('copy', e => {"
-                      " window.__copied = e.target.value ?? String(getSelection()); })")
+        view.evaluate(
+            "() => document.addEventListener('copy', e => {"
+            " window.__copied = e.target.value ?? String(getSelection()); })"
+        )
         view.fill("#input", "A command?")
         view.press("#input", "Enter")
         view.wait_for_function("() => document.querySelector('.turn.assistant')?.dataset.state === 'completed'")
@@ -547,10 +603,13 @@ def test_markdown_edge_cases_render_as_written(fake_server, page):
     # "*args and **kwargs": the ** before kwargs follows a space, so it cannot close the *.
     # Only a run of #s after a space closes an ATX heading: "C#" is a word. Wikipedia's URLs end
     # in "(...)": only an unmatched ")" (or final punctuation) is not the URL's.
-    fake_server.engine.say(final(
-        "Call f(*args, **kwargs). Pass *args and **kwargs through. Keep *this* and **that** styled.\n\n"
-        "## Why C#\n\ntext\n\n### F# ###\n\n# Closed #\n\n"
-        "See https://en.wikipedia.org/wiki/Python_(programming_language). (Also: https://example.org/a.)"))
+    fake_server.engine.say(
+        final(
+            "Call f(*args, **kwargs). Pass *args and **kwargs through. Keep *this* and **that** styled.\n\n"
+            "## Why C#\n\ntext\n\n### F# ###\n\n# Closed #\n\n"
+            "See https://en.wikipedia.org/wiki/Python_(programming_language). (Also: https://example.org/a.)"
+        )
+    )
     page.open(fake_server)
     page.send("Show me some Markdown.")
     page.finished(0)
@@ -564,9 +623,12 @@ def test_markdown_edge_cases_render_as_written(fake_server, page):
     assert answer.locator("h1").inner_text() == "Closed"
     links = answer.locator("a")
     assert links.evaluate_all("links => links.map(a => [a.href, a.textContent])") == [
-        ["https://en.wikipedia.org/wiki/Python_(programming_language)",
-         "https://en.wikipedia.org/wiki/Python_(programming_language)"],
-        ["https://example.org/a", "https://example.org/a"]]
+        [
+            "https://en.wikipedia.org/wiki/Python_(programming_language)",
+            "https://en.wikipedia.org/wiki/Python_(programming_language)",
+        ],
+        ["https://example.org/a", "https://example.org/a"],
+    ]
     assert answer.inner_text().endswith("_language). (Also: https://example.org/a.)")
 
 
@@ -612,8 +674,10 @@ def test_the_header_takes_two_rows_on_a_phone(fake_server, browser):
         page = context.new_page()
         page.goto(f"{fake_server.url}/")
         page.wait_for_selector("body[data-ready=true]")
-        boxes = page.evaluate("[document.querySelector('.brand'), ...document.querySelector('.controls').children]"
-                              ".map(e => e.getBoundingClientRect()).map(r => [Math.round(r.top), r.right])")
+        boxes = page.evaluate(
+            "[document.querySelector('.brand'), ...document.querySelector('.controls').children]"
+            ".map(e => e.getBoundingClientRect()).map(r => [Math.round(r.top), r.right])"
+        )
         tops = [top for top, _ in boxes[1:]]
         assert max(tops) - min(tops) < 10 and min(tops) > boxes[0][0]  # the controls: one row, under the brand
         assert max(right for _, right in boxes) <= 390

@@ -50,8 +50,10 @@ def test_shutdown_under_load_finishes_or_cancels_and_loses_nothing(tmp_path):
     def body(kind, **extra):
         return {"model": MODEL, "input": f"please be {kind}", **extra}
 
-    background = {kind: [httpx.post(f"{url}/v1/responses", json=body(kind, background=True)).json()["id"]
-                         for _ in range(3)] for kind in SECONDS}
+    background = {
+        kind: [httpx.post(f"{url}/v1/responses", json=body(kind, background=True)).json()["id"] for _ in range(3)]
+        for kind in SECONDS
+    }
     foreground: dict[str, list] = {"quick": [], "slow": []}
     errors: list[Exception] = []
 
@@ -129,12 +131,20 @@ def test_shutdown_on_the_real_engine_stores_every_response(tmp_path, tiny_checkp
     db = tmp_path / "r.db"
     server = LiveServer(make_app(lambda: engine, db, shutdown_timeout=0.5), kind="tiny").start()
     server.server.config.timeout_graceful_shutdown = GRACE
-    short = [httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2,
-                                                            "temperature": 0}).json() for _ in range(2)]
+    short = [
+        httpx.post(
+            f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2, "temperature": 0}
+        ).json()
+        for _ in range(2)
+    ]
     assert all(r["status"] in ("completed", "incomplete") for r in short)
-    long = [httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": f"tell me {i}",
-                                                           "background": True, "max_output_tokens": 900}).json()["id"]
-            for i in range(3)]
+    long = [
+        httpx.post(
+            f"{server.url}/v1/responses",
+            json={"model": MODEL, "input": f"tell me {i}", "background": True, "max_output_tokens": 900},
+        ).json()["id"]
+        for i in range(3)
+    ]
     deadline = time.monotonic() + 60
     while engine.stats().running < 3:
         assert time.monotonic() < deadline
@@ -163,8 +173,12 @@ def test_a_stream_finishing_within_the_grace_period_finishes_after_sigterm(tmp_p
     server.server.config.timeout_graceful_shutdown = 5.0
     kinds: list[str] = []
     try:
-        with httpx.stream("POST", f"{server.url}/v1/responses", timeout=30,
-                          json={"model": MODEL, "input": "please be medium", "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/responses",
+            timeout=30,
+            json={"model": MODEL, "input": "please be medium", "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("event:"):
                     kinds.append(line[6:].strip())

@@ -37,8 +37,9 @@ def test_the_store_files_are_readable_by_their_owner_only(tmp_path):
     try:
         path = tmp_path / "store" / "r.db"
         store = SQLiteResponseStore(path)
-        asyncio.run(store.put(StoredResponse(id="resp_1", response={"id": "resp_1", "status": "completed"},
-                                             input_items=[])))
+        asyncio.run(
+            store.put(StoredResponse(id="resp_1", response={"id": "resp_1", "status": "completed"}, input_items=[]))
+        )
         for name in (path, f"{path}-wal", f"{path}-shm"):
             assert os.path.exists(name), name
             assert mode(name) == 0o600, (name, oct(mode(name)))
@@ -51,8 +52,9 @@ def test_the_store_files_are_readable_by_their_owner_only(tmp_path):
 def test_an_existing_world_readable_store_is_made_private(tmp_path):
     path = tmp_path / "r.db"
     store = SQLiteResponseStore(path)
-    asyncio.run(store.put(StoredResponse(id="resp_1", response={"id": "resp_1", "status": "completed"},
-                                         input_items=[])))
+    asyncio.run(
+        store.put(StoredResponse(id="resp_1", response={"id": "resp_1", "status": "completed"}, input_items=[]))
+    )
     asyncio.run(store.close())
     os.chmod(path, 0o644)
     for name in (f"{path}-wal", f"{path}-shm"):
@@ -73,8 +75,13 @@ def start_server(store: Path) -> tuple[subprocess.Popen, str]:
     """`tests.scripted_server` on `store`, in a process of its own; (process, base URL)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    process = subprocess.Popen([sys.executable, "-m", "tests.scripted_server", str(store)], cwd=root, env=env,
-                               stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.scripted_server", str(store)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = process.stdout.readline()
     assert line.startswith("READY "), line
     return process, line.split()[1]
@@ -102,13 +109,21 @@ def test_responses_cut_by_a_kill_read_failed_with_what_was_generated(tmp_path):
     try:
         with contextlib.ExitStack() as streams:
             # A stored foreground stream and a background one, each read for a while.
-            foreground = streams.enter_context(httpx.stream(
-                "POST", f"{url}/v1/responses", json={"model": MODEL, "input": "tell me", "stream": True}, timeout=60))
+            foreground = streams.enter_context(
+                httpx.stream(
+                    "POST", f"{url}/v1/responses", json={"model": MODEL, "input": "tell me", "stream": True}, timeout=60
+                )
+            )
             foreground_lines = foreground.iter_lines()
             seen_foreground = read_events(foreground_lines, 30)
-            background = streams.enter_context(httpx.stream(
-                "POST", f"{url}/v1/responses", json={"model": MODEL, "input": "and me", "stream": True,
-                                                     "background": True}, timeout=60))
+            background = streams.enter_context(
+                httpx.stream(
+                    "POST",
+                    f"{url}/v1/responses",
+                    json={"model": MODEL, "input": "and me", "stream": True, "background": True},
+                    timeout=60,
+                )
+            )
             background_lines = background.iter_lines()
             seen_background = read_events(background_lines, 30)
             time.sleep(1.5)  # they go on generating (a token every 10 ms) and are written meanwhile
@@ -142,12 +157,13 @@ def test_responses_cut_by_a_kill_read_failed_with_what_was_generated(tmp_path):
         with httpx.stream("GET", f"{url}/v1/responses/{bg_id}", params={"stream": "true"}, timeout=60) as replay:
             replayed = [json.loads(line[5:]) for line in replay.iter_lines() if line.startswith("data:")]
         assert [e["sequence_number"] for e in replayed] == list(range(len(replayed)))
-        assert replayed[:len(seen_background)] == seen_background
+        assert replayed[: len(seen_background)] == seen_background
         assert len(replayed) > len(seen_background) + 1
         assert replayed[-1]["type"] == "response.failed" and replayed[-1]["response"]["status"] == "failed"
         assert answer.startswith(text_of(replayed))
-        with httpx.stream("GET", f"{url}/v1/responses/{bg_id}", params={"stream": "true", "starting_after": 10},
-                          timeout=60) as replay:
+        with httpx.stream(
+            "GET", f"{url}/v1/responses/{bg_id}", params={"stream": "true", "starting_after": 10}, timeout=60
+        ) as replay:
             resumed = [json.loads(line[5:]) for line in replay.iter_lines() if line.startswith("data:")]
         assert resumed == replayed[11:]
         # Deleting it deletes its events too.

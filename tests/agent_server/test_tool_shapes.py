@@ -21,11 +21,13 @@ MCP = {"type": "mcp", "server_label": "weather", "require_approval": "never"}
 FUNCTION = {"type": "function", "name": "get_time"}
 
 
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    app = make_app(lambda: ScriptedEngine(), tmp_path_factory.mktemp("tool-shapes") / "r.db",
-                   tools=[FakeBrowser(), FakePython(), FakeMcp()])
+    app = make_app(
+        lambda: ScriptedEngine(),
+        tmp_path_factory.mktemp("tool-shapes") / "r.db",
+        tools=[FakeBrowser(), FakePython(), FakeMcp()],
+    )
     with LiveServer(app) as live:
         yield live
 
@@ -50,20 +52,32 @@ BAD_SHAPES = [
     ({**WEB, "user_location": {"timezone": 1}}, "tools[0].user_location.timezone", "invalid_type"),
     ({**WEB, "user_location": {"region": True}}, "tools[0].user_location.region", "invalid_type"),
     ({"type": "web_search", "filters": "example.com"}, "tools[0].filters", "invalid_type"),
-    ({"type": "web_search", "filters": {"allowed_domains": "example.com"}}, "tools[0].filters.allowed_domains",
-     "invalid_type"),
-    ({"type": "web_search", "filters": {"allowed_domains": [1]}}, "tools[0].filters.allowed_domains[0]",
-     "invalid_type"),
-    ({"type": "web_search", "filters": {"blocked_domains": []}}, "tools[0].filters.blocked_domains",
-     "unknown_parameter"),
+    (
+        {"type": "web_search", "filters": {"allowed_domains": "example.com"}},
+        "tools[0].filters.allowed_domains",
+        "invalid_type",
+    ),
+    (
+        {"type": "web_search", "filters": {"allowed_domains": [1]}},
+        "tools[0].filters.allowed_domains[0]",
+        "invalid_type",
+    ),
+    (
+        {"type": "web_search", "filters": {"blocked_domains": []}},
+        "tools[0].filters.blocked_domains",
+        "unknown_parameter",
+    ),
     # code interpreter
     ({**PYTHON, "container": 5}, "tools[0].container", "invalid_type"),
     ({**PYTHON, "container": ["auto"]}, "tools[0].container", "invalid_type"),
     ({**PYTHON, "container": {"type": "big"}}, "tools[0].container.type", "invalid_value"),
     ({**PYTHON, "container": {}}, "tools[0].container.type", "missing_required_parameter"),
     ({**PYTHON, "container": {"type": "auto", "file_ids": "file_1"}}, "tools[0].container.file_ids", "invalid_type"),
-    ({**PYTHON, "container": {"type": "auto", "memory_limit": "1t"}}, "tools[0].container.memory_limit",
-     "invalid_value"),
+    (
+        {**PYTHON, "container": {"type": "auto", "memory_limit": "1t"}},
+        "tools[0].container.memory_limit",
+        "invalid_value",
+    ),
     ({**PYTHON, "container": {"type": "auto", "size": 1}}, "tools[0].container.size", "unknown_parameter"),
     # MCP
     ({**MCP, "server_label": 5}, "tools[0].server_label", "invalid_type"),
@@ -75,15 +89,17 @@ BAD_SHAPES = [
     ({**MCP, "allowed_tools": [5]}, "tools[0].allowed_tools[0]", "invalid_type"),
     ({**MCP, "allowed_tools": {"tool_names": 5}}, "tools[0].allowed_tools.tool_names", "invalid_type"),
     ({**MCP, "allowed_tools": {"tool_names": "get_forecast"}}, "tools[0].allowed_tools.tool_names", "invalid_type"),
-    ({**MCP, "allowed_tools": {"tool_names": [{"name": "x"}]}}, "tools[0].allowed_tools.tool_names[0]",
-     "invalid_type"),
+    ({**MCP, "allowed_tools": {"tool_names": [{"name": "x"}]}}, "tools[0].allowed_tools.tool_names[0]", "invalid_type"),
     ({**MCP, "allowed_tools": {"read_only": "yes"}}, "tools[0].allowed_tools.read_only", "invalid_type"),
     ({**MCP, "allowed_tools": {"names": ["x"]}}, "tools[0].allowed_tools.names", "unknown_parameter"),
     ({**MCP, "require_approval": "sometimes"}, "tools[0].require_approval", "invalid_value"),
     ({**MCP, "require_approval": 5}, "tools[0].require_approval", "invalid_value"),
     ({**MCP, "require_approval": {"never": "all"}}, "tools[0].require_approval.never", "invalid_type"),
-    ({**MCP, "require_approval": {"never": {"tool_names": 5}}}, "tools[0].require_approval.never.tool_names",
-     "invalid_type"),
+    (
+        {**MCP, "require_approval": {"never": {"tool_names": 5}}},
+        "tools[0].require_approval.never.tool_names",
+        "invalid_type",
+    ),
     ({**MCP, "require_approval": {"sometimes": {}}}, "tools[0].require_approval.sometimes", "unknown_parameter"),
     ({**MCP, "headers": "Bearer x"}, "tools[0].headers", "invalid_type"),
     ({**MCP, "headers": {"Authorization": 5}}, "tools[0].headers.Authorization", "invalid_type"),
@@ -102,17 +118,30 @@ def test_a_tool_field_of_the_wrong_shape_is_a_400_naming_it(server, tool, param,
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1]" + param.removeprefix("tools[0]")
 
 
-@pytest.mark.parametrize("tool", [
-    {**WEB, "user_location": {"type": "approximate", "city": "Paris", "country": "FR", "region": "IDF",
-                              "timezone": "Europe/Paris"}, "search_context_size": "low"},
-    {**WEB, "user_location": {"city": "Paris"}},
-    {"type": "web_search", "filters": {"allowed_domains": ["example.com"]}},
-    {**PYTHON, "container": {"type": "auto", "file_ids": [], "memory_limit": "1g"}},
-    {**PYTHON, "container": "auto"},
-    {**MCP, "allowed_tools": ["get_forecast"]},
-    {**MCP, "allowed_tools": {"tool_names": ["get_forecast"]}},
-    {**MCP, "allowed_tools": {"read_only": False}},
-], ids=lambda t: t["type"])
+@pytest.mark.parametrize(
+    "tool",
+    [
+        {
+            **WEB,
+            "user_location": {
+                "type": "approximate",
+                "city": "Paris",
+                "country": "FR",
+                "region": "IDF",
+                "timezone": "Europe/Paris",
+            },
+            "search_context_size": "low",
+        },
+        {**WEB, "user_location": {"city": "Paris"}},
+        {"type": "web_search", "filters": {"allowed_domains": ["example.com"]}},
+        {**PYTHON, "container": {"type": "auto", "file_ids": [], "memory_limit": "1g"}},
+        {**PYTHON, "container": "auto"},
+        {**MCP, "allowed_tools": ["get_forecast"]},
+        {**MCP, "allowed_tools": {"tool_names": ["get_forecast"]}},
+        {**MCP, "allowed_tools": {"read_only": False}},
+    ],
+    ids=lambda t: t["type"],
+)
 def test_well_shaped_tool_fields_are_accepted_and_echoed(server, tool):
     r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": [tool]})
     assert r.status_code == 200, r.text[:300]
@@ -128,11 +157,17 @@ def test_well_shaped_tool_fields_are_accepted_and_echoed(server, tool):
 
 def test_allowed_tools_filter_keeps_the_named_and_the_read_only_tools(server):
     # The fake MCP server's one tool says nothing about being read-only: read_only keeps none of it.
-    for allowed, listed in [({"tool_names": ["get_forecast"]}, ["get_forecast"]), ({"tool_names": []}, []),
-                            ({"read_only": True}, []), ({"read_only": True, "tool_names": ["get_forecast"]}, []),
-                            ({"read_only": False, "tool_names": ["get_forecast"]}, ["get_forecast"])]:
-        r = httpx.post(f"{server.url}/v1/responses", json={
-            "model": MODEL, "input": "hi", "tools": [{**MCP, "allowed_tools": allowed}]})
+    for allowed, listed in [
+        ({"tool_names": ["get_forecast"]}, ["get_forecast"]),
+        ({"tool_names": []}, []),
+        ({"read_only": True}, []),
+        ({"read_only": True, "tool_names": ["get_forecast"]}, []),
+        ({"read_only": False, "tool_names": ["get_forecast"]}, ["get_forecast"]),
+    ]:
+        r = httpx.post(
+            f"{server.url}/v1/responses",
+            json={"model": MODEL, "input": "hi", "tools": [{**MCP, "allowed_tools": allowed}]},
+        )
         assert r.status_code == 200, (allowed, r.text[:300])
         listing = next(o for o in r.json()["output"] if o["type"] == "mcp_list_tools")
         assert [t["name"] for t in listing["tools"]] == listed, allowed

@@ -12,13 +12,18 @@ from inference.grammar import Grammar, GrammarCompiler
 from inference.tokenizer import CALL, RETURN, harmony_encoding
 from tests.fake_engine import harmony_tokens
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-           "additionalProperties": False}
-CALLS = [CallTarget("functions.get_weather", "commentary", WEATHER),
-         CallTarget("browser.search", "analysis", ANY_OBJECT),
-         CallTarget("python", "analysis", code=True)]
-CALL_WEATHER = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
-                '<|call|>')
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+CALLS = [
+    CallTarget("functions.get_weather", "commentary", WEATHER),
+    CallTarget("browser.search", "analysis", ANY_OBJECT),
+    CallTarget("python", "analysis", code=True),
+]
+CALL_WEATHER = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
 SEARCH = '<|channel|>analysis to=browser.search <|constrain|>json<|message|>{"query": "gpt-oss"}<|call|>'
 PYTHON = "<|channel|>analysis to=python code<|message|>print(6 * 7)<|call|>"
 ANSWER = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
@@ -44,28 +49,39 @@ def accepted(compiler, grammar, text: str) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("turn", [
-    ANSWER, CALL_WEATHER, SEARCH, PYTHON,
-    "<|channel|>final<|message|>Just the answer.<|return|>",
-    "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant" + CALL_WEATHER,
-    "<|channel|>commentary to=browser.search <|constrain|>json<|message|>{\"query\": \"x\"}<|call|>",
-    CALL_WEATHER.replace("<|call|>", "<|end|><|start|>assistant") + ANSWER,  # parallel calls, then an answer
-])
+@pytest.mark.parametrize(
+    "turn",
+    [
+        ANSWER,
+        CALL_WEATHER,
+        SEARCH,
+        PYTHON,
+        "<|channel|>final<|message|>Just the answer.<|return|>",
+        "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant" + CALL_WEATHER,
+        '<|channel|>commentary to=browser.search <|constrain|>json<|message|>{"query": "x"}<|call|>',
+        CALL_WEATHER.replace("<|call|>", "<|end|><|start|>assistant") + ANSWER,  # parallel calls, then an answer
+    ],
+)
 def test_what_gpt_oss_writes_is_accepted(compiler, turn):
     assert accepted(compiler, TurnRules(CALLS).grammar(), turn) is None
 
 
-@pytest.mark.parametrize("turn, refused_at", [
-    ("<|channel|>final<|message|>Hi!<|end|>", "<|end|>"),  # an answer ends the turn
-    ("<|message|>Hi<|return|>", "<|message|>"),  # no header
-    ("<|channel|>finale<|message|>Hi<|return|>", "e"),
-    ("<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>", "_time"),
-    ("<|channel|>analysis to=functions.get_weather <|constrain|>json<|message|>{}<|call|>", "functions"),
-    ("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"town\": \"Paris\"}<|call|>",
-     "town"),
-    ("<|channel|>commentary to=functions.get_weather json<|message|>{}<|call|>", " json"),
-    ("<|channel|>final<|message|>Hi<|call|>", "<|call|>"),
-])
+@pytest.mark.parametrize(
+    "turn, refused_at",
+    [
+        ("<|channel|>final<|message|>Hi!<|end|>", "<|end|>"),  # an answer ends the turn
+        ("<|message|>Hi<|return|>", "<|message|>"),  # no header
+        ("<|channel|>finale<|message|>Hi<|return|>", "e"),
+        ("<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>", "_time"),
+        ("<|channel|>analysis to=functions.get_weather <|constrain|>json<|message|>{}<|call|>", "functions"),
+        (
+            '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"town": "Paris"}<|call|>',
+            "town",
+        ),
+        ("<|channel|>commentary to=functions.get_weather json<|message|>{}<|call|>", " json"),
+        ("<|channel|>final<|message|>Hi<|call|>", "<|call|>"),
+    ],
+)
 def test_malformed_turns_are_refused_where_they_break(compiler, turn, refused_at):
     at = accepted(compiler, TurnRules(CALLS).grammar(), turn)
     assert at is not None
@@ -110,15 +126,20 @@ def test_which_function_schemas_hold():
     assert function_arguments(None, strict=True, forced=True) == ANY_OBJECT
 
 
-@pytest.mark.parametrize("grammar, good, bad", [
-    (Grammar("lark", 'start: "add(" NUM ", " NUM ")"\nNUM: /[0-9]+/'), "add(1, 22)", "add(1,22)"),
-    (Grammar("regex", r"[a-z]+/[0-9]{2}"), "abc/42", "abc/4x"),
-])
+@pytest.mark.parametrize(
+    "grammar, good, bad",
+    [
+        (Grammar("lark", 'start: "add(" NUM ", " NUM ")"\nNUM: /[0-9]+/'), "add(1, 22)", "add(1,22)"),
+        (Grammar("regex", r"[a-z]+/[0-9]{2}"), "abc/42", "abc/4x"),
+    ],
+)
 def test_a_tool_whose_text_follows_a_grammar(compiler, grammar, good, bad):
     """A custom tool's input with a Lark or regex format (the request schema's `custom` tools
     wire here: a code target with that grammar)."""
-    rules = TurnRules([CallTarget("functions.calc", "commentary", code=True, grammar=grammar)],
-                      forced=[CallTarget("functions.calc", "commentary", code=True, grammar=grammar)])
+    rules = TurnRules(
+        [CallTarget("functions.calc", "commentary", code=True, grammar=grammar)],
+        forced=[CallTarget("functions.calc", "commentary", code=True, grammar=grammar)],
+    )
     call = "<|channel|>commentary to=functions.calc code<|message|>{}<|call|>"
     for g in (rules.grammar(), rules.grammar(forced=True, budget=100)):
         assert accepted(compiler, g, call.format(good)) is None

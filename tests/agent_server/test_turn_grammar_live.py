@@ -25,13 +25,22 @@ RECORD = {
     "required": ["n", "ok", "color"],
     "additionalProperties": False,
 }
-WEATHER = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
-                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["unit", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-        "additionalProperties": False}
-FUNCTIONS = [{"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True},
-             {"type": "function", "name": "get_time", "parameters": TIME, "strict": True}]
+WEATHER = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["unit", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+FUNCTIONS = [
+    {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True},
+    {"type": "function", "name": "get_time", "parameters": TIME, "strict": True},
+]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in f.items() if k != "type"}} for f in FUNCTIONS]
 INPUTS = ["Give me a record.", "Another one, please.", "JSON only."]
@@ -47,8 +56,12 @@ def test_strict_json_schema_answers_validate(tiny_server):
     answers = 0
     for text in INPUTS:
         response = client.responses.create(
-            model=MODEL, input=text, temperature=0, max_output_tokens=80,
-            text={"format": {"type": "json_schema", "name": "record", "schema": RECORD, "strict": True}})
+            model=MODEL,
+            input=text,
+            temperature=0,
+            max_output_tokens=80,
+            text={"format": {"type": "json_schema", "name": "record", "schema": RECORD, "strict": True}},
+        )
         if response.status == "completed":
             jsonschema.validate(json.loads(response.output_text), RECORD)
             answers += 1
@@ -56,8 +69,13 @@ def test_strict_json_schema_answers_validate(tiny_server):
             assert response.incomplete_details.reason == "max_output_tokens"
     assert answers >= 2
     completion = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "A record."}], n=3, seed=1, max_tokens=80,
-        response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD, "strict": True}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "A record."}],
+        n=3,
+        seed=1,
+        max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD, "strict": True}},
+    )
     stopped = [c for c in completion.choices if c.finish_reason == "stop"]
     for choice in stopped:
         jsonschema.validate(json.loads(choice.message.content), RECORD)
@@ -66,8 +84,13 @@ def test_strict_json_schema_answers_validate(tiny_server):
 
 def test_json_object_answers_are_json_objects(tiny_engine_server):
     completion = tiny_engine_server.client().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Some JSON."}], n=4, seed=3, max_tokens=60,
-        response_format={"type": "json_object"})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Some JSON."}],
+        n=4,
+        seed=3,
+        max_tokens=60,
+        response_format={"type": "json_object"},
+    )
     for choice in completion.choices:
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content), dict)
@@ -79,8 +102,9 @@ def test_json_object_answers_are_json_objects(tiny_engine_server):
 def test_forced_functions_are_called_with_arguments_of_their_schema(tiny_server, choice):
     client = tiny_server.client()
     for text in INPUTS[:2]:
-        response = client.responses.create(model=MODEL, input=text, tools=FUNCTIONS, tool_choice=choice,
-                                           max_output_tokens=60)
+        response = client.responses.create(
+            model=MODEL, input=text, tools=FUNCTIONS, tool_choice=choice, max_output_tokens=60
+        )
         assert response.status == "completed"
         (call,) = [o for o in response.output if o.type == "function_call"]
         assert [o.type for o in response.output] == ["function_call"]  # the call is the turn
@@ -88,8 +112,13 @@ def test_forced_functions_are_called_with_arguments_of_their_schema(tiny_server,
             assert call.name == "get_time"
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     chat_choice = choice if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
-    completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Now."}],
-                                                tools=CHAT_TOOLS, tool_choice=chat_choice, max_tokens=60)
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Now."}],
+        tools=CHAT_TOOLS,
+        tool_choice=chat_choice,
+        max_tokens=60,
+    )
     (choice0,) = completion.choices
     assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
     (call,) = choice0.message.tool_calls
@@ -122,12 +151,22 @@ def stream_events(server, body: dict) -> list[dict]:
 def test_a_forced_web_search_runs_mid_generation(tiny_tool_server):
     browser = tiny_tool_server.tools["browser"]
     browser.calls.clear()
-    events = stream_events(tiny_tool_server, {"model": MODEL, "input": "Search.", "max_output_tokens": 200,
-                                              "tools": [{"type": "web_search_preview"}],
-                                              "tool_choice": {"type": "web_search_preview"}})
+    events = stream_events(
+        tiny_tool_server,
+        {
+            "model": MODEL,
+            "input": "Search.",
+            "max_output_tokens": 200,
+            "tools": [{"type": "web_search_preview"}],
+            "tool_choice": {"type": "web_search_preview"},
+        },
+    )
     types = [e["type"] for e in events]
-    for kind in ("response.web_search_call.in_progress", "response.web_search_call.searching",
-                 "response.web_search_call.completed"):
+    for kind in (
+        "response.web_search_call.in_progress",
+        "response.web_search_call.searching",
+        "response.web_search_call.completed",
+    ):
         assert kind in types
     first = next(e["item"] for e in events if e["type"] == "response.output_item.done")
     assert first["type"] == "web_search_call" and first["status"] == "completed"
@@ -141,11 +180,20 @@ def test_a_forced_web_search_runs_mid_generation(tiny_tool_server):
 def test_a_forced_python_cell_runs_mid_generation(tiny_tool_server):
     python = tiny_tool_server.tools["python"]
     python.calls.clear()
-    events = stream_events(tiny_tool_server, {"model": MODEL, "input": "Compute.", "max_output_tokens": 60,
-                                              "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}],
-                                              "tool_choice": {"type": "code_interpreter"}})
+    events = stream_events(
+        tiny_tool_server,
+        {
+            "model": MODEL,
+            "input": "Compute.",
+            "max_output_tokens": 60,
+            "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}],
+            "tool_choice": {"type": "code_interpreter"},
+        },
+    )
     types = [e["type"] for e in events]
-    assert "response.code_interpreter_call_code.delta" in types and "response.code_interpreter_call.interpreting" in types
+    assert (
+        "response.code_interpreter_call_code.delta" in types and "response.code_interpreter_call.interpreting" in types
+    )
     first = next(e["item"] for e in events if e["type"] == "response.output_item.done")
     assert first["type"] == "code_interpreter_call" and first["status"] in ("completed", "failed")
     assert python.calls == [first["code"]]  # the cell ran, with the code streamed (random code fails: that is fine)
@@ -154,9 +202,13 @@ def test_a_forced_python_cell_runs_mid_generation(tiny_tool_server):
 def test_requests_carry_the_grammar_of_what_they_ask(fake_server):
     engine, client = fake_server.engine, fake_server.client()
     engine.say('<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone": "CET"}<|call|>')
-    client.responses.create(model=MODEL, input="Hi", tools=FUNCTIONS, tool_choice={"type": "function", "name": "get_time"})
+    client.responses.create(
+        model=MODEL, input="Hi", tools=FUNCTIONS, tool_choice={"type": "function", "name": "get_time"}
+    )
     grammar = engine.calls[-1].request.sampling.grammar
-    assert grammar.kind == "lark" and grammar.text.startswith("start: call_0\n") and "functions.get_time" in grammar.text
+    assert (
+        grammar.kind == "lark" and grammar.text.startswith("start: call_0\n") and "functions.get_time" in grammar.text
+    )
     assert "functions.get_weather" not in grammar.text  # forced: only the named function
     prompt = engine.calls[-1].request.prompt_token_ids
     from inference.tokenizer import harmony_encoding
@@ -170,11 +222,21 @@ def test_requests_carry_the_grammar_of_what_they_ask(fake_server):
 
 def test_a_strict_schema_the_grammar_cannot_hold_is_a_400(fake_server):
     bad = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={
-        "model": MODEL, "input": "Hi",
-        "text": {"format": {"type": "json_schema", "name": "r", "schema": bad, "strict": True}}})
+    r = httpx.post(
+        f"{fake_server.url}/v1/responses",
+        json={
+            "model": MODEL,
+            "input": "Hi",
+            "text": {"format": {"type": "json_schema", "name": "r", "schema": bad, "strict": True}},
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema"
-    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-        "tools": [{"type": "function", "function": {"name": "f", "parameters": bad, "strict": True}}]})
+    r = httpx.post(
+        f"{fake_server.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": bad, "strict": True}}],
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters"

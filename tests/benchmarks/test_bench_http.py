@@ -50,9 +50,33 @@ def test_random_weight_engine_refuses_what_it_cannot_do():
 def test_bench_engine_with_random_weights(where, monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(GPT_OSS_SHAPES, "tiny", {})  # hf_config_dict's tiny defaults
     out = tmp_path / "random.json"
-    rc = main(["bench", "engine", "--random-weights", "tiny", "--device", "cpu", "--max-model-len", "256",
-               "--engine-option", "num_pages=64", "--engine-option", "enforce_eager=True", "--num-prompts", "2",
-               "--input-len", "16", "--output-len", "4", "--ignore-eos", "--no-progress", "--json", str(out), where])
+    rc = main(
+        [
+            "bench",
+            "engine",
+            "--random-weights",
+            "tiny",
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "256",
+            "--engine-option",
+            "num_pages=64",
+            "--engine-option",
+            "enforce_eager=True",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--ignore-eos",
+            "--no-progress",
+            "--json",
+            str(out),
+            where,
+        ]
+    )
     assert rc == 0, capsys.readouterr()
     assert ("in an engine process" in capsys.readouterr().err) == (where == "--engine-process")
     report = json.loads(out.read_text())["engine"]
@@ -65,12 +89,25 @@ def test_bench_engine_with_random_weights(where, monkeypatch, tmp_path, capsys):
 def test_bench_http_workloads_engine_and_http_side_by_side(monkeypatch):
     bench_http = load_benchmark("bench_http")
     monkeypatch.setitem(GPT_OSS_SHAPES, "tiny", {})
-    monkeypatch.setattr(bench_http, "WORKLOADS", {"ttft": (24, 1, 1, 0.0), "c1": (24, 6, 1, 0.0), "c64": (24, 6, 3, 0.0)})
+    monkeypatch.setattr(
+        bench_http, "WORKLOADS", {"ttft": (24, 1, 1, 0.0), "c1": (24, 6, 1, 0.0), "c64": (24, 6, 3, 0.0)}
+    )
     parser = argparse.ArgumentParser()
     bench_engine.add_arguments(parser)
-    base = parser.parse_args(["--random-weights", "tiny", "--device", "cpu", "--ignore-eos", "--no-progress",
-                              "--max-model-len", "256", "--engine-option=num_pages=128",
-                              "--engine-option=enforce_eager=True"])
+    base = parser.parse_args(
+        [
+            "--random-weights",
+            "tiny",
+            "--device",
+            "cpu",
+            "--ignore-eos",
+            "--no-progress",
+            "--max-model-len",
+            "256",
+            "--engine-option=num_pages=128",
+            "--engine-option=enforce_eager=True",
+        ]
+    )
     runs = {name: bench_http.workload_args(base, name, 3) for name in ("ttft", "c1", "c64")}
     assert (runs["c64"].input_len, runs["c64"].output_len, runs["c64"].max_concurrency) == (24, 6, 3)
     report = asyncio.run(bench_http.measure(bench_engine.build_engine(base), runs, rounds=2))

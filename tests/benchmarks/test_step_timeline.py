@@ -23,9 +23,13 @@ def chrome_trace(events):
 # Two steps of: graph kernels a, b (0.5 µs apart), then a copy and a small kernel outside the graph
 # after longer gaps. Listed out of order: the parser sorts by start.
 EVENTS = [
-    ("kernel", "a", 0.0, 10.0), ("kernel", "b", 10.5, 20.0), ("gpu_memcpy", "Memcpy DtoH", 35.5, 2.0),
+    ("kernel", "a", 0.0, 10.0),
+    ("kernel", "b", 10.5, 20.0),
+    ("gpu_memcpy", "Memcpy DtoH", 35.5, 2.0),
     ("kernel", "fill", 41.5, 1.0),
-    ("kernel", "a", 50.0, 10.0), ("kernel", "b", 60.5, 20.0), ("gpu_memcpy", "Memcpy DtoH", 85.5, 2.0),
+    ("kernel", "a", 50.0, 10.0),
+    ("kernel", "b", 60.5, 20.0),
+    ("gpu_memcpy", "Memcpy DtoH", 85.5, 2.0),
     ("kernel", "fill", 91.5, 1.0),
 ]
 
@@ -46,8 +50,7 @@ def test_timeline_per_step_figures():
     assert t.span_us == pytest.approx(92.5 / 2)
     # Gaps: 0.5, 5.0, 4.0, then 7.5 into step 2, then 0.5, 5.0, 4.0.
     assert t.gap_us == pytest.approx((0.5 + 5.0 + 4.0 + 7.5 + 0.5 + 5.0 + 4.0) / 2)
-    assert t.long_gaps == [(5.0, 5.0, "b", "Memcpy DtoH"), (4.0, 4.0, "Memcpy DtoH", "fill"),
-                           (3.75, 7.5, "fill", "a")]
+    assert t.long_gaps == [(5.0, 5.0, "b", "Memcpy DtoH"), (4.0, 4.0, "Memcpy DtoH", "fill"), (3.75, 7.5, "fill", "a")]
     assert t.kernels[0] == ("b", 20.0, 1.0) and t.kernels[1] == ("a", 10.0, 1.0)
     text = step_timeline.format_timeline(t, "title")
     assert text.startswith("title\n") and "| 5.0 | 5.0 | b | Memcpy DtoH |" in text and "| b | 20.0 | 1.0 |" in text
@@ -66,8 +69,12 @@ def test_timeline_cuts_long_names_and_rejects_empty_input():
 def test_overlapping_activities_count_once_and_leave_no_false_gaps():
     """A copy on the copy engine beside a kernel, and a dependent kernel launched before the
     previous one ends: busy is the time anything runs, gaps are times nothing does."""
-    acts = [step_timeline.Activity("long", 0.0, 100.0), step_timeline.Activity("copy", 10.0, 5.0),
-            step_timeline.Activity("dependent", 90.0, 30.0), step_timeline.Activity("next", 126.0, 4.0)]
+    acts = [
+        step_timeline.Activity("long", 0.0, 100.0),
+        step_timeline.Activity("copy", 10.0, 5.0),
+        step_timeline.Activity("dependent", 90.0, 30.0),
+        step_timeline.Activity("next", 126.0, 4.0),
+    ]
     t = step_timeline.timeline(acts, steps=1, long_gap=3.0)
     assert t.span_us == pytest.approx(130.0)
     assert t.busy_us == pytest.approx(124.0)  # [0, 120) and [126, 130)

@@ -13,8 +13,10 @@ from tests.examples.test_examples import run_example
 agents = pytest.importorskip("agents")
 
 THINKING = "The user wants the weather; call get_weather."
-CALL = (f"<|channel|>analysis<|message|>{THINKING}<|end|><|start|>assistant<|channel|>commentary "
-        "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+CALL = (
+    f"<|channel|>analysis<|message|>{THINKING}<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+)
 ANSWER = "<|channel|>final<|message|>It is 21°C and clear in Paris.<|return|>"
 
 
@@ -49,11 +51,14 @@ async def test_a_stateless_function_tool_loop(tool_server, stream):
     assert reasoning.encrypted_content and THINKING not in reasoning.encrypted_content
     prompt = harmony_encoding().decode(second.request.prompt_token_ids)
     assert f"<|channel|>analysis<|message|>{THINKING}<|end|>" in prompt
-    assert prompt.endswith("<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
-                           "It is 21°C and clear in Paris.<|end|><|start|>assistant")
-    assert second.request.prompt_token_ids[:len(first.request.prompt_token_ids)] == first.request.prompt_token_ids
-    assert not any(record for record in [await tool_server.state.store.get(r.response_id)
-                                         for r in result.raw_responses])  # store=False: nothing kept
+    assert prompt.endswith(
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+        "It is 21°C and clear in Paris.<|end|><|start|>assistant"
+    )
+    assert second.request.prompt_token_ids[: len(first.request.prompt_token_ids)] == first.request.prompt_token_ids
+    assert not any(
+        record for record in [await tool_server.state.store.get(r.response_id) for r in result.raw_responses]
+    )  # store=False: nothing kept
 
 
 @pytest.mark.parametrize("flag", [[], ["--stream"]], ids=["plain", "streamed"])

@@ -22,16 +22,20 @@ from tests.conftest import MODEL
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "codex" / "config.toml"
 MARKER = "codex-ran-this-7f3a"
-CALL = ("<|channel|>analysis<|message|>I will run the command.<|end|><|start|>assistant<|channel|>commentary "
-        f"to=functions.exec_command <|constrain|>json<|message|>{{\"cmd\": \"echo {MARKER}\"}}<|call|>")
+CALL = (
+    "<|channel|>analysis<|message|>I will run the command.<|end|><|start|>assistant<|channel|>commentary "
+    f'to=functions.exec_command <|constrain|>json<|message|>{{"cmd": "echo {MARKER}"}}<|call|>'
+)
 ANSWER = f"<|channel|>final<|message|>The command printed {MARKER}.<|return|>"
 FOLLOW_UP = "<|channel|>final<|message|>Nothing else to run.<|return|>"
 
 
 def codex_binary() -> str:
-    found = os.environ.get("OSS_AGENT_CODEX") or next(
-        (str(p) for p in [ROOT / "build" / "codex" / "node_modules" / ".bin" / "codex"] if p.exists()), None
-    ) or shutil.which("codex")
+    found = (
+        os.environ.get("OSS_AGENT_CODEX")
+        or next((str(p) for p in [ROOT / "build" / "codex" / "node_modules" / ".bin" / "codex"] if p.exists()), None)
+        or shutil.which("codex")
+    )
     if found is None:
         message = "the Codex CLI is not installed (.ci/run installs it into build/codex)"
         if os.environ.get("CI"):
@@ -54,11 +58,16 @@ def codex_home(tmp_path: Path, server_url: str) -> Path:
 
 def codex(binary: str, home: Path, workdir: Path, *args: str) -> tuple[str, str]:
     """(the final answer Codex prints on stdout, its log of the turn on stderr)"""
-    env = {**os.environ, "CODEX_HOME": str(home), "HOME": str(home), "OSS_AGENT_API_KEY": "unused",
-           "NO_COLOR": "1"}
-    done = subprocess.run([binary, "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access", *args],
-                          cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=300)
+    env = {**os.environ, "CODEX_HOME": str(home), "HOME": str(home), "OSS_AGENT_API_KEY": "unused", "NO_COLOR": "1"}
+    done = subprocess.run(
+        [binary, "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access", *args],
+        cwd=workdir,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.strip(), done.stderr
 
@@ -76,8 +85,11 @@ def test_codex_runs_a_shell_call_and_a_follow_up_turn(fake_server, tmp_path):
     after_call = decode(engine.calls[1].request.prompt_token_ids)
     # Codex ran the command and sent its output back; the model saw its own reasoning again.
     assert "<|channel|>analysis<|message|>I will run the command.<|end|>" in after_call
-    assert re.search(rf"<\|start\|>functions\.exec_command to=assistant<\|channel\|>commentary<\|message\|>"
-                     rf"[^<]*{MARKER}", after_call)
+    assert re.search(
+        rf"<\|start\|>functions\.exec_command to=assistant<\|channel\|>commentary<\|message\|>"
+        rf"[^<]*{MARKER}",
+        after_call,
+    )
     assert "namespace multi_agent_v1 {" in after_call  # Codex's own tool namespace
 
     engine.say(FOLLOW_UP)
@@ -99,8 +111,9 @@ def test_codex_over_a_websocket(fake_server, tmp_path, monkeypatch):
     home, workdir = codex_home(tmp_path, fake_server.url), tmp_path / "work"
     workdir.mkdir()
     config = home / "config.toml"
-    config.write_text(config.read_text().replace('wire_api = "responses"',
-                                                 'wire_api = "responses"\nsupports_websockets = true'))
+    config.write_text(
+        config.read_text().replace('wire_api = "responses"', 'wire_api = "responses"\nsupports_websockets = true')
+    )
     created = []
     original = ResponsesSocket.create
 

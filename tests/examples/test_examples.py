@@ -14,15 +14,16 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def run_example(server, name: str, *args: str) -> str:
     env = {**os.environ, "OSS_AGENT_BASE_URL": f"{server.url}/v1", "OSS_AGENT_MODEL": MODEL}
-    done = subprocess.run([sys.executable, str(EXAMPLES / name), *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 def test_web_search_agent(fake_server):
     fake_server.engine.say(
-        "<|channel|>analysis to=browser.search <|constrain|>json<|message|>{\"query\": \"gpt-oss\"}<|call|>",
+        '<|channel|>analysis to=browser.search <|constrain|>json<|message|>{"query": "gpt-oss"}<|call|>',
         "<|channel|>final<|message|>It is an open-weight model 【0†L1-L3】.<|return|>",
     )
     out = run_example(fake_server, "web_search_agent.py", "What is gpt-oss?")
@@ -34,15 +35,17 @@ def test_web_search_agent(fake_server):
 
 
 def test_streaming_chat(fake_server):
-    fake_server.engine.say("<|channel|>analysis<|message|>Rayleigh.<|end|><|start|>assistant<|channel|>final"
-                           "<|message|>Scattering of sunlight.<|return|>")
+    fake_server.engine.say(
+        "<|channel|>analysis<|message|>Rayleigh.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Scattering of sunlight.<|return|>"
+    )
     out = run_example(fake_server, "streaming_chat.py", "Why is the sky blue?")
     assert "Rayleigh." in out and "Scattering of sunlight." in out and "tokens]" in out
 
 
 def test_function_calling(fake_server):
     fake_server.engine.say(
-        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>",
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
         "<|channel|>final<|message|>It is 21°C and clear in Paris.<|return|>",
     )
     out = run_example(fake_server, "function_calling.py")

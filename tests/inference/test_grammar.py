@@ -13,8 +13,12 @@ from inference.request import SamplingParams
 from inference.tokenizer import CALL, CHANNEL, MESSAGE, RETURN, encode_text
 
 VOCAB = 201088
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
-          "required": ["n", "tag"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+    "required": ["n", "tag"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +112,15 @@ def test_each_grammar_compiles_once_and_requests_do_not_share_a_position(compile
     assert encode_text("x")[0] in allowed(b)
 
 
-@pytest.mark.parametrize("grammar, message", [
-    (Grammar("regex", "[a-"), "unclosed character class"),
-    (Grammar("lark", "start: foo"), "unknown name"),
-    (Grammar("json_schema", json.dumps({"type": "strin"})), "Invalid type"),
-    (Grammar("json_schema", "{not json"), "not JSON"),
-])
+@pytest.mark.parametrize(
+    "grammar, message",
+    [
+        (Grammar("regex", "[a-"), "unclosed character class"),
+        (Grammar("lark", "start: foo"), "unknown name"),
+        (Grammar("json_schema", json.dumps({"type": "strin"})), "Invalid type"),
+        (Grammar("json_schema", "{not json"), "not JSON"),
+    ],
+)
 def test_a_bad_grammar_is_a_value_error_that_says_why(grammar, message):
     with pytest.raises(ValueError, match=message):
         check_grammar(grammar)

@@ -89,8 +89,7 @@ async def test_list_and_call_tools(mcp_port):
         assert (server.kind, server.name) == ("mcp", "Unit_Conversions")
         listed = {t["name"]: t for t in server.listed_tools()}
         assert set(listed) == {"celsius_to_fahrenheit", "describe", "fail", "wait"}
-        assert listed["celsius_to_fahrenheit"]["description"] == \
-            "Convert a temperature from Celsius to Fahrenheit."
+        assert listed["celsius_to_fahrenheit"]["description"] == "Convert a temperature from Celsius to Fahrenheit."
         assert listed["describe"]["input_schema"]["required"] == ["items"]
         assert listed["describe"]["input_schema"]["properties"]["items"]["type"] == "array"
 
@@ -98,16 +97,24 @@ async def test_list_and_call_tools(mcp_port):
         namespace = server.harmony_namespace()
         system = SystemContent.new().with_tools(namespace)
         encoding = harmony_encoding()
-        rendered = encoding.decode_utf8(encoding.render_conversation(
-            Conversation.from_messages([Message.from_role_and_content(Role.SYSTEM, system)])))
+        rendered = encoding.decode_utf8(
+            encoding.render_conversation(
+                Conversation.from_messages([Message.from_role_and_content(Role.SYSTEM, system)])
+            )
+        )
         assert "## Unit_Conversions\n\n// Convert between units.\nnamespace Unit_Conversions {" in rendered
         assert "type celsius_to_fahrenheit = (_: {\ncelsius: number,\n}) => any;" in rendered
 
         session = server.open_session()
         result = await session.call("Unit_Conversions.celsius_to_fahrenheit", '{"celsius": 100}')
         assert (result.text, result.is_error) == ("212.0", False)
-        assert result.details == {"server_label": "Unit_Conversions", "name": "celsius_to_fahrenheit",
-                                  "arguments": '{"celsius": 100}', "output": "212.0", "error": None}
+        assert result.details == {
+            "server_label": "Unit_Conversions",
+            "name": "celsius_to_fahrenheit",
+            "arguments": '{"celsius": 100}',
+            "output": "212.0",
+            "error": None,
+        }
         result = await session.call("Unit_Conversions.describe", '{"items": ["a", "b"], "upper": true}')
         assert json.loads(result.text) == {"count": 2, "joined": "A, B"}
 
@@ -126,16 +133,18 @@ async def test_list_and_call_tools(mcp_port):
 
 
 async def test_slow_tool_times_out_and_calls_run_from_other_tasks(mcp_port):
-    server = await McpToolServer.start(f"http://127.0.0.1:{mcp_port}/mcp", label="units",
-                                       timeout=1.0)
+    server = await McpToolServer.start(f"http://127.0.0.1:{mcp_port}/mcp", label="units", timeout=1.0)
     try:
         group = ToolSessionGroup([server])
         result = await group.call("units.wait", '{"seconds": 3}')
         assert result.is_error and "did not answer within 1 seconds" in result.text
         # Calls from several tasks at once share the one connection.
-        results = await asyncio.gather(*(
-            asyncio.create_task(group.call("units.celsius_to_fahrenheit", json.dumps({"celsius": c})))
-            for c in (0, 10, 20)))
+        results = await asyncio.gather(
+            *(
+                asyncio.create_task(group.call("units.celsius_to_fahrenheit", json.dumps({"celsius": c})))
+                for c in (0, 10, 20)
+            )
+        )
         assert [r.text for r in results] == ["32.0", "50.0", "68.0"]
     finally:
         await server.aclose()
@@ -181,12 +190,15 @@ def test_tool_server_values_are_checked_before_anything_starts():
     check_specs(["demo", "browser,python"])
     with pytest.raises(ToolServerError) as bogus:
         check_specs(["demo", "bogus"])
-    assert str(bogus.value) == ("expected demo, browser, python, host:port, an http(s):// URL, or label=<host:port "
-                                "or URL> for a tool server, got 'bogus'")
+    assert str(bogus.value) == (
+        "expected demo, browser, python, host:port, an http(s):// URL, or label=<host:port "
+        "or URL> for a tool server, got 'bogus'"
+    )
     with pytest.raises(ToolServerError) as closed:
         check_specs([f"weather=127.0.0.1:{port}"])
-    assert str(closed.value).startswith(f"cannot reach the MCP server 'weather=127.0.0.1:{port}' at "
-                                        f"http://127.0.0.1:{port}/mcp: ")
+    assert str(closed.value).startswith(
+        f"cannot reach the MCP server 'weather=127.0.0.1:{port}' at http://127.0.0.1:{port}/mcp: "
+    )
 
 
 async def test_demo_and_mcp_together(mcp_port, monkeypatch):
@@ -194,7 +206,10 @@ async def test_demo_and_mcp_together(mcp_port, monkeypatch):
     servers = await start_tool_servers([f"demo,browser=127.0.0.1:{mcp_port}"], mcp_timeout=5)
     try:
         assert [(s.kind, s.name) for s in servers] == [
-            ("browser", "browser"), ("python", "python"), ("mcp", "browser_2")]
+            ("browser", "browser"),
+            ("python", "python"),
+            ("mcp", "browser_2"),
+        ]
         group = ToolSessionGroup(servers)
         assert (await group.call("python", "6 * 7")).text == "42"
         assert (await group.call("browser_2.celsius_to_fahrenheit", '{"celsius": -40}')).text == "-40.0"

@@ -91,9 +91,10 @@ class CitationStreamer:
                     if chunk.citations and chunk.text.startswith(" ") and (self.held or self.after_space):
                         # The resolver saw the mark alone, so it put a space before the link;
                         # the text before it already ends in one.
-                        chunk = CitedChunk(chunk.text[1:], [
-                            Citation(c.url, c.title, c.start_index - 1, c.end_index - 1)
-                            for c in chunk.citations])
+                        chunk = CitedChunk(
+                            chunk.text[1:],
+                            [Citation(c.url, c.title, c.start_index - 1, c.end_index - 1) for c in chunk.citations],
+                        )
                     if self.held:
                         chunks.append(CitedChunk(self._release_held()))
                     if chunk.citations:

@@ -121,9 +121,15 @@ def resolve_citations(text: str, pages: Sequence[Page]) -> tuple[str, list[dict]
         if (length and not last_char.isspace()) or match.start() == 0:
             emit(" ")
         link = f"([{domain_of(source.url) or source.title}]({source.url}))"
-        annotations.append({"type": "url_citation", "start_index": length,
-                            "end_index": length + len(link), "url": source.url,
-                            "title": source.title})
+        annotations.append(
+            {
+                "type": "url_citation",
+                "start_index": length,
+                "end_index": length + len(link),
+                "url": source.url,
+                "title": source.title,
+            }
+        )
         emit(link)
         previous = (source, length)
     emit(text[last_end:])

@@ -34,8 +34,7 @@ def looks_like_html(text: str) -> bool:
 def page_from_html(html: str, url: str, title: str | None = None) -> Page:
     converted = html_to_text(html, base_url=url)
     title = title or converted.title or domain_of(url) or url
-    return Page(url=url, title=title, text=_with_url_line(url, converted.text),
-                links=converted.links)
+    return Page(url=url, title=title, text=_with_url_line(url, converted.text), links=converted.links)
 
 
 def page_from_markdown(markdown: str, url: str, title: str | None = None) -> Page:
@@ -102,5 +101,10 @@ def search_results_page(query: str, hits: list[SearchHit]) -> Page:
         snippet = " ".join(clean_text(hit.snippet).split())
         items.append(f"  * {marker} {snippet}".rstrip())
     body = "# Search Results\n\n" + ("\n".join(items) if items else f"No results for `{query}`.")
-    return Page(url="", title=query, text=_with_url_line("", body), kind="search",
-                links={i: hit.url for i, hit in enumerate(hits)})
+    return Page(
+        url="",
+        title=query,
+        text=_with_url_line("", body),
+        kind="search",
+        links={i: hit.url for i, hit in enumerate(hits)},
+    )

@@ -27,8 +27,15 @@ MAX_ERROR_CHARS = 300
 class ExaBackend:
     source_name = "web"
 
-    def __init__(self, api_key: str, *, base_url: str = EXA_API_URL, timeout: float = 20.0,
-                 retry: RetryPolicy | None = None, max_page_chars: int = 200_000):
+    def __init__(
+        self,
+        api_key: str,
+        *,
+        base_url: str = EXA_API_URL,
+        timeout: float = 20.0,
+        retry: RetryPolicy | None = None,
+        max_page_chars: int = 200_000,
+    ):
         self.client = AsyncExa(api_key=api_key, api_base=base_url, timeout=timeout)
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
@@ -68,7 +75,8 @@ class ExaBackend:
         response = await self._call(
             f"Exa contents {url!r}",
             lambda: self.client.get_contents(
-                [url], text={"include_html_tags": True, "max_characters": self.max_page_chars}),
+                [url], text={"include_html_tags": True, "max_characters": self.max_page_chars}
+            ),
         )
         if not response.results:
             raise BackendError(f"no contents returned for {url}")

@@ -15,13 +15,30 @@ from urllib.parse import urljoin, urlparse
 
 from tools.browser.page import clean_text, domain_of, link_marker
 
-INVISIBLE = {"script", "style", "noscript", "template", "svg", "math", "iframe", "object",
-             "select", "button"}
-PARAGRAPHS = {"p", "pre", "blockquote", "table", "ul", "ol", "dl", "figure", "hr", "section",
-              "article", "header", "footer", "main", "nav", "aside", "form", "fieldset",
-              "address", "details"}
-LINES = {"div", "tr", "li", "dt", "dd", "caption", "figcaption", "summary", "br", "thead",
-         "tbody", "tfoot"}
+INVISIBLE = {"script", "style", "noscript", "template", "svg", "math", "iframe", "object", "select", "button"}
+PARAGRAPHS = {
+    "p",
+    "pre",
+    "blockquote",
+    "table",
+    "ul",
+    "ol",
+    "dl",
+    "figure",
+    "hr",
+    "section",
+    "article",
+    "header",
+    "footer",
+    "main",
+    "nav",
+    "aside",
+    "form",
+    "fieldset",
+    "address",
+    "details",
+}
+LINES = {"div", "tr", "li", "dt", "dd", "caption", "figcaption", "summary", "br", "thead", "tbody", "tfoot"}
 HEADINGS = {"h1": 1, "h2": 2, "h3": 3, "h4": 4, "h5": 5, "h6": 6}
 UNLINKABLE = ("#", "javascript:", "mailto:", "tel:", "data:")
 WHITESPACE = re.compile(r"\s+")

@@ -36,16 +36,25 @@ from tools.browser.page import Page, strip_links
 
 logger = logging.getLogger(__name__)
 
-KINDS = {".txt": "text", ".text": "text", ".rst": "text", ".md": "markdown",
-         ".markdown": "markdown", ".html": "html", ".htm": "html"}
+KINDS = {
+    ".txt": "text",
+    ".text": "text",
+    ".rst": "text",
+    ".md": "markdown",
+    ".markdown": "markdown",
+    ".html": "html",
+    ".htm": "html",
+}
 WORD = re.compile(r"\w+", re.UNICODE)
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
 SECTION_CHARS = 3000
-STOP_WORDS = frozenset("""
+STOP_WORDS = frozenset(
+    """
 a about an and are as at be by can could did do does for from had has have how i if in into is it its
 me my no not of on or our should so than that the their them then there these they this those to
 was we were what when where which who whom why will with would you your
-""".split())
+""".split()
+)
 SCHEMA = """
 CREATE TABLE documents (id INTEGER PRIMARY KEY, url TEXT UNIQUE, path TEXT, kind TEXT, title TEXT);
 CREATE VIRTUAL TABLE passages USING fts5(title, body, document UNINDEXED, tokenize = 'porter unicode61');
@@ -86,8 +95,14 @@ class _Document:
 class LocalSearchBackend:
     source_name = "local"
 
-    def __init__(self, folder: str | os.PathLike, *, base_url: str | None = None,
-                 max_file_bytes: int = 5 << 20, trusted_links: bool = False):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        base_url: str | None = None,
+        max_file_bytes: int = 5 << 20,
+        trusted_links: bool = False,
+    ):
         """`trusted_links`: the folder is one this project ships (the demo corpus), whose own
         symlinks may lead out of it (to the repository's docs): their targets are served too.
         A user's folder never gets this."""
@@ -96,8 +111,9 @@ class LocalSearchBackend:
             raise ValueError(f"search folder {self.folder} is not a directory")
         self.linked_files: set[Path] = set()
         if trusted_links:
-            self.linked_files = {entry.resolve() for entry in self.folder.iterdir()
-                                 if entry.is_symlink() and entry.resolve().is_file()}
+            self.linked_files = {
+                entry.resolve() for entry in self.folder.iterdir() if entry.is_symlink() and entry.resolve().is_file()
+            }
         self.base_url = base_url.rstrip("/") + "/" if base_url else None
         self.max_file_bytes = max_file_bytes
         self.db = sqlite3.connect(":memory:", check_same_thread=False)
@@ -129,17 +145,17 @@ class LocalSearchBackend:
                 continue
             document = _Document(self.url_for(path), path, KINDS[path.suffix.lower()], "")
             page = self._page(document, raw)
-            rows.append((document.url, str(path), document.kind, page.title,
-                         sections(strip_links(page.text))))
+            rows.append((document.url, str(path), document.kind, page.title, sections(strip_links(page.text))))
         with self.lock:
             self.db.execute("DELETE FROM documents")
             self.db.execute("DELETE FROM passages")
             for i, (url, path, kind, title, parts) in enumerate(rows, start=1):
-                self.db.execute("INSERT INTO documents VALUES (?, ?, ?, ?, ?)",
-                                (i, url, path, kind, title))
+                self.db.execute("INSERT INTO documents VALUES (?, ?, ?, ?, ?)", (i, url, path, kind, title))
                 for heading, body in parts:  # (a section's heading counts as part of its title)
-                    self.db.execute("INSERT INTO passages (title, body, document) VALUES (?, ?, ?)",
-                                    (f"{title} {heading}" if heading and heading != title else title, body, i))
+                    self.db.execute(
+                        "INSERT INTO passages (title, body, document) VALUES (?, ?, ?)",
+                        (f"{title} {heading}" if heading and heading != title else title, body, i),
+                    )
             self.db.commit()
             self.document_count = len(rows)
         logger.info("indexed %d documents under %s", len(rows), self.folder)
@@ -164,8 +180,11 @@ class LocalSearchBackend:
             info = resolved.stat()
         except (OSError, ValueError, RuntimeError):  # (RuntimeError: a symlink loop)
             return None
-        if (not self._inside(resolved) or not stat.S_ISREG(info.st_mode)
-                or any(part.startswith(".") for part in relative.parts)):
+        if (
+            not self._inside(resolved)
+            or not stat.S_ISREG(info.st_mode)
+            or any(part.startswith(".") for part in relative.parts)
+        ):
             return None
         return resolved
 
@@ -208,8 +227,9 @@ class LocalSearchBackend:
 
     def _lookup(self, url: str) -> _Document | None:
         with self.lock:
-            row = self.db.execute("SELECT url, path, kind, title FROM documents WHERE url = ?",
-                                  (url.split("#")[0],)).fetchone()
+            row = self.db.execute(
+                "SELECT url, path, kind, title FROM documents WHERE url = ?", (url.split("#")[0],)
+            ).fetchone()
         if row is not None:
             return _Document(row[0], Path(row[1]), row[2], row[3])
         # A file under the folder added after indexing.
@@ -259,16 +279,19 @@ class LocalSearchBackend:
         else:
             page = self._page(document, raw)
         if size is not None:
-            page.text += (f"\n\n[The file is {size / 1e6:.1f} MB; only its first "
-                          f"{self.max_file_bytes / 1e6:.1f} MB are shown.]")
+            page.text += (
+                f"\n\n[The file is {size / 1e6:.1f} MB; only its first {self.max_file_bytes / 1e6:.1f} MB are shown.]"
+            )
         page.lines  # noqa: B018 - wrapped here, off the event loop
         return page
 
     async def fetch(self, url: str, *, view_source: bool = False) -> Page:
         document = self._lookup(url)
         if document is None:
-            raise BackendError(f"`{url}` is not one of the local documents (this browser has no "
-                               f"internet access; use search to find documents)")
+            raise BackendError(
+                f"`{url}` is not one of the local documents (this browser has no "
+                f"internet access; use search to find documents)"
+            )
         try:
             return await asyncio.to_thread(self._load, document, view_source)
         except OSError as e:

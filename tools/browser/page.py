@@ -125,8 +125,7 @@ def strip_links(text: str) -> str:
     return LINK_MARKER.sub(lambda m: m.group(2) + "\n" * (m.group(0).count("\n") - m.group(2).count("\n")), text)
 
 
-def window_end(lines: list[str], loc: int, num_lines: int, view_tokens: int,
-               count_tokens: Callable[[str], int]) -> int:
+def window_end(lines: list[str], loc: int, num_lines: int, view_tokens: int, count_tokens: Callable[[str], int]) -> int:
     """One past the last line to show from `loc`: `num_lines` lines if given (> 0), else as
     many numbered lines as fit in `view_tokens` tokens (the line that crosses counts)."""
     total = len(lines)
@@ -140,14 +139,14 @@ def window_end(lines: list[str], loc: int, num_lines: int, view_tokens: int,
     return total
 
 
-def render_window(page: Page, cursor: int, loc: int, num_lines: int, view_tokens: int,
-                  count_tokens: Callable[[str], int]) -> str:
+def render_window(
+    page: Page, cursor: int, loc: int, num_lines: int, view_tokens: int, count_tokens: Callable[[str], int]
+) -> str:
     """The tool message for showing `page` at `loc`: header, scrollbar, numbered lines."""
     lines = page.lines
     total = len(lines)
     if loc >= total or loc < 0:
-        raise ToolUsageError(f"Invalid location parameter: `{loc}`. "
-                             f"Cannot exceed page maximum of {total - 1}.")
+        raise ToolUsageError(f"Invalid location parameter: `{loc}`. Cannot exceed page maximum of {total - 1}.")
     end = window_end(lines, loc, num_lines, view_tokens, count_tokens)
     body = "\n".join(f"L{i}: {lines[i]}" for i in range(loc, end))
     header = page.title

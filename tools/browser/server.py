@@ -21,16 +21,20 @@ class BrowserToolServer:
     name = "browser"
     kind = "browser"
 
-    def __init__(self, backend: SearchBackend, *, view_tokens: int = 1024,
-                 max_search_results: int = 20):
+    def __init__(self, backend: SearchBackend, *, view_tokens: int = 1024, max_search_results: int = 20):
         self.backend = backend
         self.view_tokens = view_tokens
         self.max_search_results = max_search_results
 
     @classmethod
-    async def start(cls, *, search_dir: str | os.PathLike | None = None,
-                    exa_api_key: str | None = None, exa_base_url: str | None = None,
-                    **options) -> BrowserToolServer:
+    async def start(
+        cls,
+        *,
+        search_dir: str | os.PathLike | None = None,
+        exa_api_key: str | None = None,
+        exa_base_url: str | None = None,
+        **options,
+    ) -> BrowserToolServer:
         """Local search over `search_dir` if given, else Exa if a key is given, else the bundled
         demo documents."""
         from tools.browser.local_backend import LocalSearchBackend
@@ -38,8 +42,7 @@ class BrowserToolServer:
         backend: SearchBackend
         if search_dir is not None:
             backend = await LocalSearchBackend.open(search_dir)
-            logger.info("browser: searching the %d documents under %s",
-                        backend.document_count, backend.folder)
+            logger.info("browser: searching the %d documents under %s", backend.document_count, backend.folder)
         elif exa_api_key:
             from tools.browser.exa_backend import EXA_API_URL, ExaBackend
 
@@ -47,9 +50,13 @@ class BrowserToolServer:
             logger.info("browser: searching the web through Exa")
         else:
             backend = await LocalSearchBackend.open(DEMO_CORPUS, trusted_links=True)
-            logger.warning("browser: no --search-dir and no EXA_API_KEY; searching only the %d bundled demo "
-                           "documents in %s (this project's README and BENCHMARKS, and three pages about "
-                           "gpt-oss and Harmony)", backend.document_count, DEMO_CORPUS)
+            logger.warning(
+                "browser: no --search-dir and no EXA_API_KEY; searching only the %d bundled demo "
+                "documents in %s (this project's README and BENCHMARKS, and three pages about "
+                "gpt-oss and Harmony)",
+                backend.document_count,
+                DEMO_CORPUS,
+            )
         return cls(backend, **options)
 
     @property
@@ -60,13 +67,11 @@ class BrowserToolServer:
     def harmony_namespace(self) -> ToolNamespaceConfig:
         config = ToolNamespaceConfig.browser()
         source = self.backend.source_name
-        config.description = config.description.replace(
-            TRAINED_SOURCES, f"sources={source} (default: {source})")
+        config.description = config.description.replace(TRAINED_SOURCES, f"sources={source} (default: {source})")
         return config
 
     def open_session(self) -> BrowserSession:
-        return BrowserSession(self.backend, view_tokens=self.view_tokens,
-                              max_search_results=self.max_search_results)
+        return BrowserSession(self.backend, view_tokens=self.view_tokens, max_search_results=self.max_search_results)
 
     async def aclose(self) -> None:
         await self.backend.aclose()

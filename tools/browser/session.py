@@ -14,19 +14,18 @@ import logging
 import re
 from typing import Any, Callable
 
-from tools.protocol import ToolResult
 from tools.browser import citations
 from tools.browser.backend import BackendError, SearchBackend
 from tools.browser.documents import search_results_page
 from tools.browser.page import Page, ToolUsageError, find_in_page, render_window
+from tools.protocol import ToolResult
 
 logger = logging.getLogger(__name__)
 
 # Parameters of each function, with their defaults; "source" is accepted and ignored (one backend).
 FUNCTIONS: dict[str, dict[str, Any]] = {
     "search": {"query": None, "topn": 10, "source": None},
-    "open": {"id": -1, "cursor": -1, "loc": -1, "num_lines": -1, "view_source": False,
-             "source": None},
+    "open": {"id": -1, "cursor": -1, "loc": -1, "num_lines": -1, "view_source": False, "source": None},
     "find": {"pattern": None, "cursor": -1},
 }
 INT_PARAMETERS = {"topn", "cursor", "loc", "num_lines"}
@@ -69,8 +68,10 @@ def parse_arguments(function: str, arguments: str) -> dict[str, Any]:
     parameters = FUNCTIONS[function]
     unknown = sorted(set(given) - set(parameters))
     if unknown:
-        raise ToolUsageError(f"Unknown argument(s) for browser.{function}: {', '.join(unknown)}. "
-                             f"Valid arguments: {', '.join(parameters)}.")
+        raise ToolUsageError(
+            f"Unknown argument(s) for browser.{function}: {', '.join(unknown)}. "
+            f"Valid arguments: {', '.join(parameters)}."
+        )
     args = {**parameters, **given}
     for name, default in parameters.items():
         if default is None and name != "source" and args[name] is None:
@@ -93,9 +94,14 @@ def parse_arguments(function: str, arguments: str) -> dict[str, Any]:
 
 
 class BrowserSession:
-    def __init__(self, backend: SearchBackend, *, view_tokens: int = 1024,
-                 max_search_results: int = 20,
-                 count_tokens: Callable[[str], int] | None = None):
+    def __init__(
+        self,
+        backend: SearchBackend,
+        *,
+        view_tokens: int = 1024,
+        max_search_results: int = 20,
+        count_tokens: Callable[[str], int] | None = None,
+    ):
         self.backend = backend
         self.view_tokens = view_tokens
         self.max_search_results = max_search_results
@@ -108,9 +114,11 @@ class BrowserSession:
     async def call(self, recipient: str, arguments: str) -> ToolResult:
         namespace, _, function = recipient.partition(".")
         if namespace != "browser" or function not in FUNCTIONS:
-            return ToolResult(f"Unknown function: {recipient}. The browser has "
-                              f"browser.search, browser.open and browser.find.", is_error=True,
-                              details={"action": function})
+            return ToolResult(
+                f"Unknown function: {recipient}. The browser has browser.search, browser.open and browser.find.",
+                is_error=True,
+                details={"action": function},
+            )
         details: dict[str, Any] = {"action": function}
         try:
             args = parse_arguments(function, arguments)
@@ -121,8 +129,7 @@ class BrowserSession:
             return ToolResult(str(e), is_error=True, details=details)
         except Exception as e:  # noqa: BLE001 - a tool bug must not end the response
             logger.exception("browser.%s failed", function)
-            return ToolResult(f"Error in browser.{function}: {type(e).__name__}: {e}",
-                              is_error=True, details=details)
+            return ToolResult(f"Error in browser.{function}: {type(e).__name__}: {e}", is_error=True, details=details)
 
     def resolve_citations(self, text: str) -> tuple[str, list[dict]]:
         return citations.resolve_citations(text, self.pages)
@@ -142,8 +149,9 @@ class BrowserSession:
         details["sources"] = [{"url": hit.url, "title": hit.title} for hit in hits]
         return self._show(search_results_page(query, hits), loc=0, num_lines=-1, details=details)
 
-    async def open(self, id: int | str, cursor: int, loc: int, num_lines: int, view_source: bool,
-                   source: str | None, details: dict) -> str:
+    async def open(
+        self, id: int | str, cursor: int, loc: int, num_lines: int, view_source: bool, source: str | None, details: dict
+    ) -> str:
         target_line = None
         if isinstance(id, str):
             url, current = id, None
@@ -186,8 +194,9 @@ class BrowserSession:
         if cursor == -1:
             return self.pages[-1]
         if not 0 <= cursor < len(self.pages):
-            raise ToolUsageError(f"Cursor `{cursor}` is out of range. "
-                                 f"Available cursor indices: [0 - {len(self.pages) - 1}].")
+            raise ToolUsageError(
+                f"Cursor `{cursor}` is out of range. Available cursor indices: [0 - {len(self.pages) - 1}]."
+            )
         return self.pages[cursor]
 
     async def _fetch(self, url: str, view_source: bool = False) -> Page:
@@ -205,8 +214,7 @@ class BrowserSession:
         self.pages.append(page)
         cursor = len(self.pages) - 1
         try:
-            text = render_window(page, cursor, loc, num_lines, self.view_tokens,
-                                 self.count_tokens)
+            text = render_window(page, cursor, loc, num_lines, self.view_tokens, self.count_tokens)
         except ToolUsageError:
             self.pages.pop()
             raise

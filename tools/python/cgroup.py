@@ -51,7 +51,7 @@ def _mount_points() -> list[tuple[str, str, str, set[str]]]:
 
 def _own_group_path(mount_root: str, group: str, mount_point: str) -> str:
     if mount_root != "/" and (group == mount_root or group.startswith(mount_root + "/")):
-        group = group[len(mount_root):]  # (a container sees its own group as the root)
+        group = group[len(mount_root) :]  # (a container sees its own group as the root)
     return os.path.join(mount_point, group.lstrip("/"))
 
 
@@ -173,8 +173,7 @@ class SessionCgroup:
             time.sleep(0.02)
 
 
-def create(server_tag: str, session_tag: str, memory_bytes: int,
-           max_processes: int) -> SessionCgroup | None:
+def create(server_tag: str, session_tag: str, memory_bytes: int, max_processes: int) -> SessionCgroup | None:
     """A group capping memory (swap included) and, on v2, the number of processes; None where
     this server cannot make one."""
     for hierarchy in _hierarchies():

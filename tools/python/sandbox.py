@@ -104,21 +104,25 @@ class IsolationReport:
         if not self.namespaces:
             gaps.append("no Linux namespaces (it can see the server's other processes)")
             if self.user == "the server's user" and not self.cgroup and self.landlock_abi < 6:
-                gaps.append("it runs as the server's user with no cgroup: a process it detaches "
-                            "can outlive its session")
+                gaps.append(
+                    "it runs as the server's user with no cgroup: a process it detaches can outlive its session"
+                )
         if not self.network_blocked:
             gaps.append("network access is not blocked")
         elif not self.namespaces and not self.seccomp:
             gaps.append("only TCP is blocked (Landlock), not UDP")
         if not self.seccomp:
-            gaps.append("no seccomp filter: it can connect to the host's UNIX sockets its uid may "
-                        "write to")
+            gaps.append("no seccomp filter: it can connect to the host's UNIX sockets its uid may write to")
         if not self.landlock_abi:
-            gaps.append("no Landlock: it can read the files its uid may read"
-                        + ("" if self.namespaces else " and write outside its scratch directory"))
+            gaps.append(
+                "no Landlock: it can read the files its uid may read"
+                + ("" if self.namespaces else " and write outside its scratch directory")
+            )
         if not self.cgroup:
-            gaps.append(f"no cgroup: the memory of a session's processes together is checked "
-                        f"every {WATCH_SECONDS:g} s, not capped")
+            gaps.append(
+                f"no cgroup: the memory of a session's processes together is checked "
+                f"every {WATCH_SECONDS:g} s, not capped"
+            )
         return gaps + self.notes
 
 
@@ -222,9 +226,16 @@ class PythonSandbox:
     and again after the worker died (the result's note then says the state was lost).
     """
 
-    def __init__(self, limits: SandboxLimits | None = None, *, scratch_root: str | None = None,
-                 use_namespaces: bool = True, use_landlock: bool = True, use_seccomp: bool = True,
-                 use_cgroup: bool = True):
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        scratch_root: str | None = None,
+        use_namespaces: bool = True,
+        use_landlock: bool = True,
+        use_seccomp: bool = True,
+        use_cgroup: bool = True,
+    ):
         self.limits = limits or SandboxLimits()
         self.area = scratch_area(scratch_root)
         self.use_namespaces = use_namespaces
@@ -288,8 +299,12 @@ class PythonSandbox:
             self.scratch_dir = await asyncio.to_thread(self.area.new_session_dir)
         if self.use_cgroup and self.cgroup is None:
             self.cgroup = await asyncio.to_thread(
-                python_cgroup.create, self.area.server_tag, os.path.basename(self.scratch_dir),
-                self.limits.session_memory_bytes, self.limits.max_processes)
+                python_cgroup.create,
+                self.area.server_tag,
+                os.path.basename(self.scratch_dir),
+                self.limits.session_memory_bytes,
+                self.limits.max_processes,
+            )
             self.use_cgroup = self.cgroup is not None  # (no second try for every restart)
         limits = self.limits
         config = {
@@ -322,10 +337,19 @@ class PythonSandbox:
             # -u: unbuffered stdout, so what a cell printed is in the pipe even if the worker is
             # then killed or crashes, and in order with what its child processes write.
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-u", str(WORKER_SCRIPT), json.dumps(config),
-                stdin=requests_r, stdout=out_w, stderr=err_w, pass_fds=(control_w,),
-                env=sandbox_environment(self.scratch_dir), cwd=self.scratch_dir,
-                start_new_session=True, close_fds=True,
+                sys.executable,
+                "-I",
+                "-u",
+                str(WORKER_SCRIPT),
+                json.dumps(config),
+                stdin=requests_r,
+                stdout=out_w,
+                stderr=err_w,
+                pass_fds=(control_w,),
+                env=sandbox_environment(self.scratch_dir),
+                cwd=self.scratch_dir,
+                start_new_session=True,
+                close_fds=True,
             )
         except BaseException:
             self._close_fds()
@@ -345,8 +369,7 @@ class PythonSandbox:
             detail = self._stderr.text(2000).strip()
             await self._stop_process()
             raise SandboxError(f"the Python sandbox did not start: {detail or 'no output'}")
-        self.report = IsolationReport(**self._ready.result(),
-                                      cgroup=f"v{self.cgroup.version}" if self.cgroup else "")
+        self.report = IsolationReport(**self._ready.result(), cgroup=f"v{self.cgroup.version}" if self.cgroup else "")
         self._stdout.stop()
         self._stderr.stop()
         self._watch = asyncio.create_task(self._watch_limits(self._process))
@@ -425,7 +448,7 @@ class PythonSandbox:
         fd, view = self._fds["requests"], memoryview(data)
         while view:
             try:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             except BlockingIOError:
                 writable = loop.create_future()
                 loop.add_writer(fd, _resolve, writable)
@@ -437,7 +460,7 @@ class PythonSandbox:
                 return  # the worker is gone; the wait that follows reports how it ended
 
     async def _wait_for(self, future: asyncio.Future, timeout: float) -> str:
-        """"done" when `future` resolves, "exited" if the worker ends first, else "timeout"."""
+        """ "done" when `future` resolves, "exited" if the worker ends first, else "timeout"."""
         assert self._process is not None
         exited = asyncio.ensure_future(self._process.wait())
         await asyncio.wait({future, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -453,10 +476,18 @@ class PythonSandbox:
             restarted = ""
             if not self.running:
                 if self._sessions_started:
-                    restarted = " ".join(filter(None, [
-                        self._stopped_because,
-                        ("The previous Python session ended; this ran in a new one, so earlier "
-                         "variables and imports are gone.")]))
+                    restarted = " ".join(
+                        filter(
+                            None,
+                            [
+                                self._stopped_because,
+                                (
+                                    "The previous Python session ended; this ran in a new one, so earlier "
+                                    "variables and imports are gone."
+                                ),
+                            ],
+                        )
+                    )
                 await self._spawn()
             try:
                 result = await self._run_cell(code)
@@ -487,14 +518,19 @@ class PythonSandbox:
             self._process.send_signal(signal.SIGINT)
             if await self._wait_for(self._done, self.limits.interrupt_grace_seconds) == "done":
                 return await self._finished(
-                    "timeout", note=f"Execution timed out after {self.limits.wall_seconds:g} "
-                                    f"seconds and was interrupted; the session state was kept.")
+                    "timeout",
+                    note=f"Execution timed out after {self.limits.wall_seconds:g} "
+                    f"seconds and was interrupted; the session state was kept.",
+                )
             self._drain()
             await self._stop_process()
-            return self._result("timeout", note=f"Execution timed out after "
-                                f"{self.limits.wall_seconds:g} seconds and did not stop when "
-                                f"interrupted; the Python session was restarted and its state "
-                                f"is lost.")
+            return self._result(
+                "timeout",
+                note=f"Execution timed out after "
+                f"{self.limits.wall_seconds:g} seconds and did not stop when "
+                f"interrupted; the Python session was restarted and its state "
+                f"is lost.",
+            )
         self._drain()
         code = self._exit_code if self._exit_code is not None else self._process.returncode
         note = self._stopped_because or self._death_note(code)
@@ -517,23 +553,29 @@ class PythonSandbox:
         chars = self.limits.max_output_chars
         self._stdout.stop()
         self._stderr.stop()
-        return ExecutionResult(stdout=self._stdout.text(chars), stderr=self._stderr.text(chars),
-                               status=status, note=note, exit_code=exit_code)
+        return ExecutionResult(
+            stdout=self._stdout.text(chars),
+            stderr=self._stderr.text(chars),
+            status=status,
+            note=note,
+            exit_code=exit_code,
+        )
 
     def _death_note(self, returncode: int) -> str:
         # The worker passes on a signal death as 128 + signal number (or asyncio's negative).
         sig = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
         if sig == signal.SIGKILL and self.cgroup is not None and self.cgroup.oom_kills():
-            return (f"The Python process stopped: it ran out of memory (a session's processes "
-                    f"may use {_size(self.limits.session_memory_bytes)} together). Its state is "
-                    f"lost; the next call starts a new session.")
+            return (
+                f"The Python process stopped: it ran out of memory (a session's processes "
+                f"may use {_size(self.limits.session_memory_bytes)} together). Its state is "
+                f"lost; the next call starts a new session."
+            )
         reason = {
             signal.SIGXCPU: f"it used up its CPU time ({self.limits.cpu_seconds} s per session)",
             signal.SIGKILL: "it was killed (often: out of memory)",
             signal.SIGSEGV: "it crashed (segmentation fault)",
         }.get(sig, f"it exited with status {returncode}")
-        return f"The Python process stopped: {reason}. Its state is lost; the next call starts " \
-               f"a new session."
+        return f"The Python process stopped: {reason}. Its state is lost; the next call starts a new session."
 
     # -- limits on the session as a whole
 
@@ -543,8 +585,7 @@ class PythonSandbox:
         while process.returncode is None:
             await asyncio.sleep(WATCH_SECONDS)
             checks += 1
-            over = await asyncio.to_thread(self._over_limits, process.pid,
-                                           checks % DISK_WATCH_EVERY == 0)
+            over = await asyncio.to_thread(self._over_limits, process.pid, checks % DISK_WATCH_EVERY == 0)
             if over and process is self._process and process.returncode is None:
                 self._stopped_because = over
                 self._kill_now()
@@ -554,9 +595,11 @@ class PythonSandbox:
         if self.cgroup is None:
             used = tree_memory(pid)
             if used > self.limits.session_memory_bytes:
-                return (f"The Python session used {_size(used)} of memory in all its processes "
-                        f"together, over its limit of {_size(self.limits.session_memory_bytes)}; "
-                        f"it was stopped and its state is lost.")
+                return (
+                    f"The Python session used {_size(used)} of memory in all its processes "
+                    f"together, over its limit of {_size(self.limits.session_memory_bytes)}; "
+                    f"it was stopped and its state is lost."
+                )
         return self._scratch_over_quota() if check_disk else ""
 
     def _scratch_over_quota(self) -> str:
@@ -567,9 +610,11 @@ class PythonSandbox:
         if used.bytes <= limits.scratch_bytes and used.entries <= limits.scratch_entries:
             return ""
         self._wipe_scratch = True
-        return (f"The session's files passed the limit of its folder ({_size(limits.scratch_bytes)}, "
-                f"{limits.scratch_entries} files and folders): the session was stopped, and its "
-                f"files deleted.")
+        return (
+            f"The session's files passed the limit of its folder ({_size(limits.scratch_bytes)}, "
+            f"{limits.scratch_entries} files and folders): the session was stopped, and its "
+            f"files deleted."
+        )
 
     # -- stopping
 
@@ -599,9 +644,18 @@ class PythonSandbox:
             # Every process of the session's own uid, wherever it went (a PID namespace needs
             # none of this: its processes died with its init).
             sweep = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", KILL_ALL_OF_UID, user=self.sandbox_uid, group=self.sandbox_uid,
-                extra_groups=[], stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+                "/bin/sh",
+                "-c",
+                KILL_ALL_OF_UID,
+                user=self.sandbox_uid,
+                group=self.sandbox_uid,
+                extra_groups=[],
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+                env={"PATH": "/usr/bin:/bin"},
+                cwd="/",
+            )
             await sweep.wait()
         if self._wipe_scratch and self.scratch_dir is not None:
             await asyncio.to_thread(empty_folder, self.scratch_dir)

@@ -101,14 +101,15 @@ AF_UNIX = 1
 SOCK_STREAM, SOCK_SEQPACKET, SOCK_TYPE_MASK = 1, 5, 0xF
 CELL_STATUSES = (b"ok", b"error", b"interrupted")
 MAX_REQUEST_BYTES = 64 << 20
-ROOT_REFUSAL = ("refusing to run model code as root: this machine gives the sandbox no Linux "
-                "namespaces, and without a mount namespace another uid cannot reach the Python "
-                "installation ({paths}). Run the server as a non-root user, allow namespaces "
-                "(e.g. a container with CAP_SYS_ADMIN or user namespaces), or install Python where "
-                "every user can read it")
+ROOT_REFUSAL = (
+    "refusing to run model code as root: this machine gives the sandbox no Linux "
+    "namespaces, and without a mount namespace another uid cannot reach the Python "
+    "installation ({paths}). Run the server as a non-root user, allow namespaces "
+    "(e.g. a container with CAP_SYS_ADMIN or user namespaces), or install Python where "
+    "every user can read it"
+)
 
-SYSTEM_READ_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
-                    "/sys/devices/system/cpu")
+SYSTEM_READ_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys/devices/system/cpu")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 DATA_MOUNT = "/mnt/data"
 
@@ -128,14 +129,15 @@ def _check(result: int, what: str) -> int:
 
 
 def _prctl(option: int, arg2: int = 0, arg3: int = 0) -> None:
-    _check(libc.prctl(option, ctypes.c_ulong(arg2), ctypes.c_ulong(arg3), ctypes.c_ulong(0),
-                      ctypes.c_ulong(0)), f"prctl({option})")
+    _check(
+        libc.prctl(option, ctypes.c_ulong(arg2), ctypes.c_ulong(arg3), ctypes.c_ulong(0), ctypes.c_ulong(0)),
+        f"prctl({option})",
+    )
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None):
     enc = lambda s: s.encode() if s is not None else None  # noqa: E731
-    _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount {target}")
+    _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
 
 
 def _write_file(path: str, text: str) -> None:
@@ -264,8 +266,7 @@ class _CapHeader(ctypes.Structure):
 
 
 class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
 def drop_capabilities() -> None:
@@ -294,8 +295,11 @@ def switch_user(uid: int) -> None:
 
 
 class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -304,8 +308,9 @@ class _PathBeneathAttr(ctypes.Structure):
 
 
 def landlock_abi() -> int:
-    abi = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
-                       ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    abi = libc.syscall(
+        SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION)
+    )
     return max(int(abi), 0)
 
 
@@ -324,8 +329,10 @@ def apply_landlock(abi: int, read_paths: list[str], write_paths: list[str]) -> N
     if abi >= 6:
         attr.scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
         size = 24
-    ruleset = _check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr),
-                                  ctypes.c_size_t(size), ctypes.c_uint32(0)), "landlock ruleset")
+    ruleset = _check(
+        libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)),
+        "landlock ruleset",
+    )
     file_rights = FS_EXECUTE | FS_READ_FILE | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0)
 
     def allow(path: str, access: int) -> None:
@@ -337,9 +344,16 @@ def apply_landlock(abi: int, read_paths: list[str], write_paths: list[str]) -> N
             if not stat.S_ISDIR(os.fstat(fd).st_mode):
                 access &= file_rights
             rule = _PathBeneathAttr(access, fd)
-            _check(libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset),
-                                ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(rule),
-                                ctypes.c_uint32(0)), f"landlock rule for {path}")
+            _check(
+                libc.syscall(
+                    SYS_LANDLOCK_ADD_RULE,
+                    ctypes.c_int(ruleset),
+                    ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+                    ctypes.byref(rule),
+                    ctypes.c_uint32(0),
+                ),
+                f"landlock rule for {path}",
+            )
         finally:
             os.close(fd)
 
@@ -349,8 +363,9 @@ def apply_landlock(abi: int, read_paths: list[str], write_paths: list[str]) -> N
         allow(path, FS_READ_FILE | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))
     for path in write_paths:
         allow(path, all_fs)
-    _check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)),
-           "landlock restrict_self")
+    _check(
+        libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock restrict_self"
+    )
     os.close(ruleset)
 
 
@@ -394,8 +409,7 @@ def set_limits(limits: dict, shared_uid: bool) -> None:
 
 
 class _SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                ("k", ctypes.c_uint32)]
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
 
 
 class _SockFprog(ctypes.Structure):
@@ -468,8 +482,16 @@ def apply_socket_filter() -> None:
     instructions = socket_filter(table)
     filters = (_SockFilter * len(instructions))(*[_SockFilter(*i) for i in instructions])
     program = _SockFprog(len(instructions), filters)
-    _check(libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(program),
-                      ctypes.c_ulong(0), ctypes.c_ulong(0)), "seccomp filter")
+    _check(
+        libc.prctl(
+            PR_SET_SECCOMP,
+            ctypes.c_ulong(SECCOMP_MODE_FILTER),
+            ctypes.byref(program),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        ),
+        "seccomp filter",
+    )
 
 
 # ---------------------------------------------------------------- confinement
@@ -632,7 +654,7 @@ def _read_exact(stream, n: int) -> bytes | None:
 
 def _write_all(fd: int, data: bytes) -> None:
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 # ---------------------------------------------------------------- the keeper
@@ -754,8 +776,16 @@ def main() -> None:
     os.close(devnull)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
-    report = {"namespaces": False, "user_namespace": False, "private_proc": False,
-              "landlock_abi": 0, "seccomp": False, "user": "", "workdir": "", "notes": []}
+    report = {
+        "namespaces": False,
+        "user_namespace": False,
+        "private_proc": False,
+        "landlock_abi": 0,
+        "seccomp": False,
+        "user": "",
+        "workdir": "",
+        "notes": [],
+    }
     in_namespaces = bool(config["use_namespaces"]) and enter_namespaces(report)
     if in_namespaces:
         child = os.fork()

@@ -61,8 +61,7 @@ class ScratchArea:
                 self._ensure_area()
                 fresh = tempfile.mkdtemp(prefix=NEW_PREFIX, dir=self.area)
                 os.chmod(fresh, 0o711)
-                fd = os.open(os.path.join(fresh, LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC,
-                             0o600)
+                fd = os.open(os.path.join(fresh, LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 # Renamed only once locked: `clean_stale` never sees it unlocked.
                 final = os.path.join(self.area, f"{SERVER_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
@@ -97,8 +96,9 @@ class ScratchArea:
         info = os.lstat(self.area)
         # Someone else's folder (or a link) in a shared /tmp would let them reach ours.
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            raise ScratchError(f"{self.area} is not a folder of this user; remove it or give "
-                               f"the Python tool another scratch root")
+            raise ScratchError(
+                f"{self.area} is not a folder of this user; remove it or give the Python tool another scratch root"
+            )
         os.chmod(self.area, 0o711)
 
     def stale_server_tags(self) -> list[str]:

@@ -17,9 +17,16 @@ import weakref
 
 from openai_harmony import ToolNamespaceConfig
 
-from tools.python.sandbox import (DATA_MOUNT_HINT, IsolationReport, PythonSandbox, SandboxError,
-                             SandboxLimits, clean_stale_sessions, probe_isolation)
 from tools.protocol import ToolResult
+from tools.python.sandbox import (
+    DATA_MOUNT_HINT,
+    IsolationReport,
+    PythonSandbox,
+    SandboxError,
+    SandboxLimits,
+    clean_stale_sessions,
+    probe_isolation,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +66,19 @@ class PythonToolSession:
         try:
             result = await self.sandbox.execute(code)
         except SandboxError as e:
-            return ToolResult(f"The Python tool is unavailable: {e}", is_error=True,
-                              details={**details, "status": "crashed"})
+            return ToolResult(
+                f"The Python tool is unavailable: {e}", is_error=True, details={**details, "status": "crashed"}
+            )
         except Exception as e:  # noqa: BLE001 - a tool bug must not end the response
             logger.exception("python tool failed")
-            return ToolResult(f"The Python tool failed: {type(e).__name__}: {e}", is_error=True,
-                              details={**details, "status": "crashed"})
+            return ToolResult(
+                f"The Python tool failed: {type(e).__name__}: {e}",
+                is_error=True,
+                details={**details, "status": "crashed"},
+            )
         exit_code = result.exit_code if result.exit_code is not None else int(result.status != "ok")
-        details.update(stdout=result.stdout, stderr=result.stderr, status=result.status,
-                       exit=exit_code)
-        return ToolResult(result.tool_text(), is_error=result.status in ("timeout", "crashed"),
-                          details=details)
+        details.update(stdout=result.stdout, stderr=result.stderr, status=result.status, exit=exit_code)
+        return ToolResult(result.tool_text(), is_error=result.status in ("timeout", "crashed"), details=details)
 
     def resolve_citations(self, text: str) -> tuple[str, list[dict]]:
         return text, []
@@ -82,8 +91,9 @@ class PythonToolServer:
     name = "python"
     kind = "python"
 
-    def __init__(self, limits: SandboxLimits | None = None, *, report: IsolationReport | None = None,
-                 **sandbox_options):
+    def __init__(
+        self, limits: SandboxLimits | None = None, *, report: IsolationReport | None = None, **sandbox_options
+    ):
         self.limits = limits or SandboxLimits()
         self.sandbox_options = sandbox_options
         self.report = report or IsolationReport()
@@ -95,8 +105,7 @@ class PythonToolServer:
         warn once about protections this OS lacks."""
         stale = await clean_stale_sessions(sandbox_options.get("scratch_root"))
         if stale:
-            logger.info("python tool: removed the sessions of %d server(s) gone: %s", len(stale),
-                        ", ".join(stale))
+            logger.info("python tool: removed the sessions of %d server(s) gone: %s", len(stale), ", ".join(stale))
         report = await probe_isolation(limits, **sandbox_options)
         if not report.namespaces:  # don't try (and fail) again for every session
             sandbox_options["use_namespaces"] = False
@@ -104,8 +113,11 @@ class PythonToolServer:
         if gaps:
             logger.warning("python tool: weaker sandbox on this machine: %s", "; ".join(gaps))
         else:
-            logger.info("python tool: sandbox with namespaces, Landlock ABI %d, seccomp socket filter, "
-                        "running as %s", report.landlock_abi, report.user)
+            logger.info(
+                "python tool: sandbox with namespaces, Landlock ABI %d, seccomp socket filter, running as %s",
+                report.landlock_abi,
+                report.user,
+            )
         return cls(limits, report=report, **sandbox_options)
 
     def harmony_namespace(self) -> ToolNamespaceConfig:
@@ -114,8 +126,7 @@ class PythonToolServer:
         else:
             drive = "The current working directory can be used to save and persist user files."
         internet = "disabled" if self.report.network_blocked else "UNKNOWN. Depends on the cluster"
-        description = DESCRIPTION.format(timeout=self.limits.wall_seconds, drive=drive,
-                                         internet=internet)
+        description = DESCRIPTION.format(timeout=self.limits.wall_seconds, drive=drive, internet=internet)
         return ToolNamespaceConfig(name=self.name, description=description, tools=[])
 
     def open_session(self) -> PythonToolSession:

@@ -35,8 +35,9 @@ HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's FA3 kernels are built 
 class AttentionBackend:
     """What every backend shares: a layer's RoPE + K/V cache write, then attention."""
 
-    def rope_kv_attention(self, q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks,
-                          sm_scale, window):
+    def rope_kv_attention(
+        self, q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks, sm_scale, window
+    ):
         """q [T, Hq, D], k and v [T, Hkv, D] as projected (not rotated, not in the cache yet)
         -> attention output [T, Hq, D]; rotated k and v are left at `slot_mapping`'s slots."""
         q = self.rope_and_write_kv(q, k, v, meta.positions, cos_sin, k_cache, v_cache, slot_mapping)
@@ -65,7 +66,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from inference.ops.attention import rope_cache, triton as attention_triton
+        from inference.ops.attention import rope_cache
+        from inference.ops.attention import triton as attention_triton
 
         self._attention = attention_triton.paged_sink_attention
         self._rope_and_write_kv = rope_cache.rope_and_write_kv_triton
@@ -81,13 +83,16 @@ class TritonAttentionBackend(AttentionBackend):
     def folds_rope_into_decode(self, q, meta, window) -> bool:
         return self._is_pure_decode(q.shape[0], meta)
 
-    def rope_kv_attention(self, q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks,
-                          sm_scale, window):
+    def rope_kv_attention(
+        self, q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks, sm_scale, window
+    ):
         if self.folds_rope_into_decode(q, meta, window):
-            return self._decode_with_new_kv(q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping,
-                                            sinks, sm_scale, window)
-        return super().rope_kv_attention(q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping,
-                                         sinks, sm_scale, window)
+            return self._decode_with_new_kv(
+                q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks, sm_scale, window
+            )
+        return super().rope_kv_attention(
+            q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks, sm_scale, window
+        )
 
 
 class FlashInferAttentionBackend(TritonAttentionBackend):
@@ -118,9 +123,14 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         self.enabled = True  # False once its kernels failed to build: Triton serves everything
 
     def runs_flashinfer(self, q: torch.Tensor, meta, window: int | None) -> bool:
-        return (self.enabled and window is None and q.shape[0] >= self.FLASHINFER_MIN_TOKENS
-                and q.shape[-1] in HEAD_DIMS and q.dtype in (torch.bfloat16, torch.float16)
-                and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+        return (
+            self.enabled
+            and window is None
+            and q.shape[0] >= self.FLASHINFER_MIN_TOKENS
+            and q.shape[-1] in HEAD_DIMS
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+        )
 
     def attention(self, q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window):
         if self.runs_flashinfer(q, meta, window):
@@ -138,8 +148,9 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         try:
             self.flashinfer.warmup(num_qo_heads, num_kv_heads, head_dim, page_size, (None,), dtype)
         except Exception:
-            log.warning("flashinfer's attention kernels could not be built; the Triton kernels serve every step",
-                        exc_info=True)
+            log.warning(
+                "flashinfer's attention kernels could not be built; the Triton kernels serve every step", exc_info=True
+            )
             self.enabled = False
 
 
@@ -148,8 +159,9 @@ def flashinfer_usable(device: torch.device) -> bool:
     is what measured faster than Triton's; FA2 (what other GPUs get) was slower at prefill."""
     from inference.ops.attention.flashinfer import flashinfer_available
 
-    return (triton_available(device) and flashinfer_available(device)
-            and torch.cuda.get_device_capability(device)[0] == 9)
+    return (
+        triton_available(device) and flashinfer_available(device) and torch.cuda.get_device_capability(device)[0] == 9
+    )
 
 
 def triton_available(device: torch.device) -> bool:
@@ -171,11 +183,14 @@ def select_attention_backend(device, prefer: str | None = None):
         except Exception:  # installed but not importable here (another torch, a broken build...)
             if prefer == "flashinfer":
                 raise
-            log.warning("flashinfer is installed but could not be loaded; the Triton kernels serve attention",
-                        exc_info=True)
+            log.warning(
+                "flashinfer is installed but could not be loaded; the Triton kernels serve attention", exc_info=True
+            )
     if prefer == "flashinfer":
-        raise RuntimeError(f"the flashinfer attention backend needs a Hopper GPU (SM 9.0) with triton and "
-                           f"flashinfer-python installed (pip install 'oss-agent[gpu]'), not {device}")
+        raise RuntimeError(
+            f"the flashinfer attention backend needs a Hopper GPU (SM 9.0) with triton and "
+            f"flashinfer-python installed (pip install 'oss-agent[gpu]'), not {device}"
+        )
     if triton_available(device):
         return TritonAttentionBackend()
     if prefer == "triton":

@@ -69,8 +69,9 @@ class PagedLayout:
     table_index: torch.Tensor
 
 
-def paged_layout(q_lens: list[int], context_lens: list[int], page_size: int, window: int | None,
-                 table_width: int) -> PagedLayout:
+def paged_layout(
+    q_lens: list[int], context_lens: list[int], page_size: int, window: int | None, table_width: int
+) -> PagedLayout:
     """The pages each sequence's new queries may read: all of them on full layers; on sliding
     layers, from the page holding the oldest key any of its queries sees."""
     q = torch.tensor(q_lens, dtype=torch.int64)
@@ -112,8 +113,9 @@ class FlashInferAttention:
         self.kernel = kernel or default_kernel(self.device)
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown flashinfer kernel {self.kernel!r}; choose from {', '.join(KERNELS)}")
-        self.workspace = workspace if workspace is not None else torch.empty(
-            WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.workspace = (
+            workspace if workspace is not None else torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        )
         self._wrappers: dict[tuple, object] = {}  # (window, dtype, head_dim) -> wrapper
         self._step: AttentionMetadata | None = None  # the step the plans below belong to
         self._planned: set[tuple] = set()
@@ -123,14 +125,29 @@ class FlashInferAttention:
         wrapper = self._wrappers.get(key)
         if wrapper is None:
             wrapper = self._flashinfer.BatchAttentionWithAttentionSinkWrapper(
-                self.workspace, kv_layout="NHD", backend=self.kernel, q_data_type=dtype, kv_data_type=dtype,
-                head_dim_qk=head_dim, head_dim_vo=head_dim, window_left=-1 if window is None else window - 1,
+                self.workspace,
+                kv_layout="NHD",
+                backend=self.kernel,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+                head_dim_qk=head_dim,
+                head_dim_vo=head_dim,
+                window_left=-1 if window is None else window - 1,
             )
             self._wrappers[key] = wrapper
         return wrapper
 
-    def plan(self, meta: AttentionMetadata, block_table: torch.Tensor, window: int | None, dtype: torch.dtype,
-             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int):
+    def plan(
+        self,
+        meta: AttentionMetadata,
+        block_table: torch.Tensor,
+        window: int | None,
+        dtype: torch.dtype,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+    ):
         """Plan `meta`'s step for one attention kind (host work plus one small copy); layers of
         the same kind in the same step reuse it."""
         if meta is not self._step:
@@ -143,10 +160,19 @@ class FlashInferAttention:
         index = layout.table_index.pin_memory().to(self.device, non_blocking=True)
         pages = block_table.reshape(-1)[index]
         wrapper.plan(
-            layout.qo_indptr, layout.kv_indptr, pages, layout.last_page_len,
-            num_qo_heads, num_kv_heads, head_dim, page_size,
-            causal=True, window_left=-1 if window is None else window - 1,
-            q_data_type=dtype, kv_data_type=dtype, non_blocking=True,
+            layout.qo_indptr,
+            layout.kv_indptr,
+            pages,
+            layout.last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            causal=True,
+            window_left=-1 if window is None else window - 1,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            non_blocking=True,
         )
         self._planned.add(key)
         return wrapper
@@ -157,8 +183,15 @@ class FlashInferAttention:
         wrapper = self.plan(meta, block_table, window, q.dtype, hq, k_cache.shape[2], d, k_cache.shape[1])
         return wrapper.run(q.contiguous(), (k_cache, v_cache), sinks.float(), float(sm_scale))
 
-    def warmup(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-               windows: tuple[int | None, ...], dtype: torch.dtype = torch.bfloat16) -> None:
+    def warmup(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        windows: tuple[int | None, ...],
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         """Compile (or load from flashinfer's cache) the kernels a model will use, before serving:
         one tiny step per attention kind."""
         pages = 2
@@ -168,13 +201,21 @@ class FlashInferAttention:
         meta = AttentionMetadata(
             cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device=self.device),
             context_lens=torch.tensor([page_size + 1], dtype=torch.int32, device=self.device),
-            block_tables={}, slot_mapping={}, positions=torch.tensor([page_size - 1, page_size], device=self.device),
-            max_q_len=2, q_lens=[2], context_lens_list=[page_size + 1],
+            block_tables={},
+            slot_mapping={},
+            positions=torch.tensor([page_size - 1, page_size], device=self.device),
+            max_q_len=2,
+            q_lens=[2],
+            context_lens_list=[page_size + 1],
         )
         q = torch.zeros(2, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         sinks = torch.zeros(num_qo_heads, device=self.device)
-        log.info("flashinfer: preparing %s kernels for windows %s (the first start on a machine compiles them, "
-                 "which takes minutes)", self.kernel, list(windows))
+        log.info(
+            "flashinfer: preparing %s kernels for windows %s (the first start on a machine compiles them, "
+            "which takes minutes)",
+            self.kernel,
+            list(windows),
+        )
         for window in windows:
             self.attention(q, k_cache, v_cache, meta, table, sinks, 1.0, window)
         torch.cuda.synchronize(self.device)

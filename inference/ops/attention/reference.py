@@ -66,9 +66,7 @@ def write_kv(
     flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
 
 
-def gather_kv(
-    cache: torch.Tensor, block_table_row: torch.Tensor, start: int, end: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Keys (or values) of positions [start, end) of one sequence: [end-start, Hkv, D]."""
     page_size = cache.shape[1]
     pos = torch.arange(start, end, device=cache.device)

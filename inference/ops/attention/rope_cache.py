@@ -71,11 +71,32 @@ if triton is not None:
 
     @triton.jit
     def _rope_write_kv_kernel(
-        Q, K, V, Positions, CosSin, KCache, VCache, Slots, QOut,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-        stride_cache_page, stride_cache_slot, stride_cache_h, stride_qout_t, stride_qout_h,
+        Q,
+        K,
+        V,
+        Positions,
+        CosSin,
+        KCache,
+        VCache,
+        Slots,
+        QOut,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cos,
+        stride_cache_page,
+        stride_cache_slot,
+        stride_cache_h,
+        stride_qout_t,
+        stride_qout_h,
         page_size,
-        HQ: tl.constexpr, HKV: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        BLOCK_HQ: tl.constexpr,
+        BLOCK_HKV: tl.constexpr,
         HALF: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
@@ -85,20 +106,23 @@ if triton is not None:
         sin = tl.load(CosSin + pos * stride_cos + HALF + cols).to(tl.float32)
 
         q_heads = tl.arange(0, BLOCK_HQ)
-        _rotate_store(Q + t * stride_qt, QOut + t * stride_qout_t, q_heads, q_heads < HQ,
-                      stride_qh, stride_qout_h, cos, sin, HALF)
+        _rotate_store(
+            Q + t * stride_qt, QOut + t * stride_qout_t, q_heads, q_heads < HQ, stride_qh, stride_qout_h, cos, sin, HALF
+        )
 
         slot = tl.load(Slots + t)
         if slot >= 0:
             dst = (slot // page_size) * stride_cache_page + (slot % page_size) * stride_cache_slot
             kv_heads = tl.arange(0, BLOCK_HKV)
             kv_mask = kv_heads < HKV
-            _rotate_store(K + t * stride_kt, KCache + dst, kv_heads, kv_mask,
-                          stride_kh, stride_cache_h, cos, sin, HALF)
+            _rotate_store(K + t * stride_kt, KCache + dst, kv_heads, kv_mask, stride_kh, stride_cache_h, cos, sin, HALF)
             d = tl.arange(0, 2 * HALF)
             v = tl.load(V + t * stride_vt + kv_heads[:, None] * stride_vh + d[None, :], mask=kv_mask[:, None])
-            tl.store(VCache + dst + kv_heads[:, None] * stride_cache_h + d[None, :],
-                     v.to(VCache.dtype.element_ty), mask=kv_mask[:, None])
+            tl.store(
+                VCache + dst + kv_heads[:, None] * stride_cache_h + d[None, :],
+                v.to(VCache.dtype.element_ty),
+                mask=kv_mask[:, None],
+            )
 
 
 def rope_and_write_kv_triton(
@@ -122,11 +146,32 @@ def rope_and_write_kv_triton(
     if t == 0:
         return q_out
     _rope_write_kv_kernel[(t,)](
-        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q_out.stride(0), q_out.stride(1),
+        q,
+        k,
+        v,
+        positions,
+        cos_sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q_out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        q_out.stride(0),
+        q_out.stride(1),
         k_cache.shape[1],
-        HQ=hq, HKV=hkv, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+        HQ=hq,
+        HKV=hkv,
+        BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HKV=triton.next_power_of_2(hkv),
         HALF=d // 2,
         num_warps=4,
     )

@@ -41,10 +41,26 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_blocks(
-    acc, m_i, l_i, q, K, V, block_table_row, kv_head_offset, start, end, q_pos, window, qk_scale,
-    stride_page, stride_slot,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, SLIDING: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    block_table_row,
+    kv_head_offset,
+    start,
+    end,
+    q_pos,
+    window,
+    qk_scale,
+    stride_page,
+    stride_slot,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """Fold keys [start, end) into the running softmax state of the rows of `q` [M, D].
 
@@ -105,14 +121,47 @@ def _half_pair(ptr, dims, mask, HALF: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, Sinks, BlockTables, ContextLens, Out, PartAcc, PartMax, PartSum,
-    KNew, VNew, Positions, CosSin, Slots,
-    stride_qt, stride_qh, stride_page, stride_slot, stride_kv_head, stride_bt, stride_ot, stride_oh,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-    qk_scale, window, num_splits,
-    NUM_Q_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SPLIT: tl.constexpr,
-    NEW_KV: tl.constexpr, PDL: tl.constexpr,
+    Q,
+    K,
+    V,
+    Sinks,
+    BlockTables,
+    ContextLens,
+    Out,
+    PartAcc,
+    PartMax,
+    PartSum,
+    KNew,
+    VNew,
+    Positions,
+    CosSin,
+    Slots,
+    stride_qt,
+    stride_qh,
+    stride_page,
+    stride_slot,
+    stride_kv_head,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
+    qk_scale,
+    window,
+    num_splits,
+    NUM_Q_HEADS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NEW_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (sequence, KV head, split). With NEW_KV, q is not yet rotated and the step's new key
     and value (KNew, VNew: [B, Hkv, D], the projection's output) are not in the cache yet:
@@ -205,12 +254,50 @@ def _decode_kernel(
         tl.store(K + dst + head_row, k_rows, mask=write)
         tl.store(V + dst + head_row, v_rows, mask=write)
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + (ctx - 1)
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, start, full_end, q_pos, window,
-                                   qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
-                                   False, False)
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, full_end, end, q_pos, window,
-                                   qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
-                                   True, False)
+    acc, m_i, l_i = _attend_blocks(
+        acc,
+        m_i,
+        l_i,
+        q,
+        K,
+        V,
+        table,
+        kv_off,
+        start,
+        full_end,
+        q_pos,
+        window,
+        qk_scale,
+        stride_page,
+        stride_slot,
+        PAGE_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        False,
+        False,
+    )
+    acc, m_i, l_i = _attend_blocks(
+        acc,
+        m_i,
+        l_i,
+        q,
+        K,
+        V,
+        table,
+        kv_off,
+        full_end,
+        end,
+        q_pos,
+        window,
+        qk_scale,
+        stride_page,
+        stride_slot,
+        PAGE_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        True,
+        False,
+    )
     if SPLIT:
         part = (seq * NUM_Q_HEADS + heads).to(tl.int64) * num_splits + split
         tl.store(PartAcc + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
@@ -218,14 +305,27 @@ def _decode_kernel(
         tl.store(PartSum + part, l_i, mask=row_ok)
     else:
         out = acc / l_i[:, None]
-        tl.store(Out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(
+            Out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
 
 
 @triton.jit
 def _combine_kernel(
-    PartAcc, PartMax, PartSum, Sinks, Out, stride_ot, stride_oh, num_splits,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    PartAcc,
+    PartMax,
+    PartSum,
+    Sinks,
+    Out,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge one (sequence, head)'s split partials; the sink joins the denominator here."""
     wait_for_previous(PDL)
@@ -260,11 +360,33 @@ def _sequence_tiles(CuSeqlensQ, b0, num_seqs, BLOCK_T: tl.constexpr, BLOCK_B: tl
 # 16, or 1), each new combination compiled a variant while serving (1.5 s stalls, docs/benchmark-log.md).
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
-    Q, K, V, Sinks, BlockTables, ContextLens, CuSeqlensQ, Out,
-    stride_qt, stride_qh, stride_page, stride_slot, stride_kv_head, stride_bt, stride_ot, stride_oh,
-    qk_scale, window, num_seqs,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, BLOCK_B: tl.constexpr,
+    Q,
+    K,
+    V,
+    Sinks,
+    BlockTables,
+    ContextLens,
+    CuSeqlensQ,
+    Out,
+    stride_qt,
+    stride_qh,
+    stride_page,
+    stride_slot,
+    stride_kv_head,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    qk_scale,
+    window,
+    num_seqs,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     # Tiles are numbered through the batch, sequence by sequence, and counted here from the
     # sequences' lengths (a CUDA graph's grid only bounds them, see `_prefill`). They run
@@ -318,18 +440,75 @@ def _prefill_kernel(
         # The window's edge moves with every row, so every block is masked (at most
         # (window + BLOCK_T) / BLOCK_N of them).
         lo = tl.maximum(tile_first - window + 1, 0)
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, lo, hi, q_pos, window,
-                                       qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
-                                       True, True)
+        acc, m_i, l_i = _attend_blocks(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            table,
+            kv_off,
+            lo,
+            hi,
+            q_pos,
+            window,
+            qk_scale,
+            stride_page,
+            stride_slot,
+            PAGE_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            True,
+        )
     else:
         # Keys before the tile's first token are visible to all its rows: unmasked whole blocks.
         full_end = tile_first // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, 0, full_end, q_pos, window,
-                                       qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
-                                       False, False)
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, table, kv_off, full_end, hi, q_pos, window,
-                                       qk_scale, stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM,
-                                       True, False)
+        acc, m_i, l_i = _attend_blocks(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            table,
+            kv_off,
+            0,
+            full_end,
+            q_pos,
+            window,
+            qk_scale,
+            stride_page,
+            stride_slot,
+            PAGE_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            False,
+            False,
+        )
+        acc, m_i, l_i = _attend_blocks(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            table,
+            kv_off,
+            full_end,
+            hi,
+            q_pos,
+            window,
+            qk_scale,
+            stride_page,
+            stride_slot,
+            PAGE_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            False,
+        )
     out = acc / l_i[:, None]
     o_ptrs = (q_first + tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
@@ -470,13 +649,25 @@ def decode_attention_with_new_kv(
         raise ValueError(f"cos_sin must be [positions, {d}] with a contiguous last dimension")
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t:
-        _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, decode_cfg,
-                new_kv=(k, v, cos_sin, slot_mapping))
+        _decode(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            block_table,
+            sinks,
+            sm_scale,
+            window,
+            out,
+            decode_cfg,
+            new_kv=(k, v, cos_sin, slot_mapping),
+        )
     return out
 
 
-def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, cfg: DecodeConfig,
-            new_kv=None) -> None:
+def _decode(
+    q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, cfg: DecodeConfig, new_kv=None
+) -> None:
     batch, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -495,22 +686,66 @@ def _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out
         part_acc = part_max = part_sum = out  # unused
     k_new, v_new, cos_sin, slots = new_kv or (q, q, q, q)  # unused without new_kv
     _decode_kernel[(batch, hkv, splits)](
-        q, k_cache, v_cache, sinks, block_table, meta.context_lens, out, part_acc, part_max, part_sum,
-        k_new, v_new, meta.positions, cos_sin, slots,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
-        sm_scale * LOG2E, window or 0, splits,
-        NUM_Q_HEADS=hq, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, SLIDING=window is not None, SPLIT=split, NEW_KV=new_kv is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q.device, dependent=False),
+        q,
+        k_cache,
+        v_cache,
+        sinks,
+        block_table,
+        meta.context_lens,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        k_new,
+        v_new,
+        meta.positions,
+        cos_sin,
+        slots,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        cos_sin.stride(0),
+        sm_scale * LOG2E,
+        window or 0,
+        splits,
+        NUM_Q_HEADS=hq,
+        G=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d,
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        SLIDING=window is not None,
+        SPLIT=split,
+        NEW_KV=new_kv is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_options(q.device, dependent=False),
     )
     if split:
         # A dependent: placed while the splits run, it waits for their partials first thing
         # (batch 1: 663-665 against 660-663 tok/s, H200, docs/benchmark-log.md).
         _combine_kernel[(batch, hq)](
-            part_acc, part_max, part_sum, sinks, out, out.stride(0), out.stride(1), splits,
-            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,
+            part_acc,
+            part_max,
+            part_sum,
+            sinks,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            NUM_Q_HEADS=hq,
+            HEAD_DIM=d,
+            BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=1,
             **pdl_options(q.device, dependent=True),
         )
 
@@ -532,11 +767,33 @@ def _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, ou
     if num_tiles == 0:
         return
     _prefill_kernel[(num_tiles, hkv)](
-        q, k_cache, v_cache, sinks, block_table, meta.context_lens, meta.cu_seqlens_q, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1),
-        sm_scale * LOG2E, window or 0, num_seqs,
-        G=group, G_PAD=g_pad, BLOCK_T=block_t, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=cfg.block_n,
-        SLIDING=window is not None, BLOCK_B=PREFILL_SEQS_A_SCAN,
-        num_warps=cfg.num_warps, num_stages=cfg.sliding_num_stages if window is not None else cfg.num_stages,
+        q,
+        k_cache,
+        v_cache,
+        sinks,
+        block_table,
+        meta.context_lens,
+        meta.cu_seqlens_q,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        sm_scale * LOG2E,
+        window or 0,
+        num_seqs,
+        G=group,
+        G_PAD=g_pad,
+        BLOCK_T=block_t,
+        HEAD_DIM=d,
+        PAGE_SIZE=page_size,
+        BLOCK_N=cfg.block_n,
+        SLIDING=window is not None,
+        BLOCK_B=PREFILL_SEQS_A_SCAN,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.sliding_num_stages if window is not None else cfg.num_stages,
     )

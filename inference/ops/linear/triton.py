@@ -106,9 +106,25 @@ if triton is not None:
 
     @triton.jit
     def _linear_kernel(
-        X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_split, k_per_split,
-        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        X,
+        W,
+        B,
+        Y,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        stride_split,
+        k_per_split,
+        HAS_BIAS: tl.constexpr,
+        SPLIT: tl.constexpr,
+        DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program (n, s, m): rows [m*BLOCK_M, +BLOCK_M) of x times W rows [n*BLOCK_N, +BLOCK_N)
         over K range s. With SPLIT > 1, Y is the float32 partials [S, M, N] (split stride
@@ -150,7 +166,9 @@ if triton is not None:
             for k0 in range(k_start, k_end, BLOCK_K):
                 x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
                 more = n_ok & (rows_n * 0 + k0 + BLOCK_K < k_end)  # (a tensor also under the interpreter)
-                w_next = tl.load(w_ptrs + k0 + BLOCK_K, mask=more[:, None] & ((k0 + BLOCK_K + ks) < K)[None, :], other=0.0)
+                w_next = tl.load(
+                    w_ptrs + k0 + BLOCK_K, mask=more[:, None] & ((k0 + BLOCK_K + ks) < K)[None, :], other=0.0
+                )
                 acc2 += w.to(tl.float32) * x.to(tl.float32)  # x: [1, BLOCK_K], broadcast over rows
                 w = w_next
             acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
@@ -166,8 +184,16 @@ if triton is not None:
 
     @triton.jit
     def _split_k_reduce_kernel(
-        P, B, Y, N, stride_split, stride_pm, stride_ym,
-        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+        P,
+        B,
+        Y,
+        N,
+        stride_split,
+        stride_pm,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         """Y[m, cols] = sum over s of P[s, m, cols] (in order s = 0..SPLIT-1) + bias, cast."""
         m = tl.program_id(0)
@@ -182,7 +208,10 @@ if triton is not None:
 
 
 def linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: LinearConfig | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: LinearConfig | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Same contract as `linear_reference`: x [M, K] (rows with unit column stride), weight [N, K]
@@ -213,13 +242,41 @@ def linear_triton(
     b = bias if has_bias else y  # never read
     target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _linear_kernel[grid](
-        x, weight, b, target, m, n, k, x.stride(0), weight.stride(0), n, m * n, k_per_split,
-        HAS_BIAS=has_bias, SPLIT=split, DOT=cfg.dot, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device, dependent=True),
+        x,
+        weight,
+        b,
+        target,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        n,
+        m * n,
+        k_per_split,
+        HAS_BIAS=has_bias,
+        SPLIT=split,
+        DOT=cfg.dot,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_options(x.device, dependent=True),
     )
     if split > 1:
         block = 1024
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-            target, b, y, n, m * n, n, n, HAS_BIAS=has_bias, SPLIT=split, BLOCK=block, num_warps=4,
+            target,
+            b,
+            y,
+            n,
+            m * n,
+            n,
+            n,
+            HAS_BIAS=has_bias,
+            SPLIT=split,
+            BLOCK=block,
+            num_warps=4,
         )
     return y

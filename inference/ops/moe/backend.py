@@ -50,8 +50,14 @@ class ReferenceMoEBackend:
         return weights
 
     @staticmethod
-    def forward(x: torch.Tensor, prepared: MoEWeights, top_k: int, swiglu_limit: float,
-                out_dtype: torch.dtype | None = None, valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        x: torch.Tensor,
+        prepared: MoEWeights,
+        top_k: int,
+        swiglu_limit: float,
+        out_dtype: torch.dtype | None = None,
+        valid_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)  # padding rows computed too
 
 
@@ -77,22 +83,49 @@ class TritonMoEBackend:
         experts.gate_up_blocks = experts.gate_up_scales = experts.down_blocks = experts.down_scales = None
         return prepared
 
-    def forward(self, x: torch.Tensor, prepared, top_k: int, swiglu_limit: float,
-                out_dtype: torch.dtype | None = None, valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        prepared,
+        top_k: int,
+        swiglu_limit: float,
+        out_dtype: torch.dtype | None = None,
+        valid_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if isinstance(prepared, MoEWeights):
             return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
-        return self._kernels.fused_moe(x, prepared, top_k, swiglu_limit, self.config, out_dtype=out_dtype,
-                                       valid_tokens=valid_tokens)
+        return self._kernels.fused_moe(
+            x, prepared, top_k, swiglu_limit, self.config, out_dtype=out_dtype, valid_tokens=valid_tokens
+        )
 
-    def add_norm_forward(self, x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, prepared,
-                         top_k: int, swiglu_limit: float, out_dtype: torch.dtype | None = None,
-                         valid_tokens: torch.Tensor | None = None):
+    def add_norm_forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        prepared,
+        top_k: int,
+        swiglu_limit: float,
+        out_dtype: torch.dtype | None = None,
+        valid_tokens: torch.Tensor | None = None,
+    ):
         """(x + delta, forward(rmsnorm(x + delta) * norm_weight)), the add and norm fused into the
         kernels' router at decode sizes; None where the kernels do not take these weights."""
         if isinstance(prepared, MoEWeights):
             return None
-        return self._kernels.fused_add_norm_moe(x, delta, norm_weight, eps, prepared, top_k, swiglu_limit, self.config,
-                                                out_dtype=out_dtype, valid_tokens=valid_tokens)
+        return self._kernels.fused_add_norm_moe(
+            x,
+            delta,
+            norm_weight,
+            eps,
+            prepared,
+            top_k,
+            swiglu_limit,
+            self.config,
+            out_dtype=out_dtype,
+            valid_tokens=valid_tokens,
+        )
 
 
 def model_output_dtype(backend) -> torch.dtype | None:

@@ -124,9 +124,15 @@ def _padded(t: torch.Tensor, shape: tuple[int, ...], fill: int) -> torch.Tensor:
     return out
 
 
-def _pack_experts(blocks: torch.Tensor, scales: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
-                  n_pad: int, k_pad: int, interleave_weights: bool,
-                  interleave_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack_experts(
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    rows: tuple[torch.Tensor, torch.Tensor] | None,
+    n_pad: int,
+    k_pad: int,
+    interleave_weights: bool,
+    interleave_scales: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Checkpoint MXFP4 (blocks [E, N, K/32, 16], scales [E, N, K/32]) -> flashinfer's (w [E, Np, Kp/2],
     s [E, Np/64, Kp/128, 16, 16]). `rows`: None keeps the row order; else the row indices of the
     first and second halves (up, gate), each half padded to Np/2 on its own. A few experts at a time."""
@@ -150,16 +156,20 @@ def _pack_experts(blocks: torch.Tensor, scales: torch.Tensor, rows: tuple[torch.
             w = torch.cat([_padded(b[:, r], (e1 - e0, half, k_pad // 2), 0) for r in rows], dim=1)
             sc = torch.cat([_padded(s[:, r], (e1 - e0, half, k_pad // BLOCK_SIZE), PAD_SCALE) for r in rows], dim=1)
         w_out[e0:e1] = interleave_moe_weights_for_sm90_mixed_gemm(w, "fp4") if interleave_weights else w
-        sc = interleave_moe_scales_for_sm90_mixed_gemm(sc) if interleave_scales else sc.reshape(
-            e1 - e0, n_pad // 64, k_pad // K_ALIGN, 16, 16)  # raw order, same shape: only for diagnosis
+        sc = (
+            interleave_moe_scales_for_sm90_mixed_gemm(sc)
+            if interleave_scales
+            else sc.reshape(e1 - e0, n_pad // 64, k_pad // K_ALIGN, 16, 16)
+        )  # raw order, same shape: only for diagnosis
         if s_out is None:
             s_out = torch.empty((e_count, *sc.shape[1:]), dtype=torch.uint8, device=blocks.device)
         s_out[e0:e1] = sc
     return w_out, s_out
 
 
-def prepare_flashinfer_weights(weights: MoEWeights, *, interleave_weights: bool = True,
-                               interleave_scales: bool = True, swap_gate_up: bool = False) -> FlashInferMoEWeights:
+def prepare_flashinfer_weights(
+    weights: MoEWeights, *, interleave_weights: bool = True, interleave_scales: bool = True, swap_gate_up: bool = False
+) -> FlashInferMoEWeights:
     """One layer's checkpoint MXFP4 weights -> flashinfer's layout (once, at load time).
 
     The keyword flags change the layout away from what flashinfer documents; they exist so a
@@ -172,8 +182,10 @@ def prepare_flashinfer_weights(weights: MoEWeights, *, interleave_weights: bool 
     inter = two_i // 2
     if hidden % BLOCK_SIZE or inter % BLOCK_SIZE:
         raise ValueError(f"hidden {hidden} and intermediate {inter} sizes must be multiples of {BLOCK_SIZE}")
-    expect = {"gate_up_blocks": (ex.gate_up_blocks, (e_count, two_i, hidden // BLOCK_SIZE, 16)),
-              "down_blocks": (ex.down_blocks, (e_count, hidden, inter // BLOCK_SIZE, 16))}
+    expect = {
+        "gate_up_blocks": (ex.gate_up_blocks, (e_count, two_i, hidden // BLOCK_SIZE, 16)),
+        "down_blocks": (ex.down_blocks, (e_count, hidden, inter // BLOCK_SIZE, 16)),
+    }
     for name, (tensor, shape) in expect.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
@@ -190,8 +202,14 @@ def prepare_flashinfer_weights(weights: MoEWeights, *, interleave_weights: bool 
     return FlashInferMoEWeights(
         router_weight=weights.router_weight.to(dev, torch.bfloat16).contiguous(),
         router_bias=weights.router_bias.to(dev, torch.bfloat16).contiguous(),
-        w1=w1, s1=s1, b1=b1.contiguous(), w2=w2, s2=s2, b2=b2.contiguous(),
-        hidden_size=hidden, intermediate_size=inter,
+        w1=w1,
+        s1=s1,
+        b1=b1.contiguous(),
+        w2=w2,
+        s2=s2,
+        b2=b2.contiguous(),
+        hidden_size=hidden,
+        intermediate_size=inter,
         alpha=torch.full((e_count,), SWIGLU_ALPHA, dtype=torch.float32, device=dev),
         beta=torch.full((e_count,), SWIGLU_BETA, dtype=torch.float32, device=dev),
     )
@@ -229,8 +247,10 @@ class FlashInferMoEBackend:
     def prepare(self, weights: MoEWeights):
         experts = weights.experts
         if weights.expert_offset or experts.num_experts != weights.router_weight.shape[0]:
-            raise ValueError("the flashinfer MoE backend holds every expert: for expert parallelism "
-                             "(moe_parallel='expert') use the triton backend")
+            raise ValueError(
+                "the flashinfer MoE backend holds every expert: for expert parallelism "
+                "(moe_parallel='expert') use the triton backend"
+            )
         if not experts.is_mxfp4:
             return weights
         prepared = prepare_flashinfer_weights(weights)
@@ -242,8 +262,12 @@ class FlashInferMoEBackend:
         """x [T, H] bf16 -> (expert ids [T, k] int32, routing weights [T, k] float32): the top k
         of the bf16 router logits, softmax over those k."""
         e_count = prepared.num_experts
-        if (self._tinygemm is not None and x.shape[0] <= self.tinygemm_max_tokens
-                and e_count % 16 == 0 and x.shape[1] % 64 == 0):
+        if (
+            self._tinygemm is not None
+            and x.shape[0] <= self.tinygemm_max_tokens
+            and e_count % 16 == 0
+            and x.shape[1] % 64 == 0
+        ):
             logits = torch.empty(x.shape[0], e_count, dtype=torch.bfloat16, device=x.device)
             self._tinygemm(x, prepared.router_weight, logits, bias=prepared.router_bias)
         else:
@@ -251,14 +275,22 @@ class FlashInferMoEBackend:
         top_values, top_ids = torch.topk(logits, top_k, dim=-1)
         return top_ids.to(torch.int32), torch.softmax(top_values.float(), dim=-1)
 
-    def forward(self, x: torch.Tensor, prepared, top_k: int, swiglu_limit: float,
-                out_dtype: torch.dtype | None = None, valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        prepared,
+        top_k: int,
+        swiglu_limit: float,
+        out_dtype: torch.dtype | None = None,
+        valid_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # valid_tokens is not used: padding rows go through the experts like real ones.
         if isinstance(prepared, MoEWeights):
             return moe_reference(x, prepared, top_k, swiglu_limit, out_dtype=out_dtype)
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != prepared.hidden_size:
-            raise ValueError(f"flashinfer's MoE takes x [T, {prepared.hidden_size}] bf16, got "
-                             f"{tuple(x.shape)} {x.dtype}")
+            raise ValueError(
+                f"flashinfer's MoE takes x [T, {prepared.hidden_size}] bf16, got {tuple(x.shape)} {x.dtype}"
+            )
         if x.shape[0] == 0:
             return x.new_empty(0, prepared.hidden_size, dtype=out_dtype or x.dtype)
         x = x.contiguous()
@@ -266,8 +298,15 @@ class FlashInferMoEBackend:
         out = self.experts(x, prepared, ids, gates, swiglu_limit)  # bf16 from the kernel
         return out.to(out_dtype or out.dtype)  # no copy when the dtype already matches
 
-    def experts(self, x: torch.Tensor, prepared: FlashInferMoEWeights, ids: torch.Tensor, gates: torch.Tensor,
-                swiglu_limit: float, swiglu_beta: float | None = None) -> torch.Tensor:
+    def experts(
+        self,
+        x: torch.Tensor,
+        prepared: FlashInferMoEWeights,
+        ids: torch.Tensor,
+        gates: torch.Tensor,
+        swiglu_limit: float,
+        swiglu_beta: float | None = None,
+    ) -> torch.Tensor:
         """The experts for given routing: x [T, H] bf16, ids [T, k] int32, gates [T, k] float32
         -> [T, H] bf16. (`swiglu_beta` overrides gpt-oss's 1.0, for diagnosis only.)"""
         t, hidden = x.shape
@@ -276,11 +315,20 @@ class FlashInferMoEBackend:
         out = torch.empty(t, hp, dtype=torch.bfloat16, device=x.device)
         beta = prepared.beta if swiglu_beta is None else torch.full_like(prepared.beta, swiglu_beta)
         self._fused_moe.cutlass_fused_moe(
-            x_in, ids.to(torch.int32).contiguous(), gates.float().contiguous(), prepared.w1, prepared.w2,
-            torch.bfloat16, quant_scales=[prepared.s1.view(torch.int32), prepared.s2.view(torch.int32)],
-            fc1_expert_biases=prepared.b1, fc2_expert_biases=prepared.b2,
-            swiglu_alpha=prepared.alpha, swiglu_beta=beta, swiglu_limit=prepared.limit_tensor(swiglu_limit),
-            use_w4_group_scaling=True, output=out,
+            x_in,
+            ids.to(torch.int32).contiguous(),
+            gates.float().contiguous(),
+            prepared.w1,
+            prepared.w2,
+            torch.bfloat16,
+            quant_scales=[prepared.s1.view(torch.int32), prepared.s2.view(torch.int32)],
+            fc1_expert_biases=prepared.b1,
+            fc2_expert_biases=prepared.b2,
+            swiglu_alpha=prepared.alpha,
+            swiglu_beta=beta,
+            swiglu_limit=prepared.limit_tensor(swiglu_limit),
+            use_w4_group_scaling=True,
+            output=out,
             workspace_buffer=self._workspace_for(t, ids.shape[1], prepared, x.device),
             **({} if self.profile_ids is None else {"profile_ids": list(self.profile_ids)}),
         )
@@ -294,8 +342,17 @@ class FlashInferMoEBackend:
         if self._workspace_key is not None and self._workspace_key[0] == shape and self._workspace_key[1] >= tokens:
             return self._workspace
         size = self._fused_moe.cutlass_fused_moe_workspace_size(
-            capacity, shape[0], shape[1], shape[2], top_k, x_dtype=torch.bfloat16, weight_dtype=torch.uint8,
-            activation_type=self._fused_moe.ActivationType.SwigluBias, use_w4_group_scaling=True, device=device)
+            capacity,
+            shape[0],
+            shape[1],
+            shape[2],
+            top_k,
+            x_dtype=torch.bfloat16,
+            weight_dtype=torch.uint8,
+            activation_type=self._fused_moe.ActivationType.SwigluBias,
+            use_w4_group_scaling=True,
+            device=device,
+        )
         self._workspace = torch.empty(size, dtype=torch.uint8, device=device)
         self._workspace_key = (shape, capacity)
         return self._workspace
@@ -327,8 +384,11 @@ def build_module(report_every: float = 30.0) -> None:
 
     spec = gen_cutlass_fused_moe_sm90_module()
     total = len(spec.sources)
-    print(f"fused_moe_90: {total} sources ({sum(s.suffix == '.cu' for s in spec.sources)} .cu), "
-          f"build dir {spec.build_dir}", flush=True)
+    print(
+        f"fused_moe_90: {total} sources ({sum(s.suffix == '.cu' for s in spec.sources)} .cu), "
+        f"build dir {spec.build_dir}",
+        flush=True,
+    )
     done = threading.Event()
     start = time.monotonic()
 

@@ -79,7 +79,11 @@ def swiglu(h: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:
 
 
 def moe_reference(
-    x: torch.Tensor, weights: MoEWeights, top_k: int, swiglu_limit: float, alpha: float = 1.702,
+    x: torch.Tensor,
+    weights: MoEWeights,
+    top_k: int,
+    swiglu_limit: float,
+    alpha: float = 1.702,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The whole MoE block in float32 math. x: [T, H] -> [T, H] in out_dtype (default x's).

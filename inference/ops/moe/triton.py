@@ -54,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
+from inference.ops.dependent_launch import pdl_options, wait_for_previous
 from inference.ops.moe.reference import MoEWeights
 from inference.ops.mxfp4 import BLOCK_SIZE
-from inference.ops.dependent_launch import pdl_options, wait_for_previous
 from inference.ops.rmsnorm import add_rms_norm_triton, residual_add, rms_rstd, rms_scaled
 
 SWIGLU_ALPHA = 1.702
@@ -273,7 +273,12 @@ def _dequant_tile(w, scales, PACKED: tl.constexpr, LARGE_SCALES: tl.constexpr, O
         f_lo = tl.broadcast_to(_bf16_power_of_two(s_lo), w.shape)
         f_hi = tl.broadcast_to(_bf16_power_of_two(s_hi), w.shape)
         lo, hi = tl.inline_asm_elementwise(
-            _GROUPED_DEQUANT, "=r,=r,h,r,r", [w, f_lo, f_hi], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+            _GROUPED_DEQUANT,
+            "=r,=r,h,r,r",
+            [w, f_lo, f_hi],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=2,
         )
         return lo, hi
     b = w.to(tl.int32)
@@ -340,8 +345,13 @@ mov.b32 {lo, hi}, b;
 cvt.f32.f16 fl, lo;
 cvt.f32.f16 fh, hi;
 add.f32 $1, fl, fh;"""
-    return ("{\n.reg .b32 t, m, h0, h1, h2, h3, a, b;\n.reg .f16 lo, hi;\n.reg .f32 fl, fh;\n"
-            + "\n".join(body) + "\n" + widen + "\n}\n")
+    return (
+        "{\n.reg .b32 t, m, h0, h1, h2, h3, a, b;\n.reg .f16 lo, hi;\n.reg .f32 fl, fh;\n"
+        + "\n".join(body)
+        + "\n"
+        + widen
+        + "\n}\n"
+    )
 
 
 WORD_PAIR_DOT_PTX = word_dot_ptx(2)
@@ -429,9 +439,12 @@ def _tile_dot(w, x_row, base, tile_ok, ASM: tl.constexpr):
     p7, q7 = _even_odd_rows(hi3, wp0.shape)
     if ASM:
         sa, sb = tl.inline_asm_elementwise(
-            _WORD_QUAD_DOT, "=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            _WORD_QUAD_DOT,
+            "=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
             [wp0, wp1, wq0, wq1, p0, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7],
-            dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
         )
     else:
         pa, pb = _word_pair_dot_emulated(wp0, wp1, p0, p1, p2, p3, p4, p5, p6, p7)
@@ -497,8 +510,20 @@ def _top_k_slot(logits_ptr, token, E, slot, TOP_K: tl.constexpr, BLOCK_E: tl.con
 # would compile variants while serving (a 0.24 s stall at 64 streams, docs/benchmark-log.md).
 @triton.jit(do_not_specialize=["T"])
 def _router_partial_kernel(
-    x_ptr, wr_ptr, partial_ptr, out_ptr, counters_ptr, T, H, E, stride_x, k_per_split,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, OPERAND: tl.constexpr,
+    x_ptr,
+    wr_ptr,
+    partial_ptr,
+    out_ptr,
+    counters_ptr,
+    T,
+    H,
+    E,
+    stride_x,
+    k_per_split,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OPERAND: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Router logits of BLOCK_T tokens over one split of the hidden dimension (grid axis 1):
@@ -532,9 +557,21 @@ def _router_partial_kernel(
 # Counts not specialised on: see `_router_partial_kernel`.
 @triton.jit(do_not_specialize=["T", "splits"])
 def _route_top_k_kernel(
-    partial_ptr, br_ptr, ids_ptr, gates_ptr, counts_ptr, valid_ptr, T, E, splits,
-    TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    partial_ptr,
+    br_ptr,
+    ids_ptr,
+    gates_ptr,
+    counts_ptr,
+    valid_ptr,
+    T,
+    E,
+    splits,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Routing of BLOCK_T tokens from the router's partial sums (all BLOCK_S >= splits of them in
     one load): logits, top-k (ties: lowest id), softmax over the k. Writes ids [T, k] int32 and
@@ -580,9 +617,26 @@ def _route_top_k_kernel(
 
 @triton.jit
 def _router_logits_kernel(
-    x_ptr, wr_ptr, br_ptr, logits_ptr, out_ptr, xh_ptr, inv_scale_ptr, H, E, stride_x, k_pad,
-    delta_ptr, norm_ptr, res_ptr, stride_d, eps,
-    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SLICE: tl.constexpr, ADD_NORM: tl.constexpr,
+    x_ptr,
+    wr_ptr,
+    br_ptr,
+    logits_ptr,
+    out_ptr,
+    xh_ptr,
+    inv_scale_ptr,
+    H,
+    E,
+    stride_x,
+    k_pad,
+    delta_ptr,
+    norm_ptr,
+    res_ptr,
+    stride_d,
+    eps,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SLICE: tl.constexpr,
+    ADD_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """logits[t, e] = h[t] . Wr[e] + br[e] for BLOCK_E experts of one token (float32): many small
@@ -647,8 +701,18 @@ def _router_logits_kernel(
 
 
 @triton.jit
-def _gemv_step(acc, w_rows, s_rows, x_row, t0, num_tiles, CHUNK: tl.constexpr,
-               BLOCK_U: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr = True):
+def _gemv_step(
+    acc,
+    w_rows,
+    s_rows,
+    x_row,
+    t0,
+    num_tiles,
+    CHUNK: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    ASM: tl.constexpr,
+    MASKED: tl.constexpr = True,
+):
     """acc [R, U, 2] += one loop step of a GEMV over BLOCK_U (even) tiles from tile t0 (even):
     w_rows [R, 1, 8] int32 pointers to R rows' first words in pair 0, s_rows [R, 1] to their
     scale words; CHUNK: words (of weights, and of scales) from one pair's rows of the group to
@@ -677,8 +741,17 @@ def _gemv_step(acc, w_rows, s_rows, x_row, t0, num_tiles, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def _gemv_loop(acc, w_rows, s_rows, x_row, num_tiles, CHUNK: tl.constexpr, BLOCK_U: tl.constexpr,
-               STAGES: tl.constexpr, ASM: tl.constexpr):
+def _gemv_loop(
+    acc,
+    w_rows,
+    s_rows,
+    x_row,
+    num_tiles,
+    CHUNK: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    STAGES: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """acc += a GEMV over all num_tiles K tiles (`_gemv_step`'s arguments): the whole steps
     unmasked, pipelined STAGES deep, then the partial last step, if any, masked. The callers
     pass the tiles of whole pairs (the layout's zero padding included, against activations
@@ -695,10 +768,31 @@ def _gemv_loop(acc, w_rows, s_rows, x_row, num_tiles, CHUNK: tl.constexpr, BLOCK
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    xh_ptr, inv_scale_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, act_ptr, valid_ptr,
-    I, E, E0, E_LOCAL, num_tiles, num_pairs, k_pad, i_pad, limit, alpha, act_scale,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_U: tl.constexpr,
-    STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    xh_ptr,
+    inv_scale_ptr,
+    logits_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    act_ptr,
+    valid_ptr,
+    I,
+    E,
+    E0,
+    E_LOCAL,
+    num_tiles,
+    num_pairs,
+    k_pad,
+    i_pad,
+    limit,
+    alpha,
+    act_scale,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    STAGES: tl.constexpr,
+    ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """act[p, n] = act_scale * swiglu(x[t] W1g[e]^T + b, x[t] W1u[e]^T + b) in fp16, `_permuted`,
     for pair p = (token t, slot), e the slot's expert, n in this program's row group (8 columns;
@@ -736,8 +830,17 @@ def _gemv_gate_up_kernel(
     inv_scale = tl.load(inv_scale_ptr + token)
     gate_bias = tl.load(b_ptr + e * 2 * I + n)
     up_bias = tl.load(b_ptr + e * 2 * I + I + n)
-    acc = _gemv_loop(tl.zeros([2 * _GROUP, BLOCK_U, 2], dtype=tl.float32), rows, s_rows, x_row, num_tiles, CHUNK,
-                     BLOCK_U, STAGES, ASM)
+    acc = _gemv_loop(
+        tl.zeros([2 * _GROUP, BLOCK_U, 2], dtype=tl.float32),
+        rows,
+        s_rows,
+        x_row,
+        num_tiles,
+        CHUNK,
+        BLOCK_U,
+        STAGES,
+        ASM,
+    )
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [16]: gates, then ups
     gate_sum, up_sum = tl.split(tl.permute(tl.reshape(y, [2, _GROUP]), [1, 0]))
     gate = gate_sum * inv_scale + gate_bias
@@ -748,10 +851,27 @@ def _gemv_gate_up_kernel(
 
 @triton.jit
 def _gemv_down_kernel(
-    act_ptr, logits_ptr, w_ptr, s_ptr, b_ptr, out_ptr, valid_ptr,
-    H, E, E0, E_LOCAL, num_tiles, num_pairs, i_pad, inv_act_scale,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_U: tl.constexpr,
-    STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    act_ptr,
+    logits_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    valid_ptr,
+    H,
+    E,
+    E0,
+    E_LOCAL,
+    num_tiles,
+    num_pairs,
+    i_pad,
+    inv_act_scale,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    STAGES: tl.constexpr,
+    ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, n] += gate * (act[p] W2[e]^T + b2[e]) for pair p = (token t, slot) and the 8
     columns n of this program's row group, fp32 atomics. act_ptr: the gate_up GEMV's fp16
@@ -779,8 +899,9 @@ def _gemv_down_kernel(
     bias = tl.load(b_ptr + e * H + n)  # a weight: read before the wait, not after the loop
     wait_for_previous(PDL)
     a_row = act_ptr + pair.to(tl.int64) * i_pad
-    acc = _gemv_loop(tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32), rows, s_rows, a_row, num_tiles, CHUNK,
-                     BLOCK_U, STAGES, ASM)
+    acc = _gemv_loop(
+        tl.zeros([_GROUP, BLOCK_U, 2], dtype=tl.float32), rows, s_rows, a_row, num_tiles, CHUNK, BLOCK_U, STAGES, ASM
+    )
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * inv_act_scale + bias
     tl.atomic_add(out_ptr + token * H + n, gate * y, sem="relaxed")
 
@@ -791,9 +912,20 @@ def _gemv_down_kernel(
 # Counts not specialised on: see `_router_partial_kernel`.
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _align_kernel(
-    ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, valid_ptr,
-    num_pairs, E, max_blocks,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+    ids_ptr,
+    counts_ptr,
+    cursor_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    valid_ptr,
+    num_pairs,
+    E,
+    max_blocks,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Group (token, slot) pairs by expert: sorted[row] = pair (or -1 for padding), each expert's
     rows starting at a multiple of BLOCK_M; block_expert[b] = the expert of rows
@@ -830,10 +962,29 @@ def _align_kernel(
 
 @triton.jit
 def _grouped_gate_up_kernel(
-    x_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
-    H, I, E0, E_LOCAL, num_tiles, num_pairs, stride_x, limit, alpha,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    act_ptr,
+    H,
+    I,
+    E0,
+    E_LOCAL,
+    num_tiles,
+    num_pairs,
+    stride_x,
+    limit,
+    alpha,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LARGE_SCALES: tl.constexpr,
+    PACKED: tl.constexpr,
+    OPERAND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """act[rows, n] = swiglu(gate, up) for one BLOCK_M-row block of one expert's pairs.
 
@@ -895,10 +1046,27 @@ def _grouped_gate_up_kernel(
 
 @triton.jit
 def _grouped_down_kernel(
-    act_ptr, sorted_ptr, block_expert_ptr, gates_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    H, I, E0, E_LOCAL, num_tiles, num_pairs,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LARGE_SCALES: tl.constexpr, PACKED: tl.constexpr, OPERAND: tl.constexpr, PDL: tl.constexpr,
+    act_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    gates_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    H,
+    I,
+    E0,
+    E_LOCAL,
+    num_tiles,
+    num_pairs,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LARGE_SCALES: tl.constexpr,
+    PACKED: tl.constexpr,
+    OPERAND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[token, n] += gate * (act[row] W2[e]^T + b2[e]) for one block of one expert's rows
     (fp32 atomics: the k experts of a token meet in its output row, no extra pass). Loads and
@@ -1021,8 +1189,13 @@ def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
 
 
 def fused_moe(
-    x: torch.Tensor, w: TritonMoEWeights, top_k: int, swiglu_limit: float, config: MoEKernelConfig = DEFAULT_CONFIG,
-    out_dtype: torch.dtype | None = None, valid_tokens: torch.Tensor | None = None,
+    x: torch.Tensor,
+    w: TritonMoEWeights,
+    top_k: int,
+    swiglu_limit: float,
+    config: MoEKernelConfig = DEFAULT_CONFIG,
+    out_dtype: torch.dtype | None = None,
+    valid_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE block. x: [T, H] bf16, or float32 (float32 math throughout) -> [T, H] in out_dtype
     (default x's); float32 returns the kernels' own sums, with no cast kernel.
@@ -1034,8 +1207,15 @@ def fused_moe(
 
 
 def fused_add_norm_moe(
-    x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: TritonMoEWeights, top_k: int,
-    swiglu_limit: float, config: MoEKernelConfig = DEFAULT_CONFIG, out_dtype: torch.dtype | None = None,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: TritonMoEWeights,
+    top_k: int,
+    swiglu_limit: float,
+    config: MoEKernelConfig = DEFAULT_CONFIG,
+    out_dtype: torch.dtype | None = None,
     valid_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and RMSNorm before the MoE block, then the block: returns (r, MoE(h))
@@ -1048,8 +1228,9 @@ def fused_add_norm_moe(
     return _moe(x, (delta, norm_weight, eps), w, top_k, swiglu_limit, config, out_dtype, valid_tokens)
 
 
-def decode_router(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, out32: torch.Tensor,
-                  add_norm=None):
+def decode_router(
+    x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, out32: torch.Tensor, add_norm=None
+):
     """The decode path's router, one launch, for router_weight [E, H] (as loaded) and
     router_bias [E] float32: (residual or None, logits [T, E] float32, x as the
     GEMVs read it [T, K_pad] fp16 (scaled by a power of two, `_permuted`), the inverse scales
@@ -1073,11 +1254,28 @@ def decode_router(x: torch.Tensor, router_weight: torch.Tensor, router_bias: tor
         delta = delta.contiguous()
         residual = torch.empty_like(x)
     _router_logits_kernel[(programs, t_count)](
-        x, router_weight, router_bias, logits, out32, x_half, inv_scale, hidden, num_experts, x.stride(0),
-        k_pad, delta, norm_weight, x if residual is None else residual, delta.stride(0), eps,
-        BLOCK_E=experts_per_program, BLOCK_H=triton.next_power_of_2(hidden),
-        SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)), ADD_NORM=add_norm is not None,
-        num_warps=4, **pdl_options(dev, dependent=True),
+        x,
+        router_weight,
+        router_bias,
+        logits,
+        out32,
+        x_half,
+        inv_scale,
+        hidden,
+        num_experts,
+        x.stride(0),
+        k_pad,
+        delta,
+        norm_weight,
+        x if residual is None else residual,
+        delta.stride(0),
+        eps,
+        BLOCK_E=experts_per_program,
+        BLOCK_H=triton.next_power_of_2(hidden),
+        SLICE=triton.next_power_of_2(triton.cdiv(k_pad, programs)),
+        ADD_NORM=add_norm is not None,
+        num_warps=4,
+        **pdl_options(dev, dependent=True),
     )
     return residual, logits, x_half, inv_scale
 
@@ -1111,17 +1309,55 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
         k_pad = x_half.shape[1]
         act = torch.empty(pairs, i_pad, dtype=torch.float16, device=dev)  # * act_scale, permuted
         asm = not interpreting()
-        gemv = dict(TOP_K=top_k, BLOCK_E=block_e, BLOCK_U=cfg.gemv_block_u, STAGES=cfg.gemv_stages, ASM=asm,
-                    num_warps=cfg.gemv_warps)
+        gemv = dict(
+            TOP_K=top_k,
+            BLOCK_E=block_e,
+            BLOCK_U=cfg.gemv_block_u,
+            STAGES=cfg.gemv_stages,
+            ASM=asm,
+            num_warps=cfg.gemv_warps,
+        )
         _gemv_gate_up_kernel[(pairs, i_pad // ROW_GROUP)](
-            x_half, inv_scale, logits, w.w1.view(torch.int32), w.s1, w.b1, act, valid_tokens, inter, num_experts,
-            e0, e_local, 2 * pairs1, pairs1, k_pad, i_pad, swiglu_limit, SWIGLU_ALPHA, act_scale, **gemv,
+            x_half,
+            inv_scale,
+            logits,
+            w.w1.view(torch.int32),
+            w.s1,
+            w.b1,
+            act,
+            valid_tokens,
+            inter,
+            num_experts,
+            e0,
+            e_local,
+            2 * pairs1,
+            pairs1,
+            k_pad,
+            i_pad,
+            swiglu_limit,
+            SWIGLU_ALPHA,
+            act_scale,
+            **gemv,
             **pdl_options(dev, dependent=False),
         )
         _gemv_down_kernel[(pairs, hidden // ROW_GROUP)](
-            act, logits, w.w2.view(torch.int32), w.s2, w.b2, out32, valid_tokens, hidden, num_experts, e0, e_local,
+            act,
+            logits,
+            w.w2.view(torch.int32),
+            w.s2,
+            w.b2,
+            out32,
+            valid_tokens,
+            hidden,
+            num_experts,
+            e0,
+            e_local,
             2 * pairs2,
-            pairs2, i_pad, 1.0 / act_scale, **gemv, **pdl_options(dev, dependent=True),
+            pairs2,
+            i_pad,
+            1.0 / act_scale,
+            **gemv,
+            **pdl_options(dev, dependent=True),
         )
         return residual, out32.to(out_dtype)  # no copy when float32 was asked for
 
@@ -1146,14 +1382,39 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
     partial = torch.empty(splits, t_count, num_experts, dtype=torch.float32, device=dev)
     pdl = pdl_options(dev, dependent=t_count <= cfg.grouped_pdl_max_tokens)  # each waits first thing
     _router_partial_kernel[(token_blocks, splits)](
-        x, w.router_weight, partial, out32, counters, t_count, hidden, num_experts, x.stride(0), k_per_split,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=router_k, OPERAND=operand, **pdl,
+        x,
+        w.router_weight,
+        partial,
+        out32,
+        counters,
+        t_count,
+        hidden,
+        num_experts,
+        x.stride(0),
+        k_per_split,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_K=router_k,
+        OPERAND=operand,
+        **pdl,
     )
     top_k_block_t = 4  # small programs: the loads of all splits are one wide load each
     _route_top_k_kernel[(triton.cdiv(t_count, top_k_block_t),)](
-        partial, w.router_bias, ids, gates, counters[0], valid_tokens, t_count, num_experts, splits,
-        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=top_k_block_t, BLOCK_E=block_e,
-        BLOCK_S=triton.next_power_of_2(splits), **pdl,
+        partial,
+        w.router_bias,
+        ids,
+        gates,
+        counters[0],
+        valid_tokens,
+        t_count,
+        num_experts,
+        splits,
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        BLOCK_T=top_k_block_t,
+        BLOCK_E=block_e,
+        BLOCK_S=triton.next_power_of_2(splits),
+        **pdl,
     )
     block_m = _block_m(pairs, num_experts, cfg)
     max_blocks = min(pairs, (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
@@ -1161,22 +1422,73 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     block_p = 128
     _align_kernel[(triton.cdiv(pairs, block_p),)](
-        ids, counters[0], counters[1], sorted_pairs, block_expert, valid_tokens, pairs, num_experts, max_blocks,
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, **pdl,
+        ids,
+        counters[0],
+        counters[1],
+        sorted_pairs,
+        block_expert,
+        valid_tokens,
+        pairs,
+        num_experts,
+        max_blocks,
+        TOP_K=top_k,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        BLOCK_P=block_p,
+        **pdl,
     )
     act_dtype = torch.float32 if full_precision else torch.bfloat16
     act = torch.empty(max_blocks * block_m, inter, dtype=act_dtype, device=dev)
     packed = not full_precision and not w.large_scales  # `GROUPED_DEQUANT_PTX`: bf16, scale bytes <= 128
-    common = dict(TOP_K=top_k, BLOCK_M=block_m, LARGE_SCALES=w.large_scales, PACKED=packed, OPERAND=operand,
-                  num_stages=cfg.stages, **pdl)
+    common = dict(
+        TOP_K=top_k,
+        BLOCK_M=block_m,
+        LARGE_SCALES=w.large_scales,
+        PACKED=packed,
+        OPERAND=operand,
+        num_stages=cfg.stages,
+        **pdl,
+    )
     # Grids run the column blocks of one token block side by side (axis 0 is launched first):
     # they share its activation rows while those are in cache (4-5% faster at 2048 tokens, H200).
     _grouped_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
-        x, sorted_pairs, block_expert, w.w1, w.s1, w.b1, act, hidden, inter, e0, e_local, tiles1, pairs1, x.stride(0),
-        swiglu_limit, SWIGLU_ALPHA, BLOCK_N=cfg.block_n, num_warps=cfg.warps, **common,
+        x,
+        sorted_pairs,
+        block_expert,
+        w.w1,
+        w.s1,
+        w.b1,
+        act,
+        hidden,
+        inter,
+        e0,
+        e_local,
+        tiles1,
+        pairs1,
+        x.stride(0),
+        swiglu_limit,
+        SWIGLU_ALPHA,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.warps,
+        **common,
     )
     _grouped_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), max_blocks)](
-        act, sorted_pairs, block_expert, gates, w.w2, w.s2, w.b2, out32, hidden, inter, e0, e_local, tiles2, pairs2,
-        BLOCK_N=cfg.down_block_n, num_warps=cfg.down_warps or cfg.warps, **common,
+        act,
+        sorted_pairs,
+        block_expert,
+        gates,
+        w.w2,
+        w.s2,
+        w.b2,
+        out32,
+        hidden,
+        inter,
+        e0,
+        e_local,
+        tiles2,
+        pairs2,
+        BLOCK_N=cfg.down_block_n,
+        num_warps=cfg.down_warps or cfg.warps,
+        **common,
     )
     return residual, out32.to(out_dtype)

@@ -26,19 +26,25 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from openai.types.responses import (ResponseMcpCallArgumentsDeltaEvent, ResponseMcpCallArgumentsDoneEvent,
-                                    ResponseMcpCallCompletedEvent, ResponseMcpCallFailedEvent,
-                                    ResponseMcpCallInProgressEvent, ResponseMcpListToolsCompletedEvent,
-                                    ResponseMcpListToolsInProgressEvent, ResponseStreamEvent)
+from openai.types.responses import (
+    ResponseMcpCallArgumentsDeltaEvent,
+    ResponseMcpCallArgumentsDoneEvent,
+    ResponseMcpCallCompletedEvent,
+    ResponseMcpCallFailedEvent,
+    ResponseMcpCallInProgressEvent,
+    ResponseMcpListToolsCompletedEvent,
+    ResponseMcpListToolsInProgressEvent,
+    ResponseStreamEvent,
+)
 from pydantic import TypeAdapter
 
 from inference.tokenizer import harmony_encoding
+from tests.agent_server.responses.test_routes import check_stream_invariants, stream_events
 from tests.conftest import MODEL, LiveServer
 from tests.fake_engine import ScriptedEngine, TeacherForcedEngine, harmony_tokens
 from tests.sandbox_host import host_command
-from tests.agent_server.responses.test_routes import check_stream_invariants, stream_events
-from tests.tools.test_mcp_client import make_server
 from tests.tools.python.test_sandbox import Listeners, require
+from tests.tools.test_mcp_client import make_server
 
 REPO = Path(__file__).resolve().parents[3]
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
@@ -53,8 +59,11 @@ def engine(request):
     from inference.engine.async_engine import AsyncEngine
 
     checkpoint = request.getfixturevalue("tiny_checkpoint")
-    return TeacherForcedEngine(AsyncEngine.from_pretrained(str(checkpoint), device="cpu", max_model_len=2048,
-                                                           num_pages=256, enforce_eager=True))
+    return TeacherForcedEngine(
+        AsyncEngine.from_pretrained(
+            str(checkpoint), device="cpu", max_model_len=2048, num_pages=256, enforce_eager=True
+        )
+    )
 
 
 def serve_app(engine, tmp_path: Path, tool_server_specs: list[str], **tool_options) -> LiveServer:
@@ -109,14 +118,18 @@ def test_mcp_server_listed_and_called_through_responses(engine, tmp_path):
     label = "Unit_Conversions"  # the MCP server's own name, as a Harmony namespace
     engine.say(
         f"<|channel|>commentary to={label}.celsius_to_fahrenheit <|constrain|>json<|message|>"
-        "{\"celsius\": 37.5}<|call|>",
-        f"<|channel|>commentary to={label}.fail <|constrain|>json<|message|>{{\"reason\": \"on purpose\"}}<|call|>",
-        "<|channel|>final<|message|>37.5 °C is 99.5 °F.<|return|>")
-    with mcp_server_on_loopback() as port, serve_app(engine, tmp_path, [f"127.0.0.1:{port}"],
-                                                     mcp_timeout=5) as server:
+        '{"celsius": 37.5}<|call|>',
+        f'<|channel|>commentary to={label}.fail <|constrain|>json<|message|>{{"reason": "on purpose"}}<|call|>',
+        "<|channel|>final<|message|>37.5 °C is 99.5 °F.<|return|>",
+    )
+    with mcp_server_on_loopback() as port, serve_app(engine, tmp_path, [f"127.0.0.1:{port}"], mcp_timeout=5) as server:
         client = server.client()
-        events, final = stream_events(client, model=MODEL, input="What is 37.5 C in F?",
-                                      tools=[{"type": "mcp", "server_label": label, "require_approval": "never"}])
+        events, final = stream_events(
+            client,
+            model=MODEL,
+            input="What is 37.5 C in F?",
+            tools=[{"type": "mcp", "server_label": label, "require_approval": "never"}],
+        )
         health = httpx.get(f"{server.url}/health")
     check_stream_invariants(events, final)
     check_sdk_types(events)
@@ -141,8 +154,9 @@ def test_mcp_server_listed_and_called_through_responses(engine, tmp_path):
 
     # The MCP events, each the SDK's own class, in order for each item.
     def of(index):
-        return [type(e) for e in events if getattr(e, "output_index", None) == index
-                and e.type.startswith("response.mcp")]
+        return [
+            type(e) for e in events if getattr(e, "output_index", None) == index and e.type.startswith("response.mcp")
+        ]
 
     assert of(0) == [ResponseMcpListToolsInProgressEvent, ResponseMcpListToolsCompletedEvent]
     for index, end in ((1, ResponseMcpCallCompletedEvent), (2, ResponseMcpCallFailedEvent)):
@@ -150,8 +164,9 @@ def test_mcp_server_listed_and_called_through_responses(engine, tmp_path):
         kinds = of(index)
         assert kinds[-3:] == [ResponseMcpCallArgumentsDoneEvent, ResponseMcpCallInProgressEvent, end]
         assert set(kinds[:-3]) == {ResponseMcpCallArgumentsDeltaEvent}
-        deltas = "".join(e.delta for e in events if isinstance(e, ResponseMcpCallArgumentsDeltaEvent)
-                         and e.output_index == index)
+        deltas = "".join(
+            e.delta for e in events if isinstance(e, ResponseMcpCallArgumentsDeltaEvent) and e.output_index == index
+        )
         done = next(e for e in events if isinstance(e, ResponseMcpCallArgumentsDoneEvent) and e.output_index == index)
         assert deltas == done.arguments == final.output[index].arguments
 
@@ -159,28 +174,31 @@ def test_mcp_server_listed_and_called_through_responses(engine, tmp_path):
     first, second, third = engine.calls
     assert f"namespace {label} {{" in prompt_text(first)
     assert "type celsius_to_fahrenheit = (_: {\ncelsius: number,\n}) => any;" in prompt_text(first)
-    assert prompt_text(second).endswith(f"<|start|>{label}.celsius_to_fahrenheit to=assistant<|channel|>commentary"
-                                        "<|message|>99.5<|end|><|start|>assistant")
-    assert f"<|start|>{label}.fail to=assistant<|channel|>commentary<|message|>{failed.error.content}<|end|>" \
+    assert prompt_text(second).endswith(
+        f"<|start|>{label}.celsius_to_fahrenheit to=assistant<|channel|>commentary"
+        "<|message|>99.5<|end|><|start|>assistant"
+    )
+    assert (
+        f"<|start|>{label}.fail to=assistant<|channel|>commentary<|message|>{failed.error.content}<|end|>"
         in prompt_text(third)
+    )
 
 
 # --- browser and citations ---------------------------------------------------------------
 
 DOCUMENTS = {
     "solar-sails.md": "# Solar sails\n\nA solar sail is pushed by the pressure of sunlight on a large, thin mirror.\n"
-                      "JAXA's IKAROS unfurled the first interplanetary solar sail in 2010.\n\n"
-                      "See also [tides](tides.html).\n",
+    "JAXA's IKAROS unfurled the first interplanetary solar sail in 2010.\n\n"
+    "See also [tides](tides.html).\n",
     "tides.html": "<html><head><title>Why the sea has tides</title></head><body>\n<h1>Tides</h1>\n"
-                  "<p>Ocean tides are raised mostly by the Moon's gravity, with a smaller part from the Sun.</p>\n"
-                  "<p>Spring tides come when the Sun and the Moon line up.</p>\n</body></html>\n",
+    "<p>Ocean tides are raised mostly by the Moon's gravity, with a smaller part from the Sun.</p>\n"
+    "<p>Spring tides come when the Sun and the Moon line up.</p>\n</body></html>\n",
     "kettles.txt": "Descaling kettles\n\nVinegar dissolves the limescale that hard water leaves in kettles.\n",
 }
 
 
 def browser_turn(function: str, arguments: dict) -> str:
-    return (f"<|channel|>analysis to=browser.{function} <|constrain|>json<|message|>"
-            f"{json.dumps(arguments)}<|call|>")
+    return f"<|channel|>analysis to=browser.{function} <|constrain|>json<|message|>{json.dumps(arguments)}<|call|>"
 
 
 @pytest.fixture
@@ -198,16 +216,24 @@ def test_real_browser_citations_through_responses(engine, tmp_path, docs_folder)
     sails, tides = (folder / "solar-sails.md").as_uri(), (folder / "tides.html").as_uri()
     # Page stack: [0] search "IKAROS", [1] the sails page, [2] search "Moon tides" (tides first,
     # sails second, on lines 7-9), [3] the tides page, [4] find "spring" in it.
-    engine.say(browser_turn("search", {"query": "IKAROS solar sail"}), browser_turn("open", {"id": 0}),
-               browser_turn("search", {"query": "Moon tides"}), browser_turn("open", {"id": 0}),
-               browser_turn("find", {"pattern": "spring"}),
-               "<|channel|>final<|message|>A solar sail is pushed by sunlight【1†L4-L5】. The Moon raises most tides"
-               "【3†L4-L5】, and IKAROS has its own page【2†L7-L8】【3†L7】. Spring tides need the Sun too【4†L1】【9†L2】."
-               "<|return|>")
+    engine.say(
+        browser_turn("search", {"query": "IKAROS solar sail"}),
+        browser_turn("open", {"id": 0}),
+        browser_turn("search", {"query": "Moon tides"}),
+        browser_turn("open", {"id": 0}),
+        browser_turn("find", {"pattern": "spring"}),
+        "<|channel|>final<|message|>A solar sail is pushed by sunlight【1†L4-L5】. The Moon raises most tides"
+        "【3†L4-L5】, and IKAROS has its own page【2†L7-L8】【3†L7】. Spring tides need the Sun too【4†L1】【9†L2】."
+        "<|return|>",
+    )
     with serve_app(engine, tmp_path, ["browser"], search_dir=folder) as server:
-        events, final = stream_events(server.client(), model=MODEL, input="Tell me about sails and tides.",
-                                      tools=[{"type": "web_search_preview"}],
-                                      include=["web_search_call.action.sources"])
+        events, final = stream_events(
+            server.client(),
+            model=MODEL,
+            input="Tell me about sails and tides.",
+            tools=[{"type": "web_search_preview"}],
+            include=["web_search_call.action.sources"],
+        )
     check_stream_invariants(events, final)
     check_sdk_types(events)
 
@@ -222,11 +248,13 @@ def test_real_browser_citations_through_responses(engine, tmp_path, docs_folder)
     text = final.output[-1].content[0]
     # Citations of: the sails page, the tides page, the second result of a search page (lines
     # 7-8), the tides page, and a find page (its page's URL); [9] does not exist and is dropped.
-    assert text.text == (f"A solar sail is pushed by sunlight {sails_link}. The Moon raises most tides {tides_link}, "
-                         f"and IKAROS has its own page {sails_link} {tides_link}. "
-                         f"Spring tides need the Sun too {tides_link}.")
+    assert text.text == (
+        f"A solar sail is pushed by sunlight {sails_link}. The Moon raises most tides {tides_link}, "
+        f"and IKAROS has its own page {sails_link} {tides_link}. "
+        f"Spring tides need the Sun too {tides_link}."
+    )
     # Each annotation spans exactly its link in the final text and names the cited page.
-    spans = [(text.text[a.start_index:a.end_index], a.url, a.title) for a in text.annotations]
+    spans = [(text.text[a.start_index : a.end_index], a.url, a.title) for a in text.annotations]
     sails_span, tides_span = (sails_link, sails, "Solar sails"), (tides_link, tides, "Why the sea has tides")
     assert spans == [sails_span, tides_span, sails_span, tides_span, tides_span]
     added = [e for e in events if e.type == "response.output_text.annotation.added"]
@@ -235,8 +263,9 @@ def test_real_browser_citations_through_responses(engine, tmp_path, docs_folder)
     assert [as_json(e.annotation) for e in added] == [as_json(a) for a in text.annotations]
 
     # The model read the real pages.
-    assert "<|start|>browser.search to=assistant<|channel|>commentary<|message|>[0] IKAROS solar sail\n" \
-        in prompt_text(engine.calls[1])
+    assert "<|start|>browser.search to=assistant<|channel|>commentary<|message|>[0] IKAROS solar sail\n" in prompt_text(
+        engine.calls[1]
+    )
     assert "\nL4:   * 【0†Solar sails】" in prompt_text(engine.calls[1])
     assert f"[1] Solar sails ({sails})\n" in prompt_text(engine.calls[2])
     assert "namespace browser {" in prompt_text(engine.calls[0])
@@ -244,8 +273,11 @@ def test_real_browser_citations_through_responses(engine, tmp_path, docs_folder)
 
 # --- the Python sandbox, behind a server process that holds a secret --------------------------
 
-TOOL_ANSWER = re.compile(r"<\|start\|>python to=assistant<\|channel\|>commentary<\|message\|>(.*)<\|end\|>"
-                         r"<\|start\|>assistant$", re.S)
+TOOL_ANSWER = re.compile(
+    r"<\|start\|>python to=assistant<\|channel\|>commentary<\|message\|>(.*)<\|end\|>"
+    r"<\|start\|>assistant$",
+    re.S,
+)
 USER_MESSAGE = re.compile(r"<\|start\|>user<\|message\|>(.*?)<\|end\|>", re.S)
 
 
@@ -279,8 +311,7 @@ def serve_python_tool(store: str, use_namespaces: str) -> None:
         started.append(await PythonToolServer.start(limits, use_namespaces=use_namespaces == "1"))
         return started
 
-    app = create_app(ServerConfig(model_name=MODEL, store_path=Path(store)), NotebookModel,
-                     tool_servers=tool_servers)
+    app = create_app(ServerConfig(model_name=MODEL, store_path=Path(store)), NotebookModel, tool_servers=tool_servers)
     server = LiveServer(app).start(ready_timeout=60)
     try:
         print(json.dumps({"url": server.url, "report": dataclasses.asdict(started[0].report)}), flush=True)
@@ -296,12 +327,22 @@ def python_tool_server_process(tmp_path: Path, env: dict, use_namespaces: bool):
     log = tmp_path / "server.log"
     with open(log, "w") as log_file:
         # (without namespaces, on a host where other uids can read Python: see tests.sandbox_host)
-        command = ["-c", "import sys; from tests.agent_server.agent.test_loop import serve_python_tool; "
-                         "serve_python_tool(*sys.argv[1:])", str(tmp_path / "responses.sqlite3"),
-                   "1" if use_namespaces else "0"]
+        command = [
+            "-c",
+            "import sys; from tests.agent_server.agent.test_loop import serve_python_tool; "
+            "serve_python_tool(*sys.argv[1:])",
+            str(tmp_path / "responses.sqlite3"),
+            "1" if use_namespaces else "0",
+        ]
         process = subprocess.Popen(
             host_command(command) if not use_namespaces else [sys.executable, *command],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True)
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+        )
     try:
         hello = process.stdout.readline()
         assert hello, f"the server process did not start:\n{log.read_text()}"
@@ -382,8 +423,12 @@ FORBIDDEN = ["ALLOCATED", "FOUND", "WROTE", "CONNECTED", "SENT", "SIGNALLED"]
 def run_python(sdk, code: str) -> tuple[object, str]:
     """One Responses request in which the model runs `code`: its code_interpreter_call item and
     the tool message the model got back."""
-    response = sdk.responses.create(model=MODEL, input=code, include=["code_interpreter_call.outputs"],
-                                    tools=[{"type": "code_interpreter", "container": {"type": "auto"}}])
+    response = sdk.responses.create(
+        model=MODEL,
+        input=code,
+        include=["code_interpreter_call.outputs"],
+        tools=[{"type": "code_interpreter", "container": {"type": "auto"}}],
+    )
     call, message = response.output
     assert call.type == "code_interpreter_call" and call.code == code
     seen = json.loads(message.content[0].text)
@@ -418,9 +463,15 @@ def test_hostile_python_through_the_server(tmp_path, escape_targets, namespaces)
             require(report["landlock_abi"] >= 6 and report["seccomp"], f"Landlock >= 6 and seccomp needed: {report}")
             assert secret.encode() in Path(f"/proc/{process.pid}/environ").read_bytes()  # positive control
             cells = dict(HOSTILE_CELLS)
-            fill = {"name": SECRET_NAME, "secret": secret, "server_pid": process.pid, "repo": str(REPO),
-                    "open_dir": str(escape_targets[0].parent), "escape": ESCAPE_NAME,
-                    "socket_probe": listeners.probe_code()}
+            fill = {
+                "name": SECRET_NAME,
+                "secret": secret,
+                "server_pid": process.pid,
+                "repo": str(REPO),
+                "open_dir": str(escape_targets[0].parent),
+                "escape": ESCAPE_NAME,
+                "socket_probe": listeners.probe_code(),
+            }
             with openai.OpenAI(base_url=hello["url"] + "/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
                 for name, template in cells.items():
                     call, seen = run_python(sdk, template.format(**fill))

@@ -129,10 +129,28 @@ def test_percentiles_interpolate():
 
 
 def test_summary_numbers():
-    a = RequestResult(10, 11, ok=True, start=0.0, ttft=0.1, e2e=1.1, input_tokens=50, output_tokens=11,
-                      delta_times=[0.15 + 0.1 * i for i in range(11)])
-    b = RequestResult(20, 6, ok=True, start=0.5, ttft=0.3, e2e=0.8, input_tokens=60, output_tokens=6,
-                      delta_times=[0.85, 0.95, 1.05, 1.15, 1.25, 1.35])
+    a = RequestResult(
+        10,
+        11,
+        ok=True,
+        start=0.0,
+        ttft=0.1,
+        e2e=1.1,
+        input_tokens=50,
+        output_tokens=11,
+        delta_times=[0.15 + 0.1 * i for i in range(11)],
+    )
+    b = RequestResult(
+        20,
+        6,
+        ok=True,
+        start=0.5,
+        ttft=0.3,
+        e2e=0.8,
+        input_tokens=60,
+        output_tokens=6,
+        delta_times=[0.85, 0.95, 1.05, 1.15, 1.25, 1.35],
+    )
     failed = RequestResult(30, 6, error="HTTP 500: boom", start=0.2, e2e=0.1)
     s = summarize([a, b, failed], duration=2.0, start=0.0, backend="test")
     assert (s["completed"], s["failed"], s["errors"]) == (2, 1, {"HTTP 500: boom": 1})
@@ -163,8 +181,10 @@ def test_stream_check_rejects_malformed_streams():
     chunk = lambda **delta: {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}  # noqa: E731
     end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
     usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}
-    good = run("chat", [chunk(role="assistant", content=""), chunk(content="a"), chunk(reasoning_content="b"),
-                        end, usage, "[DONE]"])
+    good = run(
+        "chat",
+        [chunk(role="assistant", content=""), chunk(content="a"), chunk(reasoning_content="b"), end, usage, "[DONE]"],
+    )
     assert good.ok and good.text == "ab" and good.ttft == pytest.approx(0.2) and good.output_tokens == 4
     assert good.delta_times == pytest.approx([0.2, 0.3]) and good.input_tokens == 9
     assert run("chat", [chunk(content="a"), "[DONE]"]).error == "the stream ended without a finish_reason"
@@ -175,8 +195,11 @@ def test_stream_check_rejects_malformed_streams():
 
     created = {"type": "response.created", "sequence_number": 0, "response": {"id": "resp_1"}}
     delta = {"type": "response.output_text.delta", "sequence_number": 1, "delta": "hi"}
-    done = {"type": "response.completed", "sequence_number": 2,
-            "response": {"status": "completed", "usage": {"input_tokens": 5, "output_tokens": 3}}}
+    done = {
+        "type": "response.completed",
+        "sequence_number": 2,
+        "response": {"status": "completed", "usage": {"input_tokens": 5, "output_tokens": 3}},
+    }
     ok = run("responses", [created, delta, done])
     assert ok.ok and ok.response_id == "resp_1" and ok.output_tokens == 3 and ok.finish_reason == "completed"
     assert "arrived where 1 was due" in run("responses", [created, {**done, "sequence_number": 2}]).error
@@ -191,8 +214,13 @@ def test_stream_check_rejects_malformed_streams():
 
 def test_ignore_eos_generates_past_the_end_of_turn(bench_server):
     """The Chat extension the benchmark relies on for exact output lengths."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0,
-            "logit_bias": {str(RETURN): 100}}  # the model wants to end its turn at once
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logit_bias": {str(RETURN): 100},
+    }  # the model wants to end its turn at once
     stops = httpx.post(f"{bench_server.url}/v1/chat/completions", json=body, timeout=60).json()
     assert stops["usage"]["completion_tokens"] == 1 and stops["choices"][0]["finish_reason"] == "stop"
     goes_on = httpx.post(f"{bench_server.url}/v1/chat/completions", json={**body, "ignore_eos": True}, timeout=60)
@@ -204,9 +232,29 @@ def test_ignore_eos_generates_past_the_end_of_turn(bench_server):
 def test_bench_serve_chat_agrees_with_the_server_metrics(bench_server, tmp_path, capsys):
     out = tmp_path / "serve.json"
     before = scrape(bench_server)
-    rc = main(["bench", "serve", "--base-url", f"{bench_server.url}/v1", "--num-prompts", "8", "--input-len", "32",
-               "--output-len", "64", "--ignore-eos", "--temperature", "0", "--max-concurrency", "4",
-               "--server-metrics", "--no-progress", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            f"{bench_server.url}/v1",
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "32",
+            "--output-len",
+            "64",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--max-concurrency",
+            "4",
+            "--server-metrics",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     after = scrape(bench_server)
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -224,8 +272,7 @@ def test_bench_serve_chat_agrees_with_the_server_metrics(bench_server, tmp_path,
     assert server["ttft_count"] == 8
     # ... and so are they when scraped independently around the whole run (one warm-up request more).
     assert counter_delta(before, after, "oss_agent_generation_tokens_total") == 9 * 64
-    assert counter_delta(before, after, "oss_agent_requests_total", endpoint="/v1/chat/completions",
-                         status="200") == 9
+    assert counter_delta(before, after, "oss_agent_requests_total", endpoint="/v1/chat/completions", status="200") == 9
     # Latencies: the client's first text comes after the server's first token; the gaps between
     # streamed deltas are the engine's gaps between tokens; a request lasts as long on both sides.
     assert s["ttft_ms"]["mean"] >= server["ttft_mean_ms"]
@@ -237,12 +284,33 @@ def test_bench_serve_chat_agrees_with_the_server_metrics(bench_server, tmp_path,
 
 def test_bench_serve_responses_api_with_a_dataset(bench_server, tmp_path, capsys):
     dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("\n".join(json.dumps({"prompt": p, "output_len": n}) for p, n in
-                                 [("Why is the sky blue?", 12), ("Name a prime number.", 8)]))
+    dataset.write_text(
+        "\n".join(
+            json.dumps({"prompt": p, "output_len": n})
+            for p, n in [("Why is the sky blue?", 12), ("Name a prime number.", 8)]
+        )
+    )
     out = tmp_path / "responses.json"
-    rc = main(["bench", "serve", "--base-url", bench_server.url, "--api", "responses", "--dataset", str(dataset),
-               "--num-prompts", "4", "--request-rate", "20", "--server-metrics", "--no-progress",
-               "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            bench_server.url,
+            "--api",
+            "responses",
+            "--dataset",
+            str(dataset),
+            "--num-prompts",
+            "4",
+            "--request-rate",
+            "20",
+            "--server-metrics",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0, capsys.readouterr().out
     s = json.loads(out.read_text())
     assert (s["completed"], s["failed"], s["output_tokens_counted_by"]) == (4, 0, "usage")
@@ -255,8 +323,27 @@ def test_bench_serve_responses_api_with_a_dataset(bench_server, tmp_path, capsys
 
 def test_bench_serve_reports_failures(bench_server, tmp_path, capsys):
     out = tmp_path / "failed.json"
-    rc = main(["bench", "serve", "--base-url", bench_server.url, "--model", "no-such-model", "--warmup", "0",
-               "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--no-progress", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            bench_server.url,
+            "--model",
+            "no-such-model",
+            "--warmup",
+            "0",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 1
     s = json.loads(out.read_text())
     assert (s["completed"], s["failed"]) == (0, 3)
@@ -264,8 +351,23 @@ def test_bench_serve_reports_failures(bench_server, tmp_path, capsys):
     assert message.startswith("HTTP 404: The model 'no-such-model' does not exist") and count == 3
     assert "failed x3: HTTP 404" in capsys.readouterr().out
     # A failing warm-up stops the run before it starts.
-    rc = main(["bench", "serve", "--base-url", bench_server.url, "--model", "no-such-model",
-               "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            bench_server.url,
+            "--model",
+            "no-such-model",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--no-progress",
+        ]
+    )
     assert rc == 1 and "the warm-up request failed: HTTP 404" in capsys.readouterr().err
 
 
@@ -287,10 +389,35 @@ def test_bench_serve_against_a_closed_port_names_the_url(capsys):
 
 def test_bench_engine_and_its_http_overhead_in_one_run(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "engine.json"
-    rc = main(["bench", "engine", "--model", str(tiny_checkpoint), "--device", "cpu", "--max-model-len", "1024",
-               "--engine-option", "num_pages=256", "--engine-option", "enforce_eager=True", "--num-prompts", "4",
-               "--input-len", "16", "--output-len", "8", "--ignore-eos", "--temperature", "0", "--compare-http",
-               "--no-progress", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "engine",
+            "--model",
+            str(tiny_checkpoint),
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "1024",
+            "--engine-option",
+            "num_pages=256",
+            "--engine-option",
+            "enforce_eager=True",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--compare-http",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     report = json.loads(out.read_text())
@@ -304,15 +431,21 @@ def test_bench_engine_and_its_http_overhead_in_one_run(tiny_checkpoint, tmp_path
     assert http["server_metrics"]["generation_tokens"] == 32
     ratios = report["http_over_engine"]
     assert ratios["output token throughput (tok/s)"] == pytest.approx(
-        http["output_throughput"] / engine["output_throughput"])
+        http["output_throughput"] / engine["output_throughput"]
+    )
     assert "streaming overhead" in printed and "| output token throughput (tok/s) |" in printed
 
 
 def test_sse_lines_end_only_where_the_sse_format_ends_them():
     from agent_server.bench.serve import sse_events
 
-    pieces = [b'data: {"a":"x\xe2\x80', b'\xa8y\xc2\x85z\xe2\x80\xa9"}\r', b"\n\r\ndata: 1\rdata: 2\r", b"\r",
-              b"data: [DONE]"]
+    pieces = [
+        b'data: {"a":"x\xe2\x80',
+        b'\xa8y\xc2\x85z\xe2\x80\xa9"}\r',
+        b"\n\r\ndata: 1\rdata: 2\r",
+        b"\r",
+        b"data: [DONE]",
+    ]
 
     async def body():
         for piece in pieces:
@@ -332,9 +465,26 @@ def test_bench_serve_scrapes_the_metrics_with_the_api_key(tmp_path, capsys):
     app = make_app(lambda: engine, tmp_path / "r.db", api_key="k3y")
     with LiveServer(app, api_key="k3y") as server:
         out = tmp_path / "serve.json"
-        rc = main(["bench", "serve", "--base-url", server.url, "--api-key", "k3y", "--num-prompts", "2",
-                   "--input-len", "16", "--output-len", "4", "--server-metrics", "--no-progress",
-                   "--json", str(out)])
+        rc = main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                server.url,
+                "--api-key",
+                "k3y",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "16",
+                "--output-len",
+                "4",
+                "--server-metrics",
+                "--no-progress",
+                "--json",
+                str(out),
+            ]
+        )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert "not available" not in printed

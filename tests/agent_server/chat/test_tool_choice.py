@@ -15,13 +15,13 @@ import json
 import httpx
 import pytest
 
-from tests.conftest import MODEL
 from tests.agent_server.chat.test_routes import HELLO, ONE_CALL, TOOLS, collect, prompt_text
+from tests.conftest import MODEL
 
 
 def developer_message(text: str) -> str:
     start = text.index("<|start|>developer<|message|>")
-    return text[start:text.index("<|end|>", start)]
+    return text[start : text.index("<|end|>", start)]
 
 
 def test_tool_choice_none_leaves_the_functions_out(fake_server):
@@ -42,15 +42,15 @@ def forced_recipients(engine) -> list[str]:
     grammar = engine.calls[-1].request.sampling.grammar
     if grammar is None or not grammar.text.startswith("start: call_"):
         return []
-    return sorted(line.split(" to=")[1].split(" ")[0] for line in grammar.text.splitlines()
-                  if line.startswith("call_"))
+    return sorted(line.split(" to=")[1].split(" ")[0] for line in grammar.text.splitlines() if line.startswith("call_"))
 
 
 def test_tool_choice_required_forces_a_call_and_the_call_comes_back(fake_server):
     engine, client = fake_server.engine, fake_server.client()
     engine.say(ONE_CALL)
-    _, choices = collect(client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS,
-                                                        tool_choice="required", stream=True))
+    _, choices = collect(
+        client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, tool_choice="required", stream=True)
+    )
     assert forced_recipients(engine) == ["functions.get_time", "functions.get_weather"]
     developer = developer_message(prompt_text(engine))
     assert "You must" not in developer and "type get_weather" in developer
@@ -61,9 +61,10 @@ def test_tool_choice_required_forces_a_call_and_the_call_comes_back(fake_server)
 
 def test_named_tool_choice(fake_server):
     engine, client = fake_server.engine, fake_server.client()
-    engine.say("<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{\"zone\": \"CET\"}<|call|>")
-    completion = client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, tool_choice={
-        "type": "function", "function": {"name": "get_time"}})
+    engine.say('<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone": "CET"}<|call|>')
+    completion = client.chat.completions.create(
+        model=MODEL, messages=HELLO, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
     (call,) = completion.choices[0].message.tool_calls
     assert call.function.name == "get_time" and completion.choices[0].finish_reason == "tool_calls"
     assert forced_recipients(engine) == ["functions.get_time"]
@@ -71,9 +72,15 @@ def test_named_tool_choice(fake_server):
     client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS)
     assert forced_recipients(engine) == []  # auto forces nothing
 
-    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={
-        "model": MODEL, "messages": HELLO, "tools": TOOLS, "tool_choice": {"type": "function",
-                                                                         "function": {"name": "nope"}}})
+    r = httpx.post(
+        f"{fake_server.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": HELLO,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
@@ -81,8 +88,11 @@ def test_developer_role_joins_the_instructions(live_server):
     client = live_server.client()
     if live_server.kind == "fake":
         live_server.engine.say("<|channel|>final<|message|>Short.<|return|>")
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "developer", "content": "Answer in haiku."},
-                *HELLO]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "developer", "content": "Answer in haiku."},
+        *HELLO,
+    ]
     completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
     assert completion.choices[0].finish_reason in ("stop", "length")
     if live_server.kind == "tiny":  # the real engine takes the same prompt; its text is noise
@@ -90,8 +100,9 @@ def test_developer_role_joins_the_instructions(live_server):
         return
     assert completion.choices[0].message.content == "Short."
     text = prompt_text(live_server.engine)
-    assert developer_message(text) == \
-        "<|start|>developer<|message|># Instructions\n\nYou are terse.\n\nAnswer in haiku."
+    assert (
+        developer_message(text) == "<|start|>developer<|message|># Instructions\n\nYou are terse.\n\nAnswer in haiku."
+    )
     assert text.endswith("<|start|>user<|message|>Say hello.<|end|><|start|>assistant")
 
 

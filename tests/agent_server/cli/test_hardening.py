@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import socket
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from agent_server.cli.main import build_parser
 from agent_server.request_ids import RequestIdFilter
@@ -15,10 +15,26 @@ from tests.conftest import serve_captured
 
 
 def test_hardening_flags(tiny_checkpoint, tmp_path):
-    served = serve_captured([
-        "--model", str(tiny_checkpoint), "--api-key", "k1", "--cors-origin", "https://a.example", "--cors-origin",
-        "https://b.example", "--max-request-bytes", "1000", "--max-input-items", "7", "--shutdown-timeout", "4.5",
-        "--store", str(tmp_path / "r.db")])
+    served = serve_captured(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--api-key",
+            "k1",
+            "--cors-origin",
+            "https://a.example",
+            "--cors-origin",
+            "https://b.example",
+            "--max-request-bytes",
+            "1000",
+            "--max-input-items",
+            "7",
+            "--shutdown-timeout",
+            "4.5",
+            "--store",
+            str(tmp_path / "r.db"),
+        ]
+    )
     config = served["app"].state.server.config
     assert config.api_key == "k1"
     assert config.cors_origins == ["https://a.example", "https://b.example"]
@@ -50,9 +66,16 @@ def test_listening_beyond_loopback_without_a_key_warns(tiny_checkpoint, tmp_path
     assert any("without --api-key" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("argv", [["serve", "--port", "70000"], ["serve", "--port", "-1"],
-                                  ["serve", "--log-level", "verbose"], ["generate", "hi", "--max-tokens", "0"],
-                                  ["generate", "hi", "--temperature", "-1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "70000"],
+        ["serve", "--port", "-1"],
+        ["serve", "--log-level", "verbose"],
+        ["generate", "hi", "--max-tokens", "0"],
+        ["generate", "hi", "--temperature", "-1"],
+    ],
+)
 def test_bad_flags_are_argument_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(argv)
@@ -95,8 +118,9 @@ def test_a_server_whose_model_fails_to_load_exits_non_zero(tmp_path, caplog):
     from agent_server.cli.serve import run
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--port", "0", "--store",
-                                      str(tmp_path / "r.db"), "--log-level", "warning"])
+    args = build_parser().parse_args(
+        ["serve", "--model", str(tmp_path), "--port", "0", "--store", str(tmp_path / "r.db"), "--log-level", "warning"]
+    )
     root = logging.getLogger()
     before = {h: list(h.filters) for h in root.handlers}
     try:
@@ -153,8 +177,20 @@ def test_tool_timeouts_reach_the_tool_servers(tiny_checkpoint, tmp_path, monkeyp
     monkeypatch.setattr(tools.servers, "start_tool_servers", fake_start_tool_servers)
     with socket.create_server(("127.0.0.1", 0)) as listening:  # (serve checks that an MCP server is there)
         port = listening.getsockname()[1]
-        serve_captured(["--model", str(tiny_checkpoint), "--store", str(tmp_path / "r.db"),
-                        "--tool-server", f"127.0.0.1:{port}", "--tool-timeout", "900", "--python-timeout", "600"])
+        serve_captured(
+            [
+                "--model",
+                str(tiny_checkpoint),
+                "--store",
+                str(tmp_path / "r.db"),
+                "--tool-server",
+                f"127.0.0.1:{port}",
+                "--tool-timeout",
+                "900",
+                "--python-timeout",
+                "600",
+            ]
+        )
     asyncio.run(factories[0]())
     assert started["mcp_timeout"] == 900.0 and started["python_limits"].wall_seconds == 600.0
     # A cell limit that does not fit under the call's is refused before anything starts.
@@ -246,16 +282,29 @@ def test_a_search_dir_without_a_browser_is_refused(tiny_checkpoint, tmp_path, ca
 
     monkeypatch.setattr(uvicorn, "Server", None)
     with caplog.at_level(logging.ERROR, logger="oss_agent"):
-        assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--search-dir",
-                                              str(tmp_path)])) == 2
+        assert (
+            run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--search-dir", str(tmp_path)]))
+            == 2
+        )
     assert "--tool-server" in caplog.text
-    served = serve_captured(["--model", str(tiny_checkpoint), "--search-dir", str(tmp_path), "--tool-server", "demo",
-                             "--store", str(tmp_path / "r.db")])
+    served = serve_captured(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--search-dir",
+            str(tmp_path),
+            "--tool-server",
+            "demo",
+            "--store",
+            str(tmp_path / "r.db"),
+        ]
+    )
     assert served["app"] is not None
 
 
-@pytest.mark.parametrize("flag, path, complaint", [("--search-dir", "nowhere", "not a folder"),
-                                                   ("--store", ".", "is a folder")])
+@pytest.mark.parametrize(
+    "flag, path, complaint", [("--search-dir", "nowhere", "not a folder"), ("--store", ".", "is a folder")]
+)
 def test_paths_that_cannot_work_are_named(flag, path, complaint, tiny_checkpoint, tmp_path, caplog, monkeypatch):
     # (a missing --search-dir was a traceback when the browser started; a folder as --store was
     # SQLite's "unable to open database file", naming no path)
@@ -265,13 +314,28 @@ def test_paths_that_cannot_work_are_named(flag, path, complaint, tiny_checkpoint
 
     monkeypatch.setattr(uvicorn, "Server", None)
     with caplog.at_level(logging.ERROR, logger="oss_agent"):
-        assert run(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--tool-server", "demo",
-                                              flag, str(tmp_path / path)])) == 2
+        assert (
+            run(
+                build_parser().parse_args(
+                    ["serve", "--model", str(tiny_checkpoint), "--tool-server", "demo", flag, str(tmp_path / path)]
+                )
+            )
+            == 2
+        )
     assert flag in caplog.text and complaint in caplog.text
 
 
-@pytest.mark.parametrize("argv", [["--max-model-len", "0"], ["--max-request-bytes", "0"], ["--max-input-items", "0"],
-                                  ["--tool-timeout", "0"], ["--tool-timeout", "-1"], ["--shutdown-timeout", "-1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-model-len", "0"],
+        ["--max-request-bytes", "0"],
+        ["--max-input-items", "0"],
+        ["--tool-timeout", "0"],
+        ["--tool-timeout", "-1"],
+        ["--shutdown-timeout", "-1"],
+    ],
+)
 def test_serve_settings_that_cannot_work_are_argument_errors(argv, capsys):
     # (--max-model-len 0 was silently the default; --max-request-bytes 0 refused every request)
     with pytest.raises(SystemExit) as exit_info:
@@ -279,8 +343,14 @@ def test_serve_settings_that_cannot_work_are_argument_errors(argv, capsys):
     assert exit_info.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--draft-model", "/models/eagle3"], ["--num-draft-tokens", "3"],
-                                  ["--speculative", "ngram", "--draft-model", "/models/eagle3"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--draft-model", "/models/eagle3"],
+        ["--num-draft-tokens", "3"],
+        ["--speculative", "ngram", "--draft-model", "/models/eagle3"],
+    ],
+)
 def test_draft_flags_without_their_drafter_are_refused(argv):
     # They did nothing: no drafter ran, and nothing said so.
     from agent_server.cli.serve import engine_options
@@ -301,9 +371,24 @@ def test_uvicorns_own_log_lines_have_the_servers_format(tmp_path):
     import sys
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # fails to load: exits
-    result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tmp_path), "--port", "0",
-                             "--store", str(tmp_path / "r.db")], capture_output=True, text=True, timeout=300,
-                            cwd=str(Path(__file__).resolve().parents[3]))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agent_server.cli",
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--port",
+            "0",
+            "--store",
+            str(tmp_path / "r.db"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(Path(__file__).resolve().parents[3]),
+    )
     lines = [line for line in result.stderr.splitlines() if "Started server process" in line or "Shutting down" in line]
     assert lines and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO \S+ \[-\] ", line) for line in lines)
 
@@ -328,14 +413,22 @@ def closed_port() -> int:
         return listening.getsockname()[1]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--tool-server", "bogus"], "--tool-server: expected demo, browser, python, host:port, an http(s):// URL, or "
-                                 "label=<host:port or URL> for a tool server, got 'bogus'"),
-    (["--tool-server", "demo,127.0.0.1:{port}"], "--tool-server: cannot reach the MCP server '127.0.0.1:{port}' at "
-                                                 "http://127.0.0.1:{port}/mcp: "),
-    (["--device", "cuda"], "--device cuda: this machine has no CUDA device torch can use"),
-    (["--device", "tpu"], "--device tpu: not a device"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--tool-server", "bogus"],
+            "--tool-server: expected demo, browser, python, host:port, an http(s):// URL, or "
+            "label=<host:port or URL> for a tool server, got 'bogus'",
+        ),
+        (
+            ["--tool-server", "demo,127.0.0.1:{port}"],
+            "--tool-server: cannot reach the MCP server '127.0.0.1:{port}' at http://127.0.0.1:{port}/mcp: ",
+        ),
+        (["--device", "cuda"], "--device cuda: this machine has no CUDA device torch can use"),
+        (["--device", "tpu"], "--device tpu: not a device"),
+    ],
+)
 def test_a_bad_tool_server_or_device_is_one_line_before_the_server_starts(argv, message, tiny_checkpoint, tmp_path):
     # A bogus --tool-server printed "Uvicorn running on ..." and then two chained tracebacks before
     # the one-line cause; an unreachable MCP server the same; --device cuda with no GPU was 30
@@ -347,9 +440,26 @@ def test_a_bad_tool_server_or_device_is_one_line_before_the_server_starts(argv, 
     port = closed_port()
     argv = [a.format(port=port) for a in argv]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # (a machine with no GPU, even on a GPU host)
-    result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tiny_checkpoint),
-                             "--store", str(tmp_path / "r.db"), "--port", "0", *argv], capture_output=True, text=True,
-                            timeout=120, env=env, cwd=str(Path(__file__).resolve().parents[3]))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agent_server.cli",
+            "serve",
+            "--model",
+            str(tiny_checkpoint),
+            "--store",
+            str(tmp_path / "r.db"),
+            "--port",
+            "0",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=str(Path(__file__).resolve().parents[3]),
+    )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and errors[0].split(" [-] ", 1)[1].startswith(message.format(port=port)), result.stderr
@@ -380,17 +490,24 @@ def test_the_random_default_model_is_capped_named_and_says_so(tmp_path, caplog, 
     with caplog.at_level(logging.INFO, logger="oss_agent"):
         config = serve_captured([])["app"].state.server.config
     assert (config.model_name, config.random_weights, config.default_max_output_tokens) == (
-        "gpt-oss-tiny-random", True, default_model.MAX_OUTPUT_TOKENS)
+        "gpt-oss-tiny-random",
+        True,
+        default_model.MAX_OUTPUT_TOKENS,
+    )
     assert config.serves("gpt-oss-20b") and config.serves("gpt-oss-120b") and not config.serves("gpt-4o")
     warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "random weights" in warning and "noise" in warning and "hf download openai/gpt-oss-20b" in warning
     assert f"at most {default_model.MAX_OUTPUT_TOKENS} output tokens" in warning
     assert "--default-max-output-tokens" in warning and "gpt-oss-20b and gpt-oss-120b" in warning
     # The cap can be changed or lifted; a real model has none and answers only to its own names.
-    assert serve_captured(["--default-max-output-tokens", "500"])["app"].state.server.config \
-        .default_max_output_tokens == 500
-    assert serve_captured(["--default-max-output-tokens", "0"])["app"].state.server.config \
-        .default_max_output_tokens is None
+    assert (
+        serve_captured(["--default-max-output-tokens", "500"])["app"].state.server.config.default_max_output_tokens
+        == 500
+    )
+    assert (
+        serve_captured(["--default-max-output-tokens", "0"])["app"].state.server.config.default_max_output_tokens
+        is None
+    )
     (tmp_path / "gpt-oss-20b").mkdir()
     (tmp_path / "gpt-oss-20b" / "config.json").write_text("{}")
     config = serve_captured(["--model", str(tmp_path / "gpt-oss-20b")])["app"].state.server.config
@@ -410,13 +527,33 @@ def test_a_tool_server_that_is_there_but_no_mcp_server_fails_in_one_line(tiny_ch
     threading.Thread(target=web.serve_forever, daemon=True).start()
     try:
         spec = f"127.0.0.1:{web.server_address[1]}"
-        result = subprocess.run([sys.executable, "-m", "agent_server.cli", "serve", "--model", str(tiny_checkpoint),
-                                 "--store", str(tmp_path / "r.db"), "--port", "0", "--tool-server", spec,
-                                 "--tool-timeout", "10"], capture_output=True, text=True, timeout=300,
-                                cwd=str(Path(__file__).resolve().parents[3]))
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "agent_server.cli",
+                "serve",
+                "--model",
+                str(tiny_checkpoint),
+                "--store",
+                str(tmp_path / "r.db"),
+                "--port",
+                "0",
+                "--tool-server",
+                spec,
+                "--tool-timeout",
+                "10",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(Path(__file__).resolve().parents[3]),
+        )
     finally:
         web.shutdown()
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    assert f"startup failed: could not start tool server: cannot reach the MCP server at http://{spec}/mcp" \
+    assert (
+        f"startup failed: could not start tool server: cannot reach the MCP server at http://{spec}/mcp"
         in result.stderr
+    )

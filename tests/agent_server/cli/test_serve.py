@@ -16,9 +16,26 @@ def serve(argv):
 
 
 def test_engine_flags_reach_the_engine_config(tiny_checkpoint, tmp_path):
-    app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"),
-                 "--gpu-memory-utilization", "0.55", "--num-pages", "96", "--max-num-seqs", "8",
-                 "--engine-option", "num_pages=500", "--engine-option", "enforce_eager=True"])
+    app = serve(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--device",
+            "cpu",
+            "--store",
+            str(tmp_path / "r.db"),
+            "--gpu-memory-utilization",
+            "0.55",
+            "--num-pages",
+            "96",
+            "--max-num-seqs",
+            "8",
+            "--engine-option",
+            "num_pages=500",
+            "--engine-option",
+            "enforce_eager=True",
+        ]
+    )
     with LiveServer(app) as server:
         engine = server.engine.engine  # AsyncEngine -> LLMEngine
         config = engine.config
@@ -35,12 +52,22 @@ def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
     with LiveServer(app) as server:
         config = server.engine.engine.config
         assert (config.gpu_memory_utilization, config.num_pages, config.max_num_seqs) == (
-            EngineConfig.gpu_memory_utilization, None, EngineConfig.max_num_seqs)
+            EngineConfig.gpu_memory_utilization,
+            None,
+            EngineConfig.max_num_seqs,
+        )
 
 
-@pytest.mark.parametrize("flag,value", [("--gpu-memory-utilization", "0"), ("--gpu-memory-utilization", "1.5"),
-                                        ("--num-pages", "0"), ("--max-num-seqs", "-1"),
-                                        ("--gpu-memory-utilization", "lots")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--gpu-memory-utilization", "0"),
+        ("--gpu-memory-utilization", "1.5"),
+        ("--num-pages", "0"),
+        ("--max-num-seqs", "-1"),
+        ("--gpu-memory-utilization", "lots"),
+    ],
+)
 def test_bad_engine_flags_are_refused_by_name(flag, value, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["serve", flag, value])
@@ -53,24 +80,45 @@ def test_engine_process_flag_serves_the_same_engine_in_a_child_process(tiny_chec
     from inference.engine.async_engine import AsyncEngine
     from inference.engine.process import EngineProcess
 
-    app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"), "--engine-process",
-                 "--num-pages", "96", "--max-model-len", "256"])
+    app = serve(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--device",
+            "cpu",
+            "--store",
+            str(tmp_path / "r.db"),
+            "--engine-process",
+            "--num-pages",
+            "96",
+            "--max-model-len",
+            "256",
+        ]
+    )
     with LiveServer(app) as server:
         engine = server.engine
         assert isinstance(engine, EngineProcess) and engine.pid != os.getpid()
         assert engine.stats().pages_total == 96 and engine.max_model_len == 256
         reply = server.client().chat.completions.create(
-            model=engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            model=engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert reply.usage.completion_tokens == 4
     app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
     with LiveServer(app) as server:  # on CPU the default is the engine thread
         assert isinstance(server.engine, AsyncEngine)
 
 
-@pytest.mark.parametrize("argv,cuda,expected", [
-    ([], True, True), ([], False, False), (["--device", "cpu"], True, False), (["--device", "cuda:1"], False, True),
-    (["--no-engine-process"], True, False), (["--engine-process", "--device", "cpu"], False, True),
-])
+@pytest.mark.parametrize(
+    "argv,cuda,expected",
+    [
+        ([], True, True),
+        ([], False, False),
+        (["--device", "cpu"], True, False),
+        (["--device", "cuda:1"], False, True),
+        (["--no-engine-process"], True, False),
+        (["--engine-process", "--device", "cpu"], False, True),
+    ],
+)
 def test_engine_process_default_follows_the_device(argv, cuda, expected, monkeypatch):
     import torch
 

@@ -55,15 +55,41 @@ def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
         port = s.getsockname()[1]
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "agent_server.cli", "serve", "--model", str(model), "--served-model-name", "tiny-tp4",
-         "--tensor-parallel-size", "4", "--port", str(port), "--store", str(tmp_path / "r.db"),
-         "--num-pages", "512", "--max-model-len", "2048", "--max-num-seqs", "16"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-m",
+            "agent_server.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny-tp4",
+            "--tensor-parallel-size",
+            "4",
+            "--port",
+            str(port),
+            "--store",
+            str(tmp_path / "r.db"),
+            "--num-pages",
+            "512",
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "16",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     base = f"http://127.0.0.1:{port}"
     try:
+
         def ready():
             if server.poll() is not None:
-                raise AssertionError(f"the server exited ({server.returncode}):\n{(tmp_path / 'serve.log').read_text()}")
+                raise AssertionError(
+                    f"the server exited ({server.returncode}):\n{(tmp_path / 'serve.log').read_text()}"
+                )
             try:
                 return httpx.get(f"{base}/ready", timeout=5).status_code == 200
             except httpx.HTTPError:
@@ -94,8 +120,9 @@ def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
         _wait(lambda: "first" in ended, 120, "the stream's first event")
         os.kill(workers[1], signal.SIGSTOP)  # a rank, mid-generation: rank 0 waits in a collective
         stopped = time.monotonic()
-        health = _wait(lambda: (r := httpx.get(f"{base}/health", timeout=5)).status_code == 503 and r, 30,
-                       "/health 503")
+        health = _wait(
+            lambda: (r := httpx.get(f"{base}/health", timeout=5)).status_code == 503 and r, 30, "/health 503"
+        )
         took = time.monotonic() - stopped
         assert re.search(r"rank [123] stopped responding", health.json()["error"]), health.json()
         assert took < 20, took

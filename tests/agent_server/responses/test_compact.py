@@ -39,20 +39,25 @@ def compact_json(client, **kwargs) -> dict:
 
 def test_a_compaction_is_carried_into_a_later_turn(fake_server):
     engine, client, seal = fake_server.engine, fake_server.client(), fake_server.state.seal
-    engine.say(f"<|channel|>analysis<|message|>Summarise.<|end|><|start|>assistant<|channel|>final<|message|>"
-               f"{SUMMARY}<|return|>")
+    engine.say(
+        f"<|channel|>analysis<|message|>Summarise.<|end|><|start|>assistant<|channel|>final<|message|>"
+        f"{SUMMARY}<|return|>"
+    )
     compacted = compact_json(client, input=HISTORY)
     summarising = prompt_text(engine.calls[-1])
     assert COMPACTION_REQUEST in summarising and "Understood: Tuesday" in summarising
     kept, item = compacted["output"][:-1], compacted["output"][-1]
     assert [(m["type"], m["role"], m["content"][0]["text"]) for m in kept] == [
-        ("message", "user", HISTORY[0]["content"])]
+        ("message", "user", HISTORY[0]["content"])
+    ]
     assert item["type"] == "compaction" and item["id"].startswith("cmp_")
     assert SUMMARY not in item["encrypted_content"] and seal.open_summary(item["encrypted_content"]) == SUMMARY
     usage = compacted["usage"]
     assert usage["input_tokens"] == len(engine.calls[-1].request.prompt_token_ids)
-    assert usage["output_tokens"] == len(engine.calls[-1].generated) and usage["output_tokens_details"][
-        "reasoning_tokens"] > 0
+    assert (
+        usage["output_tokens"] == len(engine.calls[-1].generated)
+        and usage["output_tokens_details"]["reasoning_tokens"] > 0
+    )
 
     engine.say(ANSWER)
     later = client.responses.create(model=MODEL, input=[*compacted["output"], {"role": "user", "content": "When?"}])
@@ -86,13 +91,16 @@ def test_compaction_items_are_checked(fake_server):
     client, seal = fake_server.client(), fake_server.state.seal
     for blob in ("not a blob", seal.seal("an analysis: not a summary")):
         with pytest.raises(openai.BadRequestError) as info:
-            client.responses.create(model=MODEL, input=[{"type": "compaction", "encrypted_content": blob},
-                                                        {"role": "user", "content": "Hi"}])
+            client.responses.create(
+                model=MODEL,
+                input=[{"type": "compaction", "encrypted_content": blob}, {"role": "user", "content": "Hi"}],
+            )
         assert info.value.body["code"] == "invalid_encrypted_content"
         assert info.value.body["param"] == "input[0].encrypted_content"
     with pytest.raises(openai.BadRequestError) as info:  # a compaction item is no reasoning item either
-        client.responses.create(model=MODEL, input=[{"type": "reasoning", "summary": [],
-                                                     "encrypted_content": seal.seal_summary("x")}])
+        client.responses.create(
+            model=MODEL, input=[{"type": "reasoning", "summary": [], "encrypted_content": seal.seal_summary("x")}]
+        )
     assert info.value.body["code"] == "invalid_encrypted_content"
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input=[{"type": "compaction_trigger"}])
@@ -104,10 +112,14 @@ def test_compact_requests_are_checked(fake_server):
     missing = httpx.post(url, json={"input": [{"role": "user", "content": "Compact this conversation."}]})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
     assert httpx.post(url, json={"model": MODEL}).json()["error"]["code"] == "missing_required_parameter"
-    assert httpx.post(url, json={"model": MODEL, "input": "x", "stream": True}).json()["error"]["code"] == \
-        "unknown_parameter"
-    assert httpx.post(url, json={"model": MODEL, "previous_response_id": "resp_nope"}).json()["error"]["code"] == \
-        "previous_response_not_found"
+    assert (
+        httpx.post(url, json={"model": MODEL, "input": "x", "stream": True}).json()["error"]["code"]
+        == "unknown_parameter"
+    )
+    assert (
+        httpx.post(url, json={"model": MODEL, "previous_response_id": "resp_nope"}).json()["error"]["code"]
+        == "previous_response_not_found"
+    )
     accepted = httpx.post(url, json={"model": MODEL, "input": "x", "prompt_cache_key": "k", "service_tier": "auto"})
     assert accepted.status_code == 200
 
@@ -120,13 +132,22 @@ def test_context_management_compacts_before_answering(fake_server):
 
     # Under the threshold: nothing happens.
     engine.say(ANSWER)
-    quiet = client.responses.create(model=MODEL, previous_response_id=first.id, input="When?",
-                                    context_management=[{"type": "compaction", "compact_threshold": 100_000}])
+    quiet = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input="When?",
+        context_management=[{"type": "compaction", "compact_threshold": 100_000}],
+    )
     assert [o.type for o in quiet.output] == ["message"] and len(engine.calls) == 2
 
     engine.say(f"<|channel|>final<|message|>{SUMMARY}<|return|>", ANSWER)
-    events, final = stream_events(client, model=MODEL, previous_response_id=first.id, input="When?",
-                                  context_management=[{"type": "compaction", "compact_threshold": 100}])
+    events, final = stream_events(
+        client,
+        model=MODEL,
+        previous_response_id=first.id,
+        input="When?",
+        context_management=[{"type": "compaction", "compact_threshold": 100}],
+    )
     check_stream_invariants(events, final)
     assert [o.type for o in final.output] == ["compaction", "message"] and final.output_text == "Tuesday."
     types = [e.type for e in events]
@@ -136,8 +157,9 @@ def test_context_management_compacts_before_answering(fake_server):
     text = prompt_text(answering)
     assert long_answer not in text and text.index(SUMMARY) < text.index("When?")
     assert fake_server.state.seal.open_summary(final.output[0].encrypted_content) == SUMMARY
-    assert final.usage.input_tokens == (len(summarising.request.prompt_token_ids)
-                                        + len(answering.request.prompt_token_ids))
+    assert final.usage.input_tokens == (
+        len(summarising.request.prompt_token_ids) + len(answering.request.prompt_token_ids)
+    )
     # Stored on the compacted conversation: the next turn does not see the history again.
     engine.say(ANSWER)
     client.responses.create(model=MODEL, previous_response_id=final.id, input="Sure?")

@@ -31,8 +31,6 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
 from agent_server.harmony import continuation_tokens, tool_message
-from tests.conftest import MODEL, LiveServer, make_app
-from tests.fake_engine import ScriptedEngine, harmony_tokens
 from tests.agent_server.responses.test_routes import (
     ANSWER,
     CITED,
@@ -43,13 +41,21 @@ from tests.agent_server.responses.test_routes import (
     check_stream_invariants,
     prompt_text,
 )
+from tests.conftest import MODEL, LiveServer, make_app
+from tests.fake_engine import ScriptedEngine, harmony_tokens
 
 MODES = ["create", "stream"]
 EVENT = TypeAdapter(ResponseStreamEvent)
-TIME_TOOL = {"type": "function", "name": "get_time", "description": "Local time in a zone",
-             "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}
-TWO_CALLS = (WEATHER_CALL.replace("<|call|>", "<|end|>") + "<|start|>assistant<|channel|>commentary "
-             "to=functions.get_time <|constrain|>json<|message|>{\"zone\": \"CET\"}<|call|>")
+TIME_TOOL = {
+    "type": "function",
+    "name": "get_time",
+    "description": "Local time in a zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+}
+TWO_CALLS = (
+    WEATHER_CALL.replace("<|call|>", "<|end|>") + "<|start|>assistant<|channel|>commentary "
+    'to=functions.get_time <|constrain|>json<|message|>{"zone": "CET"}<|call|>'
+)
 MCP_TOOL = {"type": "mcp", "server_label": "weather", "require_approval": "never"}
 CODE_TOOL = {"type": "code_interpreter", "container": {"type": "auto"}}
 
@@ -80,8 +86,13 @@ class RecordingTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         response = self.inner.handle_request(request)
         self.bodies.append(bytearray())
-        return httpx.Response(response.status_code, headers=response.headers, extensions=response.extensions,
-                              stream=_Tee(response.stream, self.bodies[-1]), request=request)
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            extensions=response.extensions,
+            stream=_Tee(response.stream, self.bodies[-1]),
+            request=request,
+        )
 
     def close(self) -> None:
         self.inner.close()
@@ -143,16 +154,16 @@ def strict_response(raw: dict[str, Any]) -> Response:
 # order OpenAI's service sends them ("response." dropped).
 ITEM_EVENTS = {
     "message": r"content_part\.added (output_text\.delta (output_text\.annotation\.added )*)*"
-               r"output_text\.done content_part\.done ",
+    r"output_text\.done content_part\.done ",
     "reasoning": r"content_part\.added (reasoning_text\.delta )*reasoning_text\.done content_part\.done ",
     "function_call": r"(function_call_arguments\.delta )*function_call_arguments\.done ",
     "web_search_call": r"web_search_call\.in_progress web_search_call\.searching web_search_call\.completed ",
     "code_interpreter_call": r"code_interpreter_call\.in_progress (code_interpreter_call_code\.delta )*"
-                             r"code_interpreter_call_code\.done code_interpreter_call\.interpreting "
-                             r"code_interpreter_call\.completed ",
+    r"code_interpreter_call_code\.done code_interpreter_call\.interpreting "
+    r"code_interpreter_call\.completed ",
     "mcp_list_tools": r"mcp_list_tools\.in_progress mcp_list_tools\.completed ",
     "mcp_call": r"(mcp_call_arguments\.delta )*mcp_call_arguments\.done mcp_call\.in_progress "
-                r"mcp_call\.(completed|failed) ",
+    r"mcp_call\.(completed|failed) ",
 }
 
 
@@ -165,7 +176,7 @@ def check_event_order(raw_events: list[dict[str, Any]]) -> None:
         added = body[0]
         assert added["type"] == "response.output_item.added" and added["output_index"] == index, added
         end = next(i for i, e in enumerate(body) if e["type"] == "response.output_item.done")
-        block, body = body[1:end], body[end + 1:]
+        block, body = body[1:end], body[end + 1 :]
         assert all(e.get("output_index") == index for e in block), "items interleave"
         inner = "".join(e["type"].removeprefix("response.") + " " for e in block)
         item_type = added["item"]["type"]
@@ -190,8 +201,7 @@ def _respond(client, transport: RecordingTransport, mode: str, request: dict[str
     else:
         with client.responses.stream(model=MODEL, **request) as stream:
             events = list(stream)
-            response = stream.get_final_response() if events[-1].type == "response.completed" \
-                else events[-1].response
+            response = stream.get_final_response() if events[-1].type == "response.completed" else events[-1].response
         raw_events, _ = parse_sse(bytes(transport.bodies[-1]))
         assert [e.type for e in events] == [e["type"] for e in raw_events]  # the SDK parsed every event
         for raw in raw_events:
@@ -206,12 +216,14 @@ def _respond(client, transport: RecordingTransport, mode: str, request: dict[str
 
 def plain(response) -> dict:
     """A response as JSON, without the SDK's client-side additions (`parsed`, `parsed_arguments`)."""
+
     def strip(value):
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items() if not k.startswith("parsed")}
         if isinstance(value, list):
             return [strip(v) for v in value]
         return value
+
     return strip(response.model_dump(mode="json"))
 
 
@@ -238,7 +250,8 @@ def test_plain_answer_with_reasoning(tool_server, mode):
     assert usage.input_tokens == len(call.request.prompt_token_ids)
     assert usage.output_tokens == len(harmony_tokens(ANSWER))
     assert usage.output_tokens_details.reasoning_tokens == len(
-        harmony_tokens("<|channel|>analysis<|message|>The user greets me.<|end|>"))
+        harmony_tokens("<|channel|>analysis<|message|>The user greets me.<|end|>")
+    )
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     if events is not None:
         deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
@@ -249,8 +262,13 @@ def test_plain_answer_with_reasoning(tool_server, mode):
 def test_web_search_then_cited_answer(tool_server, fake_tools, mode):
     engine = tool_server.engine
     engine.say(SEARCH, CITED)
-    response, events = respond(tool_server, mode, input="What license does gpt-oss use?",
-                               tools=[{"type": "web_search_preview"}], include=["web_search_call.action.sources"])
+    response, events = respond(
+        tool_server,
+        mode,
+        input="What license does gpt-oss use?",
+        tools=[{"type": "web_search_preview"}],
+        include=["web_search_call.action.sources"],
+    )
     assert response.status == "completed" and types(response) == ["reasoning", "web_search_call", "message"]
     search, message = response.output[1:]
     assert search.status == "completed" and search.action.type == "search" and search.action.query == "gpt-oss license"
@@ -259,7 +277,7 @@ def test_web_search_then_cited_answer(tool_server, fake_tools, mode):
     assert text.text == "gpt-oss is Apache-2.0 licensed [gpt-oss release notes]."
     (citation,) = text.annotations
     assert citation.type == "url_citation" and citation.url == "https://example.org/oss"
-    assert text.text[citation.start_index:citation.end_index] == "[gpt-oss release notes]"
+    assert text.text[citation.start_index : citation.end_index] == "[gpt-oss release notes]"
     assert fake_tools["browser"].calls == [("browser.search", '{"query": "gpt-oss license"}')]
     if events is not None:
         (added,) = [e for e in events if e.type == "response.output_text.annotation.added"]
@@ -267,8 +285,10 @@ def test_web_search_then_cited_answer(tool_server, fake_tools, mode):
         assert annotation["url"] == citation.url and added.annotation_index == 0
     # The answer continued the searching turn's cached sequence: only the tool message was prefilled.
     first, second = engine.calls
-    results = ("# Search results for 'gpt-oss license'\n【0†gpt-oss release notes†https://example.org/oss】\n"
-               "【1†The Harmony format†https://example.org/harmony】")
+    results = (
+        "# Search results for 'gpt-oss license'\n【0†gpt-oss release notes†https://example.org/oss】\n"
+        "【1†The Harmony format†https://example.org/harmony】"
+    )
     suffix = continuation_tokens([tool_message("browser.search", results)])
     assert second.request.prompt_token_ids == first.request.prompt_token_ids + first.generated + suffix
     assert second.num_cached_tokens == len(first.request.prompt_token_ids) + len(first.generated) - 1
@@ -279,8 +299,13 @@ def test_web_search_then_cited_answer(tool_server, fake_tools, mode):
 def test_code_interpreter_call(tool_server, fake_tools, mode):
     engine = tool_server.engine
     engine.say(PYTHON, "<|channel|>final<|message|>6 times 7 is 42.<|return|>")
-    response, events = respond(tool_server, mode, input="What is 6*7? Use python.", tools=[CODE_TOOL],
-                               include=["code_interpreter_call.outputs"])
+    response, events = respond(
+        tool_server,
+        mode,
+        input="What is 6*7? Use python.",
+        tools=[CODE_TOOL],
+        include=["code_interpreter_call.outputs"],
+    )
     assert response.status == "completed" and types(response) == ["code_interpreter_call", "message"]
     call, message = response.output
     assert call.code == "print(6 * 7)" and call.status == "completed" and call.container_id.startswith("cntr_")
@@ -307,27 +332,37 @@ def test_function_call_and_its_output(tool_server, mode):
         assert done.arguments == call.arguments and done.item_id == call.id
 
     engine.say("<|channel|>final<|message|>It is 21°C and clear in Paris.<|return|>")
-    second, _ = respond(tool_server, mode, previous_response_id=first.id, tools=[WEATHER_TOOL], input=[
-        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'}])
+    second, _ = respond(
+        tool_server,
+        mode,
+        previous_response_id=first.id,
+        tools=[WEATHER_TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'}],
+    )
     assert second.status == "completed" and second.output_text == "It is 21°C and clear in Paris."
     assert prompt_text(engine.calls[-1]).endswith(
         "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
-        "{\"city\": \"Paris\"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary"
-        "<|message|>{\"temperature_c\": 21}<|end|><|start|>assistant")
+        '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary'
+        '<|message|>{"temperature_c": 21}<|end|><|start|>assistant'
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_previous_response_id_chaining(tool_server, mode):
     engine = tool_server.engine
-    engine.say("<|channel|>final<|message|>Nice to meet you, Ada.<|return|>",
-               "<|channel|>analysis<|message|>Name was given earlier.<|end|><|start|>assistant<|channel|>final"
-               "<|message|>Your name is Ada.<|return|>")
+    engine.say(
+        "<|channel|>final<|message|>Nice to meet you, Ada.<|return|>",
+        "<|channel|>analysis<|message|>Name was given earlier.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Your name is Ada.<|return|>",
+    )
     first, _ = respond(tool_server, mode, input="My name is Ada.")
     second, _ = respond(tool_server, mode, input="What is my name?", previous_response_id=first.id)
     assert second.previous_response_id == first.id and second.output_text == "Your name is Ada."
     text = prompt_text(engine.calls[-1])
-    assert ("<|start|>user<|message|>My name is Ada.<|end|><|start|>assistant<|channel|>final<|message|>"
-            "Nice to meet you, Ada.<|end|><|start|>user<|message|>What is my name?<|end|><|start|>assistant") in text
+    assert (
+        "<|start|>user<|message|>My name is Ada.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "Nice to meet you, Ada.<|end|><|start|>user<|message|>What is my name?<|end|><|start|>assistant"
+    ) in text
     # The second prompt starts with the first conversation, which the prefix cache still holds.
     assert second.usage.input_tokens_details.cached_tokens > 0
     items = tool_server.client().responses.input_items.list(second.id)
@@ -345,8 +380,9 @@ def test_parallel_tool_calls_false_allows_one_function_call(tool_server, mode):
     assert [c.name for c in both.output] == ["get_weather", "get_time"] and both.parallel_tool_calls
 
     engine.say(TWO_CALLS)
-    one, events = respond(tool_server, mode, input="Weather and time?", tools=[WEATHER_TOOL, TIME_TOOL],
-                          parallel_tool_calls=False)
+    one, events = respond(
+        tool_server, mode, input="Weather and time?", tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=False
+    )
     assert one.status == "completed" and not one.parallel_tool_calls
     (call,) = one.output
     assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
@@ -358,9 +394,14 @@ def test_parallel_tool_calls_false_allows_one_function_call(tool_server, mode):
         assert [e.type for e in events].count("response.function_call_arguments.done") == 1
     # Its output continues the conversation like any function call's.
     engine.say("<|channel|>final<|message|>Sunny.<|return|>")
-    after, _ = respond(tool_server, mode, previous_response_id=one.id, tools=[WEATHER_TOOL, TIME_TOOL],
-                       parallel_tool_calls=False,
-                       input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    after, _ = respond(
+        tool_server,
+        mode,
+        previous_response_id=one.id,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        parallel_tool_calls=False,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )
     assert after.output_text == "Sunny." and "get_time" not in prompt_text(engine.calls[-1]).split("<|start|>user")[-1]
 
 
@@ -369,21 +410,27 @@ def test_parallel_tool_calls_false_allows_one_function_call(tool_server, mode):
 
 def developer_message(text: str) -> str:
     start = text.index("<|start|>developer<|message|>")
-    return text[start:text.index("<|end|>", start)]
+    return text[start : text.index("<|end|>", start)]
 
 
 def system_message(text: str) -> str:
-    return text[:text.index("<|end|>")]
+    return text[: text.index("<|end|>")]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_instructions_lead_the_developer_message(fake_server, mode):
     engine = fake_server.engine
-    response, _ = respond(fake_server, mode, instructions="Answer in French.", input=[
-        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    response, _ = respond(
+        fake_server,
+        mode,
+        instructions="Answer in French.",
+        input=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    )
     assert response.instructions == "Answer in French."
-    assert developer_message(prompt_text(engine.calls[-1])) == \
-        "<|start|>developer<|message|># Instructions\n\nAnswer in French.\n\nBe brief."
+    assert (
+        developer_message(prompt_text(engine.calls[-1]))
+        == "<|start|>developer<|message|># Instructions\n\nAnswer in French.\n\nBe brief."
+    )
     respond(fake_server, mode, input="Hi")
     assert "<|start|>developer" not in prompt_text(engine.calls[-1])  # nothing to say, no developer message
 
@@ -468,16 +515,20 @@ def forced_recipients(engine) -> list[str]:
     grammar = engine.calls[-1].request.sampling.grammar
     if grammar is None or not grammar.text.startswith("start: call_"):
         return []
-    return sorted(line.split(" to=")[1].split(" ")[0].rstrip('"') for line in grammar.text.splitlines()
-                  if line.startswith("call_"))
+    return sorted(
+        line.split(" to=")[1].split(" ")[0].rstrip('"')
+        for line in grammar.text.splitlines()
+        if line.startswith("call_")
+    )
 
 
 def test_tool_choice_required_and_named_force_the_call(fake_server):
     engine, client = fake_server.engine, fake_server.client()
     client.responses.create(model=MODEL, input="Hi", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
     assert forced_recipients(engine) == ["functions.get_time", "functions.get_weather"]
-    response = client.responses.create(model=MODEL, input="Hi", tools=[WEATHER_TOOL, TIME_TOOL],
-                                       tool_choice={"type": "function", "name": "get_time"})
+    response = client.responses.create(
+        model=MODEL, input="Hi", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice={"type": "function", "name": "get_time"}
+    )
     assert response.tool_choice.name == "get_time"
     assert forced_recipients(engine) == ["functions.get_time"]
     developer = developer_message(prompt_text(engine.calls[-1]))
@@ -494,40 +545,77 @@ def test_function_call_items_come_with_their_outputs(fake_server):
     out of the prompt."""
     engine, client = fake_server.engine, fake_server.client()
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'}
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "tools": [WEATHER_TOOL], "input": [
-        {"role": "user", "content": "Weather?"}, call, {"role": "user", "content": "Never mind."}]})
+    r = httpx.post(
+        f"{fake_server.url}/v1/responses",
+        json={
+            "model": MODEL,
+            "tools": [WEATHER_TOOL],
+            "input": [{"role": "user", "content": "Weather?"}, call, {"role": "user", "content": "Never mind."}],
+        },
+    )
     assert r.status_code == 400 and "call_1" in r.json()["error"]["message"]
-    client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
-        {"role": "user", "content": "Weather?"}, {**call, "arguments": '{"ci', "status": "incomplete"},
-        {"role": "user", "content": "Go on."}])
+    client.responses.create(
+        model=MODEL,
+        tools=[WEATHER_TOOL],
+        input=[
+            {"role": "user", "content": "Weather?"},
+            {**call, "arguments": '{"ci', "status": "incomplete"},
+            {"role": "user", "content": "Go on."},
+        ],
+    )
     assert "to=functions.get_weather" not in prompt_text(engine.calls[-1])
 
 
 def test_prior_reasoning_items_are_analysis_messages(fake_server):
     engine, client = fake_server.engine, fake_server.client()
-    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [],
-                 "content": [{"type": "reasoning_text", "text": "Paris weather needed."}]}
+    reasoning = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "Paris weather needed."}],
+    }
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'}
-    client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
-        {"role": "user", "content": "Weather?"}, reasoning, call,
-        {"type": "function_call_output", "call_id": "call_1", "output": "21"}])
+    client.responses.create(
+        model=MODEL,
+        tools=[WEATHER_TOOL],
+        input=[
+            {"role": "user", "content": "Weather?"},
+            reasoning,
+            call,
+            {"type": "function_call_output", "call_id": "call_1", "output": "21"},
+        ],
+    )
     # Reasoning before a tool call stays in the prompt (the model continues that turn)...
     assert prompt_text(engine.calls[-1]).endswith(
         "<|start|>user<|message|>Weather?<|end|><|start|>assistant<|channel|>analysis<|message|>"
         "Paris weather needed.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary "
-        "<|constrain|>json<|message|>{\"city\":\"Paris\"}<|call|><|start|>functions.get_weather to=assistant"
-        "<|channel|>commentary<|message|>21<|end|><|start|>assistant")
+        '<|constrain|>json<|message|>{"city":"Paris"}<|call|><|start|>functions.get_weather to=assistant'
+        "<|channel|>commentary<|message|>21<|end|><|start|>assistant"
+    )
     # ...and one before a final answer is dropped, as gpt-oss expects for finished turns.
-    client.responses.create(model=MODEL, input=[
-        {"role": "user", "content": "Hi"}, reasoning, {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "Again"}])
+    client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "Hi"},
+            reasoning,
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Again"},
+        ],
+    )
     text = prompt_text(engine.calls[-1])
     assert "Paris weather needed." not in text and "<|channel|>final<|message|>Hello.<|end|>" in text
     # A summary stands in for missing content.
     summary_only = {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Sum."}]}
-    client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
-        {"role": "user", "content": "Weather?"}, summary_only, call,
-        {"type": "function_call_output", "call_id": "call_1", "output": "21"}])
+    client.responses.create(
+        model=MODEL,
+        tools=[WEATHER_TOOL],
+        input=[
+            {"role": "user", "content": "Weather?"},
+            summary_only,
+            call,
+            {"type": "function_call_output", "call_id": "call_1", "output": "21"},
+        ],
+    )
     assert "<|channel|>analysis<|message|>Sum.<|end|>" in prompt_text(engine.calls[-1])
 
 
@@ -542,16 +630,33 @@ def test_user_is_echoed_and_stored(fake_server, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_json_schema_text_format(tool_server, mode):
     engine = tool_server.engine
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
     engine.say('<|channel|>final<|message|>{"answer": 4}<|return|>')
-    response, _ = respond(tool_server, mode, input="2+2?", text={"format": {
-        "type": "json_schema", "name": "math", "schema": schema, "strict": True, "description": "The sum"}})
+    response, _ = respond(
+        tool_server,
+        mode,
+        input="2+2?",
+        text={
+            "format": {
+                "type": "json_schema",
+                "name": "math",
+                "schema": schema,
+                "strict": True,
+                "description": "The sum",
+            }
+        },
+    )
     fmt = response.text.format
     assert (fmt.type, fmt.name, fmt.schema_, fmt.strict) == ("json_schema", "math", schema, True)
     assert json.loads(response.output_text) == {"answer": 4}
-    assert ("# Response Formats\n\n## math\n\n// The sum\n" + json.dumps(schema, separators=(",", ":"))) in \
-        developer_message(prompt_text(engine.calls[-1]))
+    assert (
+        "# Response Formats\n\n## math\n\n// The sum\n" + json.dumps(schema, separators=(",", ":"))
+    ) in developer_message(prompt_text(engine.calls[-1]))
 
 
 def test_keep_alive_pings_while_the_model_is_slow(tmp_path):

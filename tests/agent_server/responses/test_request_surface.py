@@ -23,11 +23,16 @@ from tests.sdk_params import field_cases
 
 REFUSED = ("unsupported_value", "unsupported_parameter")
 
-RESPONSES_CASES = list(field_cases(ResponseCreateParamsNonStreaming, {"model": "m", "input": "hi"},
-                                   skip={"model", "stream"}))
-CHAT_CASES = list(field_cases(CompletionCreateParamsNonStreaming,
-                              {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                              skip={"model", "stream"}))
+RESPONSES_CASES = list(
+    field_cases(ResponseCreateParamsNonStreaming, {"model": "m", "input": "hi"}, skip={"model", "stream"})
+)
+CHAT_CASES = list(
+    field_cases(
+        CompletionCreateParamsNonStreaming,
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        skip={"model", "stream"},
+    )
+)
 
 
 def _outcome(schema, unsupported, body) -> APIError | None:
@@ -44,8 +49,9 @@ def _check(cases, schema, unsupported) -> None:
         error = _outcome(schema, unsupported, case.body)
         if error is None:
             continue
-        named = error.param is not None and (case.path == error.param or case.path.startswith(
-            (f"{error.param}.", f"{error.param}[")))
+        named = error.param is not None and (
+            case.path == error.param or case.path.startswith((f"{error.param}.", f"{error.param}["))
+        )
         if error.code not in REFUSED or not named or "not supported" not in error.message:
             wrong.append(f"{case}: {error.code}: {error.message} (param {error.param})")
     assert not wrong, f"{len(wrong)} of {len(cases)} SDK fields not handled:\n" + "\n".join(wrong)
@@ -55,10 +61,15 @@ def test_the_walk_reaches_the_sdk_surface():
     """The cases cover what the SDK declares (a walk that found nothing would pass anything)."""
     owners = {c.owner for c in RESPONSES_CASES}
     assert len(owners) > 100 and len(RESPONSES_CASES) > 1000
-    for name in ("function_tool_param.FunctionToolParam", "namespace_tool_param.NamespaceToolParam",
-                 "custom_tool_param.CustomToolParam", "web_search_tool_param.WebSearchToolParam",
-                 "response_reasoning_item_param.ResponseReasoningItemParam", "reasoning.Reasoning",
-                 "tool_choice_allowed_param.ToolChoiceAllowedParam"):
+    for name in (
+        "function_tool_param.FunctionToolParam",
+        "namespace_tool_param.NamespaceToolParam",
+        "custom_tool_param.CustomToolParam",
+        "web_search_tool_param.WebSearchToolParam",
+        "response_reasoning_item_param.ResponseReasoningItemParam",
+        "reasoning.Reasoning",
+        "tool_choice_allowed_param.ToolChoiceAllowedParam",
+    ):
         assert name in owners
     assert any(c.path == "tools[0].external_web_access" and c.value is True for c in RESPONSES_CASES)
     assert len({c.owner for c in CHAT_CASES}) > 40
@@ -72,14 +83,35 @@ def test_every_chat_field_of_the_sdk_is_handled():
     _check(CHAT_CASES, ChatCompletionRequest, chat_api.UNSUPPORTED)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png",
-                                              "detail": "auto"}]}]}, "input[0].content[0]"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]}, "input[0].content[0]"),
-    ({"tools": [{"type": "computer_use_preview", "display_width": 1, "display_height": 1,
-                 "environment": "linux"}]}, "tools[0]"),
-    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0]"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_image", "image_url": "https://x/y.png", "detail": "auto"}],
+                    }
+                ]
+            },
+            "input[0].content[0]",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
+            "input[0].content[0]",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"}
+                ]
+            },
+            "tools[0]",
+        ),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0]"),
+    ],
+)
 def test_what_gpt_oss_cannot_read_is_refused_by_name(body, param):
     error = _outcome(ResponseCreateRequest, responses_api.UNSUPPORTED, {"model": "m", **body})
     assert error is not None and error.status == 400 and error.code == "unsupported_value"
@@ -88,10 +120,11 @@ def test_what_gpt_oss_cannot_read_is_refused_by_name(body, param):
 
 def test_unknown_fields_are_still_refused():
     """Strict as OpenAI: a made-up parameter is an unknown parameter, at any depth."""
-    for body, param in [({"model": "m", "input": "hi", "temprature": 1}, "temprature"),
-                        ({"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "colour": 1}]},
-                         "tools[0].colour"),
-                        ({"model": "m", "input": "hi", "reasoning": {"effort": "low", "depth": 2}}, "reasoning.depth")]:
+    for body, param in [
+        ({"model": "m", "input": "hi", "temprature": 1}, "temprature"),
+        ({"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "colour": 1}]}, "tools[0].colour"),
+        ({"model": "m", "input": "hi", "reasoning": {"effort": "low", "depth": 2}}, "reasoning.depth"),
+    ]:
         error = _outcome(ResponseCreateRequest, responses_api.UNSUPPORTED, body)
         assert error is not None and error.code == "unknown_parameter" and error.param == param
 

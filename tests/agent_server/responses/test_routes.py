@@ -21,16 +21,23 @@ from inference.tokenizer import harmony_encoding
 from tests.conftest import MODEL, LiveServer, make_app, wait_for
 from tests.fake_engine import ScriptedEngine, harmony_tokens
 
-ANSWER = ("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final"
-          "<|message|>Hello! How can I help?<|return|>")
-SEARCH = ("<|channel|>analysis<|message|>I should look this up.<|end|><|start|>assistant<|channel|>analysis "
-          "to=browser.search <|constrain|>json<|message|>{\"query\": \"gpt-oss license\"}<|call|>")
+ANSWER = (
+    "<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final"
+    "<|message|>Hello! How can I help?<|return|>"
+)
+SEARCH = (
+    "<|channel|>analysis<|message|>I should look this up.<|end|><|start|>assistant<|channel|>analysis "
+    'to=browser.search <|constrain|>json<|message|>{"query": "gpt-oss license"}<|call|>'
+)
 CITED = "<|channel|>final<|message|>gpt-oss is Apache-2.0 licensed 【0†L1-L2】.<|return|>"
 PYTHON = "<|channel|>analysis to=python code<|message|>print(6 * 7)<|call|>"
-WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-WEATHER_CALL = ("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
-                "{\"city\": \"Paris\"}<|call|>")
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+WEATHER_CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
 
 
 def stream_events(client, **kwargs):
@@ -44,12 +51,14 @@ def stream_events(client, **kwargs):
 
 def plain(response) -> dict:
     """A response as JSON, without the SDK's client-side `parsed` additions."""
+
     def strip(value):
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items() if k != "parsed"}
         if isinstance(value, list):
             return [strip(v) for v in value]
         return value
+
     return strip(response.model_dump(mode="json"))
 
 
@@ -57,7 +66,10 @@ def check_stream_invariants(events, final):
     """What every stream must satisfy: numbering, item/part bookkeeping, agreement with the end."""
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type in (
-        "response.completed", "response.incomplete", "response.failed")
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    )
     added = {e.output_index: e.item for e in events if e.type == "response.output_item.added"}
     done = {e.output_index: e.item for e in events if e.type == "response.output_item.done"}
     assert sorted(added) == sorted(done) == list(range(len(final.output)))
@@ -70,8 +82,12 @@ def check_stream_invariants(events, final):
     # Deltas add up to what the items end with.
     text = {}
     for e in events:
-        if e.type in ("response.output_text.delta", "response.reasoning_text.delta",
-                      "response.function_call_arguments.delta", "response.code_interpreter_call_code.delta"):
+        if e.type in (
+            "response.output_text.delta",
+            "response.reasoning_text.delta",
+            "response.function_call_arguments.delta",
+            "response.code_interpreter_call_code.delta",
+        ):
             text[(e.output_index, e.type)] = text.get((e.output_index, e.type), "") + e.delta
     for (index, kind), value in text.items():
         item = final.output[index]
@@ -94,8 +110,9 @@ def test_plain_answer_with_reasoning(live_server):
     client = live_server.client()
     if live_server.kind == "fake":
         live_server.engine.say(ANSWER)
-    response = client.responses.create(model=MODEL, input="Hi!", max_output_tokens=24, temperature=0,
-                                       reasoning={"effort": "low"})
+    response = client.responses.create(
+        model=MODEL, input="Hi!", max_output_tokens=24, temperature=0, reasoning={"effort": "low"}
+    )
     assert response.object == "response" and response.model == MODEL
     assert response.usage.output_tokens <= 24 and response.usage.input_tokens > 0
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
@@ -132,13 +149,20 @@ def test_streaming_plain_answer_event_order(live_server):
         return
     kinds = [e.type for e in events]
     assert kinds == [
-        "response.created", "response.in_progress",
-        "response.output_item.added", "response.content_part.added",
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
         *["response.reasoning_text.delta"] * kinds.count("response.reasoning_text.delta"),
-        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
-        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
         *["response.output_text.delta"] * kinds.count("response.output_text.delta"),
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
         "response.completed",
     ]
     assert final.output_text == "Hello! How can I help?"
@@ -153,8 +177,9 @@ def test_previous_response_id_continues_the_conversation(live_server):
             "<|message|>Your name is Ada.<|return|>",
         )
     first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=32, temperature=0)
-    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
-                                     max_output_tokens=32, temperature=0)
+    second = client.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=32, temperature=0
+    )
     assert second.previous_response_id == first.id
     items = client.responses.input_items.list(second.id)
     assert [i.content[0].text for i in items.data] == ["What is my name?"]
@@ -193,12 +218,17 @@ def test_developer_input_messages_stay_in_the_chain(fake_server):
     # Unlike the `instructions` parameter, system and developer messages in `input` are items of
     # the conversation: later responses in the chain keep them.
     engine, client = fake_server.engine, fake_server.client()
-    first = client.responses.create(model=MODEL, instructions="Be brief.", input=[
-        {"role": "developer", "content": "Always answer in French."}, {"role": "user", "content": "Hi"}])
+    first = client.responses.create(
+        model=MODEL,
+        instructions="Be brief.",
+        input=[{"role": "developer", "content": "Always answer in French."}, {"role": "user", "content": "Hi"}],
+    )
     assert "Always answer in French." in prompt_text(engine.calls[-1])
-    second = client.responses.create(model=MODEL, input=[{"role": "system", "content": "Use metric units."},
-                                                         {"role": "user", "content": "And now?"}],
-                                     previous_response_id=first.id)
+    second = client.responses.create(
+        model=MODEL,
+        input=[{"role": "system", "content": "Use metric units."}, {"role": "user", "content": "And now?"}],
+        previous_response_id=first.id,
+    )
     client.responses.create(model=MODEL, input="Third", previous_response_id=second.id)
     text = prompt_text(engine.calls[-1])
     assert "Always answer in French." in text and "Use metric units." in text and "Be brief." not in text
@@ -211,8 +241,13 @@ def test_developer_input_messages_stay_in_the_chain(fake_server):
 def test_web_search_then_answer_with_citations(tool_server, fake_tools):
     engine, client = tool_server.engine, tool_server.client()
     engine.say(SEARCH, CITED)
-    events, final = stream_events(client, model=MODEL, input="What license does gpt-oss use?",
-                                  tools=[{"type": "web_search_preview"}], include=["web_search_call.action.sources"])
+    events, final = stream_events(
+        client,
+        model=MODEL,
+        input="What license does gpt-oss use?",
+        tools=[{"type": "web_search_preview"}],
+        include=["web_search_call.action.sources"],
+    )
     check_stream_invariants(events, final)
     assert [item.type for item in final.output] == ["reasoning", "web_search_call", "message"]
     search = final.output[1]
@@ -223,20 +258,32 @@ def test_web_search_then_answer_with_citations(tool_server, fake_tools):
     text = final.output[2].content[0]
     assert text.text == "gpt-oss is Apache-2.0 licensed [gpt-oss release notes]."
     (citation,) = text.annotations
-    assert citation.url == "https://example.org/oss" and text.text[citation.start_index:citation.end_index] == \
-        "[gpt-oss release notes]"
+    assert (
+        citation.url == "https://example.org/oss"
+        and text.text[citation.start_index : citation.end_index] == "[gpt-oss release notes]"
+    )
     kinds = [e.type for e in events]
     i = kinds.index("response.web_search_call.in_progress")
     assert kinds[i - 1] == "response.output_item.added"
-    assert kinds[i + 1:i + 4] == ["response.web_search_call.searching", "response.web_search_call.completed",
-                                  "response.output_item.done"]
+    assert kinds[i + 1 : i + 4] == [
+        "response.web_search_call.searching",
+        "response.web_search_call.completed",
+        "response.output_item.done",
+    ]
     assert kinds.count("response.output_text.annotation.added") == 1
     # The model saw the tool's answer, and the continuation reused the parked sequence.
     first, second = engine.calls
     tool_text = fake_tools["browser"].sessions[0]
-    expected_suffix = continuation_tokens([tool_message("browser.search", "# Search results for 'gpt-oss license'\n"
-                                                        "【0†gpt-oss release notes†https://example.org/oss】\n"
-                                                        "【1†The Harmony format†https://example.org/harmony】")])
+    expected_suffix = continuation_tokens(
+        [
+            tool_message(
+                "browser.search",
+                "# Search results for 'gpt-oss license'\n"
+                "【0†gpt-oss release notes†https://example.org/oss】\n"
+                "【1†The Harmony format†https://example.org/harmony】",
+            )
+        ]
+    )
     assert second.request.continue_from == first.request.request_id and first.request.keep_alive
     assert second.request.prompt_token_ids == first.request.prompt_token_ids + first.generated + expected_suffix
     # Everything the first turn computed is reused; the last sampled token (<|call|>) was never fed
@@ -256,8 +303,7 @@ def test_citation_marks_never_reach_the_user_when_nothing_was_browsed(fake_serve
     engine.say(SEARCH, CITED)
     first = client.responses.create(model=MODEL, input="What license does gpt-oss use?", tools=browser)
     engine.say("<|channel|>final<|message|>Yes: Apache-2.0 【0†L1-L2】.<|return|>")
-    events, second = stream_events(client, model=MODEL, input="Sure?", previous_response_id=first.id,
-                                   tools=browser)
+    events, second = stream_events(client, model=MODEL, input="Sure?", previous_response_id=first.id, tools=browser)
     check_stream_invariants(events, second)
     assert second.output_text == "Yes: Apache-2.0." and not second.output[0].content[0].annotations
 
@@ -265,9 +311,13 @@ def test_citation_marks_never_reach_the_user_when_nothing_was_browsed(fake_serve
 def test_code_interpreter_call(tool_server, fake_tools):
     engine, client = tool_server.engine, tool_server.client()
     engine.say(PYTHON, "<|channel|>final<|message|>6 times 7 is 42.<|return|>")
-    events, final = stream_events(client, model=MODEL, input="What is 6*7? Use python.",
-                                  tools=[{"type": "code_interpreter", "container": {"type": "auto"}}],
-                                  include=["code_interpreter_call.outputs"])
+    events, final = stream_events(
+        client,
+        model=MODEL,
+        input="What is 6*7? Use python.",
+        tools=[{"type": "code_interpreter", "container": {"type": "auto"}}],
+        include=["code_interpreter_call.outputs"],
+    )
     check_stream_invariants(events, final)
     call, message = final.output
     assert call.type == "code_interpreter_call" and call.code == "print(6 * 7)" and call.status == "completed"
@@ -276,8 +326,11 @@ def test_code_interpreter_call(tool_server, fake_tools):
     assert message.content[0].text == "6 times 7 is 42."
     kinds = [e.type for e in events if e.type.startswith("response.code_interpreter")]
     assert kinds[0] == "response.code_interpreter_call.in_progress"
-    assert kinds[-3:] == ["response.code_interpreter_call_code.done", "response.code_interpreter_call.interpreting",
-                          "response.code_interpreter_call.completed"]
+    assert kinds[-3:] == [
+        "response.code_interpreter_call_code.done",
+        "response.code_interpreter_call.interpreting",
+        "response.code_interpreter_call.completed",
+    ]
     assert set(kinds[1:-3]) == {"response.code_interpreter_call_code.delta"}
     first, second = engine.calls
     assert second.num_prefilled == len(continuation_tokens([tool_message("python", "42\n")])) + 1
@@ -287,23 +340,37 @@ def test_code_interpreter_call(tool_server, fake_tools):
 def test_tool_output_that_would_tokenize_slowly_is_cut_short(tool_server):
     # 40,000 letters in one run would hold the server for about 0.75 s of tokenizing.
     engine, client = tool_server.engine, tool_server.client()
-    engine.say("<|channel|>analysis to=python code<|message|>print('ok ' + 'x' * 40000)<|call|>",
-               "<|channel|>final<|message|>Done.<|return|>")
-    final = client.responses.create(model=MODEL, input="Go", include=["code_interpreter_call.outputs"],
-                                    tools=[{"type": "code_interpreter", "container": {"type": "auto"}}])
+    engine.say(
+        "<|channel|>analysis to=python code<|message|>print('ok ' + 'x' * 40000)<|call|>",
+        "<|channel|>final<|message|>Done.<|return|>",
+    )
+    final = client.responses.create(
+        model=MODEL,
+        input="Go",
+        include=["code_interpreter_call.outputs"],
+        tools=[{"type": "code_interpreter", "container": {"type": "auto"}}],
+    )
     logs = final.output[0].outputs[0].logs
-    assert logs.startswith("ok \n[... 40001 characters left out: a run of 40000 characters") and final.output_text == "Done."
+    assert (
+        logs.startswith("ok \n[... 40001 characters left out: a run of 40000 characters")
+        and final.output_text == "Done."
+    )
     assert "x" * 32 not in prompt_text(engine.calls[1]) and "characters left out" in prompt_text(engine.calls[1])
 
 
 def test_mcp_tools_are_listed_and_called(tool_server, fake_tools):
     engine, client = tool_server.engine, tool_server.client()
-    engine.say("<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|>",
-               "<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{\"city\": \"Atlantis\"}"
-               "<|call|>",
-               "<|channel|>final<|message|>Sunny in Oslo.<|return|>")
-    events, final = stream_events(client, model=MODEL, input="Weather?",
-                                  tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}])
+    engine.say(
+        '<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',
+        '<|channel|>commentary to=weather.get_forecast <|constrain|>json<|message|>{"city": "Atlantis"}<|call|>',
+        "<|channel|>final<|message|>Sunny in Oslo.<|return|>",
+    )
+    events, final = stream_events(
+        client,
+        model=MODEL,
+        input="Weather?",
+        tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}],
+    )
     check_stream_invariants(events, final)
     listing, ok, failed, message = final.output
     assert listing.type == "mcp_list_tools" and [t.name for t in listing.tools] == ["get_forecast"]
@@ -317,19 +384,30 @@ def test_mcp_tools_are_listed_and_called(tool_server, fake_tools):
     # The output sent back as input (a client managing its context) replays both calls, the
     # failed one with its error object.
     engine.say("<|channel|>final<|message|>Same.<|return|>")
-    replayed = client.responses.create(model=MODEL, store=False, input=[
-        {"role": "user", "content": "Weather?"}, *[item.model_dump(exclude_none=True) for item in final.output]])
+    replayed = client.responses.create(
+        model=MODEL,
+        store=False,
+        input=[{"role": "user", "content": "Weather?"}, *[item.model_dump(exclude_none=True) for item in final.output]],
+    )
     assert replayed.output_text == "Same."
     assert "No forecast for Atlantis." in prompt_text(engine.calls[-1])
     # The next response in the conversation does not list the tools again.
     engine.say("<|channel|>final<|message|>Still sunny.<|return|>")
-    again = client.responses.create(model=MODEL, input="And now?", previous_response_id=final.id,
-                                    tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}])
+    again = client.responses.create(
+        model=MODEL,
+        input="And now?",
+        previous_response_id=final.id,
+        tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}],
+    )
     assert [item.type for item in again.output] == ["message"]
     # ... nor the one after it: the listing is still in the chain's context.
     engine.say("<|channel|>final<|message|>Sunny still.<|return|>")
-    third = client.responses.create(model=MODEL, input="Later?", previous_response_id=again.id,
-                                    tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}])
+    third = client.responses.create(
+        model=MODEL,
+        input="Later?",
+        previous_response_id=again.id,
+        tools=[{"type": "mcp", "server_label": "weather", "require_approval": "never"}],
+    )
     assert [item.type for item in third.output] == ["message"]
 
 
@@ -340,32 +418,44 @@ def test_function_call_and_its_output(tool_server):
     check_stream_invariants(events, first)
     assert first.status == "completed"
     reasoning, call = first.output
-    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {
-        "city": "Paris"}
+    assert (
+        call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    )
     assert call.call_id.startswith("call_") and call.status == "completed"
     assert [e.type for e in events].count("response.function_call_arguments.done") == 1
     assert "type get_weather = (_: {\ncity: string,\n}) => any;" in prompt_text(engine.calls[0])
     assert not engine.calls[0].request.keep_alive  # nothing server-side to continue
 
     engine.say("<|channel|>final<|message|>It is 21°C and clear in Paris.<|return|>")
-    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL], input=[
-        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'}])
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        tools=[WEATHER_TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'}],
+    )
     assert second.output_text == "It is 21°C and clear in Paris."
     text = prompt_text(engine.calls[-1])
     assert "to=functions.get_weather" in text
-    assert text.endswith("<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
-                         "{\"temperature_c\": 21}<|end|><|start|>assistant")
+    assert text.endswith(
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+        '{"temperature_c": 21}<|end|><|start|>assistant'
+    )
 
     # The same continuation with the client managing the context itself.
     engine.say("<|channel|>final<|message|>21°C.<|return|>")
-    manual = client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
-        {"type": "function_call_output", "call_id": "call_1", "output": "21"},
-    ])
+    manual = client.responses.create(
+        model=MODEL,
+        tools=[WEATHER_TOOL],
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "21"},
+        ],
+    )
     assert manual.output_text == "21°C."
     assert prompt_text(engine.calls[-1]).endswith(
-        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|><|start|>assistant")
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|><|start|>assistant"
+    )
 
 
 def test_a_turn_with_a_function_call_and_a_builtin_call_ends_for_the_client(fake_server):
@@ -379,12 +469,17 @@ def test_a_turn_with_a_function_call_and_a_builtin_call_ends_for_the_client(fake
     assert [item.type for item in first.output] == ["function_call", "code_interpreter_call"]
     assert first.output[1].status == "completed" and len(engine.calls) == 1
     engine.say("<|channel|>final<|message|>21°C, and 42.<|return|>")
-    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=tools, input=[
-        {"type": "function_call_output", "call_id": first.output[0].call_id, "output": "21"}])
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        tools=tools,
+        input=[{"type": "function_call_output", "call_id": first.output[0].call_id, "output": "21"}],
+    )
     assert second.output_text == "21°C, and 42."
     assert prompt_text(engine.calls[-1]).endswith(
         "<|start|>python to=assistant<|channel|>commentary<|message|>42\n<|end|>"
-        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|><|start|>assistant")
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|><|start|>assistant"
+    )
 
 
 def test_a_call_nobody_answered_is_not_replayed(fake_server):
@@ -399,7 +494,7 @@ def test_a_call_nobody_answered_is_not_replayed(fake_server):
     client.responses.create(model=MODEL, input="Go on.", previous_response_id=cut.id, tools=[WEATHER_TOOL])
     text = prompt_text(engine.calls[-1])
     assert "Need weather." in text and "to=functions.get_weather" not in text
-    engine.say("<|channel|>analysis to=container.exec <|constrain|>json<|message|>{\"cmd\": \"ls\"}<|call|>")
+    engine.say('<|channel|>analysis to=container.exec <|constrain|>json<|message|>{"cmd": "ls"}<|call|>')
     unknown = client.responses.create(model=MODEL, input="List files.")
     assert unknown.output[-1].status == "incomplete"
     engine.say(ANSWER)
@@ -414,8 +509,9 @@ def test_limits_make_responses_incomplete_or_stop_tools(tool_server, fake_tools)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
     assert short.usage.output_tokens == 5 and short.output[0].status == "incomplete"
     # Cut inside the final message's header: the reasoning, and no item of Harmony markup.
-    cut = len(harmony_tokens("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant"
-                             "<|channel|>final"))
+    cut = len(
+        harmony_tokens("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final")
+    )
     engine.say(ANSWER)
     events, cut_short = stream_events(client, model=MODEL, input="Hi", max_output_tokens=cut)
     check_stream_invariants(events, cut_short)
@@ -426,8 +522,12 @@ def test_limits_make_responses_incomplete_or_stop_tools(tool_server, fake_tools)
     assert "<|channel|>final<|end|>" not in prompt_text(engine.calls[-1]) and again.status == "completed"
 
     engine.say(PYTHON, PYTHON, "<|channel|>final<|message|>Done.<|return|>")
-    limited = client.responses.create(model=MODEL, input="Compute twice", max_tool_calls=1,
-                                      tools=[{"type": "code_interpreter", "container": {"type": "auto"}}])
+    limited = client.responses.create(
+        model=MODEL,
+        input="Compute twice",
+        max_tool_calls=1,
+        tools=[{"type": "code_interpreter", "container": {"type": "auto"}}],
+    )
     assert [o.status for o in limited.output] == ["completed", "failed", "completed"]
     assert len(fake_tools["python"].calls) == 1
     assert "limit of 1 tool calls" in prompt_text(engine.calls[-1])
@@ -442,7 +542,7 @@ def test_malformed_harmony_never_fails_the_response(tool_server):
     assert good.status == "completed" and good.content[0].text == "Partly fine."
     assert bad.status == "incomplete" and bad.content[0].text == "then garbage"
 
-    engine.say("<|channel|>commentary to=nowhere.tool <|constrain|>json<|message|>{\"a\": 1}<|call|>")
+    engine.say('<|channel|>commentary to=nowhere.tool <|constrain|>json<|message|>{"a": 1}<|call|>')
     events, response = stream_events(client, model=MODEL, input="Hi")
     check_stream_invariants(events, response)
     assert response.status == "completed"
@@ -455,12 +555,16 @@ def test_malformed_harmony_never_fails_the_response(tool_server):
 
 def test_retrieve_delete_and_input_items(fake_server):
     client = fake_server.client()
-    response = client.responses.create(model=MODEL, metadata={"topic": "test"}, input=[
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "input_text", "text": "One"}]},
-        {"role": "assistant", "content": "Two"},
-        {"role": "user", "content": "Three"},
-    ])
+    response = client.responses.create(
+        model=MODEL,
+        metadata={"topic": "test"},
+        input=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "input_text", "text": "One"}]},
+            {"role": "assistant", "content": "Two"},
+            {"role": "user", "content": "Three"},
+        ],
+    )
     assert "Be brief." in prompt_text(fake_server.engine.calls[-1])
     got = client.responses.retrieve(response.id)
     assert got.model_dump() == response.model_dump() and got.metadata == {"topic": "test"}
@@ -501,8 +605,11 @@ def test_stored_responses_survive_a_restart(tmp_path):
 def test_items_are_referenced_by_id(tool_server, fake_tools):
     engine, client = tool_server.engine, tool_server.client()
     engine.say(SEARCH, CITED)
-    searched = client.responses.create(model=MODEL, input=[{"role": "user", "content": "License?", "id": "msg_q"}],
-                                       tools=[{"type": "web_search_preview"}])
+    searched = client.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": "License?", "id": "msg_q"}],
+        tools=[{"type": "web_search_preview"}],
+    )
     reasoning, search, answer = searched.output
     engine.say(WEATHER_CALL)
     called = client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER_TOOL])
@@ -510,8 +617,11 @@ def test_items_are_referenced_by_id(tool_server, fake_tools):
     # A context built from references (as the Vercel AI SDK and Codex send it) is the items themselves.
     engine.say(ANSWER)
     refs = [{"type": "item_reference", "id": i} for i in ("msg_q", reasoning.id, search.id, answer.id, call.id)]
-    referenced = client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
-        *refs, {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    referenced = client.responses.create(
+        model=MODEL,
+        tools=[WEATHER_TOOL],
+        input=[*refs, {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}],
+    )
     text = prompt_text(engine.calls[-1])
     for piece in ("License?", "Apache-2.0 licensed", "to=functions.get_weather", "Sunny"):
         assert piece in text, piece
@@ -520,8 +630,13 @@ def test_items_are_referenced_by_id(tool_server, fake_tools):
     assert [i.id for i in listed[:5]] == [r["id"] for r in refs] and listed[3].type == "message"
 
     def refused(item_id, index=0) -> dict:
-        r = httpx.post(f"{tool_server.url}/v1/responses", json={"model": MODEL, "input": [
-            {"role": "user", "content": "x"}, {"type": "item_reference", "id": item_id}][1 - index:]})
+        r = httpx.post(
+            f"{tool_server.url}/v1/responses",
+            json={
+                "model": MODEL,
+                "input": [{"role": "user", "content": "x"}, {"type": "item_reference", "id": item_id}][1 - index :],
+            },
+        )
         assert r.status_code == 404, r.text
         return r.json()["error"]
 
@@ -566,8 +681,12 @@ def test_background_responses_poll_resume_and_cancel(fake_server):
 
     # The stored stream replays from any point, response.queued included.
     events = list(client.responses.retrieve(queued.id, stream=True, starting_after=-1))
-    assert [e.type for e in events[:4]] == ["response.created", "response.queued", "response.in_progress",
-                                            "response.output_item.added"]
+    assert [e.type for e in events[:4]] == [
+        "response.created",
+        "response.queued",
+        "response.in_progress",
+        "response.output_item.added",
+    ]
     tail = list(client.responses.retrieve(queued.id, stream=True, starting_after=10))
     assert [e.sequence_number for e in tail] == list(range(11, len(events)))
     assert tail[-1].type == "response.completed"
@@ -606,8 +725,9 @@ def test_disconnect_mid_stream_stops_generation_and_keeps_the_response(fake_serv
     engine.token_delay = 0.02
     engine.say(slow_turn(500))
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{fake_server.url}/v1/responses",
-                         json={"model": MODEL, "input": "Write", "stream": True}) as r:
+        with http.stream(
+            "POST", f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "Write", "stream": True}
+        ) as r:
             lines = []
             for line in r.iter_lines():
                 lines.append(line)
@@ -643,8 +763,11 @@ def test_bad_requests_get_openai_errors(fake_server):
     url = f"{fake_server.url}/v1/responses"
 
     def error(body, status=400, **kwargs):
-        r = httpx.post(url, json=body, **kwargs) if body is not None else httpx.post(
-            url, content=b"{oops", headers={"Content-Type": "application/json"}, **kwargs)
+        r = (
+            httpx.post(url, json=body, **kwargs)
+            if body is not None
+            else httpx.post(url, content=b"{oops", headers={"Content-Type": "application/json"}, **kwargs)
+        )
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -656,22 +779,42 @@ def test_bad_requests_get_openai_errors(fake_server):
     assert error({"model": MODEL})["param"] == "input"
     assert error({"model": "other-model", "input": "x"}, 404)["param"] == "model"
     assert error(None)["code"] == "invalid_json"
-    assert error({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}
-                 )["param"] == "input[0].content[0]"
-    assert error({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "s",
-                                                                     "schema": {"type": "nonsense"}}}}
-                 )["param"] == "text.format.schema"
+    assert (
+        error({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})[
+            "param"
+        ]
+        == "input[0].content[0]"
+    )
+    assert (
+        error(
+            {
+                "model": MODEL,
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}},
+            }
+        )["param"]
+        == "text.format.schema"
+    )
     assert error({"model": MODEL, "input": "x", "include": ["reasoning.everything"]})["param"] == "include[0]"
-    assert error({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, 404)["param"] == \
-        "previous_response_id"
-    assert error({"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}
-                 )["param"] == "input[0].call_id"
-    assert error({"model": MODEL, "input": "x", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
-                                                                                        "name": "nope"}}
-                 )["param"] == "tool_choice"
+    assert (
+        error({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, 404)["param"]
+        == "previous_response_id"
+    )
+    assert (
+        error({"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]})["param"]
+        == "input[0].call_id"
+    )
+    assert (
+        error(
+            {"model": MODEL, "input": "x", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}}
+        )["param"]
+        == "tool_choice"
+    )
     assert error({"model": MODEL, "input": "x", "background": True, "store": False})["param"] == "background"
-    assert error({"model": MODEL, "input": "x", "tools": [{"type": "mcp", "server_label": "nope"}]}
-                 )["param"] == "tools[0].server_label"
+    assert (
+        error({"model": MODEL, "input": "x", "tools": [{"type": "mcp", "server_label": "nope"}]})["param"]
+        == "tools[0].server_label"
+    )
     assert error({"model": MODEL, "input": "hello " * 9000}, 400)["code"] == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_missing")
@@ -680,8 +823,21 @@ def test_bad_requests_get_openai_errors(fake_server):
     assert info.value.body["param"] == "max_output_tokens"
 
 
-@pytest.mark.parametrize("name", ["store", "background", "stream", "parallel_tool_calls", "tools", "tool_choice",
-                                  "top_logprobs", "conversation", "prompt", "truncation"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "store",
+        "background",
+        "stream",
+        "parallel_tool_calls",
+        "tools",
+        "tool_choice",
+        "top_logprobs",
+        "conversation",
+        "prompt",
+        "truncation",
+    ],
+)
 def test_an_explicit_null_means_not_given(fake_server, name):
     # The SDK sends None as null for the parameters it types Optional.
     r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "x", name: None})
@@ -690,8 +846,9 @@ def test_an_explicit_null_means_not_given(fake_server, name):
     assert body["status"] == "completed" and body["background"] is False
     assert httpx.get(f"{fake_server.url}/v1/responses/{body['id']}").status_code == 200  # stored
     assert body["parallel_tool_calls"] is True and body["tools"] == [] and body["tool_choice"] == "auto"
-    response = fake_server.client().responses.create(model=MODEL, input="x", store=None, parallel_tool_calls=None,
-                                                     background=None)
+    response = fake_server.client().responses.create(
+        model=MODEL, input="x", store=None, parallel_tool_calls=None, background=None
+    )
     assert response.status == "completed" and response.parallel_tool_calls is True
 
 
@@ -714,11 +871,20 @@ def test_requests_openai_refuses_are_refused(fake_server):
     error = refused({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}})
     assert error["param"] == "tool_choice.type" and "web_search_preview" in error["message"]
     mcp = {"type": "mcp", "server_label": "weather", "require_approval": "never"}
-    error = refused({"input": "x", "tools": [mcp], "tool_choice": {"type": "mcp", "server_label": "weather",
-                                                                  "name": "get_horoscope"}})
+    error = refused(
+        {
+            "input": "x",
+            "tools": [mcp],
+            "tool_choice": {"type": "mcp", "server_label": "weather", "name": "get_horoscope"},
+        }
+    )
     assert error["param"] == "tool_choice.name" and "get_horoscope" in error["message"]
-    chosen = client.responses.create(model=MODEL, input="x", tools=[mcp], tool_choice={
-        "type": "mcp", "server_label": "weather", "name": "get_forecast"})
+    chosen = client.responses.create(
+        model=MODEL,
+        input="x",
+        tools=[mcp],
+        tool_choice={"type": "mcp", "server_label": "weather", "name": "get_forecast"},
+    )
     grammar = engine.calls[-1].request.sampling.grammar.text  # the turn grammar forces that tool
     assert grammar.startswith("start: call_0\n") and "to=weather.get_forecast " in grammar and "call_1" not in grammar
     assert chosen.status == "completed"
@@ -729,8 +895,12 @@ def test_requests_openai_refuses_are_refused(fake_server):
     assert call.type == "function_call"
     error = refused({"input": "hello", "previous_response_id": first.id, "tools": [WEATHER_TOOL]})
     assert call.call_id in error["message"] and error["param"] == "input"
-    answered = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL], input=[
-        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    answered = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        tools=[WEATHER_TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}],
+    )
     assert answered.status == "completed"
     # A call the token limit cut short needs no output: nobody could run it.
     engine.say(WEATHER_CALL)
@@ -738,8 +908,10 @@ def test_requests_openai_refuses_are_refused(fake_server):
     assert cut.status == "incomplete" and cut.output[-1].type == "function_call"
     assert cut.output[-1].status == "incomplete"
     engine.say(ANSWER)
-    assert client.responses.create(model=MODEL, input="Go on.", previous_response_id=cut.id,
-                                   tools=[WEATHER_TOOL]).status == "completed"
+    assert (
+        client.responses.create(model=MODEL, input="Go on.", previous_response_id=cut.id, tools=[WEATHER_TOOL]).status
+        == "completed"
+    )
 
 
 def test_listed_input_items_are_the_sdk_types_strictly(fake_server):
@@ -747,18 +919,23 @@ def test_listed_input_items_are_the_sdk_types_strictly(fake_server):
     from pydantic import TypeAdapter
 
     client = fake_server.client()
-    response = client.responses.create(model=MODEL, input=[
-        {"role": "assistant", "content": "Two"},
-        {"role": "assistant", "content": [{"type": "output_text", "text": "Three", "annotations": []}]},
-        {"role": "user", "content": "x"}])
+    response = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "assistant", "content": "Two"},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "Three", "annotations": []}]},
+            {"role": "user", "content": "x"},
+        ],
+    )
     items = httpx.get(f"{fake_server.url}/v1/responses/{response.id}/input_items?order=asc").json()["data"]
     for item in items:
         TypeAdapter(ResponseItem).validate_python(item, strict=True)
 
 
 def test_request_identifiers_are_echoed(fake_server):
-    response = fake_server.client().responses.create(model=MODEL, input="x", prompt_cache_key="k1",
-                                                     safety_identifier="user-7", service_tier="flex")
+    response = fake_server.client().responses.create(
+        model=MODEL, input="x", prompt_cache_key="k1", safety_identifier="user-7", service_tier="flex"
+    )
     assert (response.prompt_cache_key, response.safety_identifier) == ("k1", "user-7")
     assert response.service_tier == "default"  # what processed it
     stored = fake_server.client().responses.retrieve(response.id)
@@ -851,8 +1028,10 @@ def test_items_already_in_the_previous_chain_are_refused_as_duplicates(fake_serv
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
 
     def refused(items) -> dict:
-        r = httpx.post(f"{fake_server.url}/v1/responses", json={
-            "model": MODEL, "previous_response_id": first.id, "tools": [WEATHER_TOOL], "input": items})
+        r = httpx.post(
+            f"{fake_server.url}/v1/responses",
+            json={"model": MODEL, "previous_response_id": first.id, "tools": [WEATHER_TOOL], "input": items},
+        )
         assert r.status_code == 400, r.text
         return r.json()["error"]
 
@@ -862,13 +1041,18 @@ def test_items_already_in_the_previous_chain_are_refused_as_duplicates(fake_serv
     assert error["param"].startswith("input[")
     assert refused([{"type": "item_reference", "id": call.id}, output])["param"] == "input[0].id"
     engine.say(ANSWER)
-    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL],
-                                     input=[output])
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL], input=[output])
     assert prompt_text(engine.calls[-1]).count("to=functions.get_weather") == 1
     # Further down the chain too (the first response's input item and call).
     first_input = client.responses.input_items.list(first.id).data[0]
-    r = httpx.post(f"{fake_server.url}/v1/responses", json={
-        "model": MODEL, "previous_response_id": second.id, "input": [{"type": "item_reference", "id": first_input.id}]})
+    r = httpx.post(
+        f"{fake_server.url}/v1/responses",
+        json={
+            "model": MODEL,
+            "previous_response_id": second.id,
+            "input": [{"type": "item_reference", "id": first_input.id}],
+        },
+    )
     assert r.status_code == 400 and first_input.id in r.json()["error"]["message"]
 
 
@@ -882,7 +1066,9 @@ def test_a_background_stream_cut_by_a_restart_still_ends(tmp_path):
         queued = server.client().responses.create(model=MODEL, input="Write", background=True)
         wait_for(lambda: engine.calls and len(engine.calls[-1].generated) > 3)
         with sqlite3.connect(store) as db:  # what a crash leaves: the record as first stored
-            assert json.loads(db.execute("SELECT record FROM responses").fetchone()[0])["response"]["status"] == "queued"
+            assert (
+                json.loads(db.execute("SELECT record FROM responses").fetchone()[0])["response"]["status"] == "queued"
+            )
             crashed = tmp_path / "crashed.sqlite3"
             with sqlite3.connect(crashed) as copy:
                 db.backup(copy)
@@ -922,8 +1108,7 @@ def test_truncation_auto_drops_the_oldest_items_to_fit(tmp_path):
         assert "truncation='auto' could not help" in info.value.body["message"]
         assert "single turn" in info.value.body["message"]
         with pytest.raises(openai.BadRequestError) as info:
-            client.responses.create(model=MODEL, input="omega " * 400, previous_response_id=first.id,
-                                    truncation="auto")
+            client.responses.create(model=MODEL, input="omega " * 400, previous_response_id=first.id, truncation="auto")
         assert "dropped every earlier turn, but the last one on its own" in info.value.body["message"]
 
 
@@ -937,11 +1122,26 @@ def test_opening_the_store_reads_only_unfinished_responses(tmp_path, monkeypatch
     path = tmp_path / "responses.sqlite3"
     store = SQLiteResponseStore(path)
     for i in range(20):
-        store._put(StoredResponse(id=f"resp_done{i}", response={"id": f"resp_done{i}", "status": "completed",
-                                                               "output": [{"id": f"msg_{i}", "type": "message"}]},
-                                  input_items=[], events=[{"type": "response.created", "sequence_number": 0}]))
-    store._put(StoredResponse(id="resp_running", response={"id": "resp_running", "status": "in_progress",
-                                                           "output": []}, input_items=[], events=[]))
+        store._put(
+            StoredResponse(
+                id=f"resp_done{i}",
+                response={
+                    "id": f"resp_done{i}",
+                    "status": "completed",
+                    "output": [{"id": f"msg_{i}", "type": "message"}],
+                },
+                input_items=[],
+                events=[{"type": "response.created", "sequence_number": 0}],
+            )
+        )
+    store._put(
+        StoredResponse(
+            id="resp_running",
+            response={"id": "resp_running", "status": "in_progress", "output": []},
+            input_items=[],
+            events=[],
+        )
+    )
     asyncio.run(store.close())
     parsed = []
     loads = json.loads
@@ -972,7 +1172,9 @@ def test_a_store_from_before_the_status_column_is_migrated(tmp_path):
     asyncio.run(store.close())
     with sqlite3.connect(path) as db:
         assert dict(db.execute("SELECT id, status FROM responses")) == {
-            "resp_old_done": "completed", "resp_old_running": "failed"}
+            "resp_old_done": "completed",
+            "resp_old_running": "failed",
+        }
 
 
 def test_function_outputs_follow_the_order_of_their_calls(fake_server):
@@ -984,18 +1186,29 @@ def test_function_outputs_follow_the_order_of_their_calls(fake_server):
     first = client.responses.create(model=MODEL, input="Weather in Paris and Rome?", tools=[WEATHER_TOOL])
     paris, rome_call = first.output
     engine.say(ANSWER)
-    client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL], input=[
-        {"type": "function_call_output", "call_id": rome_call.call_id, "output": "RAIN_ROME"},
-        {"type": "function_call_output", "call_id": paris.call_id, "output": "SUN_PARIS"}])
+    client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        tools=[WEATHER_TOOL],
+        input=[
+            {"type": "function_call_output", "call_id": rome_call.call_id, "output": "RAIN_ROME"},
+            {"type": "function_call_output", "call_id": paris.call_id, "output": "SUN_PARIS"},
+        ],
+    )
     text = prompt_text(engine.calls[-1])
     assert text.index('"Paris"') < text.index('"Rome"') < text.index("SUN_PARIS") < text.index("RAIN_ROME")
     # The same when the client sends the whole context itself.
     engine.say(ANSWER)
     calls = [p.model_dump(mode="json", exclude_none=True) for p in (paris, rome_call)]
-    client.responses.create(model=MODEL, tools=[WEATHER_TOOL], input=[
-        {"role": "user", "content": "Weather?"}, *[{k: c[k] for k in ("type", "call_id", "name", "arguments")}
-                                                    for c in calls],
-        {"type": "function_call_output", "call_id": rome_call.call_id, "output": "RAIN_ROME"},
-        {"type": "function_call_output", "call_id": paris.call_id, "output": "SUN_PARIS"}])
+    client.responses.create(
+        model=MODEL,
+        tools=[WEATHER_TOOL],
+        input=[
+            {"role": "user", "content": "Weather?"},
+            *[{k: c[k] for k in ("type", "call_id", "name", "arguments")} for c in calls],
+            {"type": "function_call_output", "call_id": rome_call.call_id, "output": "RAIN_ROME"},
+            {"type": "function_call_output", "call_id": paris.call_id, "output": "SUN_PARIS"},
+        ],
+    )
     text = prompt_text(engine.calls[-1])
     assert text.index('"Paris"') < text.index('"Rome"') < text.index("SUN_PARIS") < text.index("RAIN_ROME")

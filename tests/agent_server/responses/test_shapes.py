@@ -14,19 +14,46 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tests.conftest import MODEL
 from tests.agent_server.responses.test_routes import WEATHER_CALL, WEATHER_TOOL
+from tests.conftest import MODEL
 
 EVENT = TypeAdapter(ResponseStreamEvent)
-ANSWER = ("<|channel|>analysis<|message|>Greeting.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
-          "<|return|>")
+ANSWER = "<|channel|>analysis<|message|>Greeting.<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
 # Fields OpenAI's response objects always carry, null or not.
 RESPONSE_FIELDS = {
-    "id", "object", "created_at", "completed_at", "status", "background", "error", "incomplete_details",
-    "instructions", "max_output_tokens", "max_tool_calls", "model", "output", "parallel_tool_calls",
-    "previous_response_id", "prompt_cache_key", "prompt_cache_retention", "reasoning", "safety_identifier",
-    "service_tier", "store", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "truncation",
-    "usage", "user", "metadata", "frequency_penalty", "presence_penalty",
+    "id",
+    "object",
+    "created_at",
+    "completed_at",
+    "status",
+    "background",
+    "error",
+    "incomplete_details",
+    "instructions",
+    "max_output_tokens",
+    "max_tool_calls",
+    "model",
+    "output",
+    "parallel_tool_calls",
+    "previous_response_id",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "reasoning",
+    "safety_identifier",
+    "service_tier",
+    "store",
+    "temperature",
+    "text",
+    "tool_choice",
+    "tools",
+    "top_logprobs",
+    "top_p",
+    "truncation",
+    "usage",
+    "user",
+    "metadata",
+    "frequency_penalty",
+    "presence_penalty",
 }
 
 
@@ -52,9 +79,18 @@ def check_response(data: dict) -> Response:
     return Response.model_validate(data, strict=True)
 
 
-BODY = {"model": MODEL, "input": "Hi", "tools": [WEATHER_TOOL], "metadata": {"k": "v"},
-        "reasoning": {"effort": "low", "summary": "auto"}, "text": {"verbosity": "low"}, "top_logprobs": 0,
-        "prompt_cache_key": "conv-1", "prompt_cache_retention": "24h", "store": True}
+BODY = {
+    "model": MODEL,
+    "input": "Hi",
+    "tools": [WEATHER_TOOL],
+    "metadata": {"k": "v"},
+    "reasoning": {"effort": "low", "summary": "auto"},
+    "text": {"verbosity": "low"},
+    "top_logprobs": 0,
+    "prompt_cache_key": "conv-1",
+    "prompt_cache_retention": "24h",
+    "store": True,
+}
 
 
 def test_a_response_is_openais_shape(live_server):
@@ -98,7 +134,8 @@ def test_every_streamed_event_is_an_sdk_event_in_strict_mode(fake_server, backgr
     assert {"response.reasoning_text.delta", "response.reasoning_text.done"} <= names
     reasoning = final["response"]["output"][0]
     assert reasoning["type"] == "reasoning" and reasoning["content"] == [
-        {"type": "reasoning_text", "text": "Need the weather."}]
+        {"type": "reasoning_text", "text": "Need the weather."}
+    ]
 
 
 def test_stateless_reasoning_events_validate_too(fake_server):
@@ -118,8 +155,12 @@ def test_stateless_reasoning_events_validate_too(fake_server):
 
 def test_chat_completion_and_chunks_are_sdk_types_in_strict_mode(fake_server):
     fake_server.engine.say(ANSWER, ANSWER)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "verbosity": "low",
-            "reasoning_effort": "minimal"}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "verbosity": "low",
+        "reasoning_effort": "minimal",
+    }
     data = httpx.post(f"{fake_server.url}/v1/chat/completions", json=body, timeout=60).json()
     completion = ChatCompletion.model_validate(data, strict=True)
     message = data["choices"][0]["message"]
@@ -149,18 +190,27 @@ def test_messages_the_sdks_parse_returned_go_back_as_they_are(fake_server):
         city: str
 
     engine, client = fake_server.engine, fake_server.client()
-    engine.say("<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary "
-               "to=functions.Weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+    engine.say(
+        "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.Weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+    )
     import openai
 
-    parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Paris?"}],
-                                           tools=[openai.pydantic_function_tool(Weather)])
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Paris?"}], tools=[openai.pydantic_function_tool(Weather)]
+    )
     message = parsed.choices[0].message
     assert message.tool_calls[0].function.parsed_arguments == Weather(city="Paris")
     engine.say(ANSWER)
-    again = client.chat.completions.create(model=MODEL, tools=[openai.pydantic_function_tool(Weather)], messages=[
-        {"role": "user", "content": "Paris?"}, message.model_dump(),
-        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"}])
+    again = client.chat.completions.create(
+        model=MODEL,
+        tools=[openai.pydantic_function_tool(Weather)],
+        messages=[
+            {"role": "user", "content": "Paris?"},
+            message.model_dump(),
+            {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"},
+        ],
+    )
     assert again.choices[0].message.content == "Hi!"
 
 
@@ -169,8 +219,14 @@ def test_answer_logprobs_when_included(live_server):
     on the output text and its delta and done events; the tokens spell the text."""
     if live_server.kind == "fake":
         live_server.engine.say(ANSWER)
-    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 24, "top_logprobs": 2, "stream": True,
-            "include": ["message.output_text.logprobs"]}
+    body = {
+        "model": MODEL,
+        "input": "Hi",
+        "max_output_tokens": 24,
+        "top_logprobs": 2,
+        "stream": True,
+        "include": ["message.output_text.logprobs"],
+    }
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", f"{live_server.url}/v1/responses", json=body) as r:
             raw = r.read().decode()

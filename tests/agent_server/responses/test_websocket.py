@@ -43,8 +43,9 @@ def test_two_responses_and_a_cancel_over_one_connection(fake_server):
         assert first[-1].response.output_text == "1, 2, 3."
 
         # store=false: the connection remembers it for previous_response_id.
-        connection.response.create(model=MODEL, input="The last number?", store=False,
-                                   previous_response_id=first[-1].response.id)
+        connection.response.create(
+            model=MODEL, input="The last number?", store=False, previous_response_id=first[-1].response.id
+        )
         second = until_done(connection)
         assert second[-1].type == "response.completed" and second[-1].response.output_text == "Three."
         assert "1, 2, 3." in prompt_text(engine.calls[-1])
@@ -69,8 +70,9 @@ def test_a_prewarm_is_continued(fake_server):
     continues it with only its new input."""
     engine, client = fake_server.engine, fake_server.client()
     with client.responses.connect() as connection:
-        connection.response.create(model=MODEL, input="You are terse.", instructions="Be brief.", store=False,
-                                   generate=False)
+        connection.response.create(
+            model=MODEL, input="You are terse.", instructions="Be brief.", store=False, generate=False
+        )
         warm = until_done(connection)
         assert [e.type for e in warm] == ["response.created", "response.in_progress", "response.completed"]
         assert warm[-1].response.output == [] and not engine.calls
@@ -96,22 +98,25 @@ def test_lanes_errors_and_forgetting(fake_server):
                     break
         assert lanes == {"a", "b"} and all(r.status == "completed" for r in ends.values())
 
-        for message, code in [({"type": "response.create", "model": MODEL, "input": "x", "background": True},
-                               "unsupported_parameter"),
-                              ({"type": "response.create", "model": MODEL, "input": "x", "temperature": "hot"},
-                               "invalid_type"),
-                              ({"type": "response.steer", "input": "x", "previous_response_id": "resp_1"},
-                               "unsupported_value"),
-                              ({"type": "response.cancel"}, "no_response_in_progress"),
-                              ({"type": "session.update"}, "invalid_value")]:
+        for message, code in [
+            ({"type": "response.create", "model": MODEL, "input": "x", "background": True}, "unsupported_parameter"),
+            ({"type": "response.create", "model": MODEL, "input": "x", "temperature": "hot"}, "invalid_type"),
+            ({"type": "response.steer", "input": "x", "previous_response_id": "resp_1"}, "unsupported_value"),
+            ({"type": "response.cancel"}, "no_response_in_progress"),
+            ({"type": "session.update"}, "invalid_value"),
+        ]:
             connection.send(message)
             error = until_done(connection)[-1]
             assert error.type == "error" and error.status == 400 and error.error.code == code, error
 
         # A continuation that fails makes the connection forget the response it named.
         kept = ends["a"].id
-        connection.response.create(model=MODEL, store=False, previous_response_id=kept, input=[
-            {"type": "function_call_output", "call_id": "call_missing", "output": "?"}])
+        connection.response.create(
+            model=MODEL,
+            store=False,
+            previous_response_id=kept,
+            input=[{"type": "function_call_output", "call_id": "call_missing", "output": "?"}],
+        )
         assert until_done(connection)[-1].error.param == "input[0].call_id"
         connection.response.create(model=MODEL, store=False, previous_response_id=kept, input="again")
         error = until_done(connection)[-1]
@@ -154,8 +159,9 @@ def test_two_responses_and_a_cancel_on_the_real_engine(tiny_engine_server):
         connection.response.create(model=MODEL, input="Hi", store=False, max_output_tokens=5)
         first = until_done(connection)
         assert first[0].type == "response.created" and first[-1].response.status in ("completed", "incomplete")
-        connection.response.create(model=MODEL, input="Again", store=False, max_output_tokens=5,
-                                   previous_response_id=first[-1].response.id)
+        connection.response.create(
+            model=MODEL, input="Again", store=False, max_output_tokens=5, previous_response_id=first[-1].response.id
+        )
         second = until_done(connection)
         assert second[-1].response.usage.input_tokens > first[-1].response.usage.input_tokens
         connection.response.create(model=MODEL, input="Talk at length.", max_output_tokens=500)

@@ -68,7 +68,7 @@ def _check(rank: int, size: int, port: int) -> str | None:
             scale = want.abs().max().item()
             if (got - want).abs().max().item() > 1e-6 * scale * size:
                 problems.append(f"{rows} rows: differs from NCCL's float32 sum")
-            if (got - bf16.float()).abs().max().item() > size * 2 ** -7 * scale:
+            if (got - bf16.float()).abs().max().item() > size * 2**-7 * scale:
                 problems.append(f"{rows} rows: differs from NCCL's bf16 sum by more than bf16 rounding")
             copies = [torch.empty_like(got) for _ in range(size)]
             dist.all_gather(copies, got)
@@ -106,8 +106,9 @@ def _check(rank: int, size: int, port: int) -> str | None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size", [pytest.param(2, marks=pytest.mark.gpu(count=2)),
-                                  pytest.param(4, marks=pytest.mark.gpu(count=4))])
+@pytest.mark.parametrize(
+    "size", [pytest.param(2, marks=pytest.mark.gpu(count=2)), pytest.param(4, marks=pytest.mark.gpu(count=4))]
+)
 def test_peer_all_reduce_matches_nccl_in_and_out_of_cuda_graphs(size):
     import torch.multiprocessing as mp
 

@@ -29,16 +29,16 @@ import torch
 from safetensors import safe_open
 
 from inference.config import ModelConfig
-from inference.engine.async_engine import AsyncEngine
-from inference.engine.core import LLMEngine
-from inference.scheduling.kv_cache import PageTable
-from inference.model.gpt_oss import GptOssModel
-from inference.runner.model_runner import StepPlan
-from inference.request import GenerationRequest, SamplingParams
 from inference.distributed.group import TensorParallelGroup
 from inference.distributed.sharding import TensorParallelError, check_tensor_parallel_size, shard_layout, valid_sizes
+from inference.engine.async_engine import AsyncEngine
+from inference.engine.core import LLMEngine
+from inference.model.gpt_oss import GptOssModel
 from inference.model.tiny_checkpoint import hf_config_dict, write_tiny_checkpoint
+from inference.request import GenerationRequest, SamplingParams
+from inference.runner.model_runner import StepPlan
 from inference.runner.vocab_parallel import vocab_parallel_argmax
+from inference.scheduling.kv_cache import PageTable
 from tests.engine_runs import drain, tokens_of
 
 SHAPES = dict(intermediate_size=96, vocab_size=1001)
@@ -122,7 +122,11 @@ def test_gpt_oss_splits_over_2_4_8_gpus_in_whole_mxfp4_blocks():
         assert all(w % 32 == 0 for w in widths) and max(widths) - min(widths) <= 32
         assert [lay.kv_heads for lay in layouts] == [(r * 8 // size, (r + 1) * 8 // size) for r in range(size)]
     assert [lay.intermediate for lay in (shard_layout(real, r, 4) for r in range(4))] == [
-        (0, 736), (736, 1472), (1472, 2176), (2176, 2880)]
+        (0, 736),
+        (736, 1472),
+        (1472, 2176),
+        (2176, 2880),
+    ]
 
 
 def test_each_rank_reads_and_holds_only_its_shard(checkpoint, engines):
@@ -140,7 +144,7 @@ def test_each_rank_reads_and_holds_only_its_shard(checkpoint, engines):
     assert a1.qkv.weight.shape == (64, 64) and torch.equal(a1.qkv.weight, a.qkv.weight[want_rows])
     assert torch.equal(a1.qkv.bias, a.qkv.bias[want_rows])
     assert torch.equal(a1.sinks, a.sinks[2:]) and a1.num_heads == 2 and a1.num_kv_heads == 1
-    assert torch.equal(a1.o_proj.weight, a.o_proj.weight[:, 2 * d:])
+    assert torch.equal(a1.o_proj.weight, a.o_proj.weight[:, 2 * d :])
     # Biases after a reduction are added once: rank 0 has them, rank 1 zeros.
     assert torch.equal(m0.layers[1].attn.o_proj.bias, a.o_proj.bias) and not a1.o_proj.bias.any()
     # Experts: 3 blocks of 32 -> rank 0 columns 0-63, rank 1 columns 64-95 (gate/up rows 128-191).
@@ -161,8 +165,10 @@ def test_each_rank_reads_and_holds_only_its_shard(checkpoint, engines):
     # Bytes read: the sharded tensors exactly partitioned, the replicated ones read by both.
     with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
         sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}
-    nbytes = {name: (1 if "blocks" in name or "scales" in name else 2) * torch.Size(shape).numel()
-              for name, shape in sizes.items()}
+    nbytes = {
+        name: (1 if "blocks" in name or "scales" in name else 2) * torch.Size(shape).numel()
+        for name, shape in sizes.items()
+    }
     replicated = sum(n for name, n in nbytes.items() if "norm" in name or "embed" in name or "router" in name)
     assert g0.bytes_read + g1.bytes_read == sum(nbytes.values()) + replicated
     assert max(g0.bytes_read, g1.bytes_read) < 0.8 * sum(nbytes.values())
@@ -194,8 +200,9 @@ def test_expert_parallelism_splits_whole_experts():
     assert [lay.experts for lay in layouts] == [(0, 8), (8, 16), (16, 24), (24, 32)]
     assert all(lay.intermediate == (0, 2880) for lay in layouts)  # every column of its experts
     assert shard_layout(real, 1, 4).experts == (0, 32)  # tensor parallelism: all experts, a slice each
-    six = ModelConfig.from_dict(hf_config_dict({"num_local_experts": 6, "num_attention_heads": 4,
-                                                "num_key_value_heads": 4}))
+    six = ModelConfig.from_dict(
+        hf_config_dict({"num_local_experts": 6, "num_attention_heads": 4, "num_key_value_heads": 4})
+    )
     with pytest.raises(TensorParallelError, match=r"'num_local_experts' \(6\).*work for this model: 1, 2$"):
         check_tensor_parallel_size(six, 4, "expert")
     with pytest.raises(TensorParallelError, match="moe_parallel"):
@@ -237,7 +244,7 @@ def test_vocab_parallel_argmax_is_the_argmax_of_the_whole_row():
             tp = TensorParallelGroup(lay, "cpu")
             tp.all_reduce = lambda x, sent=sent: sent.append(x.clone()) or x
             shard = torch.zeros(6, lay.vocab_per_rank)  # padding columns: zero logits, as the lm_head gives
-            shard[:, : lay.vocab[1] - lay.vocab[0]] = rows[:, lay.vocab[0]:lay.vocab[1]]
+            shard[:, : lay.vocab[1] - lay.vocab[0]] = rows[:, lay.vocab[0] : lay.vocab[1]]
             vocab_parallel_argmax(tp, shard)
             groups.append((tp, shard))
         total = sum(sent)
@@ -271,7 +278,9 @@ def test_watchdog_names_the_rank_that_is_dead_silent_or_late(monkeypatch):
     w.beats[1] = 100.0 - HEARTBEAT_TIMEOUT_S - 1
     assert w.check(30, now=100.0) is None
     states[12] = "stopped"  # SIGSTOP: at once
-    assert w.check(30, now=100.0) == "tensor-parallel rank 2 stopped responding: no heartbeat for 6 s (process 12 stopped)"
+    assert (
+        w.check(30, now=100.0) == "tensor-parallel rank 2 stopped responding: no heartbeat for 6 s (process 12 stopped)"
+    )
     states[12] = "sleeping"
     w.beats[1] = 100.0 - SILENT_TIMEOUT_S - 1  # silent for long, whatever its state
     assert "rank 2 stopped responding: no heartbeat for 21 s (process 12 sleeping)" == w.check(30, now=100.0)[16:]
@@ -325,10 +334,12 @@ def test_greedy_generation_equals_single_device(engines):
     outputs = []
     for engine in (single, split):
         for i, n in enumerate([3, 9, 14, 21, 30]):  # 21 and 30 prefill in chunks beside decodes
-            engine.add_request(GenerationRequest(str(i), prompt(10 + i, n),
-                                                 SamplingParams(temperature=0, max_tokens=12, logprobs=3)))
-        engine.add_request(GenerationRequest("sampled", prompt(20, 11),
-                                             SamplingParams(temperature=1.0, seed=7, max_tokens=12)))
+            engine.add_request(
+                GenerationRequest(str(i), prompt(10 + i, n), SamplingParams(temperature=0, max_tokens=12, logprobs=3))
+            )
+        engine.add_request(
+            GenerationRequest("sampled", prompt(20, 11), SamplingParams(temperature=1.0, seed=7, max_tokens=12))
+        )
         outputs.append(tokens_and_logprobs(engine))
     want, got = outputs
     assert set(got) == set(want) and all(len(tokens) == 12 for tokens, _ in got.values())
@@ -348,8 +359,12 @@ async def test_async_engine_shutdown_stops_the_workers(engines):
     workers = engine.engine.runner.workers
     pids = workers.pids
     assert len(pids) == 1 and alive(pids[0])
-    deltas = [d async for d in engine.generate(GenerationRequest("r", prompt(5, 6),
-                                                                 SamplingParams(temperature=0, max_tokens=4)))]
+    deltas = [
+        d
+        async for d in engine.generate(
+            GenerationRequest("r", prompt(5, 6), SamplingParams(temperature=0, max_tokens=4))
+        )
+    ]
     assert sum(len(d.token_ids) for d in deltas) == 4
     await engine.shutdown()
     assert not any(alive(pid) for pid in pids)
@@ -359,7 +374,8 @@ async def test_async_engine_shutdown_stops_the_workers(engines):
 
 def test_workers_exit_when_rank_0_is_killed(checkpoint, tmp_path):
     script = tmp_path / "rank0.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys, time
         from inference.engine.core import LLMEngine
 
@@ -367,7 +383,8 @@ def test_workers_exit_when_rank_0_is_killed(checkpoint, tmp_path):
             engine = LLMEngine.from_pretrained({str(checkpoint)!r}, tensor_parallel_size=2, **{OPTIONS!r})
             print(*engine.runner.workers.pids, flush=True)
             time.sleep(120)
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
     try:
@@ -390,9 +407,12 @@ def test_tensor_parallel_options_are_checked():
     from inference.config import EngineConfig
 
     EngineConfig(tensor_parallel_size=2, tp_all_reduce="nccl", moe_parallel="expert", tp_step_timeout=5).validate()
-    for bad, match in [(dict(tp_all_reduce="multimem"), "tp_all_reduce must be one of auto, symm_mem, nccl, none"),
-                       (dict(moe_parallel="data"), "moe_parallel must be one of tensor, expert"),
-                       (dict(tp_step_timeout=0), "tp_step_timeout"), (dict(tp_step_timeout=True), "tp_step_timeout")]:
+    for bad, match in [
+        (dict(tp_all_reduce="multimem"), "tp_all_reduce must be one of auto, symm_mem, nccl, none"),
+        (dict(moe_parallel="data"), "moe_parallel must be one of tensor, expert"),
+        (dict(tp_step_timeout=0), "tp_step_timeout"),
+        (dict(tp_step_timeout=True), "tp_step_timeout"),
+    ]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad).validate()
 
@@ -433,14 +453,19 @@ async def test_a_dead_worker_fails_the_engine_where_the_server_sees_it(checkpoin
 
     process = EngineProcess(EngineSpec(model_dir=str(checkpoint), options={**OPTIONS, "tensor_parallel_size": 2}))
     try:
-        first = await collect(process.generate(GenerationRequest("a", prompt(6, 6),
-                                                                 SamplingParams(temperature=0, max_tokens=3))))
+        first = await collect(
+            process.generate(GenerationRequest("a", prompt(6, 6), SamplingParams(temperature=0, max_tokens=3)))
+        )
         assert first[-1].finish_reason == "length"
         worker = [p for p in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
         os.kill(int(worker[0]), signal.SIGKILL)
         time.sleep(0.5)
-        last = await asyncio.wait_for(collect(process.generate(GenerationRequest(
-            "b", prompt(7, 6), SamplingParams(temperature=0, max_tokens=3)))), 60)
+        last = await asyncio.wait_for(
+            collect(
+                process.generate(GenerationRequest("b", prompt(7, 6), SamplingParams(temperature=0, max_tokens=3)))
+            ),
+            60,
+        )
         assert last[-1].finish_reason == "error"
         deadline = time.monotonic() + 30
         while process.failure is None and time.monotonic() < deadline:
@@ -488,14 +513,16 @@ def test_switching_collectives_and_routing_on_every_rank(engines):
 
 def greedy_runs(engine, prompts: list[list[int]], logprobs: int | None) -> dict[str, tuple[list[int], list]]:
     for i, ids in enumerate(prompts):
-        engine.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=0, max_tokens=10,
-                                                                         logprobs=logprobs)))
+        engine.add_request(
+            GenerationRequest(str(i), ids, SamplingParams(temperature=0, max_tokens=10, logprobs=logprobs))
+        )
     return tokens_and_logprobs(engine)
 
 
 @pytest.mark.parametrize("size,moe_parallel", [(4, "tensor"), (4, "expert"), (2, "expert")])
-def test_greedy_generation_over_more_ranks_and_experts_equals_single_device(checkpoint, checkpoint4, shared_engines,
-                                                                          size, moe_parallel):
+def test_greedy_generation_over_more_ranks_and_experts_equals_single_device(
+    checkpoint, checkpoint4, shared_engines, size, moe_parallel
+):
     """TP 4 (heads, expert columns and vocabulary split four ways), EP 4 (one whole expert a rank)
     and EP 2: greedy tokens equal one device's. Greedy steps without logprobs never gather the
     logits (each rank's argmax, combined); steps with logprobs gather them, and match too."""
@@ -536,8 +563,7 @@ async def test_a_stopped_worker_fails_the_engine_within_seconds(checkpoint, shar
     engine = AsyncEngine(LLMEngine.from_pretrained(checkpoint, tensor_parallel_size=2, **OPTIONS))
     worker = engine.engine.runner.workers.pids[0]
     try:
-        stream = engine.generate(GenerationRequest("long", prompt(8, 6), SamplingParams(temperature=0,
-                                                                                         max_tokens=200)))
+        stream = engine.generate(GenerationRequest("long", prompt(8, 6), SamplingParams(temperature=0, max_tokens=200)))
         first = await anext(stream)
         assert first.finish_reason is None
         os.kill(worker, signal.SIGSTOP)

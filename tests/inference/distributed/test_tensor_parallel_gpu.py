@@ -29,29 +29,38 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 def all_logits(engine, tokens: list[int]) -> torch.Tensor:
     """Logits [len(tokens), V] of a fresh sequence, every row (through every rank)."""
-    from inference.scheduling.kv_cache import PageTable
     from inference.runner.model_runner import StepPlan
+    from inference.scheduling.kv_cache import PageTable
 
     table = PageTable()
     engine.cache.reserve(table, 0, len(tokens))
     try:
-        plan = StepPlan(tokens, [table.full], [table.sliding] if engine.runner.has_sliding else None, [0],
-                        [len(tokens)], list(range(len(tokens))))
+        plan = StepPlan(
+            tokens,
+            [table.full],
+            [table.sliding] if engine.runner.has_sliding else None,
+            [0],
+            [len(tokens)],
+            list(range(len(tokens))),
+        )
         return engine.runner.forward_step(plan)[0].float().cpu()
     finally:
         engine.cache.release(table)
 
 
-@pytest.mark.parametrize("size,moe_parallel", [
-    pytest.param(2, "tensor", marks=pytest.mark.gpu(count=2)),
-    pytest.param(4, "tensor", marks=pytest.mark.gpu(count=4)),
-    pytest.param(4, "expert", marks=pytest.mark.gpu(count=4)),
-])
+@pytest.mark.parametrize(
+    "size,moe_parallel",
+    [
+        pytest.param(2, "tensor", marks=pytest.mark.gpu(count=2)),
+        pytest.param(4, "tensor", marks=pytest.mark.gpu(count=4)),
+        pytest.param(4, "expert", marks=pytest.mark.gpu(count=4)),
+    ],
+)
 def test_tiny_model_float32_n_gpus_equal_one(tmp_path, size, moe_parallel):
     from inference.engine.core import LLMEngine
     from inference.model.tiny_checkpoint import write_tiny_checkpoint
-    from tests.engine_runs import drain, tokens_of
     from inference.request import GenerationRequest, SamplingParams
+    from tests.engine_runs import drain, tokens_of
 
     shapes = dict(intermediate_size=96) if size == 2 else dict(intermediate_size=160, num_key_value_heads=4)
     path = write_tiny_checkpoint(tmp_path / "tiny", seed=0, **shapes)  # uneven expert-column splits
@@ -82,8 +91,7 @@ def test_tiny_model_float32_n_gpus_equal_one(tmp_path, size, moe_parallel):
 
 @pytest.mark.gpu(count=2)
 def test_full_size_random_20b_two_gpus_match_one():
-    from inference.config import GPT_OSS_SHAPES, ModelConfig
-    from inference.config import EngineConfig
+    from inference.config import GPT_OSS_SHAPES, EngineConfig, ModelConfig
     from inference.engine.core import LLMEngine
     from inference.engine.executor import ModelSource, start_tensor_parallel
     from inference.model.tiny_checkpoint import hf_config_dict
@@ -104,9 +112,11 @@ def test_full_size_random_20b_two_gpus_match_one():
         equal = sum(r[0] == o[0] for r, o in zip(reference, ours))
         # Teacher-forced: the 1-GPU engine scores the 2-GPU tokens; each must be (near) its best.
         gap, _ = choice_gaps(lambda tokens: all_logits(one, tokens), batch, ours)
-        print(f"20b bf16, 2 GPUs vs 1: prefill logits relative error {rel:.4f}; {equal} of {len(batch)} greedy "
-              f"sequences identical, {compared} of {total} tokens compared before a near tie; choice gap max "
-              f"{gap.max():.4f} mean {gap.mean():.4f}")
+        print(
+            f"20b bf16, 2 GPUs vs 1: prefill logits relative error {rel:.4f}; {equal} of {len(batch)} greedy "
+            f"sequences identical, {compared} of {total} tokens compared before a near tie; choice gap max "
+            f"{gap.max():.4f} mean {gap.mean():.4f}"
+        )
         assert rel < 0.1  # 1 GPU bf16 vs the float32 reference measured 0.033 on an H200 (test_gpu_engine)
         # Among 201k random logits, near ties (< 0.25) come every few tokens, so how many tokens
         # compare_greedy reached says little; the teacher-forced gaps are the measure.

@@ -13,9 +13,9 @@ from inference.engine.async_engine import AsyncEngine
 from inference.engine.core import LLMEngine
 from inference.engine.process import EngineProcess, EngineSpec
 from inference.model.gpt_oss import GptOssModel
+from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from inference.request import GenerationRequest, SamplingParams
 from inference.runner.single_sequence import generate
-from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from tests.engine_runs import collect
 from tests.engine_runs import greedy_request as greedy
 from tests.engine_runs import random_prompt as prompt
@@ -34,8 +34,9 @@ def model(checkpoint):
 @pytest.fixture(scope="module")
 def engine_process(checkpoint):
     """One engine process for the module (each test leaves it idle)."""
-    eng = EngineProcess(EngineSpec(model_dir=str(checkpoint), options={"device": "cpu", "page_size": 4,
-                                                                       "num_pages": 128}))
+    eng = EngineProcess(
+        EngineSpec(model_dir=str(checkpoint), options={"device": "cpu", "page_size": 4, "num_pages": 128})
+    )
     yield eng
     asyncio.run(eng.shutdown())
 
@@ -211,8 +212,9 @@ async def test_a_stream_first_read_after_shutdown_ends(model):
 
 
 async def test_from_pretrained(checkpoint):
-    eng = AsyncEngine.from_pretrained(str(checkpoint), device="cpu", num_pages=32, page_size=8, dtype="float32",
-                                      max_model_len=128)
+    eng = AsyncEngine.from_pretrained(
+        str(checkpoint), device="cpu", num_pages=32, page_size=8, dtype="float32", max_model_len=128
+    )
     try:
         assert eng.max_model_len == 128 and eng.vocab_size == 201088 and eng.model_name == checkpoint.name
         deltas = await collect(eng.generate(greedy("a", prompt(15, 4), 3)))

@@ -62,8 +62,10 @@ def unconstrained() -> list[GenerationRequest]:
 
 
 def constrained(**sampling) -> list[GenerationRequest]:
-    return [request("json", 10, Grammar.json_schema(SCHEMA), **sampling),
-            request("email", 11, Grammar("regex", EMAIL), **sampling)]
+    return [
+        request("json", 10, Grammar.json_schema(SCHEMA), **sampling),
+        request("email", 11, Grammar("regex", EMAIL), **sampling),
+    ]
 
 
 def check_constrained(out: dict[str, list]) -> None:
@@ -98,8 +100,9 @@ def test_sampled_constrained_outputs_follow_their_grammar(model):
 
 def test_stop_tokens_end_a_grammar_where_it_may_end(model):
     # Digits, then the model may stop (the stop token is allowed once the grammar accepts).
-    out = run(engine(model), [request("d", 3, Grammar("regex", "[0-9]{1,30}"), stop_token_ids=[RETURN],
-                                      max_tokens=40)])["d"]
+    out = run(
+        engine(model), [request("d", 3, Grammar("regex", "[0-9]{1,30}"), stop_token_ids=[RETURN], max_tokens=40)]
+    )["d"]
     tokens = tokens_of(out)
     if out[-1].finish_reason == "stop" and out[-1].stop_token_id == RETURN:
         tokens = tokens[:-1]
@@ -107,8 +110,7 @@ def test_stop_tokens_end_a_grammar_where_it_may_end(model):
 
 
 def test_lark_grammars_name_harmony_tokens(model):
-    lark = ('start: <|channel|> ("analysis" | "final") <|message|> WORD " " WORD <|return|>\n'
-            'WORD: /[a-z]{1,8}/')
+    lark = 'start: <|channel|> ("analysis" | "final") <|message|> WORD " " WORD <|return|>\nWORD: /[a-z]{1,8}/'
     out = run(engine(model), [request("h", 4, Grammar("lark", lark), stop_token_ids=[RETURN])])["h"]
     assert out[-1].stop_token_id == RETURN
     assert re.fullmatch(r"<\|channel\|>(analysis|final)<\|message\|>[a-z]{1,8} [a-z]{1,8}<\|return\|>", text(out))
@@ -189,8 +191,9 @@ def test_ngram_drafts_of_a_forced_text_are_kept(model):
     phrase = "alpha beta gamma delta "
     grammar = Grammar("regex", re.escape(phrase * 3))
     prompt = encode_text(phrase * 2)
-    plain = run(engine(model), [GenerationRequest("r", prompt, SamplingParams(temperature=0, max_tokens=60,
-                                                                              grammar=grammar))])
+    plain = run(
+        engine(model), [GenerationRequest("r", prompt, SamplingParams(temperature=0, max_tokens=60, grammar=grammar))]
+    )
     eng = engine(model, speculative="ngram", num_draft_tokens=4)
     out = run(eng, [GenerationRequest("r", prompt, SamplingParams(temperature=0, max_tokens=60, grammar=grammar))])
     assert text(out["r"]) == phrase * 3 == text(plain["r"])

@@ -16,9 +16,9 @@ import torch
 from inference.config import EngineConfig
 from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
+from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from inference.request import GenerationRequest, SamplingParams
 from inference.runner.single_sequence import generate
-from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from tests.engine_runs import drain, tokens_of
 from tests.engine_runs import random_prompt as prompt
 
@@ -228,8 +228,11 @@ def test_continuation_reuses_the_parked_sequence(model):
     second = first + generated + tool_output
     expected = generate(model, second, 7)
     before = eng.stats()
-    eng.add_request(GenerationRequest("turn1", second, SamplingParams(temperature=0, max_tokens=7),
-                                      keep_alive=True, continue_from="turn0"))
+    eng.add_request(
+        GenerationRequest(
+            "turn1", second, SamplingParams(temperature=0, max_tokens=7), keep_alive=True, continue_from="turn0"
+        )
+    )
     out = drain(eng)["turn1"]
     reused = len(first) + len(generated) - 1  # all but the last sampled token, partial page included
     assert out[0].num_cached_tokens == reused
@@ -296,8 +299,9 @@ def test_a_failing_step_fails_only_its_requests(model, monkeypatch):
 
 
 def test_default_sizing_on_cpu(model):
-    eng = LLMEngine(model, EngineConfig(kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=64,
-                                          max_model_len=512))
+    eng = LLMEngine(
+        model, EngineConfig(kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    )
     usage = eng.cache_usage()
     used = usage.full_pages_total * usage.bytes_per_full_page + usage.sliding_pages_total * usage.bytes_per_sliding_page
     assert used <= 8 << 20

@@ -38,8 +38,9 @@ def test_tiny_model_float32_gpu_greedy_equals_reference(tmp_path):
     path = write_tiny_checkpoint(tmp_path / "tiny", seed=0)
     batch = prompts(6, 150)  # longer than the sliding window, not page multiples
     reference = greedy(LLMEngine.from_pretrained(path, device="cpu", num_pages=512, page_size=16), batch, 40)
-    gpu = LLMEngine.from_pretrained(path, device="cuda", dtype=torch.float32, num_pages=512, page_size=16,
-                                    max_num_batched_tokens=8)
+    gpu = LLMEngine.from_pretrained(
+        path, device="cuda", dtype=torch.float32, num_pages=512, page_size=16, max_num_batched_tokens=8
+    )
     assert gpu.model.attention_backend.name in ("triton", "flashinfer") and gpu.runner.graphs is not None
     compared, total = compare_greedy(reference, greedy(gpu, batch, 40), near_tie=0.01)
     print(f"float32: {compared} of {total} greedy tokens compared, all equal")
@@ -60,16 +61,17 @@ def test_tiny_model_bf16_gpu_agrees_with_reference(tmp_path):
     reference = GptOssModel.from_pretrained(path, device="cpu")
     decisive_routing(reference)
     choice, logprob = choice_gaps(model_scorer(reference), batch, ours)
-    print(f"bf16 tiny: choice gap max {choice.max():.4f} mean {choice.mean():.4f}; "
-          f"logprob error max {logprob.max():.4f} mean {logprob.mean():.4f}")
+    print(
+        f"bf16 tiny: choice gap max {choice.max():.4f} mean {choice.mean():.4f}; "
+        f"logprob error max {logprob.max():.4f} mean {logprob.mean():.4f}"
+    )
     assert choice.max() < 0.5 and logprob.max() < 0.5 and logprob.mean() < 0.05
 
 
 def test_full_size_random_20b_gpu_matches_reference():
     """gpt-oss-20b shapes, random weights (same seed: the same values), the bf16 Triton path with
     CUDA graphs through the engine against the float32 reference backends."""
-    from inference.config import GPT_OSS_SHAPES, ModelConfig
-    from inference.config import EngineConfig
+    from inference.config import GPT_OSS_SHAPES, EngineConfig, ModelConfig
     from inference.engine.core import LLMEngine
     from inference.model.gpt_oss import GptOssModel
     from inference.model.tiny_checkpoint import hf_config_dict
@@ -77,9 +79,15 @@ def test_full_size_random_20b_gpu_matches_reference():
     config = ModelConfig.from_dict(hf_config_dict(GPT_OSS_SHAPES["20b"]))
     batch = prompts(3, 200, seed=1)
     fast = GptOssModel.from_random(config, device="cuda", max_positions=1024, decisive_routing=True)
-    reference = GptOssModel.from_random(config, device="cuda", dtype=torch.float32, max_positions=1024,
-                                        attention_backend="reference", moe_backend="reference",
-                                        decisive_routing=True)
+    reference = GptOssModel.from_random(
+        config,
+        device="cuda",
+        dtype=torch.float32,
+        max_positions=1024,
+        attention_backend="reference",
+        moe_backend="reference",
+        decisive_routing=True,
+    )
 
     # Whole prefill logits, one 200-token prompt: grouped MoE, extend attention, fused norms.
     ours_logits = model_scorer(fast)(batch[0]).float()
@@ -89,7 +97,9 @@ def test_full_size_random_20b_gpu_matches_reference():
     engine = LLMEngine(fast, EngineConfig(num_pages=256, max_model_len=1024, max_num_seqs=8))
     assert engine.runner.graphs is not None
     choice, logprob = choice_gaps(model_scorer(reference), batch, greedy(engine, batch, 24))
-    print(f"20b bf16: prefill logits relative error {rel:.4f}; decode choice gap max {choice.max():.4f} "
-          f"mean {choice.mean():.4f}; logprob error max {logprob.max():.4f} mean {logprob.mean():.4f}")
+    print(
+        f"20b bf16: prefill logits relative error {rel:.4f}; decode choice gap max {choice.max():.4f} "
+        f"mean {choice.mean():.4f}; logprob error max {logprob.max():.4f} mean {logprob.mean():.4f}"
+    )
     assert rel < 0.1
     assert choice.max() < 1.0 and logprob.mean() < 0.2

@@ -90,8 +90,9 @@ def test_the_server_reports_a_dead_engine_process(tmp_path, checkpoint):
         # A stream is refused before it starts: the request reaches the engine before the response.
         r = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
-        r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 3},
-                       timeout=60)
+        r = httpx.post(
+            f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 3}, timeout=60
+        )
         assert r.status_code == 200 and r.json()["status"] == "failed" and r.json()["error"]["code"] == "server_error"
 
 
@@ -104,12 +105,20 @@ async def test_a_busy_event_loop_sending_long_prompts_does_not_deadlock_with_the
 
     from inference.request import GenerationRequest, SamplingParams
 
-    options = {"device": "cpu", "page_size": 16, "num_pages": 1024, "max_model_len": 8192,
-               "max_num_batched_tokens": 256}
+    options = {
+        "device": "cpu",
+        "page_size": 16,
+        "num_pages": 1024,
+        "max_model_len": 8192,
+        "max_num_batched_tokens": 256,
+    }
     eng = EngineProcess(EngineSpec(model_dir=str(checkpoint), options=options))
-    chatty = [eng.generate(GenerationRequest(f"c{i}", prompt(i, 4), SamplingParams(temperature=0, max_tokens=4000,
-                                                                                   logprobs=20)))
-              for i in range(32)]
+    chatty = [
+        eng.generate(
+            GenerationRequest(f"c{i}", prompt(i, 4), SamplingParams(temperature=0, max_tokens=4000, logprobs=20))
+        )
+        for i in range(32)
+    ]
     for stream in chatty:
         stream.open()
     await asyncio.sleep(0.5)

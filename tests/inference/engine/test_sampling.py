@@ -26,9 +26,9 @@ import torch
 from inference.config import EngineConfig
 from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
+from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from inference.request import GenerationRequest, SamplingParams
 from inference.runner.single_sequence import SingleSequenceCache
-from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from tests.engine_runs import drain, tokens_of
 
 NUM_TOKENS = 12
@@ -58,14 +58,17 @@ def run(model, ids: list[int], *settings: dict) -> list[list[int]]:
 def logits_along(model, ids: list[int], tokens: list[int]) -> torch.Tensor:
     """[len(tokens), V] the model's logits for each of `tokens`, given the prompt and the tokens before it."""
     cache = SingleSequenceCache(model, len(ids) + len(tokens))
-    return cache.forward(ids + tokens[:-1])[len(ids) - 1:].float()
+    return cache.forward(ids + tokens[:-1])[len(ids) - 1 :].float()
 
 
 def greedy_mismatches(logits: torch.Tensor, tokens: list[int], process) -> list[int]:
     """Positions where `tokens` is not greedy decoding under `process(logits [V], generated) ->
     logits`; `logits` from `logits_along`. Empty: the tokens are exactly that greedy output."""
-    return [i for i, (row, token) in enumerate(zip(logits, tokens))
-            if int(process(row.clone(), tokens[:i]).argmax()) != token]
+    return [
+        i
+        for i, (row, token) in enumerate(zip(logits, tokens))
+        if int(process(row.clone(), tokens[:i]).argmax()) != token
+    ]
 
 
 def counts(generated: list[int], vocab: int) -> torch.Tensor:
@@ -106,7 +109,7 @@ def test_frequency_penalty_counts_every_generated_token(model):
 
 def test_presence_penalty_counts_each_token_once(model):
     ids = prompt(1)
-    penalised, = run(model, ids, dict(temperature=0, presence_penalty=-2.0))
+    (penalised,) = run(model, ids, dict(temperature=0, presence_penalty=-2.0))
     logits = logits_along(model, ids, penalised)
     assert greedy_mismatches(logits, penalised, presence(-2.0)) == []
     assert greedy_mismatches(logits, penalised, plain)
@@ -116,8 +119,12 @@ def test_presence_penalty_counts_each_token_once(model):
 def test_positive_penalties_push_repeats_away(model):
     # A presence reward makes greedy repeat; a larger frequency penalty on top forbids repeats.
     ids = prompt(2)
-    rewarded, both = run(model, ids, dict(temperature=0, presence_penalty=-20.0),
-                         dict(temperature=0, presence_penalty=-20.0, frequency_penalty=40.0))
+    rewarded, both = run(
+        model,
+        ids,
+        dict(temperature=0, presence_penalty=-20.0),
+        dict(temperature=0, presence_penalty=-20.0, frequency_penalty=40.0),
+    )
     assert len(set(rewarded)) < len(rewarded)
     assert len(set(both)) == len(both)
     combined = lambda row, generated: frequency(40.0)(presence(-20.0)(row, generated), generated)  # noqa: E731
@@ -126,7 +133,7 @@ def test_positive_penalties_push_repeats_away(model):
 
 def test_logit_bias_shifts_the_logits(model):
     ids = prompt(3)
-    greedy, = run(model, ids, dict(temperature=0))
+    (greedy,) = run(model, ids, dict(temperature=0))
     # Forbid the third greedy token and lift another a little: the output changes from there on,
     # but the lifted token does not take over every step (the bias is added, not forced).
     bias = {greedy[2]: -100.0, 777: 1.0}
@@ -136,7 +143,7 @@ def test_logit_bias_shifts_the_logits(model):
             row[token] += value
         return row
 
-    out, = run(model, ids, dict(temperature=0, logit_bias=bias))
+    (out,) = run(model, ids, dict(temperature=0, logit_bias=bias))
     assert greedy_mismatches(logits_along(model, ids, out), out, biased) == []
     assert out[:2] == greedy[:2] and out[2] != greedy[2] and greedy[2] not in out
 
@@ -204,6 +211,7 @@ def test_temperature_sharpens_the_distribution(model):
 
 def test_seed_gives_the_same_tokens_in_one_batch(model):
     ids = prompt(8)
-    a, b, c = run(model, ids, dict(temperature=1.0, seed=42), dict(temperature=1.0, seed=42),
-                  dict(temperature=1.0, seed=43))
+    a, b, c = run(
+        model, ids, dict(temperature=1.0, seed=42), dict(temperature=1.0, seed=42), dict(temperature=1.0, seed=43)
+    )
     assert a == b and a != c

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference.model.checkpoint import CheckpointError, CheckpointReader, expected_tensors
 from inference.config import ConfigError, ModelConfig
+from inference.model.checkpoint import CheckpointError, CheckpointReader, expected_tensors
 from inference.model.tiny_checkpoint import hf_config_dict, write_tiny_checkpoint
 
 
@@ -23,12 +23,41 @@ def reader(path):
 
 
 def test_real_20b_and_120b_shapes_parse():
-    c20 = ModelConfig.from_dict(hf_config_dict({"num_hidden_layers": 24, "num_local_experts": 32, "num_experts_per_tok": 4, "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072}))
+    c20 = ModelConfig.from_dict(
+        hf_config_dict(
+            {
+                "num_hidden_layers": 24,
+                "num_local_experts": 32,
+                "num_experts_per_tok": 4,
+                "hidden_size": 2880,
+                "intermediate_size": 2880,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "head_dim": 64,
+                "sliding_window": 128,
+                "max_position_embeddings": 131072,
+            }
+        )
+    )
     assert c20.layer_types[0] == "sliding_attention" and c20.layer_types[1] == "full_attention"
     assert c20.rope.factor == 32 and c20.rope.truncate is False and c20.quantized_experts
     sizes = expected_tensors(c20)
     assert sizes["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (32, 5760, 90, 16)
-    c120 = ModelConfig.from_dict(hf_config_dict({"num_hidden_layers": 36, "num_local_experts": 128, "num_experts_per_tok": 4, "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128}))
+    c120 = ModelConfig.from_dict(
+        hf_config_dict(
+            {
+                "num_hidden_layers": 36,
+                "num_local_experts": 128,
+                "num_experts_per_tok": 4,
+                "hidden_size": 2880,
+                "intermediate_size": 2880,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "head_dim": 64,
+                "sliding_window": 128,
+            }
+        )
+    )
     assert c120.num_hidden_layers == 36 and len(c120.layer_types) == 36
 
 
@@ -99,7 +128,9 @@ def test_wrong_shape_is_named_with_file(ckpt):
     tensors = load_file(str(ckpt / "model.safetensors"))
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(5)
     save_file(tensors, str(ckpt / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.q_proj.bias' in .*model.safetensors has shape \(5,\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'model.layers.0.self_attn.q_proj.bias' in .*model.safetensors has shape \(5,\)"
+    ):
         reader(ckpt).get("model.layers.0.self_attn.q_proj.bias")
 
 
@@ -155,11 +186,24 @@ def test_the_original_reference_layout_is_named(tmp_path):
     # to point instead, not "missing tensor 'model.embed_tokens.weight' (and 36 more)".
     folder = tmp_path / "gpt-oss-20b" / "original"
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_experts": 4, "experts_per_token": 2,
-                                                    "hidden_size": 64, "intermediate_size": 64, "head_dim": 16,
-                                                    "num_attention_heads": 4, "num_key_value_heads": 2}))
-    save_file({"embedding.weight": torch.zeros(8, 64, dtype=torch.bfloat16),
-               "block.0.attn.sinks": torch.zeros(4)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 2,
+                "num_experts": 4,
+                "experts_per_token": 2,
+                "hidden_size": 64,
+                "intermediate_size": 64,
+                "head_dim": 16,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
+    save_file(
+        {"embedding.weight": torch.zeros(8, 64, dtype=torch.bfloat16), "block.0.attn.sinks": torch.zeros(4)},
+        str(folder / "model.safetensors"),
+    )
     with pytest.raises(CheckpointError, match="original") as error:
         reader(folder)
     assert "model.embed_tokens.weight" not in str(error.value)

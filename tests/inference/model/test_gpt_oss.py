@@ -12,12 +12,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from inference.ops.moe import reference as moe_module  # noqa: E402
+from inference.config import RopeConfig  # noqa: E402
 from inference.model.gpt_oss import GptOssModel  # noqa: E402
 from inference.model.rope import cos_sin_table  # noqa: E402
-from inference.config import RopeConfig  # noqa: E402
-from inference.runner.single_sequence import SingleSequenceCache  # noqa: E402
 from inference.model.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+from inference.ops.moe import reference as moe_module  # noqa: E402
+from inference.runner.single_sequence import SingleSequenceCache  # noqa: E402
 
 ATOL = 1e-4
 

@@ -17,21 +17,29 @@ import math
 import pytest
 import torch
 
+from inference.ops.attention.backend import ReferenceAttentionBackend, select_attention_backend  # noqa: E402
+from inference.ops.attention.reference import AttentionMetadata, sink_attention_reference  # noqa: E402
+from inference.ops.attention.rope_cache import rope_and_write_kv_reference  # noqa: E402
 from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
-    CUDA, DEVICE, DTYPE, fresh_process_only, gpu_only, kernel_module, needs_triton,
+    CUDA,
+    DEVICE,
+    DTYPE,
+    fresh_process_only,
+    gpu_only,
+    kernel_module,
+    needs_triton,
     run_in_fresh_interpreter,
 )
-from inference.ops.attention.reference import AttentionMetadata, sink_attention_reference  # noqa: E402
-from inference.ops.attention.backend import ReferenceAttentionBackend, select_attention_backend  # noqa: E402
-from inference.ops.attention.rope_cache import rope_and_write_kv_reference  # noqa: E402
 
 TOL = 1e-2 if CUDA else 1e-4
 
 
 def _kernel_modules():
     """The Triton modules, interpreted on CPU."""
-    return (kernel_module("inference.ops.attention.triton", "_decode_kernel"),
-            kernel_module("inference.ops.attention.rope_cache", "_rope_write_kv_kernel"))
+    return (
+        kernel_module("inference.ops.attention.triton", "_decode_kernel"),
+        kernel_module("inference.ops.attention.rope_cache", "_rope_write_kv_kernel"),
+    )
 
 
 @fresh_process_only
@@ -159,9 +167,14 @@ def test_reference_backend_matches_naive_attention(window):
         k_cache[pages[pos // page_size], pos % page_size] = keys[pos]
         v_cache[pages[pos // page_size], pos % page_size] = values[pos]
     meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor([0, new], dtype=torch.int32), context_lens=torch.tensor([ctx], dtype=torch.int32),
-        block_tables={}, slot_mapping={}, positions=torch.arange(ctx - new, ctx), max_q_len=new,
-        q_lens=[new], context_lens_list=[ctx],
+        cu_seqlens_q=torch.tensor([0, new], dtype=torch.int32),
+        context_lens=torch.tensor([ctx], dtype=torch.int32),
+        block_tables={},
+        slot_mapping={},
+        positions=torch.arange(ctx - new, ctx),
+        max_q_len=new,
+        q_lens=[new],
+        context_lens_list=[ctx],
     )
     out = ReferenceAttentionBackend.attention(q, k_cache, v_cache, meta, pages[None], sinks, 0.3, window)
     expected = naive_sink_attention(q, keys, values, sinks, 0.3, range(ctx - new, ctx), window)
@@ -262,8 +275,16 @@ HEADS = [(4, 2, 16), (6, 2, 32), (8, 1, 16)]  # GQA 2, 3 (not a power of two), 8
 def test_triton_decode(heads, window, page_size):
     attention_triton, _ = _kernel_modules()
     lens = [1, 9, 23, 40]  # inside and across the window, not multiples of the page size
-    check_attention(attention_triton.paged_sink_attention, 11, [1] * len(lens), lens, heads, page_size, window,
-                    **small_cfgs(attention_triton))
+    check_attention(
+        attention_triton.paged_sink_attention,
+        11,
+        [1] * len(lens),
+        lens,
+        heads,
+        page_size,
+        window,
+        **small_cfgs(attention_triton),
+    )
 
 
 @needs_triton
@@ -273,8 +294,9 @@ def test_triton_decode_splits(splits):
     cfgs = small_cfgs(attention_triton)
     cfgs["decode_cfg"] = attention_triton.DecodeConfig(block_n=16, num_splits=splits)
     for window in (None, 8):
-        check_attention(attention_triton.paged_sink_attention, 5 + splits, [1, 1, 1], [3, 70, 33], (4, 2, 16), 8,
-                        window, **cfgs)
+        check_attention(
+            attention_triton.paged_sink_attention, 5 + splits, [1, 1, 1], [3, 70, 33], (4, 2, 16), 8, window, **cfgs
+        )
 
 
 @needs_triton
@@ -325,8 +347,7 @@ def check_decode_with_new_kv(decode_with_new_kv, seed, lens, heads, page_size, w
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q_rot = rope_and_write_kv_reference(q, k_new, v_new, meta.positions, cos_sin, k_ref, v_ref, slots)
     ref = sink_attention_reference(q_rot, k_ref, v_ref, meta, table, sinks, scale, window)
-    out = decode_with_new_kv(q, k_new, v_new, cos_sin, k_cache, v_cache, meta, table, slots, sinks, scale, window,
-                             **kw)
+    out = decode_with_new_kv(q, k_new, v_new, cos_sin, k_cache, v_cache, meta, table, slots, sinks, scale, window, **kw)
     keep = [b for b in range(len(lens)) if b not in skip]
     assert out.shape == ref.shape and out.dtype == q.dtype
     err = relative_error(out[keep], ref[keep])
@@ -346,8 +367,9 @@ def test_triton_decode_with_new_kv(heads, window, splits):
     attention_triton, _ = _kernel_modules()
     cfg = attention_triton.DecodeConfig(block_n=16, num_splits=splits)
     lens = [1, 9, 17, 23, 40]  # one key; a key past a whole block; inside and across the window
-    check_decode_with_new_kv(attention_triton.decode_attention_with_new_kv, 13, lens, heads, 4, window,
-                             skip=(3,), decode_cfg=cfg)
+    check_decode_with_new_kv(
+        attention_triton.decode_attention_with_new_kv, 13, lens, heads, 4, window, skip=(3,), decode_cfg=cfg
+    )
 
 
 @needs_triton
@@ -366,8 +388,9 @@ def test_triton_backend_folds_rope_only_into_decode():
 
     check_decode_with_new_kv(lambda *a: backend.rope_kv_attention(*a), 5, [3, 20], (4, 2, 16), 4, None)
     assert calls == ["fused"]
-    check_decode_with_new_kv(lambda *a: ReferenceAttentionBackend().rope_kv_attention(*a), 5, [3, 20],
-                             (4, 2, 16), 4, None)
+    check_decode_with_new_kv(
+        lambda *a: ReferenceAttentionBackend().rope_kv_attention(*a), 5, [3, 20], (4, 2, 16), 4, None
+    )
     # A prefill step (positions 3 and 4 of one sequence) takes the separate launches: same output
     # and caches as the reference backend's.
     q, k_cache, v_cache, meta, table, sinks, scale = make_batch(6, [2], [5], (4, 2, 16), 4, None)
@@ -376,8 +399,9 @@ def test_triton_backend_folds_rope_only_into_decode():
     cos_sin = torch.randn(8, 16).to(DEVICE)
     slots = torch.tensor([int(table[0, 0]) * 4 + 3, int(table[0, 1]) * 4], device=DEVICE)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    ref = ReferenceAttentionBackend().rope_kv_attention(q, k, v, cos_sin, k_ref, v_ref, meta, table, slots, sinks,
-                                                        scale, None)
+    ref = ReferenceAttentionBackend().rope_kv_attention(
+        q, k, v, cos_sin, k_ref, v_ref, meta, table, slots, sinks, scale, None
+    )
     out = backend.rope_kv_attention(q, k, v, cos_sin, k_cache, v_cache, meta, table, slots, sinks, scale, None)
     assert calls == ["fused"]
     assert relative_error(out, ref) < TOL
@@ -390,8 +414,16 @@ def test_triton_backend_folds_rope_only_into_decode():
 def test_triton_prefill_extend(heads, window):
     attention_triton, _ = _kernel_modules()
     # A fresh prompt, an extend over a cached prefix, and a decode token, in one ragged batch.
-    check_attention(attention_triton.paged_sink_attention, 21, [19, 6, 1], [19, 37, 12], heads, 4, window,
-                    **small_cfgs(attention_triton))
+    check_attention(
+        attention_triton.paged_sink_attention,
+        21,
+        [19, 6, 1],
+        [19, 37, 12],
+        heads,
+        4,
+        window,
+        **small_cfgs(attention_triton),
+    )
 
 
 @needs_triton
@@ -403,8 +435,9 @@ def test_triton_prefill_many_sequences(seqs_a_scan, monkeypatch):
     monkeypatch.setattr(attention_triton, "PREFILL_SEQS_A_SCAN", seqs_a_scan)
     q_lens = [3, 0, 17, 1, 0, 9, 2, 16, 1, 5]
     contexts = [3, 4, 30, 22, 7, 9, 40, 16, 2, 12]
-    check_attention(attention_triton.paged_sink_attention, 8, q_lens, contexts, (4, 2, 16), 4, 8,
-                    **small_cfgs(attention_triton))
+    check_attention(
+        attention_triton.paged_sink_attention, 8, q_lens, contexts, (4, 2, 16), 4, 8, **small_cfgs(attention_triton)
+    )
 
 
 @needs_triton
@@ -421,11 +454,17 @@ def test_triton_prefill_grid_from_bounds():
         bound = AttentionMetadata(
             cu_seqlens_q=torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(pad)]),
             context_lens=torch.cat([meta.context_lens, torch.zeros(pad, dtype=torch.int32, device=q.device)]),
-            block_tables=meta.block_tables, slot_mapping=meta.slot_mapping, positions=meta.positions,
-            max_q_len=total, q_lens=[total] + [1] * (slots_for - 1), context_lens_list=[64] * slots_for)
+            block_tables=meta.block_tables,
+            slot_mapping=meta.slot_mapping,
+            positions=meta.positions,
+            max_q_len=total,
+            q_lens=[total] + [1] * (slots_for - 1),
+            context_lens_list=[64] * slots_for,
+        )
         wide_table = torch.cat([table, torch.full((pad, table.shape[1]), -1, dtype=table.dtype, device=q.device)])
-        out = attention_triton.paged_sink_attention(q, k_cache, v_cache, bound, wide_table, sinks, scale, window,
-                                                    **small_cfgs(attention_triton))
+        out = attention_triton.paged_sink_attention(
+            q, k_cache, v_cache, bound, wide_table, sinks, scale, window, **small_cfgs(attention_triton)
+        )
         assert relative_error(out, ref) < TOL
 
 
@@ -480,8 +519,9 @@ def test_gpu_head_dims_and_groups(heads, window):
 @pytest.mark.parametrize("window", [None, 128])
 def test_gpu_prefill_extend_gpt_oss_shapes(window, page_size):
     attention_triton, _ = _kernel_modules()
-    check_attention(attention_triton.paged_sink_attention, 7, [2000, 1, 333, 50], [2000, 900, 1500, 50], GPT_OSS,
-                    page_size, window)
+    check_attention(
+        attention_triton.paged_sink_attention, 7, [2000, 1, 333, 50], [2000, 900, 1500, 50], GPT_OSS, page_size, window
+    )
     gen = torch.Generator().manual_seed(page_size)
     q_lens = torch.randint(0, 60, (70,), generator=gen).tolist()  # a mixed batch, some sequences idle
     contexts = [n + int(torch.randint(0, 700, (1,), generator=gen)) for n in q_lens]
@@ -525,8 +565,13 @@ def test_gpu_decode_under_cuda_graph():
     q.copy_(torch.randn_like(q))
     graph.replay()
     meta_now = AttentionMetadata(
-        cu_seqlens_q=meta.cu_seqlens_q, context_lens=new_lens, block_tables=meta.block_tables,
-        slot_mapping=meta.slot_mapping, positions=new_lens.long() - 1, max_q_len=1, q_lens=[1] * batch,
+        cu_seqlens_q=meta.cu_seqlens_q,
+        context_lens=new_lens,
+        block_tables=meta.block_tables,
+        slot_mapping=meta.slot_mapping,
+        positions=new_lens.long() - 1,
+        max_q_len=1,
+        q_lens=[1] * batch,
         context_lens_list=new_lens.tolist(),
     )
     ref = sink_attention_reference(q, k_cache, v_cache, meta_now, table, sinks, scale, None)
@@ -552,8 +597,9 @@ def test_poisoned_cache_catches_reads_outside_the_window():
     pages and out-of-window entries, and the output turns NaN."""
     attention_triton, _ = _kernel_modules()
     q, k_cache, v_cache, meta, table, sinks, scale = make_batch(2, [1, 3], [40, 40], (4, 2, 16), 4, 8)
-    out = attention_triton.paged_sink_attention(q, k_cache, v_cache, meta, table, sinks, scale, None,
-                                                **small_cfgs(attention_triton))
+    out = attention_triton.paged_sink_attention(
+        q, k_cache, v_cache, meta, table, sinks, scale, None, **small_cfgs(attention_triton)
+    )
     assert not torch.isfinite(out).all()
 
 
@@ -599,7 +645,8 @@ def test_flashinfer_page_layout_reproduces_the_reference(window):
     and shift positions, which leaves the masks unchanged; window_left is window - 1."""
     q_lens, contexts, page_size = [1, 1, 5, 19, 2, 1], [1, 40, 23, 19, 9, 17], 4
     q, k_cache, v_cache, meta, table, sinks, scale = make_batch(
-        31, q_lens, contexts, (4, 2, 8), page_size, window, dtype=torch.float32, device="cpu", whole_pages=True)
+        31, q_lens, contexts, (4, 2, 8), page_size, window, dtype=torch.float32, device="cpu", whole_pages=True
+    )
     layout = paged_layout(q_lens, contexts, page_size, window, table.shape[1])
     pages = table.reshape(-1)[layout.table_index]
     assert bool((pages >= 0).all()), "a freed page was listed"
@@ -607,8 +654,9 @@ def test_flashinfer_page_layout_reproduces_the_reference(window):
     assert bool(((layout.last_page_len >= 1) & (layout.last_page_len <= page_size)).all())
     if window is not None:  # the long sequence keeps only the pages its window reaches
         assert int(layout.kv_indptr[2] - layout.kv_indptr[1]) == 2  # keys 32..39 of 40
-    out = attention_over_listed_pages(q, k_cache, v_cache, layout, pages, sinks, scale,
-                                      -1 if window is None else window - 1)
+    out = attention_over_listed_pages(
+        q, k_cache, v_cache, layout, pages, sinks, scale, -1 if window is None else window - 1
+    )
     ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
     torch.testing.assert_close(out.float(), ref, atol=1e-5, rtol=1e-5)
     # The mapping is not vacuous: window_left = window (one key too many) gives another answer.
@@ -632,8 +680,16 @@ def test_flashinfer_backend_falls_back_to_triton_where_it_cannot_build():
     backend = FlashInferAttentionBackend.__new__(FlashInferAttentionBackend)
     backend.flashinfer, backend.enabled = FailingBuild(), True
     big = backend.FLASHINFER_MIN_TOKENS
-    meta = AttentionMetadata(cu_seqlens_q=None, context_lens=None, block_tables={}, slot_mapping={}, positions=None,
-                             max_q_len=big, q_lens=[big], context_lens_list=[big])
+    meta = AttentionMetadata(
+        cu_seqlens_q=None,
+        context_lens=None,
+        block_tables={},
+        slot_mapping={},
+        positions=None,
+        max_q_len=big,
+        q_lens=[big],
+        context_lens_list=[big],
+    )
     assert backend.runs_flashinfer(torch.empty(big, 8, 64, dtype=torch.bfloat16), meta, None)
     assert not backend.runs_flashinfer(torch.empty(big, 8, 16, dtype=torch.bfloat16), meta, None)
     backend.warmup(8, 2, 16, 16, (None, 128), torch.bfloat16)  # head size 16: nothing to build
@@ -687,7 +743,8 @@ def test_gpu_flashinfer_matches_reference(flashinfer_kernels, kernel, window, pa
     cases.append((q_lens, [n + int(torch.randint(0, 700, (1,), generator=gen)) for n in q_lens]))
     for seed, (q_lens, contexts) in enumerate(cases):
         q, k_cache, v_cache, meta, table, sinks, scale = make_batch(
-            seed, q_lens, contexts, GPT_OSS, page_size, window, whole_pages=True)
+            seed, q_lens, contexts, GPT_OSS, page_size, window, whole_pages=True
+        )
         ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
         out = run(q, k_cache, v_cache, meta, table, sinks, scale, window)
         err = relative_error(out, ref)
@@ -701,15 +758,20 @@ def test_gpu_flashinfer_backend_routes_by_step():
     backend = select_attention_backend(DEVICE)
     assert backend.name == "flashinfer"
     backend.FLASHINFER_MIN_TOKENS = big = 700  # the rule, at a size the float32 reference handles quickly
-    cases = [([big, 3], [big, 40], None, True), ([big, 3], [big, 40], 128, False),
-             ([1, 1, 1], [5, 300, 129], None, False), ([9, 1], [20, 300], None, False)]
+    cases = [
+        ([big, 3], [big, 40], None, True),
+        ([big, 3], [big, 40], 128, False),
+        ([1, 1, 1], [5, 300, 129], None, False),
+        ([9, 1], [20, 300], None, False),
+    ]
     for q_lens, contexts, window, expect in cases:
-        q, k_cache, v_cache, meta, table, sinks, scale = make_batch(3, q_lens, contexts, GPT_OSS, 16, window,
-                                                                    whole_pages=True)
+        q, k_cache, v_cache, meta, table, sinks, scale = make_batch(
+            3, q_lens, contexts, GPT_OSS, 16, window, whole_pages=True
+        )
         assert backend.runs_flashinfer(q, meta, window) is expect
         ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
         assert relative_error(backend.attention(q, k_cache, v_cache, meta, table, sinks, scale, window), ref) < TOL
-    q, *_ , meta = make_batch(3, [big], [big], GPT_OSS, 16, None)[:4]
+    q, *_, meta = make_batch(3, [big], [big], GPT_OSS, 16, None)[:4]
     assert backend.runs_flashinfer(q, meta, None)
     assert not backend.runs_flashinfer(q.float(), meta, None)
     graph = torch.cuda.CUDAGraph()

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_interpreter import CUDA  # (first: sets TRITON_INTERPRET on CPU)
-
 from inference.ops import dependent_launch  # noqa: E402
+from tests.triton_interpreter import CUDA  # (first: sets TRITON_INTERPRET on CPU)
 
 
 def test_off_on_cpu_in_the_interpreter_and_when_turned_off(monkeypatch):

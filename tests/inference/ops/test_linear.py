@@ -18,13 +18,21 @@ import pytest
 import torch
 from torch import nn
 
-from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
-    CUDA, DEVICE, DTYPE, HAVE_TRITON, fresh_process_only, gpu_only, kernel_module, needs_triton,
-    run_in_fresh_interpreter,
-)
 from inference.ops.linear import backend as decode_linear  # noqa: E402
 from inference.ops.linear.backend import DECODE_GEMV_LAYERS, DecodeLinear, gemv_supported, use_decode_gemv  # noqa: E402
 from inference.ops.linear.triton import LinearConfig, linear_config, linear_reference  # noqa: E402
+from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
+    CUDA,
+    DEVICE,
+    DTYPE,
+    HAVE_TRITON,
+    fresh_process_only,
+    gpu_only,
+    kernel_module,
+    needs_triton,
+    run_in_fresh_interpreter,
+)
+
 TOL = 1e-2 if CUDA else 1e-5
 
 
@@ -121,8 +129,9 @@ def test_triton_kernel_matches_reference(kernels, m, n, k, config):
     cfg = CONFIGS[config]
     if cfg is not None and not cfg.dot and m > 1:
         with pytest.raises(ValueError, match="one row"):
-            kernels.linear_triton(torch.zeros(m, k, dtype=DTYPE, device=DEVICE),
-                                  torch.zeros(n, k, dtype=DTYPE, device=DEVICE), None, cfg)
+            kernels.linear_triton(
+                torch.zeros(m, k, dtype=DTYPE, device=DEVICE), torch.zeros(n, k, dtype=DTYPE, device=DEVICE), None, cfg
+            )
         return
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = poisoned(m, k, g)
@@ -173,8 +182,9 @@ def test_triton_kernel_empty_and_bad_shapes(kernels):
     with pytest.raises(ValueError, match="columns"):
         kernels.linear_triton(torch.zeros(1, 15, dtype=DTYPE, device=DEVICE), w)
     with pytest.raises(ValueError, match="unit column stride"):
-        kernels.linear_triton(torch.zeros(1, 16, dtype=DTYPE, device=DEVICE), torch.zeros(16, 8, dtype=DTYPE,
-                              device=DEVICE).t())
+        kernels.linear_triton(
+            torch.zeros(1, 16, dtype=DTYPE, device=DEVICE), torch.zeros(16, 8, dtype=DTYPE, device=DEVICE).t()
+        )
 
 
 # gpt-oss-20b: qkv 2880 -> 5120, o_proj 4096 -> 2880 (and its tensor-parallel half: 2048 input
@@ -305,7 +315,9 @@ def test_gpu_model_logits_with_kernel_match_nn_linear(tiny_checkpoint, monkeypat
 
     model = GptOssModel.from_pretrained(tiny_checkpoint, device="cuda", dtype=torch.bfloat16, progress=False)
     dense = [getattr(block.attn, name) for block in model.layers for name in DECODE_GEMV_LAYERS]
-    assert all(type(layer) is DecodeLinear for layer in dense) and len(dense) == len(DECODE_GEMV_LAYERS) * len(model.layers)
+    assert all(type(layer) is DecodeLinear for layer in dense) and len(dense) == len(DECODE_GEMV_LAYERS) * len(
+        model.layers
+    )
     assert [block.attn.qkv.max_tokens for block in model.layers] == [1] * len(model.layers)  # cuBLAS past 1 row
     assert use_decode_gemv(model) == 0  # already swapped
     fp32 = GptOssModel.from_pretrained(tiny_checkpoint, device="cuda", dtype=torch.float32, progress=False)

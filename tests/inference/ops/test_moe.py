@@ -16,14 +16,21 @@ import dataclasses
 import pytest
 import torch
 
-from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
-    CUDA, DEVICE, DTYPE, HAVE_TRITON, fresh_process_only, gpu_only, kernel_module, needs_triton,
-    run_in_fresh_interpreter,
-)
-from inference.ops.moe.reference import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
 from inference.ops.moe.backend import ReferenceMoEBackend, select_moe_backend  # noqa: E402
+from inference.ops.moe.reference import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
 from inference.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from tests.moe_layers import random_mxfp4_layer  # noqa: E402
+from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
+    CUDA,
+    DEVICE,
+    DTYPE,
+    HAVE_TRITON,
+    fresh_process_only,
+    gpu_only,
+    kernel_module,
+    needs_triton,
+    run_in_fresh_interpreter,
+)
 
 LIMIT = 7.0
 
@@ -54,13 +61,20 @@ def make_weights(
     experts = ExpertWeights(
         gate_up_bias=torch.randn(num_experts, 2 * inter, generator=g) * 0.1,
         down_bias=torch.randn(num_experts, hidden, generator=g) * 0.1,
-        gate_up_blocks=b1, gate_up_scales=s1, down_blocks=b2, down_scales=s2,
+        gate_up_blocks=b1,
+        gate_up_scales=s1,
+        down_blocks=b2,
+        down_scales=s2,
     )
-    experts = ExpertWeights(**{f.name: t.to(device) for f in dataclasses.fields(experts)
-                               if (t := getattr(experts, f.name)) is not None})
+    experts = ExpertWeights(
+        **{f.name: t.to(device) for f in dataclasses.fields(experts) if (t := getattr(experts, f.name)) is not None}
+    )
     router = (torch.randn(num_experts, hidden, generator=g) * hidden**-0.5).to(device, DTYPE)
-    return MoEWeights(router_weight=router, router_bias=(torch.randn(num_experts, generator=g) * 0.1).to(device, DTYPE),
-                      experts=experts)
+    return MoEWeights(
+        router_weight=router,
+        router_bias=(torch.randn(num_experts, generator=g) * 0.1).to(device, DTYPE),
+        experts=experts,
+    )
 
 
 def random_packed_weights(num_experts: int, hidden: int, inter: int, seed: int = 0) -> MoEWeights:
@@ -127,7 +141,8 @@ def test_reference_backend_packed_equals_dense():
     w = float_copy(w)
     ex = w.experts
     dense = ExpertWeights(
-        gate_up_bias=ex.gate_up_bias, down_bias=ex.down_bias,
+        gate_up_bias=ex.gate_up_bias,
+        down_bias=ex.down_bias,
         gate_up=dequantize_mxfp4(ex.gate_up_blocks, ex.gate_up_scales, torch.float32).transpose(1, 2),
         down=dequantize_mxfp4(ex.down_blocks, ex.down_scales, torch.float32).transpose(1, 2),
     )
@@ -150,8 +165,9 @@ def test_reference_backend_packed_equals_dense():
 def expert_share(w: MoEWeights, first: int, count: int) -> MoEWeights:
     """Experts [first, first + count) of w, as an expert-parallel rank holds them (the router whole)."""
     ex = w.experts
-    part = ExpertWeights(**{f.name: t[first:first + count] for f in dataclasses.fields(ex)
-                            if (t := getattr(ex, f.name)) is not None})
+    part = ExpertWeights(
+        **{f.name: t[first : first + count] for f in dataclasses.fields(ex) if (t := getattr(ex, f.name)) is not None}
+    )
     return dataclasses.replace(w, experts=part, expert_offset=first)
 
 
@@ -163,8 +179,10 @@ def test_reference_expert_shares_sum_to_the_block():
     backend = ReferenceMoEBackend()
     whole = backend.forward(x, backend.prepare(w), 3, LIMIT)
     for ranks in (2, 4):
-        shares = [backend.forward(x, backend.prepare(expert_share(w, r * 8 // ranks, 8 // ranks)), 3, LIMIT)
-                  for r in range(ranks)]
+        shares = [
+            backend.forward(x, backend.prepare(expert_share(w, r * 8 // ranks, 8 // ranks)), 3, LIMIT)
+            for r in range(ranks)
+        ]
         assert all(share.abs().sum() > 0 for share in shares)
         torch.testing.assert_close(sum(shares), whole, rtol=1e-5, atol=1e-5)
     # A token whose experts are all elsewhere gets exactly nothing from this rank.
@@ -204,7 +222,7 @@ def test_row_group_layout_round_trip():
         assert w.shape == (2, 2, pairs, 8, 64) and s.shape == (2, 2, pairs, 8) and s.dtype == torch.int32
         got = decode(w, s).reshape(2, 16, -1)
         assert torch.equal(got[..., : blocks_per_row * 32], want)
-        assert (got[..., blocks_per_row * 32:] == 0).all()
+        assert (got[..., blocks_per_row * 32 :] == 0).all()
         # gate_up: rows reordered, then 8 gates and their 8 ups a group
         rows = torch.randperm(16, generator=g)
         w, s = pack_row_groups(blocks, scales, rows, parts=2)
@@ -257,8 +275,10 @@ def _run_ptx(text: str, operands: list[int]) -> dict:
             assert all((sel >> (4 * i)) & 8 == 0 for i in range(4))
             regs[a[0]] = np.uint32(sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4)))
         elif op == "mul.rn.bf16x2":
-            x, y = (torch.tensor([int(val(t))], dtype=torch.int64).to(torch.int32).view(torch.bfloat16).double()
-                    for t in a[1:3])
+            x, y = (
+                torch.tensor([int(val(t))], dtype=torch.int64).to(torch.int32).view(torch.bfloat16).double()
+                for t in a[1:3]
+            )
             regs[a[0]] = np.uint32(int((x * y).to(torch.bfloat16).view(torch.int32).item()) & 0xFFFFFFFF)
         elif op == "mul.lo.u32":
             regs[a[0]] = np.uint32((int(val(a[1])) * int(val(a[2]))) & 0xFFFFFFFF)
@@ -298,12 +318,13 @@ def test_word_pair_dot_assembly_decodes_the_planar_layout():
     x_perm[perm] = x
     x32 = x_perm.view(torch.int32).numpy().view(np.uint32)
     xs = x.double()
+
     def pair_x(i):  # word pair i's activation operands (x32 index 4i: natural index 8i)
         b = 4 * i
         return [x32[b], x32[b + 1], x32[b + 16], x32[b + 17], x32[b + 2], x32[b + 3], x32[b + 18], x32[b + 19]]
 
     def check(ptx, first_word, count, key):  # `count` words from `first_word`: values 4 * first_word..
-        ops = list(words[first_word: first_word + count])
+        ops = list(words[first_word : first_word + count])
         for i in range(first_word // 2, (first_word + count) // 2):
             ops += pair_x(i)
         regs = _run_ptx(ptx, [int(o) for o in ops])
@@ -345,7 +366,7 @@ def test_grouped_dequant_assembly_decodes_the_planar_layout():
             regs = _run_ptx(GROUPED_DEQUANT_PTX, [two_bytes, mult_lo | mult_lo << 16, mult_hi | mult_hi << 16])
             for reg, first in (("$0", j), ("$1", 32 + j)):
                 got = torch.tensor([int(regs[reg])], dtype=torch.int64).to(torch.int32).view(torch.bfloat16).double()
-                assert torch.equal(got, values[0, row, first: first + 2]), (row, j, reg)
+                assert torch.equal(got, values[0, row, first : first + 2]), (row, j, reg)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -353,8 +374,8 @@ def test_gemv_activation_scale_bounds_the_swiglu():
     """The power of two the decode GEMVs store the SwiGLU output under keeps every clamped
     SwiGLU value inside fp16 and uses at least half the headroom; limits that bound nothing,
     or too much for fp16's range, get None."""
-    from inference.ops.moe.triton import FP16_ACTIVATION_MAX, gemv_activation_scale
     from inference.ops.moe.reference import swiglu
+    from inference.ops.moe.triton import FP16_ACTIVATION_MAX, gemv_activation_scale
 
     for limit in (7.0, 1.0, 0.25, 50.0):
         scale = gemv_activation_scale(limit)
@@ -375,7 +396,9 @@ def test_triton_output_dtype():
     x = torch.randn(1, 64, device=DEVICE).to(DTYPE)  # (one token: the cast does not depend on how many)
     ref = reference(x, w, 2)
     for decode_max in (1, 0):
-        backend = triton_backend(_kernels().MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None))
+        backend = triton_backend(
+            _kernels().MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None)
+        )
         prepared = prepared_copy(backend, w)
         for dtype in (torch.float32, torch.bfloat16):
             out = backend.forward(x, prepared, 2, LIMIT, out_dtype=dtype)
@@ -433,14 +456,40 @@ def test_triton_router_matches_torch(shape):
     partial = torch.empty(splits, 19, e_count, device=DEVICE)
     counters = torch.full((2, e_count), 7, dtype=torch.int32, device=DEVICE)
     mt._router_partial_kernel[(2, splits)](
-        x, prepared.router_weight, partial, out32, counters, 19, hidden, e_count, x.stride(0), k_per_split,
-        BLOCK_T=16, BLOCK_E=16, BLOCK_K=32, OPERAND=operand, PDL=0,
+        x,
+        prepared.router_weight,
+        partial,
+        out32,
+        counters,
+        19,
+        hidden,
+        e_count,
+        x.stride(0),
+        k_per_split,
+        BLOCK_T=16,
+        BLOCK_E=16,
+        BLOCK_K=32,
+        OPERAND=operand,
+        PDL=0,
     )
     assert (counters == 0).all()
     counts = counters[0]
     mt._route_top_k_kernel[(5,)](
-        partial, prepared.router_bias, ids, gates, counts, None, 19, e_count, splits,
-        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=16, BLOCK_S=4, PDL=0,
+        partial,
+        prepared.router_bias,
+        ids,
+        gates,
+        counts,
+        None,
+        19,
+        e_count,
+        splits,
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        BLOCK_T=4,
+        BLOCK_E=16,
+        BLOCK_S=4,
+        PDL=0,
     )
     want_ids, want_gates = route(x.float(), float_copy(w), top_k)
     assert torch.equal(ids.long(), want_ids)
@@ -455,8 +504,10 @@ def _run_both_paths(w, x, top_k, tol=TOL, decode=True, **config):
     mt = _kernels()
     ref = reference(x, w, top_k)
     outs = {}
-    for name, decode_max in (("decode", x.shape[0]), ("grouped", 0))[0 if decode else 1:]:
-        backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None, **config))
+    for name, decode_max in (("decode", x.shape[0]), ("grouped", 0))[0 if decode else 1 :]:
+        backend = triton_backend(
+            mt.MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None, **config)
+        )
         out = backend.forward(x, prepared_copy(backend, w), top_k, LIMIT)
         assert out.dtype == x.dtype
         assert_close(out, ref, max(tol, DECODE_TOL) if name == "decode" else tol)
@@ -553,8 +604,21 @@ def test_triton_grouped_routing_ties_and_nan(e_count, block_e):
     gates = torch.empty(t_count, top_k, device=DEVICE)
     counts = torch.zeros(e_count, dtype=torch.int32, device=DEVICE)
     mt._route_top_k_kernel[(triton.cdiv(t_count, 4),)](
-        partial, torch.zeros(e_count, device=DEVICE), ids, gates, counts, None, t_count, e_count, 1,
-        TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=4, BLOCK_E=block_e, BLOCK_S=1, PDL=0,
+        partial,
+        torch.zeros(e_count, device=DEVICE),
+        ids,
+        gates,
+        counts,
+        None,
+        t_count,
+        e_count,
+        1,
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        BLOCK_T=4,
+        BLOCK_E=block_e,
+        BLOCK_S=1,
+        PDL=0,
     )
     assert ids.cpu().tolist()[:-1] == _top_k_by_definition(rows[:-1], top_k)
     assert ((ids >= 0) & (ids < e_count)).all()
@@ -618,7 +682,9 @@ def test_triton_add_norm_moe_matches_add_rms_norm_then_moe():
     norm_weight = (torch.rand(96, generator=g) + 0.5).to(DEVICE, DTYPE)
     want_residual, h = add_rms_norm_reference(x, delta, norm_weight, 1e-5)
     for decode_max in (3, 0):  # the decode path, then the grouped one
-        backend = triton_backend(_kernels().MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None))
+        backend = triton_backend(
+            _kernels().MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None)
+        )
         prepared = prepared_copy(backend, w)
         residual, out = backend.add_norm_forward(x, delta, norm_weight, 1e-5, prepared, 2, LIMIT)
         assert torch.equal(residual, want_residual)
@@ -646,11 +712,12 @@ def test_triton_valid_tokens_route_padding_nowhere(path):
 
     want_residual, h = add_rms_norm_reference(x, delta, norm_weight, 1e-5)
     decode_max = rows if path == "decode" else 0
-    backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None,
-                                                block_m=16))
+    backend = triton_backend(
+        mt.MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None, block_m=16)
+    )
     prepared = prepared_copy(backend, w)
     tol = max(TOL, DECODE_TOL) if path == "decode" else TOL
-    for n in ((1, 3) if path == "decode" else (1, 5, 12)):
+    for n in (1, 3) if path == "decode" else (1, 5, 12):
         valid = torch.tensor([n], dtype=torch.int32, device=DEVICE)
         out = backend.forward(x, prepared, 2, LIMIT, valid_tokens=valid)
         assert_close(out[:n], reference(x[:n], w, 2), tol)
@@ -675,8 +742,9 @@ def test_triton_expert_shares_sum_to_the_block(path):
     tokens, rank_counts = (2, (2,)) if path == "decode" else (6, (2, 4))
     g = torch.Generator().manual_seed(22)
     x = torch.randn(tokens, 64, generator=g).to(DEVICE, DTYPE)
-    backend = triton_backend(mt.MoEKernelConfig(decode_max_tokens=tokens if path == "decode" else 0,
-                                                decode_max_pairs_per_expert=None))
+    backend = triton_backend(
+        mt.MoEKernelConfig(decode_max_tokens=tokens if path == "decode" else 0, decode_max_pairs_per_expert=None)
+    )
     whole = backend.forward(x, prepared_copy(backend, w), 2, LIMIT, out_dtype=torch.float32)
     assert_close(whole, reference(x, w, 2), max(TOL, DECODE_TOL) if path == "decode" else TOL)
     rel = 1e-2 if CUDA else 1e-5
@@ -689,15 +757,29 @@ def test_triton_expert_shares_sum_to_the_block(path):
         assert_close(sum(shares), whole, rel)
     delta = torch.randn(tokens, 64, generator=g).to(DEVICE, DTYPE)
     norm = torch.ones(64, device=DEVICE, dtype=DTYPE)
-    _, fused_whole = backend.add_norm_forward(x, delta, norm, 1e-5, prepared_copy(backend, w), 2, LIMIT,
-                                              out_dtype=torch.float32)
-    fused = [backend.add_norm_forward(x, delta, norm, 1e-5, prepared_copy(backend, expert_share(w, r * 4, 4)), 2,
-                                      LIMIT, out_dtype=torch.float32)[1] for r in range(2)]
+    _, fused_whole = backend.add_norm_forward(
+        x, delta, norm, 1e-5, prepared_copy(backend, w), 2, LIMIT, out_dtype=torch.float32
+    )
+    fused = [
+        backend.add_norm_forward(
+            x, delta, norm, 1e-5, prepared_copy(backend, expert_share(w, r * 4, 4)), 2, LIMIT, out_dtype=torch.float32
+        )[1]
+        for r in range(2)
+    ]
     assert_close(sum(fused), fused_whole, rel)
     if path == "grouped":
         valid = torch.tensor([4], dtype=torch.int32, device=DEVICE)
-        padded = [backend.forward(x, prepared_copy(backend, expert_share(w, r * 4, 4)), 2, LIMIT,
-                                  out_dtype=torch.float32, valid_tokens=valid) for r in range(2)]
+        padded = [
+            backend.forward(
+                x,
+                prepared_copy(backend, expert_share(w, r * 4, 4)),
+                2,
+                LIMIT,
+                out_dtype=torch.float32,
+                valid_tokens=valid,
+            )
+            for r in range(2)
+        ]
         assert_close(sum(padded)[:4], whole[:4], rel)
         assert all(torch.count_nonzero(share[4:]) == 0 for share in padded)
 
@@ -710,8 +792,13 @@ def test_triton_grouped_many_tokens_and_block_sizes():
     x = torch.randn(45, 64, device=DEVICE).to(DTYPE)
     ref = reference(x, w, 2)
     for block_m, down_n in ((16, 128), (32, 16), (64, 64), (128, 64)):
-        config = mt.MoEKernelConfig(decode_max_tokens=0, block_m=block_m, block_n=32, down_block_n=down_n,
-                                    router_block_k=32 if block_m == 32 else 64)  # 32: the router in two splits
+        config = mt.MoEKernelConfig(
+            decode_max_tokens=0,
+            block_m=block_m,
+            block_n=32,
+            down_block_n=down_n,
+            router_block_k=32 if block_m == 32 else 64,
+        )  # 32: the router in two splits
         backend = triton_backend(config)
         assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), ref, TOL)
 

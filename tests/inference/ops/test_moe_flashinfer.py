@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.ops.moe.reference import MoEWeights, moe_reference, route, swiglu
 from inference.ops.moe.backend import select_moe_backend
 from inference.ops.moe.flashinfer import flashinfer_available, flashinfer_supports
+from inference.ops.moe.reference import MoEWeights, moe_reference, route, swiglu
 from inference.ops.mxfp4 import dequantize_mxfp4
 from tests.moe_layers import random_mxfp4_layer
 
@@ -38,6 +38,8 @@ _sm90 = pytest.mark.skipif(CUDA and not SM90, reason="needs flashinfer" if not H
 def gpu(test):
     """An SM90 GPU with flashinfer (skipped without CUDA by the `gpu` marker)."""
     return pytest.mark.gpu(_sm90(test))
+
+
 # OSS_AGENT_FLASHINFER_MOE_MODULE: a subset build of flashinfer's fused-MoE module
 # (experiments/flashinfer_moe_subset.py) to test instead of its JIT build, which takes longer than
 # is practical (tens of minutes). That build holds no other JIT module, so the router stays in torch.
@@ -56,8 +58,6 @@ GPT_OSS = (32, 2880, 2880)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
 
 
 def float_router(w: MoEWeights) -> MoEWeights:
@@ -108,16 +108,23 @@ def diagnose(backend, w: MoEWeights, x, ids, gates, out) -> str:
     from inference.ops.moe.flashinfer import prepare_flashinfer_weights
 
     lines = ["errors against other conventions (the smallest names the kernel's):"]
-    conventions = (("as specified", {}), ("gate/up swapped", dict(swap=True)), ("beta 0 (no +1 on up)", dict(beta=0.0)),
-                   ("no clamp", dict(clamp=False)), ("swapped, beta 0", dict(swap=True, beta=0.0)))
+    conventions = (
+        ("as specified", {}),
+        ("gate/up swapped", dict(swap=True)),
+        ("beta 0 (no +1 on up)", dict(beta=0.0)),
+        ("no clamp", dict(clamp=False)),
+        ("swapped, beta 0", dict(swap=True, beta=0.0)),
+    )
     for label, kw in conventions:
         lines.append(f"  {label:24s} {rel_err(out, experts_reference(x, w, ids, gates, **kw)):.3e}")
     ref = experts_reference(x, w, ids, gates)
     lines.append("other weight layouts against the reference:")
-    layouts = (("rows [gate ; up]", dict(swap_gate_up=True)),
-               ("weights not interleaved", dict(interleave_weights=False)),
-               ("scales not interleaved", dict(interleave_scales=False)),
-               ("neither interleaved", dict(interleave_weights=False, interleave_scales=False)))
+    layouts = (
+        ("rows [gate ; up]", dict(swap_gate_up=True)),
+        ("weights not interleaved", dict(interleave_weights=False)),
+        ("scales not interleaved", dict(interleave_scales=False)),
+        ("neither interleaved", dict(interleave_weights=False, interleave_scales=False)),
+    )
     for label, kw in layouts:
         try:
             variant = backend.experts(x, prepare_flashinfer_weights(w, **kw), ids, gates, LIMIT)
@@ -229,8 +236,9 @@ def test_prepare_releases_packed_weights_and_checks_input():
     copy = shallow_copy(w)
     prepared = backend.prepare(copy)
     assert copy.experts.gate_up_blocks is None and copy.experts.down_blocks is None
-    assert backend.forward(torch.empty(0, SMALL[1], device="cuda", dtype=torch.bfloat16), prepared, TOP_K,
-                           LIMIT).shape == (0, SMALL[1])
+    assert backend.forward(
+        torch.empty(0, SMALL[1], device="cuda", dtype=torch.bfloat16), prepared, TOP_K, LIMIT
+    ).shape == (0, SMALL[1])
     with pytest.raises(ValueError):
         backend.forward(torch.zeros(2, SMALL[1], device="cuda"), prepared, TOP_K, LIMIT)  # float32
 
@@ -297,10 +305,10 @@ def test_layout_holds_checkpoint_values(shape):
     gate_up = dequantize_mxfp4(ex.gate_up_blocks, ex.gate_up_scales, torch.float32)  # [E, 2I, H]
     down = dequantize_mxfp4(ex.down_blocks, ex.down_scales, torch.float32)  # [E, H, I]
     w1, w2 = decode(p.w1, p.s1), decode(p.w2, p.s2)
-    assert torch.equal(w1[:, :i, :h], gate_up[:, 1::2]) and torch.equal(w1[:, ip:ip + i, :h], gate_up[:, 0::2])
+    assert torch.equal(w1[:, :i, :h], gate_up[:, 1::2]) and torch.equal(w1[:, ip : ip + i, :h], gate_up[:, 0::2])
     assert torch.equal(w2[:, :h, :i], down)
-    for padded in (w1[:, i:ip], w1[:, ip + i:], w1[..., h:], w2[:, h:], w2[..., i:]):
+    for padded in (w1[:, i:ip], w1[:, ip + i :], w1[..., h:], w2[:, h:], w2[..., i:]):
         assert (padded == 0).all()
     bias = ex.gate_up_bias.bfloat16()
-    assert torch.equal(p.b1[:, :i], bias[:, 1::2]) and torch.equal(p.b1[:, ip:ip + i], bias[:, 0::2])
+    assert torch.equal(p.b1[:, :i], bias[:, 1::2]) and torch.equal(p.b1[:, ip : ip + i], bias[:, 0::2])
     assert (p.b1[:, i:ip] == 0).all() and (p.b2[:, h:] == 0).all()

@@ -18,8 +18,10 @@ def test_matches_transformers_bit_for_bit():
         theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, G*32, rows]
         ours = dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2)
         assert ours.dtype == theirs.dtype
-        assert torch.equal(ours.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           theirs.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(
+            ours.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            theirs.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        )
 
 
 def test_nibble_order_and_scale():

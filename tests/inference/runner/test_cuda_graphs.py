@@ -14,10 +14,10 @@ import torch
 
 import tests.triton_interpreter  # noqa: F401  (first: sets TRITON_INTERPRET on CPU)
 from inference.config import ModelConfig
-from inference.runner.cuda_graphs import PrefillGraphRunner
 from inference.model.gpt_oss import GptOssModel
-from inference.runner.model_runner import build_metadata
 from inference.model.tiny_checkpoint import hf_config_dict
+from inference.runner.cuda_graphs import PrefillGraphRunner
+from inference.runner.model_runner import build_metadata
 
 PAGE = 16
 
@@ -93,13 +93,18 @@ def test_padded_step_equals_the_eager_step(starts, q_lens, bucket):
 
 def test_fill_leaves_nothing_of_a_longer_earlier_step():
     model = tiny_model()
-    runner = PrefillGraphRunner(model, random_caches(model.config, 12), max_pages=8, max_context=128, buckets=(16,),
-                                max_seqs=4)
+    runner = PrefillGraphRunner(
+        model, random_caches(model.config, 12), max_pages=8, max_context=128, buckets=(16,), max_seqs=4
+    )
     buf = runner.buffers(16)
     ids = torch.arange(30)
     cpu = torch.device("cpu")
-    runner.fill(buf, ids[:14], build_metadata(PAGE, [[3, 5], [4], [9]], [[3, 5], [4], [9]], [0, 5, 9], [12, 1, 1],
-                                              cpu), torch.tensor([11, 12, 13]))
+    runner.fill(
+        buf,
+        ids[:14],
+        build_metadata(PAGE, [[3, 5], [4], [9]], [[3, 5], [4], [9]], [0, 5, 9], [12, 1, 1], cpu),
+        torch.tensor([11, 12, 13]),
+    )
     runner.fill(buf, ids[:4], build_metadata(PAGE, [[1, 2, 6]], [[1, 2, 6]], [40], [4], cpu), torch.tensor([3]))
     assert buf.input_ids.tolist() == [0, 1, 2, 3] + [0] * 12
     assert buf.slots["sliding"].tolist() == [6 * PAGE + 8 + i for i in range(4)] + [-1] * 12
@@ -122,10 +127,12 @@ def eager_against_graphs(drive, **options):
     config = ModelConfig.from_dict(hf_config_dict())
     runs, replays = {}, []
     for eager in (True, False):
-        engine = LLMEngine.from_random(config, device="cuda", dtype=torch.float32, seed=3, num_pages=256,
-                                       enforce_eager=eager, **options)
+        engine = LLMEngine.from_random(
+            config, device="cuda", dtype=torch.float32, seed=3, num_pages=256, enforce_eager=eager, **options
+        )
         assert (engine.runner.prefill_graphs is None) == eager
         if not eager:
+
             def recording(ids, meta, rows, run=engine.runner.prefill_graphs.run):
                 replays.append(meta.q_lens)
                 return run(ids, meta, rows)
@@ -154,8 +161,9 @@ def test_engine_short_prefills_replay_the_graphs_and_match_eager(chunk):
     from tests.gpu_comparison import compare_greedy, greedy, prompts
 
     # One request at a time, so each prefill step holds one sequence.
-    runs, replays = eager_against_graphs(lambda engine: [greedy(engine, [p], 12)[0] for p in prompts(4, 150)],
-                                         max_num_batched_tokens=chunk)
+    runs, replays = eager_against_graphs(
+        lambda engine: [greedy(engine, [p], 12)[0] for p in prompts(4, 150)], max_num_batched_tokens=chunk
+    )
     assert replays and all(len(q) == 1 and q[0] <= (8 if chunk == 8 else 171) for q in replays)
     compared, total = compare_greedy(runs[True], runs[False], near_tie=0.01 if chunk == 8 else 0.05)
     # The random tiny model is full of near ties: whole prompts compared 15 of 48 tokens at 0.05
@@ -179,8 +187,9 @@ def test_engine_requests_joining_a_batch_replay_step_graphs_and_match_eager():
         while waiting or engine.has_unfinished():
             if waiting and step % 3 == 0:  # one joins every third step
                 i, prompt = waiting.pop(0)
-                engine.add_request(GenerationRequest(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=12,
-                                                                                    logprobs=2)))
+                engine.add_request(
+                    GenerationRequest(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2))
+                )
             for d in engine.step():
                 deltas.setdefault(d.request_id, []).append(d)
             step += 1

@@ -7,8 +7,16 @@ from inference.runner.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphRunner
 
 
 def runner(max_batch=None, batch_sizes=DEFAULT_BATCH_SIZES, tokens_per_seq=(1,), max_verify_batch=32):
-    return DecodeGraphRunner(None, [], max_pages=4, max_context=64, batch_sizes=batch_sizes, max_batch=max_batch,
-                             tokens_per_seq=tokens_per_seq, max_verify_batch=max_verify_batch)
+    return DecodeGraphRunner(
+        None,
+        [],
+        max_pages=4,
+        max_context=64,
+        batch_sizes=batch_sizes,
+        max_batch=max_batch,
+        tokens_per_seq=tokens_per_seq,
+        max_verify_batch=max_verify_batch,
+    )
 
 
 def test_sizes_reach_the_first_graph_that_holds_the_largest_batch():

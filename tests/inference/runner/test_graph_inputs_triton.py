@@ -6,11 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
-    DEVICE, fresh_process_only, kernel_module, needs_triton, run_in_fresh_interpreter,
-)
 from inference.runner.graph_inputs_triton import (  # noqa: E402
-    BLOCK_P, KINDS, GraphInputs, StepValues, fill_graph_inputs_reference,
+    BLOCK_P,
+    KINDS,
+    GraphInputs,
+    StepValues,
+    fill_graph_inputs_reference,
+)
+from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
+    DEVICE,
+    fresh_process_only,
+    kernel_module,
+    needs_triton,
+    run_in_fresh_interpreter,
 )
 
 
@@ -26,12 +34,15 @@ def test_triton_in_fresh_interpreter():
 
 def junk_buffers(b: int, q: int, p: int, gen: torch.Generator) -> GraphInputs:
     """Graph buffers full of values no step writes, as after some earlier, larger step."""
+
     def rand(*shape, dtype):
         return torch.randint(1000, 2000, shape, generator=gen).to(dtype).to(DEVICE)
 
     return GraphInputs(
-        input_ids=rand(b * q, dtype=torch.long), positions=rand(b * q, dtype=torch.long),
-        slots={k: rand(b * q, dtype=torch.long) for k in KINDS}, context_lens=rand(b, dtype=torch.int32),
+        input_ids=rand(b * q, dtype=torch.long),
+        positions=rand(b * q, dtype=torch.long),
+        slots={k: rand(b * q, dtype=torch.long) for k in KINDS},
+        context_lens=rand(b, dtype=torch.int32),
         block_tables={k: rand(b, p, dtype=torch.int32) for k in KINDS},
         valid_tokens=rand(1, dtype=torch.int32),
     )
@@ -45,7 +56,8 @@ def step_values(n: int, q: int, w: int, gen: torch.Generator, previous: int = 0)
         tables[k] = store.to(DEVICE)[:, :w]
     ids = torch.randint(0, previous, (t,), generator=gen) if previous else torch.randint(0, 99, (t,), generator=gen)
     return StepValues(
-        input_ids=ids.to(DEVICE), positions=torch.randint(0, 4096, (t,), generator=gen).to(DEVICE),
+        input_ids=ids.to(DEVICE),
+        positions=torch.randint(0, 4096, (t,), generator=gen).to(DEVICE),
         slots={k: torch.randint(0, 9999, (t,), generator=gen).to(DEVICE) for k in KINDS},
         context_lens=torch.randint(1, 4096, (n,), generator=gen, dtype=torch.int32).to(DEVICE),
         block_tables=tables,
@@ -54,9 +66,14 @@ def step_values(n: int, q: int, w: int, gen: torch.Generator, previous: int = 0)
 
 
 def clone(buffers: GraphInputs) -> GraphInputs:
-    return GraphInputs(buffers.input_ids.clone(), buffers.positions.clone(),
-                       {k: v.clone() for k, v in buffers.slots.items()}, buffers.context_lens.clone(),
-                       {k: v.clone() for k, v in buffers.block_tables.items()}, buffers.valid_tokens.clone())
+    return GraphInputs(
+        buffers.input_ids.clone(),
+        buffers.positions.clone(),
+        {k: v.clone() for k, v in buffers.slots.items()},
+        buffers.context_lens.clone(),
+        {k: v.clone() for k, v in buffers.block_tables.items()},
+        buffers.valid_tokens.clone(),
+    )
 
 
 def assert_same(a: GraphInputs, b: GraphInputs) -> None:
@@ -84,12 +101,15 @@ def test_reference_pads_the_graph_rows():
 
 
 @needs_triton
-@pytest.mark.parametrize("b,n,q,w,p", [
-    (1, 1, 1, 3, 40),                        # batch 1
-    (8, 5, 1, 17, 2 * BLOCK_P + 9),          # padding rows, several column blocks
-    (4, 4, 3, 2, 11),                        # verification: 3 tokens a sequence, no padding
-    (8, 3, 3, 2 * BLOCK_P + 1, 2 * BLOCK_P + 1),  # tables exactly as wide as the graph's
-])
+@pytest.mark.parametrize(
+    "b,n,q,w,p",
+    [
+        (1, 1, 1, 3, 40),  # batch 1
+        (8, 5, 1, 17, 2 * BLOCK_P + 9),  # padding rows, several column blocks
+        (4, 4, 3, 2, 11),  # verification: 3 tokens a sequence, no padding
+        (8, 3, 3, 2 * BLOCK_P + 1, 2 * BLOCK_P + 1),  # tables exactly as wide as the graph's
+    ],
+)
 @pytest.mark.parametrize("gather", [False, True])
 def test_triton_fill_matches_reference(kernels, b, n, q, w, p, gather):
     gen = torch.Generator().manual_seed(b * 100 + n * 10 + q + gather)

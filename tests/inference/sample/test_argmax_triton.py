@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
-    DEVICE, fresh_process_only, gpu_only, kernel_module, needs_triton, run_in_fresh_interpreter,
-)
 from inference.sample.argmax_triton import CHUNK, MIN_WIDTH, argmax_reference  # noqa: E402
+from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
+    DEVICE,
+    fresh_process_only,
+    gpu_only,
+    kernel_module,
+    needs_triton,
+    run_in_fresh_interpreter,
+)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import random
 import pytest
 import torch
 
-from inference.sample.rejection_sampler import RejectionSampler
 from inference.request import SamplingParams
+from inference.sample.rejection_sampler import RejectionSampler
 
 V = 6  # chain states; logits for other ids are -inf-like
 
@@ -48,8 +48,16 @@ def chain(seed: int) -> torch.Tensor:
     return torch.randn(V, V, generator=g) * 1.5
 
 
-def run_chain(logits: torch.Tensor, start: int, num_seqs: int, length: int, k: int, drafter: str, seed: int,
-              params: SamplingParams) -> tuple[torch.Tensor, list[int]]:
+def run_chain(
+    logits: torch.Tensor,
+    start: int,
+    num_seqs: int,
+    length: int,
+    k: int,
+    drafter: str,
+    seed: int,
+    params: SamplingParams,
+) -> tuple[torch.Tensor, list[int]]:
     """Generate `length` tokens after `start` for num_seqs sequences with speculation.
 
     drafter: "argmax" (deterministic: the target's most likely token, so drafts are often kept),
@@ -82,8 +90,14 @@ def run_chain(logits: torch.Tensor, start: int, num_seqs: int, length: int, k: i
         for t, guess in zip(texts, drafts):
             for prev in [t[-1]] + guess:
                 rows.append(torch.cat([logits[prev], torch.full((8 - V,), -1e4)]))
-        out = sampler.verify(torch.stack(rows), drafts, [params] * num_seqs, [[] for _ in texts], generators,
-                             draft_probs=qs if drafter == "sampled" else None)
+        out = sampler.verify(
+            torch.stack(rows),
+            drafts,
+            [params] * num_seqs,
+            [[] for _ in texts],
+            generators,
+            draft_probs=qs if drafter == "sampled" else None,
+        )
         for t, toks in zip(texts, out.token_ids):
             t.extend(toks)
         accepted_log.extend(out.num_accepted)
@@ -98,8 +112,9 @@ def pair_probs(logits: torch.Tensor, start: int, temperature: float = 1.0) -> to
 @pytest.mark.parametrize("drafter", ["argmax", "sampled", "constant"])
 def test_speculative_sampling_matches_the_target_chain(drafter):
     logits = chain(0)
-    texts, accepted = run_chain(logits, start=2, num_seqs=4000, length=3, k=3, drafter=drafter, seed=1,
-                                params=SamplingParams(temperature=1.0))
+    texts, accepted = run_chain(
+        logits, start=2, num_seqs=4000, length=3, k=3, drafter=drafter, seed=1, params=SamplingParams(temperature=1.0)
+    )
     # The first two emitted tokens, jointly (36 cells), and the third given the second (per-cell
     # margins follow from the chain too: test the pair (x2, x3)).
     pair = texts[:, 0] * V + texts[:, 1]
@@ -287,8 +302,9 @@ def test_min_p_verification_keeps_the_target_distribution():
     n = 20_000
     torch.manual_seed(0)
     logits = probs.log().repeat(2 * n, 1)  # per sequence: the draft's row and the bonus row
-    out = RejectionSampler().verify(logits, [[1]] * n, [SamplingParams(temperature=1.0, min_p=0.7)] * n,
-                                    [[]] * n, [None] * n)
+    out = RejectionSampler().verify(
+        logits, [[1]] * n, [SamplingParams(temperature=1.0, min_p=0.7)] * n, [[]] * n, [None] * n
+    )
     first = torch.tensor([t[0] for t in out.token_ids])
     assert abs(float((first == 1).float().mean()) - 0.35 / 0.75) < 0.02
     assert not bool((first == 2).any())

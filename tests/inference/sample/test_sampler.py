@@ -100,8 +100,9 @@ def test_same_seed_same_tokens_whatever_the_batch():
         # Same request at another row, next to unseeded and differently seeded neighbours.
         logits = torch.randn(3, V)
         logits[1] = flat
-        out = run(logits, [SamplingParams(), params, SamplingParams(seed=7)],
-                  generators=[None, batched_gen, seeded(step)])
+        out = run(
+            logits, [SamplingParams(), params, SamplingParams(seed=7)], generators=[None, batched_gen, seeded(step)]
+        )
         batched.append(out.token_ids[1])
     assert alone == batched
     other_gen = seeded(43)
@@ -138,8 +139,13 @@ def test_presence_penalty_ignores_count():
 def test_logit_bias_forces_and_bans_tokens():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
     best = logits.argmax(-1).tolist()
-    out = run(logits, [SamplingParams(temperature=0, logit_bias={7: 100.0}),
-                       SamplingParams(temperature=0, logit_bias={best[1]: -100.0})])
+    out = run(
+        logits,
+        [
+            SamplingParams(temperature=0, logit_bias={7: 100.0}),
+            SamplingParams(temperature=0, logit_bias={best[1]: -100.0}),
+        ],
+    )
     assert out.token_ids[0] == 7
     assert out.token_ids[1] != best[1]
     # With sampling too: a banned token never appears.
@@ -149,8 +155,11 @@ def test_logit_bias_forces_and_bans_tokens():
 
 def test_logprobs_are_the_raw_model_distribution():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
-    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.7, logprobs=0),
-              SamplingParams(temperature=0)]
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0.7, logprobs=0),
+        SamplingParams(temperature=0),
+    ]
     out = run(logits, params)
     ref = torch.log_softmax(logits, -1)
     first = out.logprobs[0]

@@ -61,8 +61,9 @@ def test_sampled_rows_never_draw_a_disallowed_token():
     n = 2000
     logits = torch.randn(1, V).expand(n, V).clone()
     allowed = {2, 33, 64}
-    out = run(logits, [SamplingParams(temperature=1.5, top_p=0.9)] * n,
-              TokenMasks(list(range(n)), bitmask([allowed] * n)))
+    out = run(
+        logits, [SamplingParams(temperature=1.5, top_p=0.9)] * n, TokenMasks(list(range(n)), bitmask([allowed] * n))
+    )
     assert set(out.token_ids) == allowed  # each drawn, and nothing else
 
 
@@ -76,14 +77,16 @@ def test_verification_keeps_drafts_and_draws_replacements_among_allowed_tokens_o
     logits = base.expand(3, V).clone()
     rows = [set(range(V)) - {best}, set(range(V)), {9}]
     masks = TokenMasks([0, 1, 2], bitmask(rows))
-    out = RejectionSampler().verify(logits, [[second, best]], [SamplingParams(temperature=0)], [[]], [None],
-                                    masks=masks)
+    out = RejectionSampler().verify(
+        logits, [[second, best]], [SamplingParams(temperature=0)], [[]], [None], masks=masks
+    )
     assert out.token_ids == [[second, best, 9]] and out.num_accepted == [2]
     # Sampling: whatever is kept or drawn, every emitted token is allowed at its row.
     torch.manual_seed(1)
     for seed in range(200):
         gen = torch.Generator().manual_seed(seed)
-        out = RejectionSampler().verify(logits, [[second, best]], [SamplingParams(temperature=1.0, seed=seed)],
-                                        [[]], [gen], masks=masks)
+        out = RejectionSampler().verify(
+            logits, [[second, best]], [SamplingParams(temperature=1.0, seed=seed)], [[]], [gen], masks=masks
+        )
         for i, token in enumerate(out.token_ids[0]):
             assert token in rows[i], (seed, i, token)

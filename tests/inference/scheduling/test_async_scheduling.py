@@ -20,10 +20,10 @@ from inference.config import EngineConfig
 from inference.engine.async_engine import AsyncEngine
 from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
-from inference.runner.model_runner import build_metadata
-from inference.request import GenerationRequest, SamplingParams
-from inference.runner.step_inputs import StepInputPacker
 from inference.model.tiny_checkpoint import write_tiny_checkpoint
+from inference.request import GenerationRequest, SamplingParams
+from inference.runner.model_runner import build_metadata
+from inference.runner.step_inputs import StepInputPacker
 from tests.engine_runs import random_prompt as prompt
 
 
@@ -43,8 +43,9 @@ class Run:
     just before call k. Records each request's deltas, how many calls left a step in flight, and
     which requests ended while the step after theirs was already queued (a surplus row)."""
 
-    def __init__(self, eng: LLMEngine, arrivals: dict[int, list[GenerationRequest]],
-                 aborts: dict[int, list[str]] | None = None):
+    def __init__(
+        self, eng: LLMEngine, arrivals: dict[int, list[GenerationRequest]], aborts: dict[int, list[str]] | None = None
+    ):
         self.engine = eng
         self.deltas: dict[str, list] = {}
         self.calls_in_flight = 0
@@ -74,8 +75,10 @@ class Run:
         return {rid: (ds[-1].finish_reason, ds[-1].stop_token_id) for rid, ds in self.deltas.items()}
 
     def logprobs(self) -> dict[str, list]:
-        return {rid: [(lp.token_id, lp.logprob, lp.top) for d in ds for lp in (d.logprobs or [])]
-                for rid, ds in self.deltas.items()}
+        return {
+            rid: [(lp.token_id, lp.logprob, lp.top) for d in ds for lp in (d.logprobs or [])]
+            for rid, ds in self.deltas.items()
+        }
 
 
 def assert_back_to_baseline(eng: LLMEngine) -> None:
@@ -99,8 +102,13 @@ def mixed_workload(sampling: dict, stops: dict[str, int] | None = None) -> dict[
     shared = prompt(50, 24)
 
     def r(rid, ids, max_tokens, **extra):
-        return request(rid, ids, max_tokens=max_tokens, stop_token_ids=[stops[rid]] if rid in stops else [],
-                       **{**sampling, **extra})
+        return request(
+            rid,
+            ids,
+            max_tokens=max_tokens,
+            stop_token_ids=[stops[rid]] if rid in stops else [],
+            **{**sampling, **extra},
+        )
 
     return {
         0: [r("a", prompt(1, 5), 14), r("b", prompt(2, 21), 9), r("p1", shared + prompt(3, 3), 8)],
@@ -112,8 +120,10 @@ def mixed_workload(sampling: dict, stops: dict[str, int] | None = None) -> dict[
 
 
 def sampling_cases():
-    return [pytest.param(dict(temperature=0.0), id="greedy"),
-            pytest.param(dict(temperature=0.9, top_k=50), id="seeded")]
+    return [
+        pytest.param(dict(temperature=0.0), id="greedy"),
+        pytest.param(dict(temperature=0.9, top_k=50), id="seeded"),
+    ]
 
 
 def with_seeds(arrivals, sampling):
@@ -153,8 +163,9 @@ def test_async_scheduling_gives_the_synchronous_tokens(model, sampling):
 @pytest.mark.parametrize("sampling", sampling_cases())
 def test_aborts_mid_generation(model, sampling):
     def arrivals():
-        reqs = {0: [request(rid, prompt(20 + i, 4 + 3 * i), max_tokens=20, **sampling)
-                    for i, rid in enumerate("abcde")]}
+        reqs = {
+            0: [request(rid, prompt(20 + i, 4 + 3 * i), max_tokens=20, **sampling) for i, rid in enumerate("abcde")]
+        }
         return with_seeds(reqs, sampling)
 
     # b, d and e are aborted while decoding, with a step in flight on the overlapped engine.
@@ -171,9 +182,14 @@ def test_aborts_mid_generation(model, sampling):
 def test_penalties_run_synchronously_and_give_the_same_tokens(model):
     """A penalised request needs its latest token on the host before the next step samples, so
     batches holding it never overlap; once it is done the others do."""
+
     def arrivals():
-        return {0: [request("pen", prompt(40, 5), temperature=0.0, max_tokens=12, frequency_penalty=-2.0),
-                    request("plain", prompt(41, 7), temperature=0.0, max_tokens=24)]}
+        return {
+            0: [
+                request("pen", prompt(40, 5), temperature=0.0, max_tokens=12, frequency_penalty=-2.0),
+                request("plain", prompt(41, 7), temperature=0.0, max_tokens=24),
+            ]
+        }
 
     sync = Run(engine(model, False), arrivals())
     overlapped = Run(engine(model, True), arrivals())
@@ -191,9 +207,14 @@ def test_stop_while_the_next_step_is_queued_parks_the_same_pages(model):
     stop = probe.tokens()["x"][5]  # its K/V would sit at position 11 + 5 = 16: a page of its own
 
     def arrivals():
-        return {0: [GenerationRequest("x", ids, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop]),
-                                      keep_alive=True),
-                    request("other", prompt(61, 5), temperature=0.0, max_tokens=12)]}
+        return {
+            0: [
+                GenerationRequest(
+                    "x", ids, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop]), keep_alive=True
+                ),
+                request("other", prompt(61, 5), temperature=0.0, max_tokens=12),
+            ]
+        }
 
     runs = [Run(engine(model, flag), arrivals()) for flag in (False, True)]
     assert runs[0].tokens() == runs[1].tokens() and runs[1].finishes()["x"] == ("stop", stop)
@@ -202,8 +223,13 @@ def test_stop_while_the_next_step_is_queued_parks_the_same_pages(model):
     assert len(parked[1].pages.full) == len(parked[0].pages.full) == 4
     assert runs[1].engine.cache_usage() == runs[0].engine.cache_usage()
     follow = ids + runs[0].tokens()["x"] + prompt(62, 3)
-    again = [Run(r.engine, {0: [GenerationRequest("x2", follow, SamplingParams(temperature=0.0, max_tokens=6),
-                                                   continue_from="x")]}) for r in runs]
+    again = [
+        Run(
+            r.engine,
+            {0: [GenerationRequest("x2", follow, SamplingParams(temperature=0.0, max_tokens=6), continue_from="x")]},
+        )
+        for r in runs
+    ]
     assert again[1].tokens()["x2"] == again[0].tokens()["x2"] and len(again[0].tokens()["x2"]) == 6
     assert runs[1].calls_in_flight > 0 and again[1].calls_in_flight > 0
     assert "x" in runs[1].ended_with_next_queued  # x's surplus row ran, and its reserved page was trimmed
@@ -265,9 +291,14 @@ def test_requests_joining_the_batch_are_followed_by_a_step_launched_ahead(model)
     assert not eng.in_flight
     while eng.has_unfinished():
         eng.step()
-    sync = Run(engine(model, False), {0: [request("a", prompt(80, 6), temperature=0.0, max_tokens=12)],
-                                      2: [request("b", prompt(81, 9), temperature=0.0, max_tokens=6)],
-                                      4: [request("c", prompt(82, 30), temperature=0.0, max_tokens=4)]})
+    sync = Run(
+        engine(model, False),
+        {
+            0: [request("a", prompt(80, 6), temperature=0.0, max_tokens=12)],
+            2: [request("b", prompt(81, 9), temperature=0.0, max_tokens=6)],
+            4: [request("c", prompt(82, 30), temperature=0.0, max_tokens=4)],
+        },
+    )
     assert sync.finishes() == {"a": ("length", None), "b": ("length", None), "c": ("length", None)}
     assert_back_to_baseline(eng)
 
@@ -295,10 +326,12 @@ def test_serve_flag_sets_async_scheduling():
 
 async def test_async_engine_thread_with_async_scheduling(model):
     prompts = [prompt(80 + i, 4 + 6 * i) for i in range(4)]
-    sync = Run(engine(model, False), {0: [request(str(i), p, temperature=0.0, max_tokens=10)
-                                          for i, p in enumerate(prompts)]})
+    sync = Run(
+        engine(model, False), {0: [request(str(i), p, temperature=0.0, max_tokens=10) for i, p in enumerate(prompts)]}
+    )
     eng = AsyncEngine(engine(model, True))
     try:
+
         async def collect(i, p):
             return [d async for d in eng.generate(request(str(i), p, temperature=0.0, max_tokens=10))]
 
@@ -317,7 +350,8 @@ def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path):
     """The CUDA path: pinned staging buffers, one non-blocking input copy, ids read back by event
     while the next CUDA-graph step runs. float32 tiny model; compared up to each sequence's first
     near tie (batch composition differs by the surplus rows, which may round differently)."""
-    from tests.gpu_comparison import compare_greedy, prompts as gpu_prompts
+    from tests.gpu_comparison import compare_greedy
+    from tests.gpu_comparison import prompts as gpu_prompts
 
     path = write_tiny_checkpoint(tmp_path / "tiny", seed=0)
     model = GptOssModel.from_pretrained(path, device="cuda", dtype=torch.float32)
@@ -329,8 +363,12 @@ def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path):
         assert eng.runner.graphs is not None
         arrivals = {0: [], 5: []}
         for i, p in enumerate(batch):
-            sampling = SamplingParams(temperature=0.0, max_tokens=30 + 3 * i, logprobs=2,
-                                      stop_token_ids=[stops[str(i)]] if str(i) in stops else [])
+            sampling = SamplingParams(
+                temperature=0.0,
+                max_tokens=30 + 3 * i,
+                logprobs=2,
+                stop_token_ids=[stops[str(i)]] if str(i) in stops else [],
+            )
             arrivals[0 if i < 4 else 5].append(GenerationRequest(str(i), p, sampling))
         r = Run(eng, arrivals)
         assert_back_to_baseline(eng)
@@ -345,8 +383,10 @@ def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path):
     assert {"1", "4"} & set(same) and all(sync.finishes()[rid][0] == "stop" for rid in ("1", "4"))
 
     def greedy_view(r):
-        return [(r.tokens()[str(i)], [], [lp.top[0][1] - lp.top[1][1] for d in r.deltas[str(i)] for lp in d.logprobs or []])
-                for i in range(len(batch))]
+        return [
+            (r.tokens()[str(i)], [], [lp.top[0][1] - lp.top[1][1] for d in r.deltas[str(i)] for lp in d.logprobs or []])
+            for i in range(len(batch))
+        ]
 
     # Surplus rows change the batch shapes the GPU kernels see, so float32 rounding differs a
     # little (as between the GPU and the CPU reference: tests/inference/engine/test_gpu_engine.py, same tolerance).
@@ -398,8 +438,11 @@ def test_gpu_steady_decode_never_waits_for_the_stream_but_to_read_ids(tmp_path, 
 
 def metadata_fields(meta) -> dict:
     return {
-        "cu_seqlens_q": meta.cu_seqlens_q, "context_lens": meta.context_lens, "positions": meta.positions,
-        **{f"table_{k}": v for k, v in meta.block_tables.items()}, **{f"slots_{k}": v for k, v in meta.slot_mapping.items()},
+        "cu_seqlens_q": meta.cu_seqlens_q,
+        "context_lens": meta.context_lens,
+        "positions": meta.positions,
+        **{f"table_{k}": v for k, v in meta.block_tables.items()},
+        **{f"slots_{k}": v for k, v in meta.slot_mapping.items()},
     }
 
 
@@ -428,11 +471,20 @@ def test_packed_inputs_equal_build_metadata(case):
         assert got.input_ids.tolist() == ids and got.input_ids.dtype == torch.int64
         assert got.sample_rows.tolist() == rows and got.sample_rows.dtype == torch.int64
         assert (got.meta.max_q_len, got.meta.q_lens, got.meta.context_lens_list) == (
-            want.max_q_len, want.q_lens, want.context_lens_list)
+            want.max_q_len,
+            want.q_lens,
+            want.context_lens_list,
+        )
     # What one step got does not change when the next steps are packed (no view into the buffer).
     first = packer.pack(ids, full, sliding, starts, q_lens, rows)
     snapshot = {k: v.clone() for k, v in metadata_fields(first.meta).items()}
     for _ in range(2):
-        packer.pack([0] * t, [[0] * len(x) for x in full], sliding and [[0] * len(x) for x in sliding],
-                    [s + 1 for s in starts], q_lens, rows)
+        packer.pack(
+            [0] * t,
+            [[0] * len(x) for x in full],
+            sliding and [[0] * len(x) for x in sliding],
+            [s + 1 for s in starts],
+            q_lens,
+            rows,
+        )
     assert all(torch.equal(metadata_fields(first.meta)[k], v) for k, v in snapshot.items())

@@ -183,17 +183,27 @@ def test_take_over_without_window_pages_falls_back():
 
 
 def small_config(**overrides) -> ModelConfig:
-    values = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=1000, sliding_window=128, num_local_experts=4,
-                  num_experts_per_tok=2)
+    values = dict(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1000,
+        sliding_window=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     return ModelConfig(**{**values, **overrides})
 
 
 def test_plan_gives_the_window_saving_to_full_layers():
     config = small_config()
     per_page = 2 * 2 * 16 * 2 * 16 * 4  # 2 layers of a kind * (K, V) * page * heads * dim * fp32
-    plan = plan_cache(config, 16, torch.float32, memory_bytes=10_000 * 2 * per_page, max_num_seqs=8,
-                      max_num_batched_tokens=256)
+    plan = plan_cache(
+        config, 16, torch.float32, memory_bytes=10_000 * 2 * per_page, max_num_seqs=8, max_num_batched_tokens=256
+    )
     assert plan.bytes_per_full_page == plan.bytes_per_sliding_page == per_page
     assert plan.total_bytes <= 10_000 * 2 * per_page
     # Running sequences need at most 8 * (8 + 3) + 16 = 104 sliding pages; twice that is kept.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from inference.scheduling.kv_cache import KVCacheManager
 from inference.request import SamplingParams
+from inference.scheduling.kv_cache import KVCacheManager
 from inference.scheduling.scheduler import Scheduler, Sequence, SequenceStatus
 
 
@@ -114,8 +114,9 @@ def test_continuation_takes_over_parked_pages():
         fake_step(s)
     assert first.status == SequenceStatus.PARKED and first.num_computed == 8  # 9 tokens, last not run
     pages = list(first.pages.full)
-    follow = Sequence("q", first.token_ids + [5, 5], len(first.token_ids) + 2, SamplingParams(max_tokens=1),
-                      continue_from="p")
+    follow = Sequence(
+        "q", first.token_ids + [5, 5], len(first.token_ids) + 2, SamplingParams(max_tokens=1), continue_from="p"
+    )
     s.add(follow)
     assert not s.parked and follow.num_computed == 8 and follow.pages.full == pages
     assert fake_step(s) == [("q", 3)]  # only the sampled token and the two new ones

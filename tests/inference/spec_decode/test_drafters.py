@@ -16,10 +16,10 @@ import pytest
 from inference.config import EngineConfig
 from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
+from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from inference.request import GenerationRequest, SamplingParams
 from inference.runner.single_sequence import generate
 from inference.spec_decode.drafter import DraftContext
-from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from tests.engine_runs import drain, tokens_of
 
 WORDS = [11, 22, 33]  # with BIAS the model writes only these, so n-grams recur
@@ -75,8 +75,10 @@ def assert_pages_match_tokens(eng: LLMEngine) -> None:
 
 def requests_set(max_tokens=24):
     plain = [greedy(f"p{i}", prompt(i, n), max_tokens=max_tokens) for i, n in enumerate([5, 13, 22])]
-    biased = [greedy(f"b{i}", prompt(10 + i, n, WORDS), max_tokens=max_tokens, logit_bias=BIAS)
-              for i, n in enumerate([9, 17, 30])]
+    biased = [
+        greedy(f"b{i}", prompt(10 + i, n, WORDS), max_tokens=max_tokens, logit_bias=BIAS)
+        for i, n in enumerate([9, 17, 30])
+    ]
     return plain + biased
 
 
@@ -137,8 +139,9 @@ def test_eagle3_greedy_equals_plain_greedy(model, tmp_path):
     from inference.spec_decode.eagle3 import write_random_eagle3_checkpoint
 
     # A random draft whose small vocabulary holds the biased words, so it sometimes guesses right.
-    draft = write_random_eagle3_checkpoint(tmp_path / "draft", model.config, draft_vocab_size=3, seed=1,
-                                           draft_token_ids=WORDS)
+    draft = write_random_eagle3_checkpoint(
+        tmp_path / "draft", model.config, draft_vocab_size=3, seed=1, draft_token_ids=WORDS
+    )
     reqs = requests_set(20)
     plain = run(engine(model), requests_set(20))
     eng = engine(model, speculative="eagle3", draft_model=str(draft), num_draft_tokens=3)
@@ -245,12 +248,20 @@ def test_speculation_under_memory_pressure_and_a_small_sliding_pool(model):
 def test_a_parked_sequence_continues_with_speculation(model):
     ids = prompt(7, 9, WORDS)
     eng = engine(model, speculative="ngram", num_draft_tokens=3)
-    first = run(eng, [GenerationRequest("t1", ids, SamplingParams(temperature=0, max_tokens=10, logit_bias=BIAS),
-                                        keep_alive=True)])
+    first = run(
+        eng,
+        [GenerationRequest("t1", ids, SamplingParams(temperature=0, max_tokens=10, logit_bias=BIAS), keep_alive=True)],
+    )
     history = ids + tokens_of(first["t1"])
     follow = history + prompt(8, 5, WORDS)
-    second = run(eng, [GenerationRequest("t2", follow, SamplingParams(temperature=0, max_tokens=12, logit_bias=BIAS),
-                                         continue_from="t1")])
+    second = run(
+        eng,
+        [
+            GenerationRequest(
+                "t2", follow, SamplingParams(temperature=0, max_tokens=12, logit_bias=BIAS), continue_from="t1"
+            )
+        ],
+    )
     plain = run(engine(model), [greedy("x", follow, max_tokens=12, logit_bias=BIAS)])
     assert tokens_of(second["t2"]) == tokens_of(plain["x"])
     assert second["t2"][0].num_cached_tokens == len(history) - 1  # all but the last token: its pages
@@ -280,12 +291,19 @@ def test_serve_flags_reach_the_engine(checkpoint, tmp_path):
     assert isinstance(eng.drafter, NgramDrafter) and eng.num_draft_tokens == 3
     with pytest.raises(SystemExit, match="--draft-model"):
         engine_options(parser.parse_args(["--speculative", "eagle3"]))
-    eng = LLMEngine.from_pretrained(checkpoint, device="cpu", num_pages=64, speculative="eagle3",
-                                    draft_model=str(write_random_eagle3_checkpoint(tmp_path, eng.model.config)))
+    eng = LLMEngine.from_pretrained(
+        checkpoint,
+        device="cpu",
+        num_pages=64,
+        speculative="eagle3",
+        draft_model=str(write_random_eagle3_checkpoint(tmp_path, eng.model.config)),
+    )
     assert isinstance(eng.drafter, Eagle3Drafter) and eng.num_draft_tokens == 4
     # Its K/V pages are counted in the full pool's page size.
-    assert eng.cache_usage().bytes_per_full_page > LLMEngine.from_pretrained(
-        checkpoint, device="cpu", num_pages=64).cache_usage().bytes_per_full_page
+    assert (
+        eng.cache_usage().bytes_per_full_page
+        > LLMEngine.from_pretrained(checkpoint, device="cpu", num_pages=64).cache_usage().bytes_per_full_page
+    )
 
 
 def test_a_failing_drafter_costs_speed_not_output(model):

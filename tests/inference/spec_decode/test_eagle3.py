@@ -17,16 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference.config import ConfigError
-from inference.spec_decode.eagle3 import Eagle3Config, Eagle3DraftModel, write_random_eagle3_checkpoint
-from inference.config import EngineConfig
+from inference.config import ConfigError, EngineConfig
 from inference.engine.core import LLMEngine
 from inference.model.gpt_oss import GptOssModel
-from inference.runner.model_runner import build_metadata
-from inference.request import GenerationRequest, SamplingParams
 from inference.model.rope import cos_sin_table
-from inference.runner.single_sequence import SingleSequenceCache
 from inference.model.tiny_checkpoint import write_tiny_checkpoint
+from inference.request import GenerationRequest, SamplingParams
+from inference.runner.model_runner import build_metadata
+from inference.runner.single_sequence import SingleSequenceCache
+from inference.spec_decode.eagle3 import Eagle3Config, Eagle3DraftModel, write_random_eagle3_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +36,9 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def draft_dir(model, tmp_path_factory):
-    return write_random_eagle3_checkpoint(tmp_path_factory.mktemp("draft"), model.config, seed=3,
-                                          draft_vocab_size=512, dtype=torch.float32)
+    return write_random_eagle3_checkpoint(
+        tmp_path_factory.mktemp("draft"), model.config, seed=3, draft_vocab_size=512, dtype=torch.float32
+    )
 
 
 def test_loads_the_published_layout(model, draft_dir):
@@ -61,8 +61,11 @@ def test_name_variants_and_a_shared_embedding(model, draft_dir, tmp_path):
     """`layers.0.` instead of `midlayer.`, a `model.` prefix, and no embed_tokens (the draft then
     uses the target's embedding) load to the same weights."""
     raw = load_file(str(draft_dir / "model.safetensors"))
-    renamed = {("model." + k.replace("midlayer.", "layers.0.")) if k != "lm_head.weight" else k: v
-               for k, v in raw.items() if k != "embed_tokens.weight"}
+    renamed = {
+        ("model." + k.replace("midlayer.", "layers.0.")) if k != "lm_head.weight" else k: v
+        for k, v in raw.items()
+        if k != "embed_tokens.weight"
+    }
     (tmp_path / "config.json").write_text((draft_dir / "config.json").read_text())
     save_file(renamed, str(tmp_path / "model.safetensors"))
     a = Eagle3DraftModel.from_pretrained(draft_dir, model)
@@ -82,8 +85,16 @@ def test_bad_checkpoints_are_refused_with_the_field_named(model, draft_dir, tmp_
     # Without eagle_config: the SGLang/SpecForge default layers [1, L/2 - 1, L - 4] of a 36-layer target.
     from inference.config import ModelConfig
 
-    big = ModelConfig(num_hidden_layers=36, hidden_size=64, intermediate_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
+    big = ModelConfig(
+        num_hidden_layers=36,
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     no_ids = {k: v for k, v in raw.items() if k != "eagle_config"}
     assert Eagle3Config.from_dict(no_ids, big).aux_layer_ids == (1, 17, 32)
     weights = load_file(str(draft_dir / "model.safetensors"))
@@ -103,13 +114,23 @@ def test_rope_tables(model, draft_dir):
     d = 16
     inv = 1.0 / 150000.0 ** (torch.arange(0, d, 2).float() / d)
     assert torch.allclose(plain[5], torch.cat([(5 * inv).cos(), (5 * inv).sin()]))
-    yarn = Eagle3Config.from_dict({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "truncate": False,
-                                                           "original_max_position_embeddings": 4096}},
-                                  model.config).cos_sin(64)
+    yarn = Eagle3Config.from_dict(
+        {
+            **raw,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+        model.config,
+    ).cos_sin(64)
     assert torch.allclose(yarn, cos_sin_table(model.config.rope, d, 64))  # the same YaRN gpt-oss uses
-    llama3 = Eagle3Config.from_dict({**raw, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-                                                             "original_max_position_embeddings": 32}},
-                                    model.config).cos_sin(64)
+    llama3 = Eagle3Config.from_dict(
+        {**raw, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32}},
+        model.config,
+    ).cos_sin(64)
     # Highest frequency unchanged, lowest slowed down by the factor.
     angle = torch.atan2(llama3[1, d // 2 :], llama3[1, : d // 2])
     assert angle[0] == pytest.approx(float(inv[0]), rel=1e-5)
@@ -120,8 +141,9 @@ def reference_guesses(model, draft, text: list[int], k: int) -> list[int]:
     """The draft head's k guesses after `text`, computed from scratch (see the module docstring)."""
     n = len(text)
     cache = SingleSequenceCache(model, n)
-    _, aux = model(torch.tensor(text[:-1]), cache.metadata(n - 1), cache.kv_caches,
-                   aux_layers=draft.config.aux_layer_ids)
+    _, aux = model(
+        torch.tensor(text[:-1]), cache.metadata(n - 1), cache.kv_caches, aux_layers=draft.config.aux_layer_ids
+    )
     c = draft.config
     pages = -(-(n + k) // 4)
     kv = tuple(torch.zeros(pages, 4, c.num_key_value_heads, c.head_dim) for _ in range(2))
@@ -139,8 +161,17 @@ def reference_guesses(model, draft, text: list[int], k: int) -> list[int]:
 
 def test_engine_drafts_equal_a_from_scratch_run(model, draft_dir):
     k = 3
-    eng = LLMEngine(model, EngineConfig(page_size=4, num_pages=256, max_num_batched_tokens=8,
-                                        speculative="eagle3", draft_model=str(draft_dir), num_draft_tokens=k))
+    eng = LLMEngine(
+        model,
+        EngineConfig(
+            page_size=4,
+            num_pages=256,
+            max_num_batched_tokens=8,
+            speculative="eagle3",
+            draft_model=str(draft_dir),
+            num_draft_tokens=k,
+        ),
+    )
     seen = []
     propose = eng.drafter.propose
 

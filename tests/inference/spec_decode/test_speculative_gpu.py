@@ -60,8 +60,9 @@ def run(model, max_tokens: int, **options) -> tuple[list[list[int]], object]:
 
     eng = LLMEngine(model, EngineConfig(num_pages=512, max_model_len=1024, max_num_seqs=4, **options))
     for i, p in enumerate(prompts()):
-        eng.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                    logit_bias=BIAS)))
+        eng.add_request(
+            GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens, logit_bias=BIAS))
+        )
     out = {str(i): [] for i in range(len(prompts()))}
     while eng.has_unfinished():
         for d in eng.step():
@@ -77,8 +78,9 @@ def eagle3_draft(model, path) -> str:
     """A random draft head whose vocabulary is the biased words: its guesses are sometimes right."""
     from inference.spec_decode.eagle3 import write_random_eagle3_checkpoint
 
-    return str(write_random_eagle3_checkpoint(path, model.config, draft_vocab_size=len(WORDS), draft_token_ids=WORDS,
-                                              seed=2))
+    return str(
+        write_random_eagle3_checkpoint(path, model.config, draft_vocab_size=len(WORDS), draft_token_ids=WORDS, seed=2)
+    )
 
 
 def assert_drafts_were_verified(stats, kept: bool = True) -> None:
@@ -108,8 +110,14 @@ class TestFloat32ReferenceBackends:
         assert spec == f32_plain
 
     def test_eagle3_greedy_equals_plain_greedy_exactly(self, f32_model, f32_plain, tmp_path):
-        spec, stats = run(f32_model, 32, enforce_eager=True, speculative="eagle3", num_draft_tokens=3,
-                          draft_model=eagle3_draft(f32_model, tmp_path))
+        spec, stats = run(
+            f32_model,
+            32,
+            enforce_eager=True,
+            speculative="eagle3",
+            num_draft_tokens=3,
+            draft_model=eagle3_draft(f32_model, tmp_path),
+        )
         assert_drafts_were_verified(stats, kept=False)
         assert spec == f32_plain
 
@@ -156,7 +164,8 @@ class TestTritonBf16WithCudaGraphs:
         self.compare(bf16_model, spec, bf16_plain)
 
     def test_eagle3_greedy_equals_plain_greedy(self, bf16_model, bf16_plain, tmp_path):
-        spec, stats = run(bf16_model, 48, speculative="eagle3", num_draft_tokens=3,
-                          draft_model=eagle3_draft(bf16_model, tmp_path))
+        spec, stats = run(
+            bf16_model, 48, speculative="eagle3", num_draft_tokens=3, draft_model=eagle3_draft(bf16_model, tmp_path)
+        )
         assert_drafts_were_verified(stats, kept=False)
         self.compare(bf16_model, spec, bf16_plain)

@@ -15,8 +15,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from tools.browser.backend import RetryPolicy
-from tools.browser.session import BrowserSession
 from tools.browser.exa_backend import ExaBackend
+from tools.browser.session import BrowserSession
 from tools.servers import start_tool_servers
 
 API_KEY = "test-exa-key"
@@ -56,24 +56,30 @@ def search_body(n: int = 3) -> dict:
     return {
         "requestId": "r1",
         "results": [
-            {"id": f"doc{i}", "url": ARTICLE_URL if i == 0 else f"https://site{i}.example.com/page",
-             "title": "Why the sky is blue" if i == 0 else f"Result number {i}",
-             "highlights": [f"Highlight {i} about Rayleigh scattering.", "Second sentence."],
-             "highlightScores": [0.9, 0.5]}
+            {
+                "id": f"doc{i}",
+                "url": ARTICLE_URL if i == 0 else f"https://site{i}.example.com/page",
+                "title": "Why the sky is blue" if i == 0 else f"Result number {i}",
+                "highlights": [f"Highlight {i} about Rayleigh scattering.", "Second sentence."],
+                "highlightScores": [0.9, 0.5],
+            }
             for i in range(n)
         ],
     }
 
 
-CONTENTS_BODY = {"requestId": "r2", "results": [
-    {"id": "doc0", "url": ARTICLE_URL, "title": "Why the sky is blue", "text": ARTICLE_HTML}]}
+CONTENTS_BODY = {
+    "requestId": "r2",
+    "results": [{"id": "doc0", "url": ARTICLE_URL, "title": "Why the sky is blue", "text": ARTICLE_HTML}],
+}
 
 
 @pytest.fixture
 async def fake_exa():
     fake = FakeExa()
-    app = Starlette(routes=[Route("/search", fake.handle, methods=["POST"]),
-                            Route("/contents", fake.handle, methods=["POST"])])
+    app = Starlette(
+        routes=[Route("/search", fake.handle, methods=["POST"]), Route("/contents", fake.handle, methods=["POST"])]
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
@@ -111,8 +117,7 @@ async def test_search_open_and_cite_through_the_sdk(fake_exa):
     assert lines[1] == "**viewing lines [0 - 9] of 9**"
     assert "L4:   * 【0†Why the sky is blue†www.example.org】 Highlight 0 about Rayleigh" in result.text
     assert "【2†Result number 2†site2.example.com】" in result.text
-    assert result.details["sources"][1] == {"url": "https://site1.example.com/page",
-                                            "title": "Result number 1"}
+    assert result.details["sources"][1] == {"url": "https://site1.example.com/page", "title": "Result number 1"}
 
     result = await session.call("browser.open", '{"id": 0}')
     assert not result.is_error, result.text
@@ -142,15 +147,16 @@ async def test_search_open_and_cite_through_the_sdk(fake_exa):
     assert text == f"Shorter wavelengths scatter more {page_link}. Also {second_link}."
     assert [a["url"] for a in annotations] == [ARTICLE_URL, "https://site1.example.com/page"]
     for annotation in annotations:
-        assert text[annotation["start_index"]:annotation["end_index"]] in (page_link, second_link)
+        assert text[annotation["start_index"] : annotation["end_index"]] in (page_link, second_link)
     assert annotations[0]["title"] == "Why the sky is blue"
     assert annotations[1]["title"] == "Result number 1"
     await backend.aclose()
 
 
 async def test_rate_limits_and_server_errors_are_retried(fake_exa):
-    fake_exa.script = {"/search": [(429, {"error": "slow down"}, 0), (503, {"error": "busy"}, 0),
-                                   (200, search_body(2), 0)]}
+    fake_exa.script = {
+        "/search": [(429, {"error": "slow down"}, 0), (503, {"error": "busy"}, 0), (200, search_body(2), 0)]
+    }
     backend = backend_for(fake_exa)
     hits = await backend.search("retry me", 2)
     assert [h.title for h in hits] == ["Why the sky is blue", "Result number 1"]
@@ -198,8 +204,7 @@ async def test_unreachable_api_becomes_a_tool_error():
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
-    backend = ExaBackend(API_KEY, base_url=f"http://127.0.0.1:{port}",
-                         retry=RetryPolicy(attempts=2, base_delay=0.01))
+    backend = ExaBackend(API_KEY, base_url=f"http://127.0.0.1:{port}", retry=RetryPolicy(attempts=2, base_delay=0.01))
     session = BrowserSession(backend, count_tokens=words)
     result = await session.call("browser.open", '{"id": "https://example.com/"}')
     assert result.is_error
@@ -209,9 +214,12 @@ async def test_unreachable_api_becomes_a_tool_error():
 
 
 async def test_fetch_with_no_contents_and_plain_text_pages(fake_exa):
-    fake_exa.script = {"/contents": [(200, {"results": [], "statuses": []}, 0),
-                                     (200, {"results": [{"url": "https://e.com/t", "title": "T",
-                                                         "text": "line one\nline two"}]}, 0)]}
+    fake_exa.script = {
+        "/contents": [
+            (200, {"results": [], "statuses": []}, 0),
+            (200, {"results": [{"url": "https://e.com/t", "title": "T", "text": "line one\nline two"}]}, 0),
+        ]
+    }
     backend = backend_for(fake_exa)
     session = BrowserSession(backend, count_tokens=words)
     result = await session.call("browser.open", '{"id": "https://e.com/missing"}')
@@ -223,8 +231,7 @@ async def test_fetch_with_no_contents_and_plain_text_pages(fake_exa):
 
 async def test_demo_tool_server_uses_exa_when_given_a_key(fake_exa):
     fake_exa.script = {"/search": [(200, search_body(1), 0)]}
-    servers = await start_tool_servers(["browser"], exa_api_key=API_KEY,
-                                       exa_base_url=fake_exa.base_url)
+    servers = await start_tool_servers(["browser"], exa_api_key=API_KEY, exa_base_url=fake_exa.base_url)
     try:
         (browser,) = servers
         assert "sources=web (default: web)" in browser.harmony_namespace().description

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.browser.session import BrowserSession
 from tools.browser.local_backend import LocalSearchBackend
 from tools.browser.server import DEMO_CORPUS
+from tools.browser.session import BrowserSession
 from tools.servers import start_tool_servers
 
 VOLCANO_HTML = """<!doctype html><html><head><title>Volcanoes of Iceland</title></head>
@@ -57,7 +57,7 @@ async def test_index_and_search_ranking(library):
     backend = await LocalSearchBackend.open(library, max_file_bytes=100_000)
     assert backend.document_count == 3
     hits = await backend.search("Iceland volcanoes", 10)
-    assert [Path(h.url[len("file://"):]).name for h in hits][:1] == ["volcanoes.html"]
+    assert [Path(h.url[len("file://") :]).name for h in hits][:1] == ["volcanoes.html"]
     assert hits[0].title == "Volcanoes of Iceland"
     assert hits[0].url == (library / "volcanoes.html").as_uri()
     # Porter stemming: "erupted" finds "eruption"; the snippet shows the matching passage.
@@ -107,12 +107,16 @@ async def test_browse_search_open_follow_links_find_and_cite(library):
 
     answer = "Hekla is active【1†L5-L6】 and the 2010 ash closed airspace【2†L4】."
     text, annotations = session.resolve_citations(answer)
-    assert text == (f"Hekla is active ([Volcanoes of Iceland]({volcano_url})) and the 2010 ash "
-                    f"closed airspace ([Eyjafjallajökull eruption]({eruption_url})).")
+    assert text == (
+        f"Hekla is active ([Volcanoes of Iceland]({volcano_url})) and the 2010 ash "
+        f"closed airspace ([Eyjafjallajökull eruption]({eruption_url}))."
+    )
     assert [(a["url"], a["title"]) for a in annotations] == [
-        (volcano_url, "Volcanoes of Iceland"), (eruption_url, "Eyjafjallajökull eruption")]
+        (volcano_url, "Volcanoes of Iceland"),
+        (eruption_url, "Eyjafjallajökull eruption"),
+    ]
     for a in annotations:
-        assert text[a["start_index"]:a["end_index"]] == f"([{a['title']}]({a['url']}))"
+        assert text[a["start_index"] : a["end_index"]] == f"([{a['title']}]({a['url']}))"
     await backend.aclose()
 
 
@@ -200,8 +204,7 @@ async def test_a_large_file_opens_in_bounded_time_off_the_event_loop(tmp_path, k
     assert not result.is_error, result.text
     page = session.pages[-1]
     size = os.path.getsize(tmp_path / f"big.{kind}")
-    assert page.text.endswith(f"[The file is {size / 1e6:.1f} MB; only its first "
-                              f"{limit / 1e6:.1f} MB are shown.]")
+    assert page.text.endswith(f"[The file is {size / 1e6:.1f} MB; only its first {limit / 1e6:.1f} MB are shown.]")
     assert len(page.text) < limit + 1000
     result = await session.call("browser.find", json.dumps({"pattern": "only its first"}))
     assert "match at L" in result.text
@@ -263,7 +266,6 @@ async def test_a_search_with_no_results_says_so(library):
     await backend.aclose()
 
 
-
 def test_an_installed_server_has_the_demo_corpus(tmp_path):
     # The corpus was not package data: a server installed from a wheel had no documents to search.
     import subprocess
@@ -271,11 +273,29 @@ def test_an_installed_server_has_the_demo_corpus(tmp_path):
     import zipfile
 
     root = Path(__file__).resolve().parents[3]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(root)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     [wheel] = tmp_path.glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        corpus = {Path(name).name: archive.read(name) for name in archive.namelist()
-                  if name.startswith("tools/browser/demo_corpus/")}
+        corpus = {
+            Path(name).name: archive.read(name)
+            for name in archive.namelist()
+            if name.startswith("tools/browser/demo_corpus/")
+        }
     assert set(corpus) == {path.name for path in DEMO_CORPUS.iterdir()}
     assert corpus["README.md"] == (root / "README.md").read_bytes()  # the file, not a link to it

@@ -8,14 +8,12 @@ import pytest
 
 from inference.tokenizer import harmony_encoding
 from tools.browser.backend import BackendError
-from tools.browser.documents import SearchHit
-from tools.browser.page import Page
+from tools.browser.citations import resolve_citations
+from tools.browser.documents import SearchHit, page_from_html, page_from_markdown, search_results_page
+from tools.browser.html_text import html_to_text
+from tools.browser.page import Page, find_in_page, render_window, strip_links, wrap_lines
 from tools.browser.server import BrowserToolServer
 from tools.browser.session import BrowserSession
-from tools.browser.citations import resolve_citations
-from tools.browser.documents import page_from_html, page_from_markdown, search_results_page
-from tools.browser.html_text import html_to_text
-from tools.browser.page import find_in_page, render_window, strip_links, wrap_lines
 from tools.protocol import ToolResult, ToolSessionGroup
 
 
@@ -33,12 +31,14 @@ class MemoryBackend:
 
     def __init__(self):
         self.fetched: list[str] = []
-        self.hits = [SearchHit(LONG_PAGE_URL, "A long page", "Lines and lines."),
-                     SearchHit("https://other.example.org/x", "Other page", "Another one.")]
+        self.hits = [
+            SearchHit(LONG_PAGE_URL, "A long page", "Lines and lines."),
+            SearchHit("https://other.example.org/x", "Other page", "Another one."),
+        ]
         paragraphs = "".join(f"<p>Paragraph {i} says {'word ' * 12}{i}.</p>" for i in range(60))
         self.pages = {
             LONG_PAGE_URL: f"<title>A long page</title><h1>Long</h1>{paragraphs}"
-                           f"<p>The needle is <a href='/next'>here</a>.</p>",
+            f"<p>The needle is <a href='/next'>here</a>.</p>",
             "https://other.example.org/x": "<title>Other page</title><p>Tiny.</p>",
             "https://docs.example.com/next": "<title>Next</title><p>Next page.</p>",
         }
@@ -68,11 +68,14 @@ async def call(session: BrowserSession, recipient: str, **args) -> ToolResult:
 
 
 def test_search_results_page_format():
-    page = search_results_page("what is up", [
-        SearchHit("https://a.example.com/1", "First 【fake】 title", "Snippet\n  one."),
-        SearchHit("https://b.example.org/2", "Second†title", "")])
-    text = render_window(page, cursor=3, loc=0, num_lines=-1, view_tokens=1000,
-                         count_tokens=words)
+    page = search_results_page(
+        "what is up",
+        [
+            SearchHit("https://a.example.com/1", "First 【fake】 title", "Snippet\n  one."),
+            SearchHit("https://b.example.org/2", "Second†title", ""),
+        ],
+    )
+    text = render_window(page, cursor=3, loc=0, num_lines=-1, view_tokens=1000, count_tokens=words)
     assert text == (
         "[3] what is up\n"
         "**viewing lines [0 - 5] of 5**\n\n"
@@ -81,7 +84,8 @@ def test_search_results_page_format():
         "L2: # Search Results\n"
         "L3: \n"
         "L4:   * 【0†First 〖fake〗 title†a.example.com】 Snippet one.\n"
-        "L5:   * 【1†Second‡title†b.example.org】")
+        "L5:   * 【1†Second‡title†b.example.org】"
+    )
     assert page.links == {0: "https://a.example.com/1", 1: "https://b.example.org/2"}
 
 
@@ -107,18 +111,23 @@ def test_html_conversion():
         "k | v\n"
         "a | 1\n\n"
         "  keep   spacing\n  here\n\n"
-        "Fake 〖9†marker〗 stays text.")
+        "Fake 〖9†marker〗 stays text."
+    )
     assert converted.links == {0: "https://site.example.com/rel", 1: "https://else.org/x"}
 
 
 def test_markdown_pages_reflow_paragraphs_and_link():
     page = page_from_markdown(
         "# Title\n\nA paragraph that was\nhard wrapped [here](other.md).\n\n- item\n- item 2\n\n"
-        "```\ncode\n  block\n```\n![logo](logo.png)", "file:///docs/a.md")
+        "```\ncode\n  block\n```\n![logo](logo.png)",
+        "file:///docs/a.md",
+    )
     assert page.title == "Title"
-    assert page.text == ("\nURL: file:///docs/a.md\n# Title\n\n"
-                         "A paragraph that was hard wrapped 【0†here】.\n\n- item\n- item 2\n\n"
-                         "```\ncode\n  block\n```\n[Image 0: logo]")
+    assert page.text == (
+        "\nURL: file:///docs/a.md\n# Title\n\n"
+        "A paragraph that was hard wrapped 【0†here】.\n\n- item\n- item 2\n\n"
+        "```\ncode\n  block\n```\n[Image 0: logo]"
+    )
     assert page.links == {0: "file:///docs/other.md"}
 
 
@@ -139,12 +148,31 @@ def test_wrapping_matches_textwrap_in_linear_time():
     import time
 
     def reference(text: str, width: int) -> list[str]:
-        return [wrapped for line in text.split("\n")
-                for wrapped in (textwrap.wrap(line, width=width, replace_whitespace=False,
-                                              drop_whitespace=False) or [""])]
+        return [
+            wrapped
+            for line in text.split("\n")
+            for wrapped in (textwrap.wrap(line, width=width, replace_whitespace=False, drop_whitespace=False) or [""])
+        ]
 
-    pieces = ["a", "word", " ", "  ", "\t", "-", "--", "re-use", "x" * 90, "y" * 30 + "-" + "z" * 70,
-              "-" * 85, "a-" * 50, "\u00e9", "\u00a0", "\x0b", "\n", "."]
+    pieces = [
+        "a",
+        "word",
+        " ",
+        "  ",
+        "\t",
+        "-",
+        "--",
+        "re-use",
+        "x" * 90,
+        "y" * 30 + "-" + "z" * 70,
+        "-" * 85,
+        "a-" * 50,
+        "\u00e9",
+        "\u00a0",
+        "\x0b",
+        "\n",
+        ".",
+    ]
     rng = random.Random(45)
     for _ in range(1500):
         text = "".join(rng.choice(pieces) for _ in range(rng.randrange(60)))
@@ -156,29 +184,40 @@ def test_wrapping_matches_textwrap_in_linear_time():
 
 
 def test_find_line_numbers_after_a_link_wrapped_in_its_domain():
-    html = ("<p>" + "x" * 60 + " <a href='https://my-very-long-subdomain.another-example.org/page'>ref</a>"
-            " tail</p><p>line one</p><p>NEEDLE here</p>")
+    html = (
+        "<p>" + "x" * 60 + " <a href='https://my-very-long-subdomain.another-example.org/page'>ref</a>"
+        " tail</p><p>line one</p><p>NEEDLE here</p>"
+    )
     page = page_from_html(html, "https://a.example.com/p")
     assert any("【" in line and "】" not in line for line in page.lines)  # the marker is wrapped
     actual = next(i for i, line in enumerate(page.lines) if "NEEDLE" in line)
     assert find_in_page(page, "NEEDLE").result_lines == {0: actual}
 
 
-@pytest.mark.parametrize("html, text", [
-    ("<a href='https://e.com/story'><h3>Big headline</h3><p>Short summary</p></a><p>next</p>",
-     "### 【0†Big headline Short summary】\n\nnext"),
-    ("<p><a href='https://e.com/x'>first line<br>second line</a></p>", "【0†first line second line】"),
-    ("<ul><li><a href='https://e.com/y'>foo<b>bar</b></a></li></ul>", "  * 【0†foobar】"),
-    ("<li><a href='https://e.com/q'>A<h3>H</h3>B</a></li><p>after</p>", "  * 【0†A H B】\n\nafter"),
-])
+@pytest.mark.parametrize(
+    "html, text",
+    [
+        (
+            "<a href='https://e.com/story'><h3>Big headline</h3><p>Short summary</p></a><p>next</p>",
+            "### 【0†Big headline Short summary】\n\nnext",
+        ),
+        ("<p><a href='https://e.com/x'>first line<br>second line</a></p>", "【0†first line second line】"),
+        ("<ul><li><a href='https://e.com/y'>foo<b>bar</b></a></li></ul>", "  * 【0†foobar】"),
+        ("<li><a href='https://e.com/q'>A<h3>H</h3>B</a></li><p>after</p>", "  * 【0†A H B】\n\nafter"),
+    ],
+)
 def test_blocks_inside_a_link_keep_its_words_apart(html, text):
     assert html_to_text(html, "https://e.com/").text == text
 
 
 async def test_open_windows_scroll_and_cursors(session):
     result = await call(session, "browser.search", query="long page", topn=1)
-    assert result.details == {"action": "search", "query": "long page", "cursor": 0,
-                              "sources": [{"url": LONG_PAGE_URL, "title": "A long page"}]}
+    assert result.details == {
+        "action": "search",
+        "query": "long page",
+        "cursor": 0,
+        "sources": [{"url": LONG_PAGE_URL, "title": "A long page"}],
+    }
     assert "【1†" not in result.text  # topn=1
 
     result = await call(session, "browser.open", id=0)
@@ -218,7 +257,8 @@ async def test_find_results_and_opening_them(session):
     page = session.pages[1]
     match_line = next(i for i, line in enumerate(session.pages[0].lines) if "needle" in line)
     assert result.text.startswith(
-        f"[1] Find results for text: `NEEDLE` in `A long page` ({LONG_PAGE_URL}/find?pattern=NEEDLE)")
+        f"[1] Find results for text: `NEEDLE` in `A long page` ({LONG_PAGE_URL}/find?pattern=NEEDLE)"
+    )
     assert f"L0: # 【0†match at L{match_line}】\nL1: The needle is here." in result.text
     assert page.kind == "find" and page.result_lines == {0: match_line}
     result = await call(session, "browser.open", id=0)
@@ -233,21 +273,24 @@ async def test_find_results_and_opening_them(session):
     assert result.is_error and "Cannot run `find`" in result.text
 
 
-@pytest.mark.parametrize("recipient, arguments, message", [
-    ("browser.open", "{}", "No pages to access!"),
-    ("browser.find", '{"pattern": "a"}', "No pages to access!"),
-    ("browser.search", '{"topn": 3}', "browser.search needs `query`"),
-    ("browser.search", '{"query": "  "}', "browser.search needs a non-empty `query`"),
-    ("browser.find", '{"pattern": ""}', "browser.find needs a non-empty `pattern`"),
-    ("browser.search", '{"query": "q", "colour": "red"}', "Unknown argument(s) for browser.search: colour"),
-    ("browser.search", "not json", "Invalid function arguments: not JSON"),
-    ("browser.search", "[1, 2]", "expected a JSON object"),
-    ("browser.open", '{"id": 1.5}', "`id` should be an integer"),
-    ("browser.open", '{"cursor": "--1"}', "`cursor` should be an integer"),
-    ("browser.search", '{"query": "q", "topn": "\u00b2"}', "`topn` should be an integer"),
-    ("browser.fly", "{}", "Unknown function: browser.fly"),
-    ("python", "{}", "Unknown function: python"),
-])
+@pytest.mark.parametrize(
+    "recipient, arguments, message",
+    [
+        ("browser.open", "{}", "No pages to access!"),
+        ("browser.find", '{"pattern": "a"}', "No pages to access!"),
+        ("browser.search", '{"topn": 3}', "browser.search needs `query`"),
+        ("browser.search", '{"query": "  "}', "browser.search needs a non-empty `query`"),
+        ("browser.find", '{"pattern": ""}', "browser.find needs a non-empty `pattern`"),
+        ("browser.search", '{"query": "q", "colour": "red"}', "Unknown argument(s) for browser.search: colour"),
+        ("browser.search", "not json", "Invalid function arguments: not JSON"),
+        ("browser.search", "[1, 2]", "expected a JSON object"),
+        ("browser.open", '{"id": 1.5}', "`id` should be an integer"),
+        ("browser.open", '{"cursor": "--1"}', "`cursor` should be an integer"),
+        ("browser.search", '{"query": "q", "topn": "\u00b2"}', "`topn` should be an integer"),
+        ("browser.fly", "{}", "Unknown function: browser.fly"),
+        ("python", "{}", "Unknown function: python"),
+    ],
+)
 async def test_bad_calls_become_tool_errors(session, recipient, arguments, message):
     result = await session.call(recipient, arguments)
     assert result.is_error and message in result.text
@@ -275,8 +318,9 @@ async def test_lenient_argument_forms(session):
 
 
 def pages_for_citations() -> list[Page]:
-    results = search_results_page("q", [SearchHit("https://a.com/1", "Alpha", "first " * 30),
-                                        SearchHit("https://b.com/2", "Beta", "second")])
+    results = search_results_page(
+        "q", [SearchHit("https://a.com/1", "Alpha", "first " * 30), SearchHit("https://b.com/2", "Beta", "second")]
+    )
     article = page_from_html("<title>Article</title><p>Body text.</p>", "https://c.com/article")
     found = find_in_page(article, "body")
     return [results, article, found]
@@ -287,28 +331,34 @@ ARTICLE_LINK = f"([c.com]({ARTICLE}))"
 A_LINK, B_LINK = "([a.com](https://a.com/1))", "([b.com](https://b.com/2))"
 
 
-@pytest.mark.parametrize("answer, expected, cited", [
-    ("Fact【1†L2-L3】.", f"Fact {ARTICLE_LINK}.", [(ARTICLE, "Article")]),
-    ("Fact 【1†L2】 and more", f"Fact {ARTICLE_LINK} and more", [(ARTICLE, "Article")]),
-    # Search results: the result on the cited line, or the one whose text wraps onto it.
-    ("A【0†L4】 B【0†L6】 C【0†L7】", f"A {A_LINK} B {A_LINK} C {B_LINK}",
-     [("https://a.com/1", "Alpha"), ("https://a.com/1", "Alpha"), ("https://b.com/2", "Beta")]),
-    # A find page cites the page searched.
-    ("X【2†L0-L1】", f"X {ARTICLE_LINK}", [(ARTICLE, "Article")]),
-    # Repeats of one source collapse; unknown cursors and headers with no result vanish.
-    ("Y【1†L2】【1†L3】 Z【7†L1】. W【0†L1】!", f"Y {ARTICLE_LINK} Z. W!", [(ARTICLE, "Article")]),
-    ("Partial at the end【1†L", "Partial at the end", []),
-    # One marker alone, as a streaming caller passes it: it follows the cited words.
-    ("【1†L2】", f" {ARTICLE_LINK}", [(ARTICLE, "Article")]),
-    ("No citations here.", "No citations here.", []),
-])
+@pytest.mark.parametrize(
+    "answer, expected, cited",
+    [
+        ("Fact【1†L2-L3】.", f"Fact {ARTICLE_LINK}.", [(ARTICLE, "Article")]),
+        ("Fact 【1†L2】 and more", f"Fact {ARTICLE_LINK} and more", [(ARTICLE, "Article")]),
+        # Search results: the result on the cited line, or the one whose text wraps onto it.
+        (
+            "A【0†L4】 B【0†L6】 C【0†L7】",
+            f"A {A_LINK} B {A_LINK} C {B_LINK}",
+            [("https://a.com/1", "Alpha"), ("https://a.com/1", "Alpha"), ("https://b.com/2", "Beta")],
+        ),
+        # A find page cites the page searched.
+        ("X【2†L0-L1】", f"X {ARTICLE_LINK}", [(ARTICLE, "Article")]),
+        # Repeats of one source collapse; unknown cursors and headers with no result vanish.
+        ("Y【1†L2】【1†L3】 Z【7†L1】. W【0†L1】!", f"Y {ARTICLE_LINK} Z. W!", [(ARTICLE, "Article")]),
+        ("Partial at the end【1†L", "Partial at the end", []),
+        # One marker alone, as a streaming caller passes it: it follows the cited words.
+        ("【1†L2】", f" {ARTICLE_LINK}", [(ARTICLE, "Article")]),
+        ("No citations here.", "No citations here.", []),
+    ],
+)
 def test_citations(answer, expected, cited):
     text, annotations = resolve_citations(answer, pages_for_citations())
     assert text == expected
     assert [(a["url"], a["title"]) for a in annotations] == cited
     for a in annotations:
         assert a["type"] == "url_citation"
-        assert text[a["start_index"]:a["end_index"]] == f"([{a['url'].split('/')[2]}]({a['url']}))"
+        assert text[a["start_index"] : a["end_index"]] == f"([{a['url'].split('/')[2]}]({a['url']}))"
 
 
 async def test_special_token_text_and_real_tokenizer_windows():
@@ -333,8 +383,11 @@ def test_harmony_namespace_and_system_message():
     from openai_harmony import Conversation, Message, Role, SystemContent
 
     system = SystemContent.new().with_tools(namespace)
-    rendered = harmony_encoding().decode_utf8(harmony_encoding().render_conversation(
-        Conversation.from_messages([Message.from_role_and_content(Role.SYSTEM, system)])))
+    rendered = harmony_encoding().decode_utf8(
+        harmony_encoding().render_conversation(
+            Conversation.from_messages([Message.from_role_and_content(Role.SYSTEM, system)])
+        )
+    )
     assert "namespace browser {" in rendered and "【{cursor}†L{line_start}(-L{line_end})?】" in rendered
 
 
@@ -354,6 +407,7 @@ async def test_session_group_routes_by_namespace():
 
                 async def close(self):
                     outer.closed = True
+
             return S()
 
     echo = Echo()

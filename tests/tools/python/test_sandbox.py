@@ -121,8 +121,7 @@ async def test_infinite_loop_is_interrupted_and_state_kept(sandbox):
 
 async def test_loop_that_ignores_interrupts_is_killed(sandbox):
     await sandbox.execute("saved = 1")
-    code = ("import time\nwhile True:\n    try:\n        time.sleep(0.01)\n"
-            "    except KeyboardInterrupt:\n        pass")
+    code = "import time\nwhile True:\n    try:\n        time.sleep(0.01)\n    except KeyboardInterrupt:\n        pass"
     result = await sandbox.execute(code)
     assert result.status == "timeout" and "restarted and its state is lost" in result.note
     assert processes_mentioning(os.path.basename(sandbox.scratch_dir)) == []
@@ -134,8 +133,7 @@ async def test_loop_that_ignores_interrupts_is_killed(sandbox):
 async def test_output_before_a_kill_or_crash_reaches_the_model(sandbox):
     # stdout is a pipe: block-buffered, it would hold the prints of a cell that is then killed
     # (or crashes) and lose them, and show a child process's output before earlier prints.
-    code = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-            "print('progress 1')\ntime.sleep(100)")
+    code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('progress 1')\ntime.sleep(100)"
     result = await sandbox.execute(code)
     assert result.status == "timeout" and "restarted" in result.note
     assert result.stdout == "progress 1\n"
@@ -150,8 +148,9 @@ async def test_files_stay_writable_after_the_session_restarts(sandbox):
     await sandbox.execute("import os\nos.makedirs('out')\nopen('out/notes.txt', 'w').write('one')")
     result = await sandbox.execute("import os\nos._exit(1)")
     assert result.status == "crashed"
-    result = await sandbox.execute("open('out/notes.txt', 'a').write('two')\n"
-                                   "open('out/more.txt', 'w').write('three')\nNone")
+    result = await sandbox.execute(
+        "open('out/notes.txt', 'a').write('two')\nopen('out/more.txt', 'w').write('three')\nNone"
+    )
     assert result.status == "ok" and "new one" in result.note, result.tool_text()
     assert (Path(sandbox.scratch_dir) / "out" / "notes.txt").read_text() == "onetwo"
 
@@ -266,9 +265,13 @@ def test_server_environment_is_out_of_reach(isolation, namespaces):
     require(not namespaces or isolation.namespaces, "no namespaces here")
     # A stand-in server whose environment (its initial one, as /proc shows it) holds a secret.
     env = {**os.environ, "OSS_AGENT_TEST_SECRET": os.urandom(8).hex()}
-    done = subprocess.run(host_command(["-c", SERVER, str(REPO), SCAN_FOR_SECRET,
-                                        "1" if namespaces else "0"]),
-                          env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        host_command(["-c", SERVER, str(REPO), SCAN_FOR_SECRET, "1" if namespaces else "0"]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcome["plain"].startswith("FOUND")  # an ordinary child sees it...
@@ -277,21 +280,24 @@ def test_server_environment_is_out_of_reach(isolation, namespaces):
 
 @pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "landlock-only"])
 async def test_writing_outside_scratch_is_denied(tmp_path, isolation, namespaces):
-    require(isolation.landlock_abi or (namespaces and isolation.namespaces),
-            "neither Landlock nor namespaces here")
+    require(isolation.landlock_abi or (namespaces and isolation.namespaces), "neither Landlock nor namespaces here")
     target = tmp_path / "open-to-all"
     target.mkdir(mode=0o777)
     target.chmod(0o777)
     (target / "control.txt").write_text("the test itself can write here")  # positive control
-    escapes = [target / "escape.txt", REPO / "escape.txt", Path("/tmp/escape-sandbox.txt"),
-               Path(tempfile.gettempdir()) / "escape.txt"]  # the last: next to the scratch dir
+    escapes = [
+        target / "escape.txt",
+        REPO / "escape.txt",
+        Path("/tmp/escape-sandbox.txt"),
+        Path(tempfile.gettempdir()) / "escape.txt",
+    ]  # the last: next to the scratch dir
     for path in escapes:
         path.unlink(missing_ok=True)
     box = make_sandbox(FAST, namespaces)
     try:
         code = f"""
 import os
-for path in [{str(target / 'escape.txt')!r}, {str(REPO / 'escape.txt')!r},
+for path in [{str(target / "escape.txt")!r}, {str(REPO / "escape.txt")!r},
              os.path.join(os.path.dirname(os.path.realpath('.')), 'escape.txt'), '/tmp/escape-sandbox.txt']:
     try:
         with open(path, 'w') as f:
@@ -472,8 +478,13 @@ async def test_tool_server_and_sessions(isolation):
     first, second = server.open_session(), server.open_session()
     result = await first.call("python", "value = 'first'\nvalue")
     assert result.text == "'first'" and not result.is_error
-    assert result.details == {"code": "value = 'first'\nvalue", "stdout": "'first'\n", "stderr": "",
-                              "status": "ok", "exit": 0}
+    assert result.details == {
+        "code": "value = 'first'\nvalue",
+        "stdout": "'first'\n",
+        "stderr": "",
+        "status": "ok",
+        "exit": 0,
+    }
     # Sessions are separate notebooks.
     result = await second.call("python", '{"code": "value"}')
     assert "NameError" in result.text and not result.is_error and result.details["exit"] == 1
@@ -495,9 +506,10 @@ def require_fallback_host() -> None:
     """The fallback tests' host (`tests.sandbox_host`) needs a mount namespace where this
     machine's Python is private to root."""
     if python_private_to_root():
-        require(os.geteuid() == 0 and subprocess.run(
-            ["unshare", "--mount", "true"], capture_output=True).returncode == 0,
-            "no mount namespace for the fallback mode's test host")
+        require(
+            os.geteuid() == 0 and subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0,
+            "no mount namespace for the fallback mode's test host",
+        )
 
 
 async def test_root_without_namespaces_never_runs_code_as_root():
@@ -792,8 +804,9 @@ async def test_the_scratch_folder_has_a_quota(kind):
         if kind == "bytes":
             big = await box.execute("open('one.bin', 'wb').write(b'x' * (30 << 20))")
             assert "File too large" in big.stderr  # one file: RLIMIT_FSIZE, at the quota
-            code = ("import time\nfor i in range(5):\n    open(f'part{i}.bin', 'wb').write(b'x' * (8 << 20))\n"
-                    "time.sleep(5)")
+            code = (
+                "import time\nfor i in range(5):\n    open(f'part{i}.bin', 'wb').write(b'x' * (8 << 20))\ntime.sleep(5)"
+            )
         else:
             code = "import time\nfor i in range(1000):\n    open(f'f{i}', 'w').close()\ntime.sleep(5)"
         start = time.monotonic()
@@ -834,8 +847,9 @@ async def test_a_crashed_servers_leftovers_are_removed_at_start(isolation):
     live = PythonSandbox(FAST)
     try:
         await live.execute("open('mine.txt', 'w').write('in use')")
-        done = subprocess.run([sys.executable, "-c", CRASHING_SERVER, str(REPO)], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", CRASHING_SERVER, str(REPO)], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == -9, done.stderr
         scratch, group = done.stdout.split("\n")[0].split(" ")
         assert (Path(scratch) / "left.txt").read_text() == "behind"  # positive control: left behind
