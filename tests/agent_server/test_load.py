@@ -28,11 +28,8 @@ from agent_server.bench.workload import BenchRequest, random_prompt
 from tests.conftest import MODEL, LiveServer, build_tiny_engine, make_app
 
 GOOD_TOKENS = 8  # output tokens of a good request: short, the test is about concurrency
-# What a disconnecting client asks for: far more than it reads. The tiny model writes noise that
-# the Harmony parser holds back as a would-be message header for 48 tokens, so the first text
-# streams after 49 tokens.
+# What a disconnecting client asks for: far more than it reads.
 LONG_TOKENS = 200
-FIRST_TEXT_AFTER = 49
 # Python memory a round may leave behind for good (caches still filling: measured ~0.3 MiB);
 # leaking the runs alone of one round's 26 responses measured 2.1 MiB.
 MEMORY_TOLERANCE = 1 << 20
@@ -290,7 +287,8 @@ async def test_64_concurrent_clients_with_disconnects_and_bad_requests(load_serv
         for response_id in gone:
             stored = (await client.get(f"{url}/v1/responses/{response_id}")).json()
             assert stored["status"] == "cancelled", stored["status"]
-            assert FIRST_TEXT_AFTER <= stored["usage"]["output_tokens"] < LONG_TOKENS
+            # (the turn grammar gives the random model a final channel early: text can come at once)
+            assert 1 <= stored["usage"]["output_tokens"] < LONG_TOKENS
 
     # Nothing lost from the store, nothing extra: every stored response of both rounds.
     expected_ids = {r.response_id for _, r in warm_good + good if r.response_id} | set(warm_gone) | set(gone)
@@ -305,7 +303,7 @@ async def test_64_concurrent_clients_with_disconnects_and_bad_requests(load_serv
     assert not any(s.startswith("5") for s in statuses), statuses
     generated = delta[("oss_agent_generation_tokens_total", ())]
     good_tokens = sum(r.output_tokens for _, r in good)
-    assert good_tokens + 12 * FIRST_TEXT_AFTER <= generated < good_tokens + 12 * LONG_TOKENS
+    assert good_tokens + 12 <= generated < good_tokens + 12 * LONG_TOKENS
 
     # The server keeps no per-request state: no runs, no engine streams, no objects of any kind
     # beyond what it had before the round, and Python memory back to its level (a tolerance for

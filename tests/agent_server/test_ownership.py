@@ -48,7 +48,9 @@ def assert_missing(r: httpx.Response, response_id: str, param: str | None = None
     """Exactly the 404 of an id that does not exist."""
     assert r.status_code == 404, (r.status_code, r.text[:300])
     error = r.json()["error"]
-    assert error["code"] == "not_found" and error["param"] == param and response_id in error["message"]
+    # (OpenAI's code for a previous_response_id it cannot find is previous_response_not_found)
+    code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
+    assert error["code"] == code and error["param"] == param and response_id in error["message"]
 
 
 def test_another_owner_cannot_reach_a_stored_response(server):

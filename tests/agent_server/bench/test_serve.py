@@ -26,7 +26,8 @@ from tests.conftest import MODEL, LiveServer, build_tiny_engine, make_app
 def bench_server(tmp_path_factory, tiny_checkpoint):
     """A server of its own: its metrics count only this module's traffic."""
     engine = build_tiny_engine(tiny_checkpoint)
-    app = make_app(lambda: engine, tmp_path_factory.mktemp("bench-store") / "responses.sqlite3")
+    # No turn grammar: the ignore_eos test needs a model free to end its turn at its first token.
+    app = make_app(lambda: engine, tmp_path_factory.mktemp("bench-store") / "responses.sqlite3", harmony_grammar=False)
     with LiveServer(app, kind="tiny") as server:
         yield server
 
