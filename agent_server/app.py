@@ -98,7 +98,20 @@ async def health(request: Request) -> Response:
     error = state.extra.get("load_error")
     if error:  # the server cannot serve: a restart (with a fixed configuration) is what helps
         return JSONResponse({"status": "failed", "error": error}, status_code=503)
-    return engine_failed(state) or JSONResponse({"status": "ok"})
+    failed = engine_failed(state)
+    if failed is not None:
+        return failed
+    body: dict[str, Any] = {"status": "ok"}
+    router = state.engine
+    if getattr(router, "replica_stats", None) is not None:  # data parallel: a lost replica shows here
+        live = router.live()
+        body["replicas"] = {"total": len(router.replicas), "in_rotation": len(live)}
+        if len(live) < len(router.replicas):
+            body["status"] = "degraded"
+            body["replicas"]["out"] = {
+                str(i): router.replicas[i].failure for i in range(len(router.replicas)) if i not in live
+            }
+    return JSONResponse(body)
 
 
 async def ready(request: Request) -> Response:

@@ -71,6 +71,50 @@ class EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        replicas = getattr(engine, "replica_stats", None)
+        if replicas is not None:  # data parallel: the totals above, and each replica here
+            yield from replica_families(replicas())
+
+
+def replica_families(rows):
+    """Per-replica gauges and counters (label `replica`) of a `ReplicaRouter`."""
+    up = GaugeMetricFamily("oss_agent_replica_up", "1 while the engine replica is in rotation", labels=["replica"])
+    running = GaugeMetricFamily(
+        "oss_agent_replica_running_requests", "Sequences being generated, per replica", labels=["replica"]
+    )
+    waiting = GaugeMetricFamily(
+        "oss_agent_replica_waiting_requests", "Sequences waiting to be scheduled, per replica", labels=["replica"]
+    )
+    kv = GaugeMetricFamily("oss_agent_replica_kv_cache_usage_ratio", "Fraction of KV pages in use", labels=["replica"])
+    hit = GaugeMetricFamily(
+        "oss_agent_replica_prefix_cache_hit_ratio",
+        "Prompt tokens found in the prefix cache / looked up, per replica",
+        labels=["replica"],
+    )
+    decoded = CounterMetricFamily(
+        "oss_agent_replica_generation_tokens", "Tokens generated, per replica", labels=["replica"]
+    )
+    routed = CounterMetricFamily(
+        "oss_agent_replica_routed_requests", "Requests routed to the replica, by why", labels=["replica", "reason"]
+    )
+    for index, live, s, counters in rows:
+        label = str(index)
+        up.add_metric([label], 1.0 if live else 0.0)
+        by_load = counters.routed - counters.routed_by_prefix - counters.routed_by_continuation
+        for reason, value in (
+            ("prefix", counters.routed_by_prefix),
+            ("continuation", counters.routed_by_continuation),
+            ("load", by_load),
+        ):
+            routed.add_metric([label, reason], value)
+        if s is None:
+            continue
+        running.add_metric([label], s.running)
+        waiting.add_metric([label], s.waiting)
+        kv.add_metric([label], s.pages_used / s.pages_total if s.pages_total else 0.0)
+        hit.add_metric([label], s.prefix_hit_tokens / s.prefix_queries_tokens if s.prefix_queries_tokens else 0.0)
+        decoded.add_metric([label], s.tokens_decoded)
+    yield from (up, running, waiting, kv, hit, decoded, routed)
 
 
 class Metrics:

@@ -363,6 +363,10 @@ def bench_size(model: str, size: int, args, check_prompts, reference, results: l
             else ("peer memory + NCCL" if tp.mode == "peer" else f"NCCL ({tp.peer_unavailable or 'asked for'})")
         )
         progress(f"  ready in {row['build_s']} s; small all-reduces: {row['all_reduce']}")
+        # An unmeasured round first: the first steps after a build compile and tune kernels on
+        # the host (once measured: TP 1 batch 1 at 14 tok/s, its next round at ~700).
+        for batch in batches:
+            decode_speed(engine, batch, argparse.Namespace(**{**vars(args), "steps": 2}))
         for batch in batches:
             row["decode"][batch] = decode_speed(engine, batch, args)
             progress(f"  batch {batch}: {row['decode'][batch]}")

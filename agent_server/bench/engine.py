@@ -268,6 +268,7 @@ async def http_run(base_url: str, model: str, args: argparse.Namespace, *, seed_
             ("--dataset", args.dataset),
             ("--max-concurrency", args.max_concurrency),
             ("--temperature", args.temperature),
+            ("--shared-prefix-len", getattr(args, "shared_prefix_len", 0) or None),
         ):
             if value is not None:
                 argv += [flag, str(value)]
@@ -343,15 +344,21 @@ def build_engine(args: argparse.Namespace):
             model_name=f"gpt-oss-{args.random_weights}-random",
             options=options,
         )
-        return start_engine_client(spec, own_process)
-    if args.model:
-        model_dir = Path(args.model)
     else:
-        from inference.model.tiny_checkpoint import default_tiny_checkpoint
+        if args.model:
+            model_dir = Path(args.model)
+        else:
+            from inference.model.tiny_checkpoint import default_tiny_checkpoint
 
-        model_dir = default_tiny_checkpoint()
-        print(f"no --model: benchmarking a tiny random-weight checkpoint ({model_dir})", file=sys.stderr)
-    return start_engine_client(EngineSpec(model_dir=str(model_dir), options=options), own_process)
+            model_dir = default_tiny_checkpoint()
+            print(f"no --model: benchmarking a tiny random-weight checkpoint ({model_dir})", file=sys.stderr)
+        spec = EngineSpec(model_dir=str(model_dir), options=options)
+    replicas = getattr(args, "data_parallel_size", 1) or 1
+    if replicas > 1:  # as `oss-agent serve --data-parallel-size N`
+        from inference.engine.replicas import start_replicas
+
+        return start_replicas(spec, replicas)
+    return start_engine_client(spec, own_process)
 
 
 def run(args: argparse.Namespace) -> int:

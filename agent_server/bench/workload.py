@@ -62,6 +62,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help='JSON or JSONL of {"prompt", "output_len"} or ShareGPT records, instead of random prompts',
     )
+    group.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start every random prompt with the same N tokens (a shared system prompt, for the "
+        "prefix cache and prefix routing; default 0)",
+    )
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -71,7 +79,15 @@ def workload_from_args(args: argparse.Namespace, *, num: int | None = None, seed
     seed, num = args.seed + seed_offset, args.num_prompts if num is None else num
     if args.dataset is not None:
         return dataset_requests(args.dataset, num, output_len=args.output_len, seed=seed)
-    return random_requests(num, args.input_len, args.output_len or DEFAULT_OUTPUT_LEN, args.range_ratio, seed)
+    return random_requests(
+        num,
+        args.input_len,
+        args.output_len or DEFAULT_OUTPUT_LEN,
+        args.range_ratio,
+        seed,
+        shared_prefix_len=getattr(args, "shared_prefix_len", 0),
+        prefix_seed=args.seed,
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,14 +122,27 @@ def _lengths(rng: random.Random, mean: int, ratio: float, n: int) -> list[int]:
 
 
 def random_requests(
-    num: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+    num: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    *,
+    shared_prefix_len: int = 0,
+    prefix_seed: int = 0,
 ) -> list[BenchRequest]:
+    """`num` random prompts of about `input_len` tokens each, after a prefix of
+    `shared_prefix_len` tokens that all share (drawn from `prefix_seed`, so a warm-up run with
+    other prompts shares it too)."""
     if num < 1 or input_len < 1 or output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    if shared_prefix_len < 0:
+        raise ValueError("--shared-prefix-len must be >= 0")
+    prefix = random_prompt(random.Random(f"prefix-{prefix_seed}"), shared_prefix_len) if shared_prefix_len else ""
     rng = random.Random(seed)
     inputs = _lengths(rng, input_len, range_ratio, num)
     outputs = _lengths(rng, output_len, range_ratio, num)
-    return [BenchRequest(random_prompt(rng, i), i, o) for i, o in zip(inputs, outputs)]
+    return [BenchRequest(prefix + random_prompt(rng, i), shared_prefix_len + i, o) for i, o in zip(inputs, outputs)]
 
 
 def _read_records(path: Path) -> list[dict]:

@@ -93,6 +93,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "N must divide the attention and KV head counts (default: 1)",
     )
     parser.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="run N engine replicas, each in a process of its own on its own GPU (or group of "
+        "--tensor-parallel-size GPUs), behind this one server; requests are routed by cached "
+        "prefix and load (default: 1)",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -232,6 +241,8 @@ def engine_in_process_of_its_own(args: argparse.Namespace) -> bool:
     work is the bottleneck, and a process of its own only adds start-up time)."""
     if args.engine_process is not None:
         return args.engine_process
+    if args.data_parallel_size > 1:
+        return True
     if args.device is not None:
         return args.device.startswith("cuda")
     import torch
@@ -394,6 +405,17 @@ def run(args: argparse.Namespace) -> int:
     if device_problem:
         log.error("--device %s", device_problem)
         return 2
+    if args.data_parallel_size > 1:
+        if args.engine_process is False:
+            log.error("--data-parallel-size runs each replica in a process of its own; drop --no-engine-process")
+            return 2
+        from inference.engine.replicas import replica_devices
+
+        try:
+            replica_devices(args.device, args.data_parallel_size, args.tensor_parallel_size or 1)
+        except ValueError as e:
+            log.error("--data-parallel-size: %s", e)
+            return 2
     try:  # before uvicorn starts: a typo or a server that is not up is one line, not a traceback
         check_specs(args.tool_server)
     except ToolServerError as e:
@@ -426,6 +448,10 @@ def run(args: argparse.Namespace) -> int:
         spec = EngineSpec(
             model_dir=str(model_dir), options={"device": args.device, **options}, log_level=args.log_level
         )
+        if args.data_parallel_size > 1:
+            from inference.engine.replicas import start_replicas
+
+            return start_replicas(spec, args.data_parallel_size)
         return start_engine_client(spec, engine_in_process_of_its_own(args))
 
     tool_servers = None

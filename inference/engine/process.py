@@ -184,6 +184,18 @@ class EngineProcess(StreamingEngineClient):
         self._commands.close()
         self._events.close()
 
+    def stop_now(self, timeout: float = 30.0) -> None:
+        """`shutdown` without an event loop, for a process that never served (another replica
+        failed to start): ask it to stop, wait, terminate it if it does not."""
+        self._stopping = True
+        self._submit(("stop",))
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(10)
+        self._commands.close()
+        self._events.close()
+
     # -- plumbing ------------------------------------------------------------------------------
 
     def _submit(self, command: tuple) -> None:
