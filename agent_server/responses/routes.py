@@ -116,7 +116,7 @@ async def compact_response(request: Request) -> Response:
         previous_response_id=body.previous_response_id,
         store=False,
     )
-    prepared = await prepare(state, create, started)
+    prepared = await prepare(state, create, started, request_owner(request))
     conversation = prepared.history + prepared.new_messages
     compaction_id = new_id("resp")
     work = asyncio.create_task(
@@ -164,7 +164,9 @@ async def count_input_tokens(request: Request) -> Response:
         config.max_request_bytes,
         max_items={"input": config.max_input_items, "tools": config.max_tools},
     )
-    prepared = await prepare(state, body.create_request(config.model_name), time.perf_counter(), counting=True)
+    prepared = await prepare(
+        state, body.create_request(config.model_name), time.perf_counter(), request_owner(request), counting=True
+    )
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prepared.task.prompt)})
 
 

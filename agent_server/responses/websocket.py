@@ -36,6 +36,7 @@ from typing import Any
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from agent_server.auth import request_owner
 from agent_server.errors import APIError, internal_error
 from agent_server.request_parsing import parse_json_object, too_large, validate_body
 from agent_server.responses import dialect
@@ -144,7 +145,7 @@ class ResponsesSocket:
             max_items={"input": config.max_input_items, "tools": config.max_tools},
         )
         try:
-            prepared = await prepare(self.state, req, started, local_responses=self.kept)
+            prepared = await prepare(self.state, req, started, request_owner(self.websocket), local_responses=self.kept)
         except APIError:
             if req.previous_response_id:  # a failed continuation: the connection forgets what it named
                 self.kept.pop(req.previous_response_id, None)
