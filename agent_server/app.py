@@ -31,6 +31,7 @@ from agent_server.cross_site import CrossSiteGuard
 from agent_server.errors import APIError, UnexpectedErrorMiddleware, internal_error, not_found
 from agent_server.metrics import Metrics, MetricsMiddleware
 from agent_server.request_ids import RequestIdMiddleware, current_request_id, new_request_id
+from agent_server.responses import dialect
 from agent_server.responses import routes as responses_routes
 from agent_server.responses import websocket as responses_websocket
 from agent_server.state import ServerConfig, ServerState
@@ -200,12 +201,8 @@ class ReadinessGate:
         self.state = state
 
     async def __call__(self, scope, receive, send) -> None:
-        if (
-            scope["type"] in ("http", "websocket")
-            and scope["path"].startswith("/v1/")
-            and not self.state.ready
-            and not scope["path"].startswith("/v1/models")
-        ):
+        path = dialect.api_path(scope["path"]) if scope["type"] in ("http", "websocket") else ""
+        if path.startswith("/v1/") and not self.state.ready and not path.startswith("/v1/models"):
             error = self.state.extra.get("load_error")
             message = (
                 f"The model failed to load: {error}"
@@ -301,6 +298,9 @@ def create_app(
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         *responses_routes.routes,
         *responses_websocket.routes,
+        # The Responses API again under /openresponses/v1, its stream as the Open Responses
+        # specification names it (responses/dialect.py).
+        dialect.mount([*responses_routes.routes, *responses_websocket.routes]),
         *conversations_routes.routes,
         *chat_routes.routes,
         *playground.routes,

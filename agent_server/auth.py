@@ -20,7 +20,7 @@ import hmac
 import re
 from pathlib import Path
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection
 
 from agent_server.errors import APIError
 
@@ -64,8 +64,9 @@ def read_keys_file(path: Path) -> dict[str, str]:
     return keys
 
 
-def request_owner(request: Request) -> str | None:
-    """The owner name of the request's key; None when the server wants no key."""
+def request_owner(request: HTTPConnection) -> str | None:
+    """The owner name of the request's (or WebSocket connection's) key; None when the server
+    wants no key."""
     return request.scope.get("state", {}).get(OWNER)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 
 from agent_server.errors import APIError
+from agent_server.responses.dialect import api_path
 
 LOOPBACK_NAMES = frozenset({"localhost"})
 
@@ -109,7 +110,7 @@ class CrossSiteGuard:
                 "and the names it is started with (oss-agent serve --allowed-host NAME).",
                 code="invalid_host",
             )
-        elif scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+        elif scope["method"] == "POST" and api_path(scope["path"]).startswith("/v1/"):
             error = content_type_error(scope)
         if error is None:
             return await self.app(scope, receive, send)

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from agent_server.responses.dialect import PREFIX, api_path
 from inference.request import TokenDelta
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -197,9 +198,14 @@ KNOWN_ENDPOINTS = {
 
 
 def endpoint_label(path: str) -> str:
-    """The route of a path, ids replaced; "other" for unknown paths (bounded label values)."""
+    """The route of a path, ids replaced; "other" for unknown paths (bounded label values). The
+    Responses API under /openresponses (responses/dialect.py) keeps its prefix."""
     label = ID_SEGMENT.sub(lambda m: "/{id}", path.rstrip("/") or "/")
-    return label if label in KNOWN_ENDPOINTS else "other"
+    known = label in KNOWN_ENDPOINTS
+    if label.startswith(PREFIX + "/"):
+        base = api_path(label)
+        known = base.startswith("/v1/responses") and base in KNOWN_ENDPOINTS
+    return label if known else "other"
 
 
 class MetricsMiddleware:

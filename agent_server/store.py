@@ -84,6 +84,7 @@ class StoredConversation:
     # of the items it matches. Once items were added or deleted otherwise, it no longer
     # matches, and the items themselves are what a response continues from.
     state: dict[str, Any] | None = None
+    owner: str | None = None  # the owner name of the API key that created it (auth.py)
 
     @property
     def current_state(self) -> dict[str, Any] | None:
@@ -290,8 +291,11 @@ class SQLiteResponseStore:
         with self._lock, self._db:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS conversations (id TEXT PRIMARY KEY, created_at REAL, "
-                "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT)"
+                "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT, owner TEXT)"
             )
+            # (a store written before conversations had owners gets the column; theirs stay NULL)
+            if "owner" not in [row[1] for row in self._db.execute("PRAGMA table_info(conversations)")]:
+                self._db.execute("ALTER TABLE conversations ADD COLUMN owner TEXT")
             # An item's place in its conversation: `position` orders them (gaps where items were deleted).
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS conversation_items (conversation_id TEXT NOT NULL, "
@@ -304,7 +308,7 @@ class SQLiteResponseStore:
 
     def _conversation_row(self, conversation_id: str) -> StoredConversation | None:
         row = self._db.execute(
-            "SELECT created_at, metadata, version, state FROM conversations WHERE id = ?", (conversation_id,)
+            "SELECT created_at, metadata, version, state, owner FROM conversations WHERE id = ?", (conversation_id,)
         ).fetchone()
         if row is None:
             return None
@@ -314,6 +318,7 @@ class SQLiteResponseStore:
             metadata=json.loads(row[1]),
             version=row[2],
             state=json.loads(row[3]) if row[3] else None,
+            owner=row[4],
         )
 
     def _append_items(self, conversation_id: str, items: list[dict[str, Any]]) -> None:
@@ -345,13 +350,14 @@ class SQLiteResponseStore:
     def _create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
         with self._lock, self._db:
             self._db.execute(
-                "INSERT INTO conversations (id, created_at, metadata, version, state) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO conversations (id, created_at, metadata, version, state, owner) VALUES (?, ?, ?, ?, ?, ?)",
                 (
                     conversation.id,
                     conversation.created_at,
                     json.dumps(conversation.metadata),
                     conversation.version,
                     json.dumps(conversation.state) if conversation.state else None,
+                    conversation.owner,
                 ),
             )
             self._append_items(conversation.id, items)

@@ -5,6 +5,10 @@ continues it: its items come before the request's `input`, and when the response
 and output items are added (`agent_server/responses/lifecycle.py`). While only responses add to
 a conversation, the next one continues exactly what the model saw, as `previous_response_id`
 does; once items are added or deleted here, the next response reads the items themselves.
+
+A conversation belongs to the owner of the API key that created it (`agent_server/ownership.py`):
+another owner gets the 404 of a missing one from every route here and from `conversation` on
+`POST /v1/responses`, and item references resolve only to the requester's own items.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agent_server.auth import request_owner
 from agent_server.errors import APIError, not_found
+from agent_server.ownership import visible
 from agent_server.request_parsing import int_query, read_request
 from agent_server.responses.events import new_id
 from agent_server.responses.prepare import check_item_ids, listed_input_items, resolve_references
@@ -36,9 +42,13 @@ def conversation_json(conversation: StoredConversation) -> dict[str, Any]:
     }
 
 
-async def _stored(state: ServerState, conversation_id: str) -> StoredConversation:
+async def _stored(request: Request) -> StoredConversation:
+    """The conversation the path names, if it is the requester's; another owner's is a 404, as a
+    missing one."""
+    state: ServerState = request.app.state.server
+    conversation_id = request.path_params["conversation_id"]
     conversation = await state.store.get_conversation(conversation_id)
-    if conversation is None:
+    if conversation is None or not visible(conversation.owner, request_owner(request)):
         raise not_found("Conversation", conversation_id, param="conversation_id")
     return conversation
 
@@ -52,9 +62,10 @@ def _check_include(request: Request) -> None:
                 raise APIError(f"Invalid value for 'include': '{value}'.", param="include", code="invalid_value")
 
 
-async def _new_items(state: ServerState, items: list[Any]) -> list[dict[str, Any]]:
-    """Input items as the conversation keeps them: references replaced, each with an id."""
-    items = await resolve_references(state, items)
+async def _new_items(state: ServerState, items: list[Any], owner: str | None) -> list[dict[str, Any]]:
+    """Input items as the conversation keeps them: references (to the owner's items) replaced,
+    each with an id."""
+    items = await resolve_references(state, items, owner)
     check_item_ids(items)
     return listed_input_items(items)
 
@@ -72,21 +83,22 @@ def _item_list(items: list[dict[str, Any]], has_more: bool = False) -> dict[str,
 async def create_conversation(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await read_request(request, ConversationCreateRequest, state.config.max_request_bytes)
-    items = await _new_items(state, body.items or [])
-    conversation = StoredConversation(id=new_id("conv"), metadata=body.metadata or {})
+    owner = request_owner(request)
+    items = await _new_items(state, body.items or [], owner)
+    conversation = StoredConversation(id=new_id("conv"), metadata=body.metadata or {}, owner=owner)
     await state.store.create_conversation(conversation, items)
     return JSONResponse(conversation_json(conversation))
 
 
 async def retrieve_conversation(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    return JSONResponse(conversation_json(await _stored(state, request.path_params["conversation_id"])))
+    return JSONResponse(conversation_json(await _stored(request)))
 
 
 async def update_conversation(request: Request) -> Response:
     state: ServerState = request.app.state.server
     conversation_id = request.path_params["conversation_id"]
     body = await read_request(request, ConversationUpdateRequest, state.config.max_request_bytes)
+    await _stored(request)
     conversation = await state.store.update_conversation(conversation_id, body.metadata or {})
     if conversation is None:
         raise not_found("Conversation", conversation_id, param="conversation_id")
@@ -96,6 +108,7 @@ async def update_conversation(request: Request) -> Response:
 async def delete_conversation(request: Request) -> Response:
     state: ServerState = request.app.state.server
     conversation_id = request.path_params["conversation_id"]
+    await _stored(request)
     if not await state.store.delete_conversation(conversation_id):
         raise not_found("Conversation", conversation_id, param="conversation_id")
     return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
@@ -109,6 +122,7 @@ async def list_items(request: Request) -> Response:
     if order not in ("asc", "desc"):
         raise APIError("Invalid value for 'order': must be 'asc' or 'desc'.", param="order", code="invalid_value")
     _check_include(request)
+    await _stored(request)
     after = request.query_params.get("after")
     try:
         items = await state.store.conversation_items(
@@ -126,8 +140,8 @@ async def create_items(request: Request) -> Response:
     conversation_id = request.path_params["conversation_id"]
     _check_include(request)
     body = await read_request(request, ConversationItemsRequest, state.config.max_request_bytes)
-    await _stored(state, conversation_id)
-    items = await _new_items(state, body.items)
+    await _stored(request)
+    items = await _new_items(state, body.items, request_owner(request))
     try:
         added = await state.store.add_conversation_items(conversation_id, items)
     except ValueError as e:
@@ -141,7 +155,7 @@ async def retrieve_item(request: Request) -> Response:
     state: ServerState = request.app.state.server
     conversation_id, item_id = request.path_params["conversation_id"], request.path_params["item_id"]
     _check_include(request)
-    await _stored(state, conversation_id)
+    await _stored(request)
     item = await state.store.conversation_item(conversation_id, item_id)
     if item is None:
         raise not_found("Item", item_id, param="item_id")
@@ -151,7 +165,7 @@ async def retrieve_item(request: Request) -> Response:
 async def delete_item(request: Request) -> Response:
     state: ServerState = request.app.state.server
     conversation_id, item_id = request.path_params["conversation_id"], request.path_params["item_id"]
-    await _stored(state, conversation_id)
+    await _stored(request)
     conversation = await state.store.delete_conversation_item(conversation_id, item_id)
     if conversation is None:
         raise not_found("Item", item_id, param="item_id")

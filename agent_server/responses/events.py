@@ -231,7 +231,7 @@ class MessageWriter:
             output_index=self.index,
             content_index=0,
             delta=text,
-            logprobs=_without_bytes(logprobs or []),
+            logprobs=logprobs or [],  # with their `bytes`: dialect.py writes them per dialect
         )
 
     def annotate(self, url: str, title: str, start_index: int, end_index: int) -> None:
@@ -256,7 +256,7 @@ class MessageWriter:
             output_index=self.index,
             content_index=0,
             text=self.part.text,
-            logprobs=_without_bytes([dump(lp) for lp in self.part.logprobs]),
+            logprobs=[dump(lp) for lp in self.part.logprobs],
         )
         ev.emit(
             ResponseContentPartDoneEvent,
@@ -267,18 +267,6 @@ class MessageWriter:
         )
         self.item.status = status
         ev.item_done(self.index)
-
-
-def _without_bytes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Logprob entries as the text delta and done events carry them (no `bytes`)."""
-    return [
-        {
-            "token": e["token"],
-            "logprob": e["logprob"],
-            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]],
-        }
-        for e in entries
-    ]
 
 
 class FunctionCallWriter:

@@ -126,7 +126,7 @@ async def prepare(
     chain_ids: list[str] = []
     stored_conversation = None
     if req.conversation is not None:
-        stored_conversation = await _conversation(state, req.conversation_id)
+        stored_conversation = await _conversation(state, req.conversation_id, owner)
         chain_ids = await _conversation_item_ids(state, stored_conversation)
         check_item_ids(items, chain_ids)
         history, known_calls, chain_instructions, listed_mcp = await _conversation_history(state, stored_conversation)
@@ -342,9 +342,10 @@ async def _previous(
     return record
 
 
-async def _conversation(state: ServerState, conversation_id: str) -> StoredConversation:
+async def _conversation(state: ServerState, conversation_id: str, owner: str | None) -> StoredConversation:
+    """The conversation of that id; another owner's is a 404, as a missing one."""
     found = await state.store.get_conversation(conversation_id)
-    if found is None:
+    if found is None or not visible(found.owner, owner):
         raise not_found("Conversation", conversation_id, param="conversation")
     return found
 

@@ -21,6 +21,7 @@ from agent_server.auth import request_owner
 from agent_server.errors import APIError, not_found
 from agent_server.ownership import visible
 from agent_server.request_parsing import int_query, read_request
+from agent_server.responses import dialect
 from agent_server.responses.compaction import compaction_item, kept_items, summarise, usage_json
 from agent_server.responses.events import TERMINAL_EVENT, dump, new_id
 from agent_server.responses.lifecycle import start_run
@@ -65,8 +66,9 @@ async def create_response(request: Request) -> Response:
         # then overlaps setting up the stream instead of following it.
         await run.engine_started.wait()
         # A background response outlives its stream; a foreground one stops with its reader.
+        spoken = dialect.of(request.scope)
         return sse_response(
-            (sdk_event(e) async for e in run.stream()),
+            (sdk_event(dialect.written(e, spoken)) async for e in run.stream()),
             ping_seconds=state.config.sse_ping_seconds,
             on_close=None if body.background else run.cancel,
         )
@@ -114,7 +116,7 @@ async def compact_response(request: Request) -> Response:
         previous_response_id=body.previous_response_id,
         store=False,
     )
-    prepared = await prepare(state, create, started)
+    prepared = await prepare(state, create, started, request_owner(request))
     conversation = prepared.history + prepared.new_messages
     compaction_id = new_id("resp")
     work = asyncio.create_task(
@@ -162,7 +164,9 @@ async def count_input_tokens(request: Request) -> Response:
         config.max_request_bytes,
         max_items={"input": config.max_input_items, "tools": config.max_tools},
     )
-    prepared = await prepare(state, body.create_request(config.model_name), time.perf_counter(), counting=True)
+    prepared = await prepare(
+        state, body.create_request(config.model_name), time.perf_counter(), request_owner(request), counting=True
+    )
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prepared.task.prompt)})
 
 
@@ -188,9 +192,11 @@ async def retrieve_response(request: Request) -> Response:
             return JSONResponse(dump(run.snapshot))
         return JSONResponse((await _stored(state, response_id, owner)).response)
     starting_after = int_query(request, "starting_after", -1, -1, 1 << 62)
+    spoken = dialect.of(request.scope)
     if run is not None and run.background:
         return sse_response(
-            (sdk_event(e) async for e in run.stream(starting_after)), ping_seconds=state.config.sse_ping_seconds
+            (sdk_event(dialect.written(e, spoken)) async for e in run.stream(starting_after)),
+            ping_seconds=state.config.sse_ping_seconds,
         )
     record = None if run is not None else await _stored(state, response_id, owner)
     if record is None or record.events is None:
@@ -216,7 +222,7 @@ async def retrieve_response(request: Request) -> Response:
     async def replay():
         for event in events:
             if event["sequence_number"] > starting_after:
-                yield sdk_event(event)
+                yield sdk_event(dialect.written(event, spoken))
 
     return sse_response(replay(), ping_seconds=state.config.sse_ping_seconds)
 

@@ -20,7 +20,8 @@ The connection remembers its most recent store=false responses (`MAX_KEPT`), so 
 `previous_response_id` continues one on the same connection (another connection, or HTTP, gets
 `previous_response_not_found`); a continuation that fails forgets the response it named. The
 API key is checked at the handshake, as for HTTP (`agent_server/auth.py`); closing the
-connection cancels what runs on it.
+connection cancels what runs on it. Under `/openresponses/v1/responses` the events are named
+as the Open Responses specification names them (`agent_server/responses/dialect.py`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from typing import Any
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from agent_server.auth import request_owner
 from agent_server.errors import APIError, internal_error
 from agent_server.request_parsing import parse_json_object, too_large, validate_body
+from agent_server.responses import dialect
 from agent_server.responses.events import dump
 from agent_server.responses.lifecycle import start_run
 from agent_server.responses.prepare import prepare
@@ -57,6 +60,7 @@ class ResponsesSocket:
     def __init__(self, websocket: WebSocket, state: ServerState):
         self.websocket = websocket
         self.state = state
+        self.dialect = dialect.of(websocket.scope)  # the stream's event names (`dialect.py`)
         self.kept: OrderedDict[str, StoredResponse] = OrderedDict()
         self.runs: dict[str, ResponseRun] = {}
         self.forwarding: set[asyncio.Task] = set()
@@ -141,7 +145,7 @@ class ResponsesSocket:
             max_items={"input": config.max_input_items, "tools": config.max_tools},
         )
         try:
-            prepared = await prepare(self.state, req, started, local_responses=self.kept)
+            prepared = await prepare(self.state, req, started, request_owner(self.websocket), local_responses=self.kept)
         except APIError:
             if req.previous_response_id:  # a failed continuation: the connection forgets what it named
                 self.kept.pop(req.previous_response_id, None)
@@ -188,6 +192,7 @@ class ResponsesSocket:
             self.runs.pop(run.response_id, None)
 
     async def send(self, payload: dict[str, Any], stream_id: str | None = None) -> None:
+        payload = dialect.written(payload, self.dialect)
         if stream_id is not None:
             payload = {**payload, "stream_id": stream_id}
         async with self.sending:

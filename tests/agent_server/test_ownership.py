@@ -3,8 +3,9 @@
 Keys come from `--api-key` (owner `default`) and `--api-keys-file` (`name:key` lines; keys of
 one name share their responses). A response belongs to the owner of the key that created it:
 another owner gets the same 404 as for a missing id, whatever they try (retrieve, delete,
-cancel, input items, stream resume, previous_response_id, item_reference), while the response
-runs and after it is stored, and after a restart.
+cancel, input items, stream resume, previous_response_id, item_reference, compact, input_tokens,
+over HTTP or a WebSocket), while the response runs and after it is stored, and after a restart.
+Conversations are owned the same way: every conversations route, and `conversation` on a create.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+from websockets.sync.client import connect
 
 from agent_server.auth import anonymous_owner, read_keys_file
 from tests.conftest import MODEL, LiveServer, make_app, serve_captured
@@ -124,6 +126,112 @@ def test_ownership_outlives_a_restart(tmp_path):
         assert httpx.get(f"{live.url}/v1/responses/{rid}").status_code == 200
 
 
+def test_another_owner_cannot_reach_a_response_through_compact_count_or_a_websocket(server):
+    rid = server.alice.post("/v1/responses", json={"model": MODEL, "input": "my secret"}).json()["id"]
+    for path in ("/v1/responses/compact", "/v1/responses/input_tokens"):
+        r = server.bob.post(path, json={"model": MODEL, "input": "go on", "previous_response_id": rid})
+        assert_missing(r, rid, "previous_response_id")
+        assert server.alice.post(path, json={"model": MODEL, "previous_response_id": rid}).status_code == 200
+    url = server.url.replace("http://", "ws://") + "/v1/responses"
+    go_on = {"type": "response.create", "model": MODEL, "input": "go on", "previous_response_id": rid}
+    with connect(url, additional_headers={"Authorization": "Bearer sk-bob"}) as socket:
+        socket.send(json.dumps(go_on))
+        error = json.loads(socket.recv(timeout=30))
+        assert error["status"] == 404 and error["error"]["code"] == "previous_response_not_found"
+    with connect(url, additional_headers={"Authorization": "Bearer sk-alice-2"}) as socket:
+        socket.send(json.dumps(go_on))
+        while (event := json.loads(socket.recv(timeout=30)))["type"] != "response.completed":
+            assert event["type"] != "error", event
+    # What a WebSocket made (stored) is its key's owner's.
+    made = event["response"]["id"]
+    assert server.alice.get(f"/v1/responses/{made}").status_code == 200
+    assert_missing(server.bob.get(f"/v1/responses/{made}"), made)
+
+
+def test_another_owner_cannot_reach_a_conversation(server):
+    made = server.alice.post(
+        "/v1/conversations", json={"metadata": {"topic": "secret"}, "items": [{"role": "user", "content": "my secret"}]}
+    )
+    conv = made.json()["id"]
+    item = server.alice.get(f"/v1/conversations/{conv}/items").json()["data"][0]["id"]
+
+    def missing(r: httpx.Response, ident: str = conv, param: str = "conversation_id") -> None:
+        assert r.status_code == 404, (r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error["code"] == "not_found" and error["param"] == param and ident in error["message"]
+        assert error["message"] == f"Conversation with id '{ident}' not found."
+
+    nowhere = server.bob.get("/v1/conversations/conv_doesnotexist")
+    missing(nowhere, "conv_doesnotexist")
+    missing(server.bob.get(f"/v1/conversations/{conv}"))
+    missing(server.bob.post(f"/v1/conversations/{conv}", json={"metadata": {"topic": "mine now"}}))
+    missing(server.bob.get(f"/v1/conversations/{conv}/items"))
+    missing(server.bob.post(f"/v1/conversations/{conv}/items", json={"items": [{"role": "user", "content": "x"}]}))
+    missing(server.bob.get(f"/v1/conversations/{conv}/items/{item}"))
+    missing(server.bob.delete(f"/v1/conversations/{conv}/items/{item}"))
+    missing(server.bob.delete(f"/v1/conversations/{conv}"))
+    missing(server.default.get(f"/v1/conversations/{conv}"))  # --api-key's owner is another one
+    r = server.bob.post("/v1/responses", json={"model": MODEL, "input": "go on", "conversation": conv})
+    missing(r, param="conversation")
+    r = server.bob.post("/v1/responses", json={"model": MODEL, "input": "go on", "conversation": {"id": conv}})
+    missing(r, param="conversation")
+    url = server.url.replace("http://", "ws://") + "/v1/responses"
+    with connect(url, additional_headers={"Authorization": "Bearer sk-bob"}) as socket:
+        socket.send(json.dumps({"type": "response.create", "model": MODEL, "input": "x", "conversation": conv}))
+        error = json.loads(socket.recv(timeout=30))
+        assert error["status"] == 404 and error["error"]["param"] == "conversation"
+    # Bob's own conversation cannot take Alice's items by reference either.
+    bobs = server.bob.post("/v1/conversations", json={}).json()["id"]
+    r = server.bob.post(f"/v1/conversations/{bobs}/items", json={"items": [{"type": "item_reference", "id": item}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+    # Untouched by all that, and all Alice's, with either of her keys.
+    for alice in (server.alice, server.alice2):
+        assert alice.get(f"/v1/conversations/{conv}").json()["metadata"] == {"topic": "secret"}
+        assert [i["id"] for i in alice.get(f"/v1/conversations/{conv}/items").json()["data"]] == [item]
+    r = server.alice2.post("/v1/responses", json={"model": MODEL, "input": "go on", "conversation": conv})
+    assert r.status_code == 200 and r.json()["conversation"] == {"id": conv}
+    assert len(server.alice.get(f"/v1/conversations/{conv}/items").json()["data"]) == 3
+    assert server.alice.post(f"/v1/conversations/{conv}", json={"metadata": {"topic": "x"}}).status_code == 200
+    assert server.alice.delete(f"/v1/conversations/{conv}").json()["deleted"] is True
+    missing(server.alice.get(f"/v1/conversations/{conv}"))
+
+
+def test_conversation_ownership_outlives_a_restart(tmp_path):
+    store = tmp_path / "r.db"
+    with LiveServer(make_app(ScriptedEngine, store, api_keys=KEYS), api_key="sk-bob") as live:
+        conv = client(live, "sk-alice-1").post("/v1/conversations", json={}).json()["id"]
+    with LiveServer(make_app(ScriptedEngine, store, api_keys=KEYS), api_key="sk-bob") as live:
+        assert client(live, "sk-bob").get(f"/v1/conversations/{conv}").status_code == 404
+        assert client(live, "sk-alice-2").get(f"/v1/conversations/{conv}").status_code == 200
+    with LiveServer(make_app(ScriptedEngine, store)) as live:  # no key: one user, who sees it
+        assert httpx.get(f"{live.url}/v1/conversations/{conv}").status_code == 200
+
+
+def test_a_store_from_before_conversation_owners_opens(tmp_path):
+    """Conversations stored before they had owners get the column, and no owner: on a server with
+    keys no key sees them, on one without, its one user does."""
+    import asyncio
+    import sqlite3
+
+    from agent_server.store import SQLiteResponseStore, StoredConversation
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "CREATE TABLE conversations (id TEXT PRIMARY KEY, created_at REAL, metadata TEXT NOT NULL, "
+            "version INTEGER NOT NULL, state TEXT)"
+        )
+        db.execute("INSERT INTO conversations VALUES ('conv_old', 1.0, '{}', 0, NULL)")
+    store = SQLiteResponseStore(path)
+    try:
+        assert asyncio.run(store.get_conversation("conv_old")).owner is None
+        asyncio.run(store.create_conversation(StoredConversation(id="conv_new", owner="alice"), []))
+        assert asyncio.run(store.get_conversation("conv_new")).owner == "alice"
+    finally:
+        asyncio.run(store.close())
+
+
 def test_the_sdk_with_several_keys(server):
     alice, bob = (
         openai.OpenAI(base_url=f"{server.url}/v1", api_key=k, max_retries=0) for k in ("sk-alice-1", "sk-bob")
@@ -132,6 +240,18 @@ def test_the_sdk_with_several_keys(server):
     with pytest.raises(openai.NotFoundError):
         bob.responses.retrieve(response.id)
     assert alice.responses.retrieve(response.id).id == response.id
+    conversation = alice.conversations.create(items=[{"role": "user", "content": "hi"}])
+    for call in (
+        lambda: bob.conversations.retrieve(conversation.id),
+        lambda: bob.conversations.items.list(conversation.id),
+        lambda: bob.conversations.delete(conversation.id),
+        lambda: bob.responses.create(model=MODEL, input="x", conversation=conversation.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert alice.responses.create(model=MODEL, input="x", conversation=conversation.id).conversation.id == (
+        conversation.id
+    )
 
 
 def test_unknown_keys_are_refused(server):
