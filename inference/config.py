@@ -274,6 +274,9 @@ class EngineConfig:
     kv_cache_memory: int = 512 << 20
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # While sequences decode, prefill takes at most this many tokens a step (None: the whole
+    # budget): bounds the step a joining prompt adds to every running stream's inter-token time.
+    max_prefill_tokens_decoding: int | None = 1024
     max_model_len: int | None = None
     enforce_eager: bool = False  # no CUDA graphs
     speculative: str | None = None
@@ -293,7 +296,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("num_pages", "num_sliding_pages", "max_model_len"):
+        for name in ("num_pages", "num_sliding_pages", "max_model_len", "max_prefill_tokens_decoding"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -166,7 +166,9 @@ class LLMEngine:
             plan.bytes_per_full_page,
             plan.bytes_per_sliding_page,
         )
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.cache, config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_tokens_decoding
+        )
         self.runner = ModelRunner(
             model,
             self.kv_caches,

@@ -3,7 +3,11 @@
 Every step mixes decode and prefill under one token budget (`max_num_batched_tokens`):
 running sequences go first, oldest first (a decode costs one token, an unfinished prefill takes
 a chunk of what is left of the budget), then waiting sequences are admitted in arrival order
-while the budget, `max_num_seqs` and free pages allow. A sequence processes
+while the budget, `max_num_seqs` and free pages allow. While any sequence is decoding, prefill
+(chunks of running prompts and admissions together) takes at most `max_prefill_tokens_decoding`
+tokens a step: a prompt joining a busy batch then costs every running stream one bounded step
+at a time, not a stall as long as the whole prompt's prefill; an idle engine prefills at the
+full budget. A sequence processes
 `token_ids[num_computed : num_computed + n]`; when that reaches its last token the step samples
 its next token.
 
@@ -92,10 +96,18 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_tokens_decoding: int | None = None,
+    ):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # None: prefill may take the whole budget even while sequences decode.
+        self.max_prefill_tokens_decoding = max_prefill_tokens_decoding
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: OrderedDict[str, Sequence] = OrderedDict()  # oldest first
@@ -159,14 +171,23 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], [])
         under_pressure = False
+        # Prefill tokens this step may take (see the module docstring).
+        prefill_budget = budget
+        cap = self.max_prefill_tokens_decoding
+        if cap is not None and any(seq.num_tokens - seq.num_computed == 1 for seq in self.running):
+            prefill_budget = cap
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            wanted = min(seq.num_tokens - seq.num_computed, budget)
             decoding = seq.num_tokens - seq.num_computed == 1
-            if decoding and seq.draft_ids:  # verify the drafts too, as far as budget allows
-                wanted = min(1 + len(seq.draft_ids), budget)
+            if decoding:
+                wanted = min(1 + len(seq.draft_ids), budget)  # the drafts too, as far as budget allows
+            else:
+                wanted = min(seq.num_tokens - seq.num_computed, budget, prefill_budget)
+                if wanted == 0:  # this step's prefill share is spent: its next chunk waits a step
+                    i += 1
+                    continue
             n = self.cache.fit_tokens(seq.pages, seq.num_computed, wanted)
             if n == 0:
                 under_pressure = True
@@ -181,15 +202,22 @@ class Scheduler:
             batch.num_new.append(n)
             batch.num_draft.append(num_draft)
             budget -= n
+            if not decoding:
+                prefill_budget -= n
             i += 1
 
         # Admit new work only when no running sequence had to give up pages this step.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not under_pressure:
+        while (
+            self.waiting
+            and min(budget, prefill_budget) > 0
+            and len(self.running) < self.max_num_seqs
+            and not under_pressure
+        ):
             seq = self.waiting[0]
             matched_now = not seq.pages.holds_pages  # a continuation arrives holding pages
             if matched_now:
                 self._match_prefix(seq)
-            wanted = min(seq.num_tokens - seq.num_computed, budget)
+            wanted = min(seq.num_tokens - seq.num_computed, budget, prefill_budget)
             n = self.cache.fit_tokens(seq.pages, seq.num_computed, wanted)
             if n < wanted and not (n > 0 and not batch.seqs):
                 # Admission needs room for the whole first chunk (unless the step would be
@@ -218,6 +246,7 @@ class Scheduler:
             batch.num_new.append(n)
             batch.num_draft.append(0)
             budget -= n
+            prefill_budget -= n
         return batch
 
     def _match_prefix(self, seq: Sequence) -> None:

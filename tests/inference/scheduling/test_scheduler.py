@@ -7,9 +7,9 @@ from inference.scheduling.kv_cache import KVCacheManager
 from inference.scheduling.scheduler import Scheduler, Sequence, SequenceStatus
 
 
-def make(num_pages=64, page_size=4, window=8, max_num_seqs=8, budget=32, sliding_pages=None):
+def make(num_pages=64, page_size=4, window=8, max_num_seqs=8, budget=32, sliding_pages=None, prefill_cap=None):
     cache = KVCacheManager(num_pages, sliding_pages or num_pages, page_size, window)
-    return Scheduler(cache, max_num_seqs, budget)
+    return Scheduler(cache, max_num_seqs, budget, prefill_cap)
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int = 4, start: int = 1000, **kw) -> Sequence:
@@ -40,6 +40,28 @@ def test_chunked_prefill_shares_the_budget_with_decodes():
     assert fake_step(s) == [("a", 1), ("b", 15)]
     assert fake_step(s) == [("a", 1), ("b", 10)]
     assert fake_step(s) == [("a", 1), ("b", 1)]  # b's prompt is done: both decode
+
+
+def test_prefill_is_capped_while_sequences_decode_and_not_when_idle():
+    s = make(budget=32, num_pages=128, sliding_pages=128, prefill_cap=6)
+    s.add(seq("a", 20, max_tokens=30))
+    assert fake_step(s) == [("a", 20)]  # nothing decodes: the whole budget
+    s.add(seq("b", 14, start=2000))
+    s.add(seq("c", 5, start=3000))
+    # a decodes: b and c share 6 prefill tokens a step, b's chunks first (it is running).
+    assert fake_step(s) == [("a", 1), ("b", 6)]
+    assert fake_step(s) == [("a", 1), ("b", 6)]
+    assert fake_step(s) == [("a", 1), ("b", 2), ("c", 4)]
+    assert fake_step(s) == [("a", 1), ("b", 1), ("c", 1)]  # b decodes now; c's last prompt token
+    assert fake_step(s) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_without_a_cap_prefill_takes_what_the_decodes_leave():
+    s = make(budget=32, num_pages=128, sliding_pages=128)
+    s.add(seq("a", 20, max_tokens=30))
+    fake_step(s)
+    s.add(seq("b", 40, start=2000))
+    assert fake_step(s) == [("a", 1), ("b", 31)]
 
 
 def test_max_num_seqs_limits_running():
