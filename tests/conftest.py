@@ -190,9 +190,27 @@ def postgres_url(postgres_server) -> str:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def store_backend(request) -> str:
-    """Each store backend in turn: "sqlite", or "postgres" (a fresh database, request.node's
-    `postgres_url`)."""
+    """Each store backend in turn: "sqlite" or "postgres"."""
     return request.param
+
+
+@pytest.fixture
+def store_url(request, store_backend) -> str | None:
+    """For `make_app(..., store_url=store_url)`: None (SQLite at the store path) or the URL of a
+    new PostgreSQL database, per `store_backend`."""
+    return request.getfixturevalue("postgres_url") if store_backend == "postgres" else None
+
+
+def shared_store(url: str, heartbeat: float = 0.5, lease: float = 4.0):
+    """`make_app(store=...)`: a PostgreSQL store on `url` whose servers' leases are short, so
+    that a test sees a dead server's runs failed within seconds (long enough for a loaded CPU)."""
+
+    async def open_store():
+        from agent_server.store_postgres import PostgresStore
+
+        return await PostgresStore.open(url, heartbeat=heartbeat, lease=lease)
+
+    return open_store
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ from agent_server.store import SQLiteResponseStore, StoredConversation, StoredRe
 
 
 @pytest.fixture
-async def open_store(store_backend, tmp_path, request):
+async def open_store(store_url, tmp_path):
     """Opens a store of the backend (each call another store on the same file or database, as
     another server would); all closed at the end."""
     opened = []
-    url = request.getfixturevalue("postgres_url") if store_backend == "postgres" else None
+    url = store_url
 
     async def open_(**options):
         if url is None:
