@@ -214,7 +214,7 @@ async def shared(postgres_url):
     opened = []
 
     async def open_(**options):
-        store = await PostgresStore.open(postgres_url, **({"heartbeat": 0.2, "lease": 1.0} | options))
+        store = await PostgresStore.open(postgres_url, **({"heartbeat": 0.2, "lease": 2.0} | options))
         opened.append(store)
         return store
 
@@ -278,7 +278,7 @@ async def test_a_run_whose_owner_died_is_marked_failed_by_another_server(shared)
     # The owner dies: no more heartbeats, its lease runs out (its connections stay, as a hung
     # server's would, and it may still try to write).
     owner._beating.cancel()
-    for _ in range(100):
+    for _ in range(200):
         record = await other.get("resp_dead")
         if record.status == "failed":
             break
