@@ -216,17 +216,42 @@ class ReadinessGate:
         return await self.app(scope, receive, send)
 
 
+async def open_store(config: ServerConfig) -> ResponseStore:
+    """The SQLite file at config.store_path, or the PostgreSQL database at config.store_url."""
+    if not config.store_url:
+        return SQLiteResponseStore(config.store_path)
+    from agent_server.store_postgres import PostgresStore
+
+    try:
+        return await PostgresStore.open(config.store_url)
+    except Exception as e:
+        log.error("could not open the store %s: %s: %s", redacted_url(config.store_url), type(e).__name__, e)
+        raise
+
+
+def redacted_url(url: str) -> str:
+    """A database URL as it may be logged: without its password."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def create_app(
     config: ServerConfig,
     engine_factory: EngineFactory,
     *,
     tool_servers: ToolServersFactory | None = None,
-    store: ResponseStore | None = None,
+    store: ResponseStore | Callable[[], Awaitable[ResponseStore]] | None = None,
     on_load_error: Callable[[str], None] | None = None,
 ) -> Starlette:
     """The ASGI app. `engine_factory` builds the engine (sync or async) at startup, a sync one
     on a worker thread (the event loop answers /health meanwhile); `tool_servers` starts the
-    tool servers; `store` defaults to SQLite at config.store_path. `on_load_error(message)`: the
+    tool servers; `store` (or a coroutine function opening it at startup, on the server's event
+    loop) defaults to `open_store(config)`. `on_load_error(message)`: the
     model or a tool server failed to start (the CLI exits); /health and /ready say so anyway."""
     state = ServerState(config=config, metrics=Metrics(lambda: state.engine))
     building: asyncio.Future | None = None  # a sync factory's build on a worker thread, once begun
@@ -265,7 +290,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        state.store = store or SQLiteResponseStore(config.store_path)
+        if store is None:
+            state.store = await open_store(config)
+        else:
+            state.store = await store() if inspect.iscoroutinefunction(store) else store
+        state.store.set_cancel_handler(state.runs.stop)
         loading = asyncio.create_task(load())
         try:
             yield

@@ -29,6 +29,8 @@ class ServerConfig:
     api_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> owner name (--api-keys-file)
     store_path: Path = field(default_factory=default_store_path)
+    # A PostgreSQL URL: the store several servers share, instead of the SQLite file at store_path.
+    store_url: str | None = None
     tool_timeout: float = 300.0  # seconds one built-in tool call may take
     max_request_bytes: int = 32 << 20
     max_input_items: int = 2048  # items in `input` / `messages`

@@ -1,7 +1,10 @@
 """Where responses live after they are created: `GET`, `previous_response_id`, stream resume.
 
 `ResponseStore` is the interface; `SQLiteResponseStore` is the embedded default (one file,
-survives restarts). A record holds the public `Response`, the request's input items, the
+survives restarts), `agent_server.store_postgres.PostgresStore` the one several servers share
+(`--store postgresql://...`): there a running response is owned by the server running it, which
+other servers ask to stop it (`request_cancel`) and whose events they follow (`events_after`,
+`changed`). A record holds the public `Response`, the request's input items, the
 Harmony messages of the conversation so far (what `previous_response_id` continues from) and,
 for background responses, the event stream so `?stream=true&starting_after=N` can replay it.
 
@@ -25,7 +28,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from agent_server.ownership import visible
 
@@ -56,8 +59,15 @@ class StoredResponse:
         return self.response.get("status")
 
 
+RUNNING = ("queued", "in_progress")  # a stored response's statuses while a server runs it
+
+# Called with (response_id, deleted) when another server asks to stop a run this one owns.
+CancelHandler = Callable[[str, bool], None]
+
+
 class ResponseStore(Protocol):
-    async def get(self, response_id: str) -> StoredResponse | None: ...
+    async def get(self, response_id: str, events: bool = True) -> StoredResponse | None:
+        """`events=False`: without a background response's events (its `events` stays [])."""
 
     async def find_item(self, item_id: str, requester: str | None = None) -> dict[str, Any] | None:
         """An input or output item of a stored response the requester may see (ownership.visible),
@@ -68,7 +78,21 @@ class ResponseStore(Protocol):
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
         """More of a (background) response's events, each with its sequence_number."""
 
-    async def delete(self, response_id: str) -> bool: ...
+    async def events_after(self, response_id: str, after: int) -> list[dict[str, Any]]:
+        """Its stored events with sequence_number > after, in order."""
+
+    async def changed(self, response_id: str, timeout: float) -> None:
+        """Returns once its record or events may have changed, or after `timeout` seconds (for
+        a client following a response that another server runs)."""
+
+    async def request_cancel(self, response_id: str) -> bool:
+        """Ask the server running it to cancel it; False when no other server runs it."""
+
+    def set_cancel_handler(self, handler: CancelHandler) -> None:
+        """Who is told when another server asks to stop (cancel, or delete) a run of this one."""
+
+    async def delete(self, response_id: str) -> bool:
+        """(A running response another server owns is stopped by it, and not stored.)"""
 
     async def close(self) -> None: ...
 
@@ -179,16 +203,8 @@ class SQLiteResponseStore:
             rows = self._db.execute("SELECT record FROM responses WHERE status IN ('queued', 'in_progress')").fetchall()
             unindexed = self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM response_items)").fetchone()[0]
         for (raw,) in rows:
-            record = StoredResponse(**json.loads(raw))  # (its events, in their table, stay as they are)
-            record.response["status"] = "failed"
-            record.response["error"] = {
-                "code": "server_error",
-                "message": "The server stopped before this response finished.",
-            }
-            for item in record.response.get("output", []):  # what was being written when it stopped
-                if item.get("status") == "in_progress":
-                    item["status"] = "incomplete"
-            self._put(record)
+            # (its events, in their table, stay as they are)
+            self._put(interrupted(StoredResponse(**json.loads(raw))))
         if unindexed:  # once, record by record
             with self._lock:
                 ids = [row[0] for row in self._db.execute("SELECT id FROM responses").fetchall()]
@@ -233,7 +249,7 @@ class SQLiteResponseStore:
     def _index(self, record: StoredResponse) -> None:
         self._db.executemany(
             "INSERT OR IGNORE INTO response_items (id, response_id) VALUES (?, ?)",
-            [(item_id, record.id) for item_id in _item_ids(record)],
+            [(item_id, record.id) for item_id in record_item_ids(record)],
         )
 
     def _get(self, response_id: str, events: bool = True) -> StoredResponse | None:
@@ -261,13 +277,33 @@ class SQLiteResponseStore:
             record = self._get(response_id, events=False)
             if record is None or not visible(record.owner, requester):
                 continue
-            found = next((item for item in _items(record) if item.get("id") == item_id), None)
+            found = next((item for item in record_items(record) if item.get("id") == item_id), None)
             if found is not None:
                 return found
         return None
 
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await asyncio.to_thread(self._get, response_id)
+    def _events_after(self, response_id: str, after: int) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT event FROM response_events WHERE response_id = ? AND seq > ? ORDER BY seq", (response_id, after)
+            ).fetchall()
+        return [json.loads(row[0]) for row in rows]
+
+    async def get(self, response_id: str, events: bool = True) -> StoredResponse | None:
+        return await asyncio.to_thread(self._get, response_id, events)
+
+    async def events_after(self, response_id: str, after: int) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self._events_after, response_id, after)
+
+    async def changed(self, response_id: str, timeout: float) -> None:
+        # One server runs what it stores: only a process sharing the file writes meanwhile.
+        await asyncio.sleep(min(timeout, 0.2))
+
+    async def request_cancel(self, response_id: str) -> bool:
+        return False  # (no other server: its runs are this one's)
+
+    def set_cancel_handler(self, handler: CancelHandler) -> None:
+        pass
 
     async def put(self, record: StoredResponse) -> None:
         await asyncio.to_thread(self._put, record)
@@ -482,10 +518,38 @@ def _keep_private(path: Path) -> None:
             log.warning("could not make %s readable by its owner only: %s", name, e)
 
 
-def _items(record: StoredResponse) -> list[dict[str, Any]]:
+async def settled(store: ResponseStore, response_id: str, timeout: float) -> StoredResponse | None:
+    """The stored response (without its events) once it is no longer running, or as it is
+    after `timeout` seconds; None once deleted. For a response another server runs (or ran:
+    when its owner died, a server marks it failed within the store's lease)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        record = await store.get(response_id, events=False)
+        left = deadline - loop.time()
+        if record is None or record.status not in RUNNING or left <= 0:
+            return record
+        await store.changed(response_id, min(left, 1.0))
+
+
+def interrupted(record: StoredResponse) -> StoredResponse:
+    """A response whose server stopped while it ran, as it is then stored: failed, with the
+    output written until then."""
+    record.response["status"] = "failed"
+    record.response["error"] = {
+        "code": "server_error",
+        "message": "The server stopped before this response finished.",
+    }
+    for item in record.response.get("output", []):  # what was being written when it stopped
+        if item.get("status") == "in_progress":
+            item["status"] = "incomplete"
+    return record
+
+
+def record_items(record: StoredResponse) -> list[dict[str, Any]]:
     """A record's input items, then its output items."""
     return [*record.input_items, *record.response.get("output", [])]
 
 
-def _item_ids(record: StoredResponse) -> set[str]:
-    return {item["id"] for item in _items(record) if isinstance(item.get("id"), str)}
+def record_item_ids(record: StoredResponse) -> set[str]:
+    return {item["id"] for item in record_items(record) if isinstance(item.get("id"), str)}

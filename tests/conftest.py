@@ -157,7 +157,10 @@ def serve_captured(argv: list[str]) -> dict:
     return captured
 
 
-def make_app(engine_factory, store_path: Path, *, tools=None, api_key: str | None = None, **config):
+def make_app(engine_factory, store_path: Path, *, tools=None, api_key: str | None = None, store=None, **config):
+    """`store`: the store it opens at startup, a factory (a coroutine function) of one, e.g. a
+    `PostgresStore.open` with the test's settings; by default, SQLite at `store_path` (or the
+    PostgreSQL database of a `store_url` in `config`)."""
     from agent_server.app import create_app
     from agent_server.state import ServerConfig
 
@@ -165,7 +168,49 @@ def make_app(engine_factory, store_path: Path, *, tools=None, api_key: str | Non
         return list(tools or [])
 
     cfg = ServerConfig(model_name=MODEL, store_path=store_path, api_key=api_key, **config)
-    return create_app(cfg, engine_factory, tool_servers=tool_servers)
+    return create_app(cfg, engine_factory, tool_servers=tool_servers, store=store)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway PostgreSQL server for the session (tests/postgres.py); skips without
+    PostgreSQL, fails under CI."""
+    from tests.postgres import start_postgres
+
+    server = start_postgres()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> str:
+    """The URL of a new empty database on the throwaway server."""
+    return postgres_server.create_database()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_backend(request) -> str:
+    """Each store backend in turn: "sqlite" or "postgres"."""
+    return request.param
+
+
+@pytest.fixture
+def store_url(request, store_backend) -> str | None:
+    """For `make_app(..., store_url=store_url)`: None (SQLite at the store path) or the URL of a
+    new PostgreSQL database, per `store_backend`."""
+    return request.getfixturevalue("postgres_url") if store_backend == "postgres" else None
+
+
+def shared_store(url: str, heartbeat: float = 0.5, lease: float = 4.0):
+    """`make_app(store=...)`: a PostgreSQL store on `url` whose servers' leases are short, so
+    that a test sees a dead server's runs failed within seconds (long enough for a loaded CPU)."""
+
+    async def open_store():
+        from agent_server.store_postgres import PostgresStore
+
+        return await PostgresStore.open(url, heartbeat=heartbeat, lease=lease)
+
+    return open_store
 
 
 @pytest.fixture

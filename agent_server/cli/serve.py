@@ -49,10 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exa-api-key", default=os.environ.get("EXA_API_KEY"), help="Exa key for web search")
     parser.add_argument(
         "--store",
-        type=Path,
+        metavar="FILE|URL",
         help="SQLite file for stored responses (default: ~/.cache/oss-agent/responses.sqlite3, "
         "or responses.sqlite3 in $OSS_AGENT_CACHE; every server started without --store "
-        "shares it)",
+        "shares it), or a PostgreSQL database, postgresql://USER:PASSWORD@HOST:PORT/DB, that "
+        "any number of servers share (responses, conversations, background runs)",
     )
     parser.add_argument(
         "--reasoning-key-file",
@@ -338,6 +339,11 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def is_database_url(store: str) -> bool:
+    """--store names a PostgreSQL database (else a SQLite file)."""
+    return store.startswith(("postgresql://", "postgres://"))
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -431,15 +437,26 @@ def run(args: argparse.Namespace) -> int:
     if search_dir is not None and not search_dir.is_dir():
         log.error("--search-dir %s is not a folder", args.search_dir)
         return 2
-    store_path = Path(args.store).expanduser() if args.store else default_store_path()
-    if args.store and store_path.is_dir():
+    store_url = args.store if args.store and is_database_url(args.store) else None
+    store_path = Path(args.store).expanduser() if args.store and not store_url else default_store_path()
+    if store_url:
+        from agent_server.app import redacted_url
+
+        try:
+            import asyncpg  # noqa: F401
+        except ImportError:
+            log.error("--store %s needs the asyncpg package: pip install asyncpg", redacted_url(store_url))
+            return 2
+        log.info("stored responses: PostgreSQL at %s (shared by every server given it)", redacted_url(store_url))
+    elif args.store and store_path.is_dir():
         log.error("--store %s is a folder; give the path of the SQLite file to keep responses in", args.store)
         return 2
-    log.info(
-        "stored responses: %s%s",
-        store_path,
-        "" if args.store else " (shared by every server started without --store; --store FILE for one of its own)",
-    )
+    else:
+        log.info(
+            "stored responses: %s%s",
+            store_path,
+            "" if args.store else " (shared by every server started without --store; --store FILE for one of its own)",
+        )
     options = engine_options(args)
 
     def build_engine():
@@ -476,6 +493,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         api_keys=api_keys,
         store_path=store_path,
+        store_url=store_url,
         reasoning_key_file=args.reasoning_key_file.expanduser() if args.reasoning_key_file else None,
         tool_timeout=args.tool_timeout,
         cors_origins=args.cors_origin,

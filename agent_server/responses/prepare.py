@@ -31,7 +31,7 @@ from agent_server.responses.conversation import input_to_messages, messages_from
 from agent_server.responses.events import new_id
 from agent_server.responses.runs import TERMINAL
 from agent_server.state import ServerState
-from agent_server.store import StoredConversation, StoredResponse
+from agent_server.store import RUNNING, StoredConversation, StoredResponse, settled
 from agent_server.turn_grammar import TurnRules, check_strict_schema
 from inference.request import SamplingParams
 from schemas.responses import (
@@ -54,6 +54,8 @@ from schemas.responses import (
     ToolChoiceMcp,
 )
 
+# How long a previous response another server runs may take to be stored once it ended.
+PREVIOUS_WAIT_SECONDS = 5.0
 INPUT_ITEM = TypeAdapter(InputItem)  # a stored item, checked again as the input it is given as
 SDK_TOOL = TypeAdapter(SDKTool)
 
@@ -326,7 +328,16 @@ async def _previous(
                 param="previous_response_id",
                 code="previous_response_in_progress",
             )
-    record = await state.store.get(response_id)
+    record = await state.store.get(response_id, events=False)
+    if record is not None and record.status in RUNNING and run is None and visible(record.owner, owner):
+        # Another server runs it (a shared store): its last event may be out, its record on its way.
+        record = await settled(state.store, response_id, PREVIOUS_WAIT_SECONDS)
+        if record is not None and record.status in RUNNING:
+            raise APIError(
+                f"Previous response '{response_id}' is still in progress.",
+                param="previous_response_id",
+                code="previous_response_in_progress",
+            )
     if record is None or not visible(record.owner, owner):
         raise APIError(
             f"Previous response with id '{response_id}' not found.",

@@ -29,7 +29,7 @@ from agent_server.responses.prepare import prepare
 from agent_server.responses.runs import TERMINAL, ResponseRun
 from agent_server.sse import sdk_event, sse_response
 from agent_server.state import ServerState
-from agent_server.store import StoredResponse
+from agent_server.store import RUNNING, StoredResponse, settled
 from schemas.responses import (
     InputTokensRequest,
     ResponseCompactRequest,
@@ -37,6 +37,9 @@ from schemas.responses import (
 )
 
 log = logging.getLogger(__name__)
+
+# How long a cancel waits for the server that runs the response (another one) to stop it.
+CANCEL_WAIT_SECONDS = 30.0
 
 # Parameters of OpenAI's Responses API this server does not take, and why.
 UNSUPPORTED = {
@@ -204,20 +207,10 @@ async def retrieve_response(request: Request) -> Response:
             "Only background responses can be streamed again; this one was not created with background=true.",
             param="stream",
         )
+    if record.status in RUNNING and not _ends(record.events):  # another server runs it (a shared store)
+        return sse_response(_follow(state, record, starting_after), ping_seconds=state.config.sse_ping_seconds)
 
-    events = record.events
-    if not events or events[-1].get("type") not in TERMINAL_EVENT.values():
-        # The server stopped while it ran (the record was then marked failed): what it streamed
-        # was not kept, but a stream still ends with the response's terminal event.
-        status = record.status if record.status in TERMINAL else "failed"
-        events = [
-            *events,
-            {
-                "type": TERMINAL_EVENT[status],
-                "response": record.response,
-                "sequence_number": max(len(events), starting_after + 1),
-            },
-        ]
+    events = _with_terminal_event(record, record.events, starting_after)
 
     async def replay():
         for event in events:
@@ -225,6 +218,43 @@ async def retrieve_response(request: Request) -> Response:
                 yield sdk_event(dialect.written(event, spoken))
 
     return sse_response(replay(), ping_seconds=state.config.sse_ping_seconds)
+
+
+def _ends(events: list[dict]) -> bool:
+    return bool(events) and events[-1].get("type") in TERMINAL_EVENT.values()
+
+
+def _with_terminal_event(record: StoredResponse, events: list[dict], starting_after: int) -> list[dict]:
+    """A stored response's events, ending with its terminal event: when the server running it
+    stopped (the record was then marked failed), what it streamed since its last write was not
+    kept, but a stream still ends with the response's terminal event."""
+    if _ends(events):
+        return events
+    status = record.status if record.status in TERMINAL else "failed"
+    last = events[-1]["sequence_number"] if events else -1
+    terminal = {"type": TERMINAL_EVENT[status], "response": record.response}
+    return [*events, {**terminal, "sequence_number": max(last + 1, starting_after + 1)}]
+
+
+async def _follow(state: ServerState, record: StoredResponse, starting_after: int):
+    """The events of a background response another server runs: those stored, then those its
+    owner appends, until its terminal event (or its record ends otherwise: its owner died)."""
+    after = starting_after
+    events = record.events or []
+    while True:
+        for event in events:
+            if event["sequence_number"] > after:
+                after = event["sequence_number"]
+                yield sdk_event(event)
+                if event.get("type") in TERMINAL_EVENT.values():
+                    return
+        await state.store.changed(record.id, 0.5)
+        current = await state.store.get(record.id, events=False)  # (its status first: then its events are all in)
+        events = await state.store.events_after(record.id, after)
+        if current is None:  # deleted meanwhile
+            return
+        if current.status not in RUNNING:
+            events = _with_terminal_event(current, events, after)
 
 
 async def delete_response(request: Request) -> Response:
@@ -252,6 +282,9 @@ async def cancel_response(request: Request) -> Response:
         record = await _stored(state, response_id, owner)
         if not record.response.get("background"):
             raise APIError("Only responses created with background=true can be cancelled.", param="response_id")
+        if record.status in RUNNING and await state.store.request_cancel(response_id):
+            # Another server runs it (a shared store): it stops it and stores it cancelled.
+            record = await settled(state.store, response_id, CANCEL_WAIT_SECONDS) or record
         return JSONResponse(record.response)
     if not run.background:
         raise APIError("Only responses created with background=true can be cancelled.", param="response_id")

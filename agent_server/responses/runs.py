@@ -87,6 +87,15 @@ class RunRegistry:
     def remove(self, response_id: str) -> None:
         self.runs.pop(response_id, None)
 
+    def stop(self, response_id: str, deleted: bool = False) -> None:
+        """Another server asked, through the shared store, to cancel (or delete) a run of ours."""
+        run = self.runs.get(response_id)
+        if run is None:
+            return
+        if deleted:
+            run.deleted = True
+        run.cancel()
+
     async def cancel_all(self) -> None:
         runs = list(self.runs.values())
         for run in runs:

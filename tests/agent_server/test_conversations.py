@@ -21,6 +21,14 @@ ANSWER = (
 )
 
 
+@pytest.fixture
+def fake_server(tmp_path, fake_engine, fake_tools, store_url):
+    """conftest's `fake_server` on each store backend."""
+    app = make_app(lambda: fake_engine, tmp_path / "responses.sqlite3", tools=fake_tools.values(), store_url=store_url)
+    with LiveServer(app, kind="fake") as server:
+        yield server
+
+
 def test_conversations_and_their_items(fake_server):
     client = fake_server.client()
     conversation = client.conversations.create(
@@ -135,10 +143,10 @@ def test_responses_continue_a_conversation(fake_server):
     assert len(client.conversations.items.list(conversation.id, limit=100).data) == 1 + 3 + 3 + 1 - 1 + 2
 
 
-def test_a_conversation_continues_across_a_restart(tmp_path):
+def test_a_conversation_continues_across_a_restart(tmp_path, store_url):
     store = tmp_path / "responses.sqlite3"
     engine = ScriptedEngine().say(ANSWER)
-    with LiveServer(make_app(lambda: engine, store)) as server:
+    with LiveServer(make_app(lambda: engine, store, store_url=store_url)) as server:
         client = server.client()
         conversation = client.conversations.create(
             items=[{"role": "user", "content": "My name is Ada."}], metadata={"k": "v"}
@@ -148,7 +156,7 @@ def test_a_conversation_continues_across_a_restart(tmp_path):
         client.responses.create(model=MODEL, conversation=conversation.id, input="And again?", store=False)
         expected = engine.calls[-1].request.prompt_token_ids
     engine = ScriptedEngine().say(ANSWER)
-    with LiveServer(make_app(lambda: engine, store)) as server:
+    with LiveServer(make_app(lambda: engine, store, store_url=store_url)) as server:
         client = server.client()
         assert client.conversations.retrieve(conversation.id).metadata == {"k": "v"}
         client.responses.create(model=MODEL, conversation=conversation.id, input="And again?")

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from agent_server.store import SQLiteResponseStore, StoredResponse
-from tests.conftest import MODEL
+from tests.conftest import MODEL, wait_for
 from tests.scripted_server import long_answer
 
 
@@ -71,8 +71,9 @@ def test_an_existing_world_readable_store_is_made_private(tmp_path):
 # --- a crash mid-generation -------------------------------------------------------------------
 
 
-def start_server(store: Path) -> tuple[subprocess.Popen, str]:
-    """`tests.scripted_server` on `store`, in a process of its own; (process, base URL)."""
+def start_server(store: Path | str) -> tuple[subprocess.Popen, str]:
+    """`tests.scripted_server` on `store` (a SQLite file or a PostgreSQL URL), in a process of
+    its own; (process, base URL)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     process = subprocess.Popen(
@@ -103,8 +104,9 @@ def text_of(events: list[dict]) -> str:
     return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
 
 
-def test_responses_cut_by_a_kill_read_failed_with_what_was_generated(tmp_path):
-    store = tmp_path / "r.db"
+def test_responses_cut_by_a_kill_read_failed_with_what_was_generated(tmp_path, store_url):
+    # On PostgreSQL the next server marks them failed once the killed one's lease ran out.
+    store = store_url or tmp_path / "r.db"
     server, url = start_server(store)
     try:
         with contextlib.ExitStack() as streams:
@@ -138,6 +140,7 @@ def test_responses_cut_by_a_kill_read_failed_with_what_was_generated(tmp_path):
     server, url = start_server(store)  # the same store, after the crash
     try:
         # The foreground response the client holds the id of: failed, with what was generated.
+        wait_for(lambda: httpx.get(f"{url}/v1/responses/{bg_id}").json()["status"] == "failed")
         r = httpx.get(f"{url}/v1/responses/{fg_id}")
         assert r.status_code == 200, r.text  # (it was never stored: a 404 for an id the client holds)
         stored = r.json()
@@ -172,5 +175,19 @@ def test_responses_cut_by_a_kill_read_failed_with_what_was_generated(tmp_path):
     finally:
         server.kill()
         server.wait(timeout=30)
-    with sqlite3.connect(store) as db:
-        assert db.execute("SELECT COUNT(*) FROM response_events WHERE response_id = ?", (bg_id,)).fetchone()[0] == 0
+    if store_url is None:
+        with sqlite3.connect(store) as db:
+            count = db.execute("SELECT COUNT(*) FROM response_events WHERE response_id = ?", (bg_id,)).fetchone()[0]
+    else:
+        count = asyncio.run(_count_events(store_url, bg_id))
+    assert count == 0
+
+
+async def _count_events(url: str, response_id: str) -> int:
+    import asyncpg
+
+    db = await asyncpg.connect(url)
+    try:
+        return await db.fetchval("SELECT COUNT(*) FROM response_events WHERE response_id = $1", response_id)
+    finally:
+        await db.close()
