@@ -242,7 +242,7 @@ def engine_in_process_of_its_own(args: argparse.Namespace) -> bool:
     work is the bottleneck, and a process of its own only adds start-up time)."""
     if args.engine_process is not None:
         return args.engine_process
-    if args.data_parallel_size > 1:
+    if getattr(args, "data_parallel_size", 1) > 1:  # (`bench engine` shares this, without the flag)
         return True
     if args.device is not None:
         return args.device.startswith("cuda")
