@@ -332,5 +332,9 @@ def start_replicas(spec, data_parallel_size: int) -> ReplicaRouter:
         for client in started:
             client.stop_now()
         raise RuntimeError("; ".join(errors))
-    log.info("data parallel: %d engine replicas on %s", data_parallel_size, ", ".join(devices))
+    log.info(
+        "data parallel: %d engine replicas: %s",
+        data_parallel_size,
+        ", ".join(f"{i} on {d} (pid {c.pid})" for i, (d, c) in enumerate(zip(devices, started))),
+    )
     return ReplicaRouter(started)

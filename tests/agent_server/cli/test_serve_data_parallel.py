@@ -7,6 +7,7 @@ while the other goes on serving (/health "degraded", not 503)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -187,7 +188,9 @@ def test_two_replicas_route_by_load_prefix_and_continuation_and_survive_one_dyin
     )
     assert len(running) == 1, running
     victim = running[0]
-    os.kill(engines[victim], signal.SIGKILL)
+    pids = dict(re.findall(r"(\d+) on \S+ \(pid (\d+)\)", log.read_text()))
+    assert sorted(int(p) for p in pids.values()) == sorted(engines), (pids, engines)
+    os.kill(int(pids[str(victim)]), signal.SIGKILL)
     reader.join(60)
     assert outcome.get("done") and "failed" in outcome, outcome
     health = _wait(
