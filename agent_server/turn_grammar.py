@@ -25,6 +25,13 @@ A forced tool (`tool_choice` "required", a named function, a built-in tool, an M
 tool) makes the turn one call, to one of the forced recipients, written from its first token in
 its canonical header (functions on commentary, built-ins on analysis). Python's code is free
 text: in a forced turn it is bounded to fit the turn's token budget, so the call is always made.
+
+A custom tool with a grammar (lark or regex) is called like python, in a " code" message, its text
+held to that grammar in every turn that offers it, forced or not (and never cut short: a grammar
+whose sentences may run longer than the budget can leave the response incomplete, never its input
+outside the grammar):
+
+    <|channel|>commentary to=functions.NAME code<|message|>TEXT<|call|>
 """
 
 from __future__ import annotations
@@ -87,6 +94,15 @@ def check_strict_schema(schema: dict[str, Any]) -> str | None:
     return error.strip() if error else None
 
 
+def check_text_grammar(grammar: Grammar) -> str | None:
+    """Why a tool's text grammar (a custom tool's lark or regex `format`) cannot be enforced: it
+    does not compile on its own, or not inside a turn; None if it can."""
+    error = grammar_error(grammar)
+    if error is None:
+        error = grammar_error(Grammar("lark", f"start: {_text_body(grammar)}\n"))
+    return error.strip() if error else None
+
+
 def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
@@ -121,7 +137,10 @@ def turn_lark(rules: TurnRules, *, forced: bool = False, budget: int | None = No
             channels = '("analysis" | "commentary")'
         if target.code:
             header = f"{channels} {_literal(' to=' + target.recipient + ' code')} <|message|>"
-            code_budget = budget - CALL_FRAME_TOKENS if forced and budget is not None else None
+            # (a grammar's text is not cut short: a limit would let it end where its grammar cannot)
+            code_budget = (
+                budget - CALL_FRAME_TOKENS if forced and budget is not None and target.grammar is None else None
+            )
             limit = f"[max_tokens={code_budget}]" if code_budget is not None and code_budget > 0 else ""
             lines.append(f"body_{i}{limit}: {_text_body(target.grammar)}")
         else:

@@ -109,11 +109,14 @@ class ActiveTools:
 
     def call_targets(self, *, forced: bool = False) -> list[CallTarget]:
         """Every recipient the model may address, with what its message holds (`turn_grammar.py`):
-        the client's tools on commentary, built-ins and MCP tools on analysis (their forced headers).
+        the client's tools on commentary (a custom tool with a grammar: text of that grammar, in
+        every turn), built-ins and MCP tools on analysis (their forced headers).
         `forced`: as the targets of a forced call (a function's schema then holds where it
         compiles, strict or not)."""
         targets = [
-            CallTarget(recipient, "commentary", function_arguments(t.parameters, strict=t.strict, forced=forced))
+            CallTarget(recipient, "commentary", code=True, grammar=t.text_grammar)
+            if t.text_grammar is not None
+            else CallTarget(recipient, "commentary", function_arguments(t.parameters, strict=t.strict, forced=forced))
             for recipient, t in self.client.by_recipient.items()
         ]
         if self.browser is not None:

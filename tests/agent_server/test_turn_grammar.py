@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent_server.turn_grammar import ANY_OBJECT, CallTarget, TurnRules, function_arguments
+from agent_server.turn_grammar import ANY_OBJECT, CallTarget, TurnRules, check_text_grammar, function_arguments
 from inference.grammar import Grammar, GrammarCompiler
 from inference.tokenizer import CALL, RETURN, harmony_encoding
 from tests.fake_engine import harmony_tokens
@@ -144,3 +144,31 @@ def test_a_tool_whose_text_follows_a_grammar(compiler, grammar, good, bad):
     for g in (rules.grammar(), rules.grammar(forced=True, budget=100)):
         assert accepted(compiler, g, call.format(good)) is None
         assert accepted(compiler, g, call.format(bad)) is not None
+
+
+def test_a_forced_tools_grammar_text_is_never_cut_short(compiler):
+    """Python's free code is bounded by the budget, a grammar's text is not: a limit would let it
+    end where its grammar cannot (the response may then run out, never its input off the grammar)."""
+    grammar = Grammar("lark", 'start: WORD ("," WORD)*\nWORD: /[a-z]+/')
+    target = CallTarget("functions.words", "commentary", code=True, grammar=grammar)
+    forced = TurnRules([target], forced=[target]).grammar(forced=True, budget=40)
+    assert "max_tokens" not in forced.text
+    call = "<|channel|>commentary to=functions.words code<|message|>{}<|call|>"
+    assert accepted(compiler, forced, call.format(",".join(["alpha", "beta", "gamma"] * 20))) is None
+    assert accepted(compiler, forced, call.format("alpha,")) is not None
+
+
+@pytest.mark.parametrize(
+    "grammar, error",
+    [
+        (Grammar("lark", 'start: "a" b\nb: "x" -> alias\n# a comment\n%import common.LF\n'), None),
+        (Grammar("regex", r"^\d{4}-\d{2}$"), None),
+        (Grammar("lark", 'start: "a" foo'), 'unknown name: "foo"'),
+        (Grammar("lark", ""), "Empty grammar"),
+        (Grammar("regex", "[a-"), "unclosed character class"),
+        (Grammar("regex", "(?=a)a"), "look-around"),
+    ],
+)
+def test_which_tool_grammars_can_be_enforced(grammar, error):
+    found = check_text_grammar(grammar)
+    assert (found is None) if error is None else (error in found), found
