@@ -121,7 +121,10 @@ class ActiveTools:
         ]
         if self.browser is not None:
             name = self.browser.harmony_namespace().name
-            targets += [CallTarget(f"{name}.{tool}", "analysis", args) for tool, args in BROWSER_ARGUMENTS.items()]
+            targets += [
+                CallTarget(f"{name}.{tool}", "analysis", args, fits_budget=True)
+                for tool, args in BROWSER_ARGUMENTS.items()
+            ]
         if self.python is not None:
             targets.append(CallTarget(self.python.harmony_namespace().name, "analysis", code=True))
         for namespace, binding in self.mcp.items():
