@@ -7,10 +7,11 @@
                     (its function and custom tools)                              custom_tool_call
                                                                                  with `namespace`
 
-A custom tool's grammar (lark or regex) is kept with the tool for constrained decoding to
-enforce once the engine has it; until then the model is shown the grammar in the tool's
-description. Calls are recorded by "qualified name": the bare name in `functions`, else
-"<namespace>.<name>" (`recipient_of` turns either back into the Harmony recipient).
+A custom tool with a grammar (lark or regex) is called in a " code" message whose text the turn
+grammar holds to it (`turn_grammar.py`); the model is also shown the grammar in the tool's
+description. Without one, its input is one JSON string (`custom_input` unquotes it). Calls are
+recorded by "qualified name": the bare name in `functions`, else "<namespace>.<name>"
+(`recipient_of` turns either back into the Harmony recipient).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from openai_harmony import ToolDescription, ToolNamespaceConfig
 
 from agent_server.errors import APIError
+from inference.grammar import Grammar
 from schemas.responses import CustomGrammarFormat, CustomTool, FunctionTool, LocalShellTool, NamespaceTool
 
 FUNCTIONS = "functions"
@@ -59,6 +61,11 @@ class ClientTool:
     # a function's parameters, a custom tool's one string, local_shell's command.
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # held to `parameters` in every turn, not only when forced
+
+    @property
+    def text_grammar(self) -> Grammar | None:
+        """The grammar a custom tool's input follows, as the engine takes it; None: any input."""
+        return Grammar(self.grammar.syntax, self.grammar.definition) if self.grammar is not None else None
 
     @property
     def qualified_name(self) -> str:
@@ -101,7 +108,7 @@ class ClientTools:
             description = ToolDescription.new(LOCAL_SHELL, LOCAL_SHELL_DESCRIPTION, parameters=LOCAL_SHELL_PARAMETERS)
         elif isinstance(tool, CustomTool):
             grammar = tool.format if isinstance(tool.format, CustomGrammarFormat) else None
-            # Its input is one JSON string (`custom_input` reads it); its own grammar is only shown.
+            # Its input: text of its grammar where it has one, else a JSON string (`custom_input` reads both).
             entry = ClientTool("custom", tool.name, namespace, grammar, parameters={"type": "string"}, strict=True)
             description = ToolDescription.new(
                 tool.name, _custom_description(tool, grammar), parameters={"type": "string"}

@@ -24,7 +24,16 @@ than ending incomplete), and no preamble comes before it (its text would join th
 A forced tool (`tool_choice` "required", a named function, a built-in tool, an MCP server or
 tool) makes the turn one call, to one of the forced recipients, written from its first token in
 its canonical header (functions on commentary, built-ins on analysis). Python's code is free
-text: in a forced turn it is bounded to fit the turn's token budget, so the call is always made.
+text: in a forced turn it is bounded to fit the turn's token budget, so the call is always made;
+the browser's arguments likewise (under a tight budget, its query is cut short: the default tiny
+model's 48 tokens still search).
+
+A custom tool with a grammar (lark or regex) is called like python, in a " code" message, its text
+held to that grammar in every turn that offers it, forced or not (and never cut short: a grammar
+whose sentences may run longer than the budget can leave the response incomplete, never its input
+outside the grammar):
+
+    <|channel|>commentary to=functions.NAME code<|message|>TEXT<|call|>
 """
 
 from __future__ import annotations
@@ -40,6 +49,12 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 CALL_FRAME_TOKENS = 16
 # Reasoning messages a turn may hold before a constrained answer.
 MAX_NOTES = 2
+# The most tokens one character of a JSON string can take: a control character's \u001f escape
+# (the grammar writes no other \u escapes; a raw character is at most 4 byte tokens).
+TOKENS_PER_CHAR = 6
+# Tokens a property's key, quotes and separators take in the JSON layout (`{"query": "...", `).
+PROPERTY_FRAME_TOKENS = 8
+SCALAR_TOKENS = 8  # an integer's or a boolean's value, at most
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,9 @@ class CallTarget:
     # With `code`: the grammar ("lark" or "regex") the text must follow, as a custom tool's
     # `format` gives it; None: any text.
     grammar: Grammar | None = None
+    # The server's own arguments (the browser's): in a forced turn they are cut to fit its token
+    # budget (`fit_arguments`), so the call is always made.
+    fits_budget: bool = False
 
 
 @dataclass
@@ -85,6 +103,42 @@ def check_strict_schema(schema: dict[str, Any]) -> str | None:
     """Why a strict schema cannot be enforced (its grammar does not compile), or None."""
     error = grammar_error(Grammar.json_schema(schema))
     return error.strip() if error else None
+
+
+def check_text_grammar(grammar: Grammar) -> str | None:
+    """Why a tool's text grammar (a custom tool's lark or regex `format`) cannot be enforced: it
+    does not compile on its own, or not inside a turn; None if it can."""
+    error = grammar_error(grammar)
+    if error is None:
+        error = grammar_error(Grammar("lark", f"start: {_text_body(grammar)}\n"))
+    return error.strip() if error else None
+
+
+def fit_arguments(schema: dict[str, Any], budget: int) -> dict[str, Any]:
+    """`schema` (an object of strings, integers and booleans, as the browser's arguments are) made
+    to fit `budget` tokens with the call's header: unchanged where its longest arguments fit, else
+    only its required properties, each string cut to a share of the room (a character counted at
+    its most tokens, `TOKENS_PER_CHAR`)."""
+    properties = schema.get("properties", {})
+
+    def most_tokens(p: dict[str, Any]) -> int:
+        if p.get("type") == "string":
+            return PROPERTY_FRAME_TOKENS + TOKENS_PER_CHAR * p.get("maxLength", budget)
+        if p.get("type") in ("integer", "boolean"):
+            return PROPERTY_FRAME_TOKENS + SCALAR_TOKENS
+        return budget  # (not one the browser has: counted as never fitting)
+
+    if CALL_FRAME_TOKENS + sum(most_tokens(p) for p in properties.values()) <= budget:
+        return schema
+    required = [k for k in schema.get("required", []) if k in properties]
+    kept = {k: properties[k] for k in required}
+    strings = [k for k, p in kept.items() if p.get("type") == "string"]
+    room = budget - CALL_FRAME_TOKENS - sum(most_tokens(p) for k, p in kept.items() if k not in strings)
+    for k in strings:
+        share = (room - PROPERTY_FRAME_TOKENS * len(strings)) // (TOKENS_PER_CHAR * len(strings))
+        p = kept[k]
+        kept[k] = {**p, "maxLength": max(p.get("minLength", 0), min(p.get("maxLength", share), share))}
+    return {**schema, "properties": kept, "required": required, "additionalProperties": False}
 
 
 def _literal(text: str) -> str:
@@ -121,12 +175,18 @@ def turn_lark(rules: TurnRules, *, forced: bool = False, budget: int | None = No
             channels = '("analysis" | "commentary")'
         if target.code:
             header = f"{channels} {_literal(' to=' + target.recipient + ' code')} <|message|>"
-            code_budget = budget - CALL_FRAME_TOKENS if forced and budget is not None else None
+            # (a grammar's text is not cut short: a limit would let it end where its grammar cannot)
+            code_budget = (
+                budget - CALL_FRAME_TOKENS if forced and budget is not None and target.grammar is None else None
+            )
             limit = f"[max_tokens={code_budget}]" if code_budget is not None and code_budget > 0 else ""
             lines.append(f"body_{i}{limit}: {_text_body(target.grammar)}")
         else:
             header = f'{channels} {_literal(" to=" + target.recipient + " ")} <|constrain|> "json" <|message|>'
-            lines.append(f"body_{i}: {_json(target.arguments or ANY_OBJECT)}")
+            arguments = target.arguments or ANY_OBJECT
+            if forced and budget is not None and target.fits_budget:
+                arguments = fit_arguments(arguments, budget)
+            lines.append(f"body_{i}: {_json(arguments)}")
         end = "<|call|>"
         if rules.parallel_calls and target.recipient.startswith("functions.") and not forced:
             end = '(<|call|> | <|end|> <|start|> "assistant" turn)'  # more calls (or messages) may follow

@@ -17,8 +17,8 @@ served = client.models.list().data[0]
 model = os.environ.get("OSS_AGENT_MODEL") or served.id
 if getattr(served, "random_weights", False):  # `oss-agent serve` with no --model
     print(
-        "note: the server runs a tiny model with random weights, so its text is noise and "
-        "it will not search or cite; serve a real checkpoint with --model to see this example work."
+        "note: the server runs a tiny model with random weights, so its text is noise (tool_choice "
+        "still makes it search: for a real query and answer, serve a real checkpoint with --model)."
     )
 question = sys.argv[1] if len(sys.argv) > 1 else "What is gpt-oss? Cite your sources."
 

@@ -64,6 +64,8 @@ def test_the_examples_finish_in_seconds_on_the_default_model_and_say_why_they_sh
     assert out.startswith("note: the server runs a tiny model with random weights, so its text is noise")
     if no_show is not None:
         assert no_show in out
+    if example == "web_search_agent.py":  # the search ran, with a query (the forced call fits the 48 tokens)
+        assert re.search(r"^\[search\] .+$", out, re.M), out
 
 
 def test_the_default_model_caps_output_it_was_not_given_a_limit_for(default_server):

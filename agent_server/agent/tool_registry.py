@@ -109,16 +109,22 @@ class ActiveTools:
 
     def call_targets(self, *, forced: bool = False) -> list[CallTarget]:
         """Every recipient the model may address, with what its message holds (`turn_grammar.py`):
-        the client's tools on commentary, built-ins and MCP tools on analysis (their forced headers).
+        the client's tools on commentary (a custom tool with a grammar: text of that grammar, in
+        every turn), built-ins and MCP tools on analysis (their forced headers).
         `forced`: as the targets of a forced call (a function's schema then holds where it
         compiles, strict or not)."""
         targets = [
-            CallTarget(recipient, "commentary", function_arguments(t.parameters, strict=t.strict, forced=forced))
+            CallTarget(recipient, "commentary", code=True, grammar=t.text_grammar)
+            if t.text_grammar is not None
+            else CallTarget(recipient, "commentary", function_arguments(t.parameters, strict=t.strict, forced=forced))
             for recipient, t in self.client.by_recipient.items()
         ]
         if self.browser is not None:
             name = self.browser.harmony_namespace().name
-            targets += [CallTarget(f"{name}.{tool}", "analysis", args) for tool, args in BROWSER_ARGUMENTS.items()]
+            targets += [
+                CallTarget(f"{name}.{tool}", "analysis", args, fits_budget=True)
+                for tool, args in BROWSER_ARGUMENTS.items()
+            ]
         if self.python is not None:
             targets.append(CallTarget(self.python.harmony_namespace().name, "analysis", code=True))
         for namespace, binding in self.mcp.items():

@@ -32,10 +32,13 @@ from agent_server.responses.events import new_id
 from agent_server.responses.runs import TERMINAL
 from agent_server.state import ServerState
 from agent_server.store import RUNNING, StoredConversation, StoredResponse, settled
-from agent_server.turn_grammar import TurnRules, check_strict_schema
+from agent_server.turn_grammar import TurnRules, check_strict_schema, check_text_grammar
+from inference.grammar import Grammar
 from inference.request import SamplingParams
 from schemas.responses import (
     CompactionItem,
+    CustomGrammarFormat,
+    CustomTool,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
@@ -509,24 +512,41 @@ def _turn_rules(
                     param=param,
                     code="invalid_function_parameters",
                 )
+    for tool, param in _client_tools(req, settings.tools, CustomTool, "format.definition"):
+        if isinstance(tool.format, CustomGrammarFormat):
+            error = check_text_grammar(Grammar(tool.format.syntax, tool.format.definition))
+            if error:
+                raise APIError(
+                    f"Invalid {tool.format.syntax} grammar for custom tool '{tool.name}': {error}",
+                    param=param,
+                    code="invalid_value",
+                )
     forced = active.forced_targets(req.tool_choice)
-    if not (structure or forced or answer is not None or strict):
+    calls = active.call_targets()
+    grammars = any(t.grammar is not None for t in calls)  # a custom tool's input is held to its grammar
+    if not (structure or forced or answer is not None or strict or grammars):
         return None
-    return TurnRules(active.call_targets(), forced, answer, parallel_calls=req.parallel_tool_calls)
+    return TurnRules(calls, forced, answer, parallel_calls=req.parallel_tool_calls)
 
 
 def _function_tools(req: ResponseCreateRequest, tools: list[Any]) -> Iterable[tuple[FunctionTool, str]]:
     """The function tools among `tools` (a namespace's too), each with the parameter naming its
     schema (`input` for one an input item added)."""
+    return _client_tools(req, tools, FunctionTool, "parameters")
+
+
+def _client_tools(req: ResponseCreateRequest, tools: list[Any], kind: type, field: str) -> Iterable[tuple[Any, str]]:
+    """The tools of type `kind` among `tools` (a namespace's too), each with the parameter naming
+    its `field` (`input` for one an input item added)."""
     for tool in tools:
         i = next((k for k, t in enumerate(req.tools) if t is tool), None)
         where = f"tools[{i}]" if i is not None else "input"
-        if isinstance(tool, FunctionTool):
-            yield tool, f"{where}.parameters" if i is not None else where
+        if isinstance(tool, kind):
+            yield tool, f"{where}.{field}" if i is not None else where
         elif isinstance(tool, NamespaceTool):
             for k, inner in enumerate(tool.tools):
-                if isinstance(inner, FunctionTool):
-                    yield inner, f"{where}.tools[{k}].parameters" if i is not None else where
+                if isinstance(inner, kind):
+                    yield inner, f"{where}.tools[{k}].{field}" if i is not None else where
 
 
 def _answer_schema(fmt: Any) -> dict[str, Any] | None:

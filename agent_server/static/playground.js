@@ -17,6 +17,7 @@ const ui = {
   effort: $("effort"),
   web: $("tool-web"),
   python: $("tool-python"),
+  toolChoice: $("tool-choice"),
   newChat: $("new-chat"),
   settingsButton: $("settings-button"),
   form: $("composer"),
@@ -52,6 +53,7 @@ const settings = {
   effort: "medium",
   web: false,
   python: false,
+  toolChoice: "auto",
   instructions: "",
   maxOutputTokens: "",
   extraTools: "",
@@ -62,12 +64,32 @@ function saveSettings() {
   localStorage.setItem(SETTINGS_STORAGE, JSON.stringify(settings));
 }
 
+// The built-in tools a tool choice can force, by the toggle that enables each.
+const FORCED_TOOLS = { web_search_preview: "web", code_interpreter: "python" };
+
 ui.effort.value = settings.effort;
 ui.web.checked = settings.web;
 ui.python.checked = settings.python;
+ui.toolChoice.value = settings.toolChoice;
+if (!ui.toolChoice.value) ui.toolChoice.value = settings.toolChoice = "auto";
 ui.effort.addEventListener("change", () => { settings.effort = ui.effort.value; saveSettings(); });
-ui.web.addEventListener("change", () => { settings.web = ui.web.checked; saveSettings(); });
-ui.python.addEventListener("change", () => { settings.python = ui.python.checked; saveSettings(); });
+for (const name of ["web", "python"]) {
+  ui[name].addEventListener("change", () => {
+    settings[name] = ui[name].checked;
+    // A tool that is switched off can no longer be the one forced.
+    if (!settings[name] && FORCED_TOOLS[settings.toolChoice] === name) setToolChoice("auto");
+    saveSettings();
+  });
+}
+ui.toolChoice.addEventListener("change", () => setToolChoice(ui.toolChoice.value));
+
+/** Choose how the model must use tools; forcing a built-in tool switches it on. */
+function setToolChoice(choice) {
+  settings.toolChoice = ui.toolChoice.value = choice;
+  const toggle = FORCED_TOOLS[choice];
+  if (toggle) settings[toggle] = ui[toggle].checked = true;
+  saveSettings();
+}
 
 function requestTools() {
   const tools = [];
@@ -75,6 +97,12 @@ function requestTools() {
   if (settings.python) tools.push({ type: "code_interpreter", container: { type: "auto" } });
   if (settings.extraTools.trim()) tools.push(...JSON.parse(settings.extraTools));
   return tools;
+}
+
+/** The request's `tool_choice`: none for "auto" (the server's default). */
+function requestToolChoice() {
+  if (FORCED_TOOLS[settings.toolChoice]) return { type: settings.toolChoice };
+  return settings.toolChoice === "required" ? "required" : null;
 }
 
 // --- the API key dialog ------------------------------------------------------------------------
@@ -184,6 +212,7 @@ function showNotice(card) {
   ui.notice.replaceChildren(
     `${card.id} has random weights: it writes noise, not answers`,
     limit ? `, and stops after ${limit} tokens unless Settings sets a limit. ` : ". ",
+    "To watch it use a tool, pick one under Tools, below the message box. ",
     "For real answers, restart the server with ",
     el("code", null, "--model"),
     " and a gpt-oss checkpoint (see the README).",
@@ -254,6 +283,8 @@ async function send(input, { label, labelClass } = {}) {
       include: INCLUDE,
     };
     if (tools.length) body.tools = tools;
+    const toolChoice = requestToolChoice();
+    if (toolChoice) body.tool_choice = toolChoice;
     if (settings.instructions.trim()) body.instructions = settings.instructions;
     if (settings.maxOutputTokens) body.max_output_tokens = Number(settings.maxOutputTokens);
     if (conversation.previousResponseId) body.previous_response_id = conversation.previousResponseId;
@@ -376,6 +407,8 @@ ui.stop.addEventListener("click", stop);
 ui.newChat.addEventListener("click", newChat);
 for (const chip of document.querySelectorAll("[data-suggestion]")) {
   chip.addEventListener("click", () => {
+    // (a suggestion to use a tool makes it the model's first step: even a random model takes it)
+    if (chip.dataset.toolChoice) setToolChoice(chip.dataset.toolChoice);
     ui.input.value = chip.dataset.suggestion;
     autosize();
     ui.input.focus();

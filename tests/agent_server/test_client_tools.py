@@ -90,13 +90,13 @@ def test_a_namespace_is_a_harmony_namespace_of_its_own(tool_server):
 def test_custom_tools_take_freeform_text(tool_server):
     engine = tool_server.engine
     patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
-    engine.say(f"<|channel|>commentary to=functions.apply_patch<|message|>{patch}<|call|>", DONE)
+    engine.say(f"<|channel|>commentary to=functions.apply_patch code<|message|>{patch}<|call|>", DONE)
     with tool_server.client().responses.stream(model=MODEL, input="Add a.txt", tools=[PATCH]) as stream:
         events = list(stream)
         first = stream.get_final_response()
     text = prompt_text(engine)
     assert "type apply_patch = (_: string) => any;" in text
-    assert "The input must match this lark grammar:\n// start:" in text  # shown until decoding enforces it
+    assert "The input must match this lark grammar:\n// start:" in text  # shown (the grammar holds it too)
     call = first.output[-1]
     assert (call.type, call.name, call.input) == ("custom_tool_call", "apply_patch", patch)
     deltas = "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta")
@@ -330,7 +330,8 @@ def test_a_namespace_may_not_take_a_reserved_name(fake_server):
 
 def test_the_turn_grammar_addresses_every_client_tool(fake_server):
     """Client tools are the grammar's recipients: a function with its arguments, a custom tool
-    with one JSON string (its input), local_shell, and a namespace's tools under their namespace."""
+    with one JSON string (its input; text of its grammar where it has one), local_shell, and a
+    namespace's tools under their namespace."""
     engine = fake_server.engine
     weather = {
         "type": "function",
@@ -358,7 +359,8 @@ def test_the_turn_grammar_addresses_every_client_tool(fake_server):
         if line.startswith("call_")
     }
     body_of = {line.split(":")[0]: line for line in lines if line.startswith("body_")}
-    assert '"type": "string"' in body_of[bodies["functions.apply_patch"]]
+    assert body_of[bodies["functions.apply_patch"]].endswith("%lark {")  # its own grammar
+    assert '"type": "string"' in body_of[bodies["multi_agent.note"]]
     assert '"city"' in body_of[bodies["functions.weather"]]
     assert '"command"' in body_of[bodies["functions.local_shell"]]
 

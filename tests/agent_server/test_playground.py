@@ -728,3 +728,58 @@ def test_the_default_servers_first_answer_is_quick_and_says_what_the_model_is(de
     assert page.turn(0).locator(".items").inner_text().strip()
     assert "max_output_tokens" not in page.sent[0]
     page.screenshot("default-server")
+
+
+def test_a_forced_web_search_runs_on_the_default_model(default_server, page):
+    # The random-weight default model calls no tool of its own accord: the Tools control makes
+    # the search its first step (tool_choice), and the page shows the search step it ran.
+    page.open(default_server)
+    assert "pick one under Tools" in page.page.inner_text("#notice")
+    page.page.select_option("#tool-choice", "web_search_preview")
+    assert page.page.is_checked("#tool-web")  # forcing the search switched it on
+    page.send("What is gpt-oss?")
+    page.finished(0, "completed", "incomplete")  # (the answer after the search runs to the limit)
+    sent = page.sent[0]
+    assert sent["tool_choice"] == {"type": "web_search_preview"} and {"type": "web_search_preview"} in sent["tools"]
+    step = page.turn(0).locator(".step[data-type=web_search_call]").first
+    assert step.get_attribute("data-state") == "done"
+    assert step.locator(".step-title").inner_text().startswith("Searched “")
+    step.locator("summary").click()
+    assert step.locator(".step-label").first.text_content() == "Query"
+    # The query shown is the one the server's browser searched for.
+    stored = httpx.get(f"{default_server.url}/v1/responses/{page.turn(0).get_attribute('data-response-id')}").json()
+    search = next(o for o in stored["output"] if o["type"] == "web_search_call")
+    assert (
+        search["status"] == "completed" and step.locator(".step-pre").first.text_content() == search["action"]["query"]
+    )
+    page.screenshot("forced-search")
+
+
+def test_the_tool_choice_control(fake_server, page):
+    engine = fake_server.engine
+    engine.say(PYTHON, final("It is 832040."), final("Hi."), final("Hi again."))
+    page.open(fake_server)
+    assert page.page.input_value("#tool-choice") == "auto"
+    # A suggestion that uses a tool forces it.
+    page.page.click("[data-suggestion^='Use Python']")
+    assert page.page.input_value("#tool-choice") == "code_interpreter" and page.page.is_checked("#tool-python")
+    page.page.press("#input", "Enter")
+    page.finished(0)
+    assert page.sent[0]["tool_choice"] == {"type": "code_interpreter"}
+    assert {"type": "code_interpreter", "container": {"type": "auto"}} in page.sent[0]["tools"]
+    assert page.turn(0).locator(".step[data-type=code_interpreter_call]").count() == 1
+    # Switching the forced tool off leaves the choice to the model again ("auto" is not sent).
+    page.page.uncheck("#tool-python")
+    assert page.page.input_value("#tool-choice") == "auto"
+    page.send("Hello.")
+    page.finished(1)
+    assert "tool_choice" not in page.sent[1]
+    # "required": any tool, and the choice is remembered across a reload.
+    page.page.check("#tool-web")
+    page.page.select_option("#tool-choice", "required")
+    page.page.reload()
+    page.page.wait_for_selector("body[data-ready=true]")
+    assert page.page.input_value("#tool-choice") == "required"
+    page.send("Hello again.")
+    page.page.wait_for_function("() => document.querySelectorAll('.turn.assistant')[0]?.dataset.state === 'completed'")
+    assert page.sent[-1]["tool_choice"] == "required" and page.sent[-1]["tools"] == [{"type": "web_search_preview"}]

@@ -7,7 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent_server.turn_grammar import ANY_OBJECT, CallTarget, TurnRules, function_arguments
+from agent_server.turn_grammar import (
+    ANY_OBJECT,
+    CallTarget,
+    TurnRules,
+    check_text_grammar,
+    fit_arguments,
+    function_arguments,
+)
 from inference.grammar import Grammar, GrammarCompiler
 from inference.tokenizer import CALL, RETURN, harmony_encoding
 from tests.fake_engine import harmony_tokens
@@ -144,3 +151,65 @@ def test_a_tool_whose_text_follows_a_grammar(compiler, grammar, good, bad):
     for g in (rules.grammar(), rules.grammar(forced=True, budget=100)):
         assert accepted(compiler, g, call.format(good)) is None
         assert accepted(compiler, g, call.format(bad)) is not None
+
+
+def test_a_forced_tools_grammar_text_is_never_cut_short(compiler):
+    """Python's free code is bounded by the budget, a grammar's text is not: a limit would let it
+    end where its grammar cannot (the response may then run out, never its input off the grammar)."""
+    grammar = Grammar("lark", 'start: WORD ("," WORD)*\nWORD: /[a-z]+/')
+    target = CallTarget("functions.words", "commentary", code=True, grammar=grammar)
+    forced = TurnRules([target], forced=[target]).grammar(forced=True, budget=40)
+    assert "max_tokens" not in forced.text
+    call = "<|channel|>commentary to=functions.words code<|message|>{}<|call|>"
+    assert accepted(compiler, forced, call.format(",".join(["alpha", "beta", "gamma"] * 20))) is None
+    assert accepted(compiler, forced, call.format("alpha,")) is not None
+
+
+@pytest.mark.parametrize(
+    "grammar, error",
+    [
+        (Grammar("lark", 'start: "a" b\nb: "x" -> alias\n# a comment\n%import common.LF\n'), None),
+        (Grammar("regex", r"^\d{4}-\d{2}$"), None),
+        (Grammar("lark", 'start: "a" foo'), 'unknown name: "foo"'),
+        (Grammar("lark", ""), "Empty grammar"),
+        (Grammar("regex", "[a-"), "unclosed character class"),
+        (Grammar("regex", "(?=a)a"), "look-around"),
+    ],
+)
+def test_which_tool_grammars_can_be_enforced(grammar, error):
+    found = check_text_grammar(grammar)
+    assert (found is None) if error is None else (error in found), found
+
+
+def random_turn(compiler, grammar, rng, limit: int) -> list[int]:
+    """A turn written by picking any token the grammar allows, uniformly (what a random model
+    does, and worse: it favours no token), up to its end or `limit` tokens."""
+    matcher = compiler.compile(grammar, [RETURN, CALL])
+    row = np.zeros(matcher.words, dtype=np.int32)
+    tokens: list[int] = []
+    while len(tokens) < limit and not (tokens and tokens[-1] in (RETURN, CALL)):
+        assert matcher.fill_mask(row)
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        tokens.append(int(rng.choice(allowed)))
+        assert matcher.accept(tokens[-1])
+    return tokens
+
+
+@pytest.mark.parametrize("budget", [48, 120])
+def test_a_forced_search_fits_the_turns_budget(compiler, budget):
+    """The browser's arguments in a forced turn are cut to fit its budget: the default tiny
+    model's 48 tokens still make the search (its query was up to 256 characters, 60 to 100
+    tokens of noise, and the response ran out before the search ran)."""
+    from agent_server.agent.tool_registry import BROWSER_ARGUMENTS
+
+    search = CallTarget("browser.search", "analysis", BROWSER_ARGUMENTS["search"], fits_budget=True)
+    grammar = TurnRules([search], forced=[search]).grammar(forced=True, budget=budget)
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        tokens = random_turn(compiler, grammar, rng, budget)
+        assert tokens[-1] == CALL, harmony_encoding().decode(tokens)
+    fitted = fit_arguments(BROWSER_ARGUMENTS["search"], budget)
+    assert list(fitted["properties"]) == ["query"] and 1 <= fitted["properties"]["query"]["maxLength"] < 256
+    assert fit_arguments(BROWSER_ARGUMENTS["search"], 4000) == BROWSER_ARGUMENTS["search"]  # room for any call
+    unfitted = CallTarget("browser.search", "analysis", BROWSER_ARGUMENTS["search"])
+    assert TurnRules([unfitted], forced=[unfitted]).grammar(forced=True, budget=budget).text != grammar.text

@@ -8,6 +8,7 @@ each request carries."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -240,3 +241,167 @@ def test_a_strict_schema_the_grammar_cannot_hold_is_a_400(fake_server):
         },
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters"
+
+
+# Custom tools with a grammar: their input follows it whenever the model calls them. Both grammars
+# have finite languages, so the random model always finishes the call; each has a Python regular
+# expression for its language, a check independent of llguidance.
+CUSTOM_GRAMMARS = {
+    "lark": (
+        'start: call\ncall: OP "(" NUM ", " NUM ")"\nOP: "add" | "mul"\nNUM: /[0-9]{1,3}/\n',
+        r"(add|mul)\([0-9]{1,3}, [0-9]{1,3}\)",
+    ),
+    "regex": (r"[a-z]{1,8}/[0-9]{2}", r"[a-z]{1,8}/[0-9]{2}"),
+}
+
+
+def custom_tool(syntax: str, name: str = "calc") -> dict:
+    definition = CUSTOM_GRAMMARS[syntax][0]
+    return {
+        "type": "custom",
+        "name": name,
+        "description": "Compute something.",
+        "format": {"type": "grammar", "syntax": syntax, "definition": definition},
+    }
+
+
+def custom_choices(name: str) -> list:
+    return [
+        {"type": "custom", "name": name},
+        "required",
+        {"type": "allowed_tools", "mode": "required", "tools": [{"type": "custom", "name": name}]},
+    ]
+
+
+@pytest.mark.parametrize("syntax", ["lark", "regex"])
+def test_a_custom_tools_input_follows_its_grammar(tiny_engine_server, syntax):
+    client, language = tiny_engine_server.client(), CUSTOM_GRAMMARS[syntax][1]
+    other = {"type": "function", "name": "get_time", "parameters": TIME, "strict": True}
+    for choice in custom_choices("calc"):
+        response = client.responses.create(
+            model=MODEL,
+            input="Compute.",
+            tools=[other, custom_tool(syntax)] if choice != "required" else [custom_tool(syntax)],
+            tool_choice=choice,
+            max_output_tokens=60,
+        )
+        assert response.status == "completed", response.incomplete_details
+        (call,) = response.output
+        assert (call.type, call.name) == ("custom_tool_call", "calc")
+        assert re.fullmatch(language, call.input), call.input
+
+
+@pytest.mark.parametrize("syntax", ["lark", "regex"])
+def test_a_streamed_custom_tool_input_follows_its_grammar(tiny_engine_server, syntax):
+    events = stream_events(
+        tiny_engine_server,
+        {
+            "model": MODEL,
+            "input": "Compute.",
+            "tools": [custom_tool(syntax, "tag")],
+            "tool_choice": {"type": "custom", "name": "tag"},
+            "max_output_tokens": 60,
+        },
+    )
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["name"]) for i in done] == [("custom_tool_call", "tag")]
+    text = done[0]["input"]
+    assert re.fullmatch(CUSTOM_GRAMMARS[syntax][1], text), text
+    assert "".join(e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta") == text
+    (finished,) = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
+    assert finished["input"] == text and events[-1]["type"] == "response.completed"
+
+
+def test_a_custom_tool_called_unforced_follows_its_grammar(tiny_engine_server):
+    """tool_choice "auto": the random model calls the tools now and then (in about a third of
+    its turns), and every input it writes follows the grammar."""
+    client, seen = tiny_engine_server.client(), 0
+    for i in range(24):
+        response = client.responses.create(
+            model=MODEL,
+            input=f"Compute {i}.",
+            tools=[custom_tool("lark"), custom_tool("regex", "tag")],
+            max_output_tokens=40,
+        )
+        for call in [o for o in response.output if o.type == "custom_tool_call"]:
+            language = CUSTOM_GRAMMARS["lark" if call.name == "calc" else "regex"][1]
+            assert re.fullmatch(language, call.input), call.input
+            seen += 1
+        if seen:
+            break
+    assert seen
+
+
+def test_a_custom_text_tool_is_called_with_any_text(tiny_engine_server):
+    """A custom tool with the `text` format (or none) is not held to a grammar: its input is
+    one JSON string, unquoted."""
+    tool = {"type": "custom", "name": "note", "format": {"type": "text"}}
+    response = tiny_engine_server.client().responses.create(
+        model=MODEL, input="Note.", tools=[tool], tool_choice={"type": "custom", "name": "note"}, max_output_tokens=60
+    )
+    assert [(o.type, o.name) for o in response.output] == [("custom_tool_call", "note")]
+    assert isinstance(response.output[0].input, str)
+
+
+def test_a_custom_tools_grammar_holds_in_every_turn_that_offers_it(tmp_path, fake_engine):
+    """Not only when forced: a turn free to answer still holds the tool's input to its grammar
+    (also with the Harmony structure off, which leaves only what a request asks enforced)."""
+    app = make_app(lambda: fake_engine, tmp_path / "responses.sqlite3", harmony_grammar=False)
+    with LiveServer(app, kind="fake") as server:
+        client = server.client()
+        client.responses.create(model=MODEL, input="Hi", tools=[custom_tool("lark"), custom_tool("regex", "tag")])
+        grammar = fake_engine.calls[-1].request.sampling.grammar
+        assert grammar is not None and 'answer: <|channel|> "final"' in grammar.text  # free to answer
+        assert '" to=functions.calc code" <|message|>' in grammar.text and "%lark {" in grammar.text
+        assert '" to=functions.tag code" <|message|>' in grammar.text
+        client.responses.create(model=MODEL, input="Hi", tools=[{"type": "custom", "name": "note"}])
+        assert fake_engine.calls[-1].request.sampling.grammar is None  # a text tool: nothing to enforce
+
+
+@pytest.mark.parametrize(
+    "tools, param, words",
+    [
+        (
+            [{**custom_tool("lark"), "format": {**custom_tool("lark")["format"], "definition": 'start: "a" foo'}}],
+            "tools[0].format.definition",
+            ["lark grammar", "'calc'", "unknown name"],
+        ),
+        (
+            [{**custom_tool("regex"), "format": {**custom_tool("regex")["format"], "definition": "[a-"}}],
+            "tools[0].format.definition",
+            ["regex grammar", "'calc'", "unclosed character class"],
+        ),
+        (
+            [{**custom_tool("regex"), "format": {**custom_tool("regex")["format"], "definition": "(?<=a)b"}}],
+            "tools[0].format.definition",
+            ["look-around"],
+        ),
+        (
+            [{**custom_tool("lark"), "format": {**custom_tool("lark")["format"], "definition": ""}}],
+            "tools[0].format.definition",
+            ["Empty grammar"],
+        ),
+        (
+            [
+                {"type": "function", "name": "f", "parameters": {"type": "object"}},
+                {
+                    "type": "namespace",
+                    "name": "space",
+                    "description": "Some tools.",
+                    "tools": [
+                        {**custom_tool("lark"), "format": {**custom_tool("lark")["format"], "definition": "start: ("}}
+                    ],
+                },
+            ],
+            "tools[1].tools[0].format.definition",
+            ["lark grammar"],
+        ),
+    ],
+)
+def test_a_custom_tool_grammar_that_cannot_be_enforced_is_a_400(fake_server, tools, param, words):
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": MODEL, "input": "Hi", "tools": tools})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    for word in words:
+        assert word in error["message"], error["message"]
