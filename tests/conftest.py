@@ -188,9 +188,9 @@ def postgres_url(postgres_server) -> str:
     return postgres_server.create_database()
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def store_backend(request) -> str:
-    """Each store backend in turn: "sqlite" or "postgres"."""
+    """Each store backend in turn: "sqlite" or "postgres" (a server of its own: with the slow tests)."""
     return request.param
 
 

@@ -64,9 +64,10 @@ def kernel_module(name: str, kernel: str):
     return module
 
 
-def run_in_fresh_interpreter(test_file: str) -> None:
-    """Run `test_file`'s Triton tests (named `*triton_*`) in a new interpreter-mode process and
-    require that they ran and passed."""
+def run_in_fresh_interpreter(test_file: str, marks: str = "not slow") -> None:
+    """Run `test_file`'s Triton tests (named `*triton_*`) selected by the marker expression
+    `marks` in a new interpreter-mode process and require that they ran and passed (the default
+    run takes the quick ones; a test marked slow runs the slow ones with `marks="slow"`)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [
         sys.executable,
@@ -79,6 +80,8 @@ def run_in_fresh_interpreter(test_file: str) -> None:
         test_file,
         "-k",
         "triton_ and not fresh",
+        "-m",
+        marks,
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

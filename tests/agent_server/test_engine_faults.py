@@ -125,6 +125,7 @@ def faulty_server(tmp_path, tiny_checkpoint, monkeypatch):
     server.stop()
 
 
+@pytest.mark.slow
 def test_a_fault_mid_batch_fails_only_those_requests_over_http(faulty_server, caplog):
     server, control = faulty_server, faulty_server.control
     url, engine = server.url, server.engine

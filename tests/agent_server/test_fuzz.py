@@ -25,6 +25,8 @@ from tests.conftest import MODEL, LiveServer, make_app
 from tests.fake_engine import ScriptedEngine, harmony_tokens
 from tests.fake_tools import FakeBrowser, FakeMcp, FakePython
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: CI runs it with `-m slow`
+
 MAX_BYTES = 64 << 10  # small, so the huge bodies below meet the limit
 
 FUZZ = settings(

@@ -197,6 +197,7 @@ def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(tmp_path, a
     assert f"at least {len(text) // 128} tokens" in error["message"] and str(CONTEXT) in error["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["responses", "instructions", "chat"])
 def test_a_long_prompt_that_may_fit_is_tokenized_off_the_event_loop(tmp_path, api):
     # 2.5 MB of words (625,000 tokens) fits a context of 2M tokens: it is tokenized, taking a
@@ -619,6 +620,7 @@ def test_text_that_would_tokenize_slowly_is_refused(server):
         assert error_of(respond(server, input=text))["code"] == "context_length_exceeded"
 
 
+@pytest.mark.slow
 def test_a_requests_schemas_together_are_bounded(fake_server):
     # Each schema is under 64 KB, but 5 tools of 60 KB would be more than 0.8 s of jsonschema.
     schema = {

@@ -27,6 +27,8 @@ from agent_server.bench.server_metrics import parse_metrics
 from agent_server.bench.workload import BenchRequest, random_prompt
 from tests.conftest import MODEL, LiveServer, build_tiny_engine, make_app
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: CI runs it with `-m slow`
+
 GOOD_TOKENS = 8  # output tokens of a good request: short, the test is about concurrency
 # What a disconnecting client asks for: far more than it reads.
 LONG_TOKENS = 200

@@ -22,6 +22,8 @@ from tests import conftest
 from tests.conftest import MODEL, LiveServer, make_app
 from tests.fake_engine import ScriptedEngine
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: CI runs it with `-m slow`
+
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "playground"
 CHROMIUM_ARGS = [
     "--headless",

@@ -21,6 +21,8 @@ from tests.conftest import MODEL, LiveServer, make_app, serve_captured, shared_s
 from tests.fake_engine import ScriptedEngine
 from tests.scripted_server import long_answer
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: CI runs it with `-m slow`
+
 LONG = f"<|channel|>final<|message|>{long_answer()}<|return|>"
 
 

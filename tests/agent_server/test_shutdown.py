@@ -39,6 +39,7 @@ def stored(db_path) -> dict[str, dict]:
         return {rid: json.loads(raw)["response"] for rid, raw in db.execute("SELECT id, record FROM responses")}
 
 
+@pytest.mark.slow
 def test_shutdown_under_load_finishes_or_cancels_and_loses_nothing(tmp_path):
     engine = ScriptedEngine(token_delay=TOKEN_DELAY)
     engine.say(*[paced_turn] * 64)
@@ -124,6 +125,7 @@ def test_shutdown_under_load_finishes_or_cancels_and_loses_nothing(tmp_path):
     assert engine.running == 0 and engine.shut_down
 
 
+@pytest.mark.slow
 def test_shutdown_on_the_real_engine_stores_every_response(tmp_path, tiny_checkpoint):
     """The same on the tiny model: long background generations are cancelled at the deadline,
     short ones complete, the engine ends with nothing running and the store has them all."""

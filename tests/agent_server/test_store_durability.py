@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from agent_server.store import SQLiteResponseStore, StoredResponse
 from tests.conftest import MODEL, wait_for
@@ -104,6 +105,7 @@ def text_of(events: list[dict]) -> str:
     return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
 
 
+@pytest.mark.slow
 def test_responses_cut_by_a_kill_read_failed_with_what_was_generated(tmp_path, store_url):
     # On PostgreSQL the next server marks them failed once the killed one's lease ran out.
     store = store_url or tmp_path / "r.db"

@@ -52,6 +52,7 @@ def tiny_server(request):
     return request.getfixturevalue({"tiny": "tiny_engine_server", "tiny-process": "tiny_process_server"}[request.param])
 
 
+@pytest.mark.slow
 def test_strict_json_schema_answers_validate(tiny_server):
     client = tiny_server.client()
     answers = 0
@@ -99,6 +100,7 @@ def test_json_object_answers_are_json_objects(tiny_engine_server):
             assert choice.message.content.startswith("{")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}])
 def test_forced_functions_are_called_with_arguments_of_their_schema(tiny_server, choice):
     client = tiny_server.client()

@@ -86,6 +86,7 @@ def test_bench_engine_with_random_weights(where, monkeypatch, tmp_path, capsys):
         main(["bench", "engine", "--random-weights", "tiny", "--model", str(tmp_path)])
 
 
+@pytest.mark.slow
 def test_bench_http_workloads_engine_and_http_side_by_side(monkeypatch):
     bench_http = load_benchmark("bench_http")
     monkeypatch.setitem(GPT_OSS_SHAPES, "tiny", {})

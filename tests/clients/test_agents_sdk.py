@@ -10,6 +10,8 @@ from inference.tokenizer import harmony_encoding
 from tests.conftest import MODEL
 from tests.examples.test_examples import run_example
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: CI runs it with `-m slow`
+
 agents = pytest.importorskip("agents")
 
 THINKING = "The user wants the weather; call get_weather."

@@ -19,6 +19,8 @@ import pytest
 from inference.tokenizer import harmony_encoding
 from tests.conftest import MODEL
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: CI runs it with `-m slow`
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "codex" / "config.toml"
 MARKER = "codex-ran-this-7f3a"

@@ -451,6 +451,7 @@ def escape_targets(tmp_path):
         path.unlink(missing_ok=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "landlock-only"])
 def test_hostile_python_through_the_server(tmp_path, escape_targets, namespaces):
     secret = "sk-test-" + os.urandom(12).hex()

@@ -74,6 +74,7 @@ def test_bad_engine_flags_are_refused_by_name(flag, value, capsys):
     assert info.value.code == 2 and flag in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_engine_process_flag_serves_the_same_engine_in_a_child_process(tiny_checkpoint, tmp_path):
     import os
 

@@ -21,6 +21,8 @@ import pytest
 
 from agent_server.bench.server_metrics import parse_metrics
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: CI runs it with `-m slow`
+
 REPO = Path(__file__).resolve().parents[3]
 
 

@@ -129,6 +129,7 @@ def test_gpt_oss_splits_over_2_4_8_gpus_in_whole_mxfp4_blocks():
     ]
 
 
+@pytest.mark.slow
 def test_each_rank_reads_and_holds_only_its_shard(checkpoint, engines):
     config = ModelConfig.from_file(checkpoint)
     full = GptOssModel.from_pretrained(checkpoint, device="cpu")
@@ -300,6 +301,7 @@ def run_plans(engine: LLMEngine, plans: list[StepPlan]) -> list[torch.Tensor]:
     return [engine.runner.forward_step(plan)[0] for plan in plans]
 
 
+@pytest.mark.slow
 def test_logits_equal_single_device_for_prefill_and_decode(engines):
     single, split = engines
     assert single.model.tp is None and single.runner.workers is None  # TP 1: no collectives at all
@@ -329,6 +331,7 @@ def tokens_and_logprobs(engine: LLMEngine) -> dict[str, tuple[list[int], list]]:
     return {rid: (tokens_of(ds), [lp for d in ds for lp in d.logprobs or []]) for rid, ds in drain(engine).items()}
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_single_device(engines):
     single, split = engines
     outputs = []
@@ -354,6 +357,7 @@ def test_greedy_generation_equals_single_device(engines):
 # ----------------------------------------------------------------------------- processes
 
 
+@pytest.mark.slow
 async def test_async_engine_shutdown_stops_the_workers(engines):
     engine = AsyncEngine(engines[1])
     workers = engine.engine.runner.workers
@@ -372,6 +376,7 @@ async def test_async_engine_shutdown_stops_the_workers(engines):
     assert not torch.distributed.is_initialized()  # rank 0 left the group too
 
 
+@pytest.mark.slow
 def test_workers_exit_when_rank_0_is_killed(checkpoint, tmp_path):
     script = tmp_path / "rank0.py"
     script.write_text(
@@ -430,6 +435,7 @@ def test_serve_flag_reaches_the_engine_config():
         parser.parse_args(["--tensor-parallel-size", "0"])
 
 
+@pytest.mark.slow
 async def test_a_dead_worker_fails_the_engine_where_the_server_sees_it(checkpoint, tmp_path):
     """A worker that exits leaves an engine that can run no step: every request would fail. The
     engine says so (`failure`, what /health and /ready report), new requests are refused, and in
@@ -475,6 +481,7 @@ async def test_a_dead_worker_fails_the_engine_where_the_server_sees_it(checkpoin
         await process.shutdown()
 
 
+@pytest.mark.slow
 def test_switching_collectives_and_routing_on_every_rank(engines):
     """`configure_tensor_parallel` reaches every rank: with no all-reduce ("none") each rank keeps
     its partial sums and the logits are wrong; back on ("auto"), right again. Decisive routing
@@ -519,6 +526,7 @@ def greedy_runs(engine, prompts: list[list[int]], logprobs: int | None) -> dict[
     return tokens_and_logprobs(engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size,moe_parallel", [(4, "tensor"), (4, "expert"), (2, "expert")])
 def test_greedy_generation_over_more_ranks_and_experts_equals_single_device(
     checkpoint, checkpoint4, shared_engines, size, moe_parallel
@@ -551,6 +559,7 @@ def test_greedy_generation_over_more_ranks_and_experts_equals_single_device(
         split.close()
 
 
+@pytest.mark.slow
 async def test_a_stopped_worker_fails_the_engine_within_seconds(checkpoint, shared_engines):
     """kill -STOP on a worker mid-generation: rank 0 waits in a collective that never ends; its
     watchdog sees the worker's heartbeat stop, kills the workers (the collective then fails)
@@ -585,6 +594,7 @@ async def test_a_stopped_worker_fails_the_engine_within_seconds(checkpoint, shar
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
 async def test_an_idle_engine_process_stops_when_a_worker_stops(checkpoint, shared_engines):
     """In an engine process the watchdog wakes the idle loop, which stops and tells the server
     why: the server's `failure` (its /health) names the rank without any request to notice it."""

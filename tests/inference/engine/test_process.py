@@ -96,6 +96,7 @@ def test_the_server_reports_a_dead_engine_process(tmp_path, checkpoint):
         assert r.status_code == 200 and r.json()["status"] == "failed" and r.json()["error"]["code"] == "server_error"
 
 
+@pytest.mark.slow
 async def test_a_busy_event_loop_sending_long_prompts_does_not_deadlock_with_the_engine(checkpoint):
     """The engine process sends its events while the server's loop is busy (the events pipe
     fills and the engine process waits on it), and the loop then sends more than the command

@@ -42,8 +42,15 @@ def _kernels():
 
 @fresh_process_only
 def test_triton_in_fresh_interpreter():
-    """Run this file's Triton tests in a new interpreter-mode process."""
+    """Run this file's quick Triton tests in a new interpreter-mode process."""
     run_in_fresh_interpreter(__file__)
+
+
+@pytest.mark.slow
+@fresh_process_only
+def test_slow_triton_in_fresh_interpreter():
+    """The slow ones (the decode GEMVs under the interpreter), likewise."""
+    run_in_fresh_interpreter(__file__, marks="slow")
 
 
 # ----------------------------------------------------------------------------- weights
