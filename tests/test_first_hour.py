@@ -130,8 +130,10 @@ def test_the_log_says_when_the_server_is_ready(tmp_path, caplog):
 
 
 def test_ci_runs_the_test_command_the_readme_prints():
-    # One command: what a user runs from the README is what CI runs, slow tests included.
-    blocks = re.findall(r"```bash\n(.*?)```", readme_section("Set up"), re.S)
+    # What a user runs from the README is what CI runs, then the slow tests the default run
+    # leaves out (the README says how to run them).
+    section = readme_section("Set up")
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     [readme_command] = [
         line.split("#")[0].strip() for block in blocks for line in block.splitlines() if "pytest" in line
     ]
@@ -140,7 +142,10 @@ def test_ci_runs_the_test_command_the_readme_prints():
         for line in (ROOT / ".ci" / "run").read_text().splitlines()
         if re.match(r"\s*python3 -m pytest", line)
     ]
-    assert ci == [readme_command] and "-m" not in readme_command.split("pytest", 1)[1].split()  # (no marker left out)
+    assert ci == [readme_command, f"{readme_command} -m slow"]
+    assert f"`{readme_command} -m slow`" in section
+    assert "-m" not in readme_command.split("pytest", 1)[1].split()  # the default: pyproject's addopts
+    assert re.search(r"addopts = \"-m 'not slow'\"", (ROOT / "pyproject.toml").read_text())
 
 
 def test_the_readmes_cpu_torch_is_one_the_package_keeps():

@@ -46,6 +46,7 @@ def test_random_weight_engine_refuses_what_it_cannot_do():
         LLMEngine.from_random(TINY, pages=3, device="cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["--no-engine-process", "--engine-process"])
 def test_bench_engine_with_random_weights(where, monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(GPT_OSS_SHAPES, "tiny", {})  # hf_config_dict's tiny defaults

@@ -230,6 +230,7 @@ def test_ignore_eos_generates_past_the_end_of_turn(bench_server):
     assert goes_on.json()["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_bench_serve_chat_agrees_with_the_server_metrics(bench_server, tmp_path, capsys):
     out = tmp_path / "serve.json"
     before = scrape(bench_server)
@@ -388,6 +389,7 @@ def test_bench_serve_against_a_closed_port_names_the_url(capsys):
     assert f"({url}/v1/chat/completions)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_engine_and_its_http_overhead_in_one_run(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "engine.json"
     rc = main(

@@ -362,6 +362,7 @@ def test_draft_flags_without_their_drafter_are_refused(argv):
     assert engine_options(args)["num_draft_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_uvicorns_own_log_lines_have_the_servers_format(tmp_path):
     # One format for every line (time, level, logger, request id): uvicorn's start-up lines and
     # its errors were written in its own ("INFO:     Started server process ...").
@@ -429,6 +430,7 @@ def closed_port() -> int:
         (["--device", "tpu"], "--device tpu: not a device"),
     ],
 )
+@pytest.mark.slow
 def test_a_bad_tool_server_or_device_is_one_line_before_the_server_starts(argv, message, tiny_checkpoint, tmp_path):
     # A bogus --tool-server printed "Uvicorn running on ..." and then two chained tracebacks before
     # the one-line cause; an unreachable MCP server the same; --device cuda with no GPU was 30
@@ -515,6 +517,7 @@ def test_the_random_default_model_is_capped_named_and_says_so(tmp_path, caplog, 
     assert not config.serves("gpt-oss-120b")
 
 
+@pytest.mark.slow
 def test_a_tool_server_that_is_there_but_no_mcp_server_fails_in_one_line(tiny_checkpoint, tmp_path):
     # Something listens, so the check before startup passes; the MCP handshake then fails while
     # the server starts. That is the configuration's fault: one line, not two chained tracebacks.

@@ -29,6 +29,7 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-process"), seed=1)
 
 
+@pytest.mark.slow
 async def test_shutdown_aborts_running_requests(checkpoint):
     eng = EngineProcess(EngineSpec(model_dir=str(checkpoint), options=OPTIONS))
     assert eng.pid != os.getpid() and eng.vocab_size == 201088 and eng.failure is None
@@ -42,6 +43,7 @@ async def test_shutdown_aborts_running_requests(checkpoint):
         eng.generate(greedy("after", [1], 1))
 
 
+@pytest.mark.slow
 async def test_a_dead_engine_process_fails_its_streams_and_refuses_new_ones(checkpoint):
     eng = EngineProcess(EngineSpec(model_dir=str(checkpoint), options=OPTIONS))
     stream = eng.generate(greedy("k", prompt(15, 5), 400))
@@ -56,6 +58,7 @@ async def test_a_dead_engine_process_fails_its_streams_and_refuses_new_ones(chec
     await eng.shutdown()
 
 
+@pytest.mark.slow
 def test_a_spec_that_cannot_build_raises_with_the_engine_process_traceback(tmp_path):
     with pytest.raises(RuntimeError, match="could not build its engine") as info:
         EngineProcess(EngineSpec(model_dir=str(tmp_path / "missing"), options={"device": "cpu"}))
@@ -66,6 +69,7 @@ def test_a_spec_that_cannot_build_raises_with_the_engine_process_traceback(tmp_p
         EngineSpec().build()
 
 
+@pytest.mark.slow
 def test_the_server_reports_a_dead_engine_process(tmp_path, checkpoint):
     """/health and /ready turn 503 with the reason, Chat answers 503 engine_unavailable, a
     Responses request ends as a failed response: the server stays up to say so."""

@@ -40,17 +40,11 @@ def _kernels():
     return kernel_module("inference.ops.moe.triton", "_route_top_k_kernel")
 
 
+@pytest.mark.slow  # (over a minute on 2 cores even without the tests marked slow)
 @fresh_process_only
 def test_triton_in_fresh_interpreter():
-    """Run this file's quick Triton tests in a new interpreter-mode process."""
-    run_in_fresh_interpreter(__file__)
-
-
-@pytest.mark.slow
-@fresh_process_only
-def test_slow_triton_in_fresh_interpreter():
-    """The slow ones (the decode GEMVs under the interpreter), likewise."""
-    run_in_fresh_interpreter(__file__, marks="slow")
+    """Run this file's Triton tests in a new interpreter-mode process, all of them."""
+    run_in_fresh_interpreter(__file__, marks="slow or not slow")
 
 
 # ----------------------------------------------------------------------------- weights

@@ -761,6 +761,7 @@ print("exit codes", sorted(codes))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "watched"])
 async def test_a_session_cannot_pass_its_memory_limit_with_several_processes(cgroup):
     """Four processes of 150 MB each, every one within the per-process limit, in a session
