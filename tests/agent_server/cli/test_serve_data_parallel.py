@@ -20,29 +20,11 @@ import httpx
 import pytest
 
 from agent_server.bench.server_metrics import parse_metrics
+from tests.process_tree import spawned_children, wait_until
 
 pytestmark = pytest.mark.slow  # a long end-to-end run: CI runs it with `-m slow`
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def _children(pid: int) -> list[int]:
-    """The processes `pid` started with multiprocessing's spawn (not its resource tracker)."""
-    try:
-        pids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
-    return [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-
-
-def _wait(predicate, timeout: float, what: str, poll: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"{what} not within {timeout:.0f} s")
 
 
 def _metric(base: str, name: str, **labels) -> float:
@@ -91,10 +73,10 @@ def server(tmp_path):
             return False
 
     try:
-        _wait(ready, 300, "the server ready", poll=0.5)
+        wait_until(ready, 300, "the server ready", poll=0.5)
         yield proc, base, tmp_path / "serve.log"
     finally:
-        for pid in _children(proc.pid):
+        for pid in spawned_children(proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -111,7 +93,7 @@ def test_two_replicas_route_by_load_prefix_and_continuation_and_survive_one_dyin
     from openai import OpenAI
 
     proc, base, log = server
-    engines = _children(proc.pid)
+    engines = spawned_children(proc.pid)
     assert len(engines) == 2, engines
     assert httpx.get(f"{base}/health").json() == {"status": "ok", "replicas": {"total": 2, "in_rotation": 2}}
     client = OpenAI(base_url=f"{base}/v1", api_key="unused")
@@ -182,8 +164,8 @@ def test_two_replicas_route_by_load_prefix_and_continuation_and_survive_one_dyin
 
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
-    _wait(lambda: "first" in outcome, 120, "the stream's first event")
-    running = _wait(
+    wait_until(lambda: "first" in outcome, 120, "the stream's first event")
+    running = wait_until(
         lambda: [i for i in (0, 1) if _metric(base, "oss_agent_replica_running_requests", replica=str(i)) > 0],
         60,
         "the stream's request running on a replica",
@@ -195,7 +177,7 @@ def test_two_replicas_route_by_load_prefix_and_continuation_and_survive_one_dyin
     os.kill(int(pids[str(victim)]), signal.SIGKILL)
     reader.join(60)
     assert outcome.get("done") and "failed" in outcome, outcome
-    health = _wait(
+    health = wait_until(
         lambda: (r := httpx.get(f"{base}/health", timeout=5)).json().get("status") == "degraded" and r, 30, "degraded"
     )
     assert health.status_code == 200

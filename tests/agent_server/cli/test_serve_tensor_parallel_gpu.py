@@ -21,27 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.process_tree import spawned_children, wait_until
+
 pytestmark = pytest.mark.gpu(count=4)
 REPO = Path(__file__).resolve().parents[3]
-
-
-def _children(pid: int) -> list[int]:
-    """The processes `pid` started with multiprocessing's spawn (not its resource tracker)."""
-    try:
-        pids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
-    return [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-
-
-def _wait(predicate, timeout: float, what: str, poll: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"{what} not within {timeout:.0f} s")
 
 
 def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
@@ -95,9 +78,9 @@ def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
             except httpx.HTTPError:
                 return False
 
-        _wait(ready, 900, "the server ready", poll=1.0)
-        engine = next(pid for pid in _children(server.pid) if len(_children(pid)) == 3)
-        workers = _children(engine)
+        wait_until(ready, 900, "the server ready", poll=1.0)
+        engine = next(pid for pid in spawned_children(server.pid) if len(spawned_children(pid)) == 3)
+        workers = spawned_children(engine)
 
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
         reply = client.responses.create(model="tiny-tp4", input="Say hi.", max_output_tokens=24)
@@ -117,10 +100,10 @@ def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
 
         reader = threading.Thread(target=stream, daemon=True)
         reader.start()
-        _wait(lambda: "first" in ended, 120, "the stream's first event")
+        wait_until(lambda: "first" in ended, 120, "the stream's first event")
         os.kill(workers[1], signal.SIGSTOP)  # a rank, mid-generation: rank 0 waits in a collective
         stopped = time.monotonic()
-        health = _wait(
+        health = wait_until(
             lambda: (r := httpx.get(f"{base}/health", timeout=5)).status_code == 503 and r, 30, "/health 503"
         )
         took = time.monotonic() - stopped
@@ -129,7 +112,7 @@ def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
         reader.join(30)
         assert "at" in ended, "the stream did not end"
     finally:
-        for pid in [p for e in _children(server.pid) for p in _children(e)]:
+        for pid in [p for e in spawned_children(server.pid) for p in spawned_children(e)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
