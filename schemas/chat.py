@@ -11,11 +11,15 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from schemas.responses import HARMONY_EFFORT, Identifier, Metadata, ReasoningEffort, check_json_schema, refused
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from schemas.responses import (
+    HARMONY_EFFORT,
+    Identifier,
+    Metadata,
+    ReasoningEffort,
+    StrictModel,
+    check_json_schema,
+    refused,
+)
 
 
 class TextPart(StrictModel):
