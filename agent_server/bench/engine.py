@@ -61,21 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead, the full-size shapes of gpt-oss-SHAPES (20b or 120b) with random weights "
         "made on the device: speed without a checkpoint (the text is random)",
     )
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--max-model-len", type=int, help="context length (default: the engine's)")
-    parser.add_argument(
-        "--engine-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra keyword for LLMEngine.from_pretrained (value as a Python literal)",
-    )
-    parser.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the engine in a process of its own, as oss-agent serve runs it (default: as serve: on with CUDA)",
-    )
+    serve_command.add_engine_placement_arguments(parser)  # --device, --max-model-len, --engine-option/-process
     add_target_arguments(parser)
     parser.add_argument(
         "--compare-http",

@@ -21,6 +21,27 @@ log = logging.getLogger("oss_agent")
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
 
+def add_engine_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where and how the engine runs: the flags `oss-agent serve` and `oss-agent bench engine`
+    share, so the engine benchmarked is the one served."""
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--max-model-len", type=positive_int, help="context length to serve (default: the engine's)")
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra keyword for LLMEngine.from_pretrained (value as a Python literal)",
+    )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
+        "steps under (default: on with CUDA, off on CPU)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the folder's name)")
@@ -63,8 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "reasoning.encrypted_content); created if missing (default: reasoning.key beside the "
         "store)",
     )
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--max-model-len", type=positive_int, help="context length to serve (default: the engine's)")
+    add_engine_placement_arguments(parser)
     parser.add_argument(
         "--gpu-memory-utilization",
         type=fraction,
@@ -108,20 +128,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="launch each decode step before the previous one's tokens are read, so host work "
         "overlaps the GPU (default: on with CUDA, off on CPU; never with a drafter or -tp)",
-    )
-    parser.add_argument(
-        "--engine-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra keyword for LLMEngine.from_pretrained (value as a Python literal)",
-    )
-    parser.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run the engine in a process of its own, so that HTTP work never holds the GIL it "
-        "steps under (default: on with CUDA, off on CPU)",
     )
     parser.add_argument(
         "--harmony-grammar",
