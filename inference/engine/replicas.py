@@ -33,23 +33,26 @@ from inference.request import EngineStats, GenerationRequest, TokenDelta
 log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 16  # the KV cache's page size (`EngineConfig.page_size`)
-INDEX_BLOCKS = 1 << 20  # block hashes remembered, over all replicas (LRU)
+INDEX_BLOCKS = 1 << 20  # block hashes remembered, over all replicas (LRU; ~100 MB when full)
 # What one request in flight weighs against prompt tokens found cached: a replica that has a
 # prompt's prefix wins while its queue is longer by fewer than (cached tokens / this) requests, so
 # a shared system prompt does not pile everything onto one replica, and a long conversation's
 # next turn stays where its history is cached.
 REQUEST_COST_TOKENS = 256
+# `EngineStats` fields that are a state now, not a count since start (a lost replica's are dropped).
+GAUGES = frozenset({"running", "waiting", "parked", "pages_total", "pages_used"})
 
 
 class PrefixIndex:
-    """Which replica has seen which prompt prefixes: a bounded LRU of block-hash chains.
+    """Which replica has seen which prompt prefixes: a bounded LRU of block-hash chains, each
+    with a bitmask of the replicas that have it (about 100 bytes a block).
 
     A block's hash covers every token before it (the hash of the previous block and its own 16
     tokens), so one look-up per block tells how long a prefix matches."""
 
     def __init__(self, capacity: int = INDEX_BLOCKS, block_tokens: int = BLOCK_TOKENS):
         self.capacity, self.block_tokens = capacity, block_tokens
-        self._owners: collections.OrderedDict[int, set[int]] = collections.OrderedDict()
+        self._owners: collections.OrderedDict[int, int] = collections.OrderedDict()  # hash -> replica bits
 
     def hashes(self, tokens: list[int]) -> list[int]:
         """The chained hashes of `tokens`' full blocks, in order."""
@@ -61,31 +64,34 @@ class PrefixIndex:
         return out
 
     def record(self, replica: int, hashes: list[int]) -> None:
+        bit = 1 << replica
         for h in hashes:
             owners = self._owners.get(h)
             if owners is None:
-                self._owners[h] = {replica}
+                self._owners[h] = bit
             else:
-                owners.add(replica)
+                self._owners[h] = owners | bit
                 self._owners.move_to_end(h)
         while len(self._owners) > self.capacity:
             self._owners.popitem(last=False)
 
     def forget(self, replica: int) -> None:
         """A replica is gone: its blocks match nothing any more."""
-        for owners in self._owners.values():
-            owners.discard(replica)
+        keep = ~(1 << replica)
+        for h in list(self._owners):
+            self._owners[h] &= keep
 
     def matches(self, hashes: list[int], replicas: int) -> list[int]:
         """Per replica, how many leading blocks of `hashes` it has seen."""
         found = [0] * replicas
-        alive = set(range(replicas))
+        alive = (1 << replicas) - 1
         for depth, h in enumerate(hashes, start=1):
-            alive &= self._owners.get(h, set())
+            alive &= self._owners.get(h, 0)
             if not alive:
                 break
-            for r in alive:
-                found[r] = depth
+            for r in range(replicas):
+                if alive >> r & 1:
+                    found[r] = depth
         return found
 
 
@@ -115,6 +121,7 @@ class ReplicaRouter:
         self._owner: dict[str, int] = {}  # request id -> replica, while running or parked there
         self._parked: set[str] = set()  # request ids whose sequence stays parked (keep_alive)
         self._out: set[int] = set()  # replicas taken out of rotation
+        self._last_stats: dict[int, EngineStats] = {}  # each replica's counters as last read
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -178,12 +185,19 @@ class ReplicaRouter:
             self.replicas[owner].release(request_id)
 
     def stats(self) -> EngineStats:
-        """Every live replica's counters added up."""
+        """Every replica's counters added up: the live ones' as they are now, a lost one's
+        monotonic counters as it left them (so totals never go back), its gauges not at all."""
         total = EngineStats()
-        for i in self.live():
-            s = self.replicas[i].stats()
+        live = self.live()
+        for i in range(len(self.replicas)):
+            s = self.replicas[i].stats() if i in live else self._last_stats.get(i)
+            if s is None:
+                continue
+            if i in live:
+                self._last_stats[i] = s
             for f in dataclasses.fields(EngineStats):
-                setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
+                if i in live or f.name not in GAUGES:
+                    setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
         return total
 
     def replica_stats(self) -> list[tuple[int, bool, EngineStats | None, ReplicaCounters]]:

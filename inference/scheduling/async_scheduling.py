@@ -62,6 +62,9 @@ class StepOverlap:
             return None
         if s.waiting and len(s.running) < s.max_num_seqs:
             return None  # a new request may join: the scheduler admits it
+        in_batch = {id(seq) for seq in batch.seqs}
+        if any(id(seq) not in in_batch for seq in s.running):
+            return None  # a running sequence sat this step out (its prefill chunk waits for the cap)
         # Sequences that ended (or were aborted) before `batch` could be read have no next step.
         entries = [(seq, n) for seq, n in zip(batch.seqs, batch.num_new) if seq.status == SequenceStatus.RUNNING]
         if not all(self._samples_plainly(seq, n) for seq, n in entries):

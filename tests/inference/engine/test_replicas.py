@@ -237,6 +237,23 @@ def test_a_dead_replica_leaves_rotation_and_the_router_fails_only_with_the_last(
     asyncio.run(go())
 
 
+def test_a_lost_replicas_counters_stay_in_the_totals_and_its_gauges_leave(replicas):
+    async def go():
+        router = router_of(replicas)
+        for i in range(4):
+            s = router.generate(request(f"c{i}", [i + 1] * 20))
+            async for _ in s:
+                pass
+        before = router.stats()
+        assert before.tokens_decoded == replicas[0].decoded + replicas[1].decoded > 0
+        replicas[1].failure = "the engine process exited (code -9)"
+        after = router.stats()
+        assert after.tokens_decoded == before.tokens_decoded  # a counter never goes back
+        assert after.running == 1 and after.pages_total == 10  # the lost replica's state is gone
+
+    asyncio.run(go())
+
+
 def test_stats_add_up_over_replicas(replicas):
     router = router_of(replicas)
     total = router.stats()
