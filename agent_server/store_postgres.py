@@ -59,7 +59,9 @@ SCHEMA = [
     "CREATE TABLE IF NOT EXISTS response_events (response_id TEXT NOT NULL REFERENCES responses (id) "
     "ON DELETE CASCADE, seq BIGINT NOT NULL, event TEXT NOT NULL, PRIMARY KEY (response_id, seq))",
     "CREATE TABLE IF NOT EXISTS conversations (id TEXT PRIMARY KEY, created_at DOUBLE PRECISION, "
-    "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT)",
+    "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT, owner TEXT)",
+    # (a database written before conversations had owners gets the column; theirs stay NULL)
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS owner TEXT",
     # An item's place in its conversation: `position` orders them (gaps where items were deleted).
     "CREATE TABLE IF NOT EXISTS conversation_items (conversation_id TEXT NOT NULL REFERENCES conversations (id) "
     "ON DELETE CASCADE, position INTEGER NOT NULL, id TEXT NOT NULL, item TEXT NOT NULL, "
@@ -360,6 +362,7 @@ class PostgresStore:
             metadata=json.loads(row["metadata"]),
             version=row["version"],
             state=json.loads(row["state"]) if row["state"] else None,
+            owner=row["owner"],
         )
 
     @staticmethod
@@ -392,12 +395,14 @@ class PostgresStore:
     async def create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute(
-                "INSERT INTO conversations (id, created_at, metadata, version, state) VALUES ($1, $2, $3, $4, $5)",
+                "INSERT INTO conversations (id, created_at, metadata, version, state, owner) "
+                "VALUES ($1, $2, $3, $4, $5, $6)",
                 conversation.id,
                 conversation.created_at,
                 json.dumps(conversation.metadata),
                 conversation.version,
                 json.dumps(conversation.state) if conversation.state else None,
+                conversation.owner,
             )
             await self._append_items(conn, conversation.id, items)
 

@@ -133,15 +133,17 @@ def item(n: int) -> dict:
 
 
 async def test_a_conversation_and_its_items(store):
-    conversation = StoredConversation(id="conv_1", metadata={"topic": "a"}, created_at=5.0)
+    conversation = StoredConversation(id="conv_1", metadata={"topic": "a"}, created_at=5.0, owner="alice")
     await store.create_conversation(conversation, [item(0), item(1)])
     got = await store.get_conversation("conv_1")
     assert (got.metadata, got.version, got.created_at, got.state) == ({"topic": "a"}, 0, 5.0, None)
-    assert (await store.update_conversation("conv_1", {"topic": "b"})).metadata == {"topic": "b"}
+    assert got.owner == "alice"  # (what the conversations routes check against the requester)
+    updated = await store.update_conversation("conv_1", {"topic": "b"})
+    assert (updated.metadata, updated.owner) == ({"topic": "b"}, "alice")
     assert await store.update_conversation("conv_none", {}) is None
 
     added = await store.add_conversation_items("conv_1", [item(2), item(3)])
-    assert added.version == 1
+    assert (added.version, added.owner) == (1, "alice")
     ids = lambda items: [i["id"] for i in items]  # noqa: E731
     assert ids(await store.conversation_items("conv_1")) == ["msg_0", "msg_1", "msg_2", "msg_3"]
     assert ids(await store.conversation_items("conv_1", descending=True, limit=2)) == ["msg_3", "msg_2"]
@@ -161,7 +163,7 @@ async def test_a_conversation_and_its_items(store):
     assert ids(await store.conversation_items("conv_1")) == ["msg_0", "msg_1", "msg_2", "msg_3"]
 
     deleted = await store.delete_conversation_item("conv_1", "msg_1")
-    assert deleted.version == 2
+    assert (deleted.version, deleted.owner) == (2, "alice")
     assert await store.delete_conversation_item("conv_1", "msg_1") is None
     await store.add_conversation_items("conv_1", [item(4)])  # (after the gap: still last)
     assert ids(await store.conversation_items("conv_1")) == ["msg_0", "msg_2", "msg_3", "msg_4"]
