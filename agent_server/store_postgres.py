@@ -238,7 +238,7 @@ class PostgresStore:
         fields = asdict(record) | {"events": None if record.events is None else []}
         args = (record.id, record.created_at, _json(fields), record.status, self.server_id)
         async with self._pool.acquire() as conn, conn.transaction():
-            if record.id in self._running:  # (deleted, or failed by another server: no longer ours)
+            if record.id in self._running:  # (0 rows: deleted, or failed by another server)
                 written = await conn.execute(
                     "UPDATE responses SET created_at = $2, record = $3, status = $4 WHERE id = $1 AND server_id = $5",
                     *args,
@@ -250,10 +250,11 @@ class PostgresStore:
                     "status = EXCLUDED.status WHERE responses.server_id IS NOT DISTINCT FROM EXCLUDED.server_id",
                     *args,
                 )
-            if written.endswith(" 0"):
-                fenced = True
-            else:
-                fenced = False
+            fenced = written.endswith(" 0")
+            # Fenced: the record was deleted, or it is there but no longer ours (another server's
+            # sweep failed it while we were cut off): then it stays as that server left it.
+            gone = fenced and await conn.fetchval("SELECT 1 FROM responses WHERE id = $1", record.id) is None
+            if not fenced:
                 await conn.execute("DELETE FROM response_items WHERE response_id = $1", record.id)
                 await conn.execute(
                     "INSERT INTO response_items (id, response_id) SELECT unnest($2::text[]), $1 ON CONFLICT DO NOTHING",
@@ -268,8 +269,13 @@ class PostgresStore:
             self._running.discard(record.id)
         if fenced:
             self._lost.add(record.id)
-            log.info("response %s was deleted or taken over by another server: its run stops", record.id)
-            self._stop(record.id, deleted=True)
+            if gone:
+                log.info("response %s was deleted by another server: its run stops", record.id)
+            else:
+                log.warning(
+                    "response %s was marked failed by another server (our lease ran out): its run stops", record.id
+                )
+            self._stop(record.id, deleted=gone)
 
     async def _insert_events(self, conn: asyncpg.Connection, response_id: str, events: list[dict[str, Any]]) -> None:
         if events:

@@ -312,3 +312,35 @@ async def test_changed_wakes_a_follower_when_the_owner_writes(shared):
     assert loop.time() - started < 5
     assert await follower.events_after("resp_f", -1) == [event(0)]
     await asyncio.gather(owner.close(), follower.close())
+
+
+@pytest.mark.slow  # (a PostgreSQL server)
+async def test_a_run_taken_over_by_another_server_is_stopped_not_deleted(shared):
+    """The owner lost the database longer than its lease; another server's sweep failed its run.
+    When the owner is back, its next write is fenced: its run stops, as a cancel, and the
+    record (failed, with what was stored) stays; a deleted record still stops it as deleted."""
+    owner, other = await shared(), await shared()
+    stopped = []
+    owner.set_cancel_handler(lambda rid, deleted: stopped.append((rid, deleted)))
+    output = [{"id": "msg_1", "type": "message", "status": "in_progress", "content": []}]
+    await owner.put(response("resp_t", "in_progress", output=output, events=[event(0)]))
+    owner._beating.cancel()  # (cut off: no more heartbeats)
+    await asyncio.gather(owner._beating, return_exceptions=True)
+    for _ in range(200):
+        if "resp_t" in await other.sweep():
+            break
+        await asyncio.sleep(0.05)
+    assert (await other.get("resp_t")).status == "failed"
+    await owner.put(response("resp_t", "in_progress", output=output, events=[event(0), event(1)]))
+    assert stopped == [("resp_t", False)]  # (taken over: not deleted)
+    await owner.put(response("resp_t", "cancelled", events=[event(0), event(1)]))  # (its final write: dropped)
+    kept = await other.get("resp_t")
+    assert kept.status == "failed" and [e["sequence_number"] for e in kept.events] == [0]
+
+    await owner._renew_lease()
+    await owner.put(response("resp_d", "in_progress", events=[]))
+    assert await other.delete("resp_d") is True
+    stopped.clear()
+    await owner.put(response("resp_d", "in_progress", events=[]))
+    assert ("resp_d", True) in stopped and await other.get("resp_d") is None
+    await asyncio.gather(owner.close(), other.close())
