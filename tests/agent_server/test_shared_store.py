@@ -237,3 +237,30 @@ def test_following_a_run_on_the_other_server_speaks_the_requests_dialect(two_ser
     for stream, with_bytes in ((spec, True), (openai, False)):
         logprobs = [lp for e in stream if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
         assert logprobs and all(("bytes" in lp) == with_bytes for lp in logprobs)
+
+
+def test_a_response_whose_final_write_failed_is_marked_failed_by_its_live_server(tmp_path, postgres_url):
+    """The server is alive, but the write of a run's final record failed: the record it wrote
+    while the run ran (in progress) is marked failed by its own heartbeat, not left running."""
+    engine = ScriptedEngine(token_delay=0.005)
+    app = make_app(lambda: engine, tmp_path / "unused.sqlite3", store=shared_store(postgres_url))
+    with LiveServer(app) as server:
+        store = server.state.store
+        put = store.put
+
+        async def failing_put(record):  # (the final record, once the run ended)
+            if record.status not in ("queued", "in_progress"):
+                raise ConnectionError("the database went away")
+            await put(record)
+
+        store.put = failing_put
+        server.engine.say("<|channel|>final<|message|>" + "word " * 100 + "<|return|>")
+        response_id = httpx.post(
+            f"{server.url}/v1/responses", json={"model": MODEL, "input": "tell me", "background": True}, timeout=60
+        ).json()["id"]
+        wait_for(lambda: server.state.runs.get(response_id) is None)
+        assert httpx.get(f"{server.url}/v1/responses/{response_id}").json()["status"] == "in_progress"
+        wait_for(lambda: httpx.get(f"{server.url}/v1/responses/{response_id}").json()["status"] == "failed")
+        stored = httpx.get(f"{server.url}/v1/responses/{response_id}").json()
+        assert stored["error"]["code"] == "server_error"
+        store.put = put

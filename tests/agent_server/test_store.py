@@ -344,3 +344,27 @@ async def test_a_run_taken_over_by_another_server_is_stopped_not_deleted(shared)
     await owner.put(response("resp_d", "in_progress", events=[]))
     assert ("resp_d", True) in stopped and await other.get("resp_d") is None
     await asyncio.gather(owner.close(), other.close())
+
+
+@pytest.mark.slow  # (a PostgreSQL server)
+async def test_a_running_record_its_live_owner_no_longer_runs_is_marked_failed(shared):
+    """The owner is alive but the final write of a run failed: its heartbeat marks the record
+    failed (with what was stored) once no run of it was seen for the grace; its live runs' stay."""
+    owner = await shared()
+    live = {"resp_live"}
+    owner.set_live_runs(lambda rid: rid in live)
+    output = [{"id": "msg_1", "type": "message", "status": "in_progress", "content": []}]
+    await owner.put(response("resp_orphan", "in_progress", output=output, events=[event(0)]))
+    await owner.put(response("resp_live", "in_progress", events=[]))
+    assert (await owner.get("resp_orphan")).status == "in_progress"  # (within the grace)
+    for _ in range(200):
+        record = await owner.get("resp_orphan")
+        if record.status == "failed":
+            break
+        await asyncio.sleep(0.05)
+    assert record.status == "failed" and record.response["error"]["code"] == "server_error"
+    assert record.response["output"][0]["status"] == "incomplete" and [e["sequence_number"] for e in record.events] == [
+        0
+    ]
+    assert (await owner.get("resp_live")).status == "in_progress"
+    await owner.close()
