@@ -295,6 +295,7 @@ def create_app(
         else:
             state.store = await store() if inspect.iscoroutinefunction(store) else store
         state.store.set_cancel_handler(state.runs.stop)
+        state.store.set_live_runs(lambda response_id: state.runs.get(response_id) is not None)
         loading = asyncio.create_task(load())
         try:
             yield

@@ -91,6 +91,10 @@ class ResponseStore(Protocol):
     def set_cancel_handler(self, handler: CancelHandler) -> None:
         """Who is told when another server asks to stop (cancel, or delete) a run of this one."""
 
+    def set_live_runs(self, live: Callable[[str], bool]) -> None:
+        """Whether this server still runs the response of that id (its run registry): a record
+        it owns, still running, with no run for a while (its final write failed) is marked failed."""
+
     async def delete(self, response_id: str) -> bool:
         """(A running response another server owns is stopped by it, and not stored.)"""
 
@@ -304,6 +308,9 @@ class SQLiteResponseStore:
 
     def set_cancel_handler(self, handler: CancelHandler) -> None:
         pass
+
+    def set_live_runs(self, live: Callable[[str], bool]) -> None:
+        pass  # (its running records are failed when it next opens)
 
     async def put(self, record: StoredResponse) -> None:
         await asyncio.to_thread(self._put, record)

@@ -11,6 +11,8 @@ interfaces (`ResponseStore`, `ConversationStore`). What sharing adds:
   has run out: they read `failed` with the output written until then (as SQLite's do after a
   restart) and lose their owner, so what the owner might still write (it was only cut off) is
   dropped, and its run is stopped when it notices.
+- A record with no run. A running record a server owns but no longer runs (its final write
+  failed) is marked failed by that server's heartbeat, after a grace of a few heartbeats.
 - Stopping a run from another server. `request_cancel` flags the record and notifies its owner
   (LISTEN/NOTIFY on `oss_agent_stop`); deleting a running response notifies it too. The owner
   also polls the flags each heartbeat, should a notification be lost with a connection.
@@ -25,7 +27,7 @@ import json
 import logging
 import uuid
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import asyncpg
 
@@ -59,7 +61,9 @@ SCHEMA = [
     "CREATE TABLE IF NOT EXISTS response_events (response_id TEXT NOT NULL REFERENCES responses (id) "
     "ON DELETE CASCADE, seq BIGINT NOT NULL, event TEXT NOT NULL, PRIMARY KEY (response_id, seq))",
     "CREATE TABLE IF NOT EXISTS conversations (id TEXT PRIMARY KEY, created_at DOUBLE PRECISION, "
-    "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT)",
+    "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT, owner TEXT)",
+    # (a database written before conversations had owners gets the column; theirs stay NULL)
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS owner TEXT",
     # An item's place in its conversation: `position` orders them (gaps where items were deleted).
     "CREATE TABLE IF NOT EXISTS conversation_items (conversation_id TEXT NOT NULL REFERENCES conversations (id) "
     "ON DELETE CASCADE, position INTEGER NOT NULL, id TEXT NOT NULL, item TEXT NOT NULL, "
@@ -75,18 +79,30 @@ class PostgresStore:
     """`ResponseStore` and `ConversationStore` in a PostgreSQL database several servers share.
     Build it with `await PostgresStore.open(url)`."""
 
-    def __init__(self, url: str, *, heartbeat: float = 3.0, lease: float = 15.0, pool_size: int = 10):
+    def __init__(
+        self,
+        url: str,
+        *,
+        heartbeat: float = 3.0,
+        lease: float = 15.0,
+        pool_size: int = 10,
+        orphan_grace: float | None = None,
+    ):
         if lease <= heartbeat:
             raise ValueError("the lease must outlast several heartbeats")
         self.url = url
         self.heartbeat = heartbeat
         self.lease = lease
+        # How long a running record of ours may have no run before it is marked failed.
+        self.orphan_grace = 3 * heartbeat if orphan_grace is None else orphan_grace
         self.pool_size = pool_size
         self.server_id = f"srv_{uuid.uuid4().hex}"
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncpg.Connection | None = None
         self._beating: asyncio.Task | None = None
         self._on_cancel: CancelHandler | None = None
+        self._live: Callable[[str], bool] | None = None  # whether this server still runs a response
+        self._orphans: dict[str, float] = {}  # running records of ours with no run -> when first seen so
         self._running: set[str] = set()  # ids this server stored unfinished: written by update only
         self._lost: set[str] = set()  # ids it ran that were deleted or failed meanwhile: never written again
         self._changes: dict[str, tuple[asyncio.Event, int]] = {}  # response id -> (event, waiters)
@@ -137,6 +153,7 @@ class PostgresStore:
                     await self._listen()
                 await self._poll_cancels()
                 await self.sweep()
+                await self.fail_orphans()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the database is away: try again next beat
@@ -167,6 +184,49 @@ class PostgresStore:
             log.warning("store: %d responses whose server stopped marked failed: %s", len(ids), ", ".join(ids))
         return ids
 
+    async def fail_orphans(self) -> list[str]:
+        """Mark failed the running records this server owns but no longer runs, for longer than
+        `orphan_grace` (its final write failed: it would read in progress for ever), as a sweep
+        does a dead server's. Returns their ids."""
+        if self._live is None:
+            return []
+        rows = await self._pool.fetch(
+            "SELECT id FROM responses WHERE server_id = $1 AND status IN ('queued', 'in_progress')", self.server_id
+        )
+        now = asyncio.get_running_loop().time()
+        orphans = {row["id"] for row in rows if not self._live(row["id"])}
+        self._orphans = {rid: self._orphans.get(rid, now) for rid in orphans}
+        due = [rid for rid, since in self._orphans.items() if now - since >= self.orphan_grace]
+        failed = []
+        for rid in due:
+            async with self._pool.acquire() as conn, conn.transaction():
+                raw = await conn.fetchval(
+                    "SELECT record FROM responses WHERE id = $1 AND server_id = $2 "
+                    "AND status IN ('queued', 'in_progress') FOR UPDATE",
+                    rid,
+                    self.server_id,
+                )
+                if raw is None or self._live(rid):  # (ended meanwhile, or a run of it started)
+                    continue
+                record = interrupted(StoredResponse(**json.loads(raw)))
+                fields = asdict(record) | {"events": None if record.events is None else []}
+                await conn.execute(
+                    "UPDATE responses SET record = $2, status = $3, server_id = NULL WHERE id = $1",
+                    rid,
+                    _json(fields),
+                    record.status,
+                )
+                await conn.execute("SELECT pg_notify($1, $2)", CHANGED_CHANNEL, rid)
+            self._orphans.pop(rid, None)
+            self._running.discard(rid)
+            self._lost.add(rid)
+            failed.append(rid)
+        if failed:
+            log.warning(
+                "store: %d responses of ours with no run left marked failed: %s", len(failed), ", ".join(failed)
+            )
+        return failed
+
     async def _poll_cancels(self) -> None:
         """Cancel requests whose notification did not come (a listener reconnecting)."""
         rows = await self._pool.fetch(
@@ -178,6 +238,9 @@ class PostgresStore:
 
     def set_cancel_handler(self, handler: CancelHandler) -> None:
         self._on_cancel = handler
+
+    def set_live_runs(self, live: Callable[[str], bool]) -> None:
+        self._live = live
 
     def _stop(self, response_id: str, deleted: bool) -> None:
         if self._on_cancel is not None:
@@ -236,7 +299,7 @@ class PostgresStore:
         fields = asdict(record) | {"events": None if record.events is None else []}
         args = (record.id, record.created_at, _json(fields), record.status, self.server_id)
         async with self._pool.acquire() as conn, conn.transaction():
-            if record.id in self._running:  # (deleted, or failed by another server: no longer ours)
+            if record.id in self._running:  # (0 rows: deleted, or failed by another server)
                 written = await conn.execute(
                     "UPDATE responses SET created_at = $2, record = $3, status = $4 WHERE id = $1 AND server_id = $5",
                     *args,
@@ -248,10 +311,11 @@ class PostgresStore:
                     "status = EXCLUDED.status WHERE responses.server_id IS NOT DISTINCT FROM EXCLUDED.server_id",
                     *args,
                 )
-            if written.endswith(" 0"):
-                fenced = True
-            else:
-                fenced = False
+            fenced = written.endswith(" 0")
+            # Fenced: the record was deleted, or it is there but no longer ours (another server's
+            # sweep failed it while we were cut off): then it stays as that server left it.
+            gone = fenced and await conn.fetchval("SELECT 1 FROM responses WHERE id = $1", record.id) is None
+            if not fenced:
                 await conn.execute("DELETE FROM response_items WHERE response_id = $1", record.id)
                 await conn.execute(
                     "INSERT INTO response_items (id, response_id) SELECT unnest($2::text[]), $1 ON CONFLICT DO NOTHING",
@@ -266,8 +330,13 @@ class PostgresStore:
             self._running.discard(record.id)
         if fenced:
             self._lost.add(record.id)
-            log.info("response %s was deleted or taken over by another server: its run stops", record.id)
-            self._stop(record.id, deleted=True)
+            if gone:
+                log.info("response %s was deleted by another server: its run stops", record.id)
+            else:
+                log.warning(
+                    "response %s was marked failed by another server (our lease ran out): its run stops", record.id
+                )
+            self._stop(record.id, deleted=gone)
 
     async def _insert_events(self, conn: asyncpg.Connection, response_id: str, events: list[dict[str, Any]]) -> None:
         if events:
@@ -360,6 +429,7 @@ class PostgresStore:
             metadata=json.loads(row["metadata"]),
             version=row["version"],
             state=json.loads(row["state"]) if row["state"] else None,
+            owner=row["owner"],
         )
 
     @staticmethod
@@ -392,12 +462,14 @@ class PostgresStore:
     async def create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute(
-                "INSERT INTO conversations (id, created_at, metadata, version, state) VALUES ($1, $2, $3, $4, $5)",
+                "INSERT INTO conversations (id, created_at, metadata, version, state, owner) "
+                "VALUES ($1, $2, $3, $4, $5, $6)",
                 conversation.id,
                 conversation.created_at,
                 json.dumps(conversation.metadata),
                 conversation.version,
                 json.dumps(conversation.state) if conversation.state else None,
+                conversation.owner,
             )
             await self._append_items(conn, conversation.id, items)
 

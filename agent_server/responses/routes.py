@@ -208,7 +208,7 @@ async def retrieve_response(request: Request) -> Response:
             param="stream",
         )
     if record.status in RUNNING and not _ends(record.events):  # another server runs it (a shared store)
-        return sse_response(_follow(state, record, starting_after), ping_seconds=state.config.sse_ping_seconds)
+        return sse_response(_follow(state, record, starting_after, spoken), ping_seconds=state.config.sse_ping_seconds)
 
     events = _with_terminal_event(record, record.events, starting_after)
 
@@ -236,16 +236,17 @@ def _with_terminal_event(record: StoredResponse, events: list[dict], starting_af
     return [*events, {**terminal, "sequence_number": max(last + 1, starting_after + 1)}]
 
 
-async def _follow(state: ServerState, record: StoredResponse, starting_after: int):
+async def _follow(state: ServerState, record: StoredResponse, starting_after: int, spoken: str):
     """The events of a background response another server runs: those stored, then those its
-    owner appends, until its terminal event (or its record ends otherwise: its owner died)."""
+    owner appends, until its terminal event (or its record ends otherwise: its owner died), each
+    written in the request's dialect (`spoken`), as the owner's own stream would be."""
     after = starting_after
     events = record.events or []
     while True:
         for event in events:
             if event["sequence_number"] > after:
                 after = event["sequence_number"]
-                yield sdk_event(event)
+                yield sdk_event(dialect.written(event, spoken))
                 if event.get("type") in TERMINAL_EVENT.values():
                     return
         await state.store.changed(record.id, 0.5)

@@ -10,6 +10,7 @@ Conversations are owned the same way: every conversations route, and `conversati
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -30,15 +31,30 @@ def client(server, key: str) -> httpx.Client:
     return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
 
-@pytest.fixture
-def server(tmp_path):
+@contextlib.contextmanager
+def keyed_server(tmp_path, store_url: str | None = None):
+    """A server with the keys, on SQLite or (`store_url`) PostgreSQL; `.alice`, `.alice2`, `.bob`,
+    `.default`: a client with each key."""
     engine = ScriptedEngine(token_delay=0.01)
-    app = make_app(lambda: engine, tmp_path / "r.db", api_key=DEFAULT_KEY, api_keys=KEYS)
+    app = make_app(lambda: engine, tmp_path / "r.db", api_key=DEFAULT_KEY, api_keys=KEYS, store_url=store_url)
     with LiveServer(app, api_key=DEFAULT_KEY) as live:
         live.alice, live.alice2, live.bob, live.default = (
             client(live, k) for k in ("sk-alice-1", "sk-alice-2", "sk-bob", DEFAULT_KEY)
         )
         live.engine_ = engine
+        yield live
+
+
+@pytest.fixture
+def server(tmp_path):
+    with keyed_server(tmp_path) as live:
+        yield live
+
+
+@pytest.fixture
+def server_on_each_store(tmp_path, store_url):
+    """`server` on each store backend (PostgreSQL's with the slow tests)."""
+    with keyed_server(tmp_path, store_url) as live:
         yield live
 
 
@@ -148,7 +164,8 @@ def test_another_owner_cannot_reach_a_response_through_compact_count_or_a_websoc
     assert_missing(server.bob.get(f"/v1/responses/{made}"), made)
 
 
-def test_another_owner_cannot_reach_a_conversation(server):
+def test_another_owner_cannot_reach_a_conversation(server_on_each_store):
+    server = server_on_each_store
     made = server.alice.post(
         "/v1/conversations", json={"metadata": {"topic": "secret"}, "items": [{"role": "user", "content": "my secret"}]}
     )
@@ -230,6 +247,35 @@ def test_a_store_from_before_conversation_owners_opens(tmp_path):
         assert asyncio.run(store.get_conversation("conv_new")).owner == "alice"
     finally:
         asyncio.run(store.close())
+
+
+@pytest.mark.slow  # (a PostgreSQL server)
+def test_a_postgresql_store_from_before_conversation_owners_opens(postgres_url):
+    """The same on PostgreSQL: the column is added to a database that lacks it."""
+    import asyncio
+
+    import asyncpg
+
+    from agent_server.store import StoredConversation
+    from agent_server.store_postgres import PostgresStore
+
+    async def check():
+        conn = await asyncpg.connect(postgres_url)
+        await conn.execute(
+            "CREATE TABLE conversations (id TEXT PRIMARY KEY, created_at DOUBLE PRECISION, "
+            "metadata TEXT NOT NULL, version INTEGER NOT NULL, state TEXT)"
+        )
+        await conn.execute("INSERT INTO conversations VALUES ('conv_old', 1.0, '{}', 0, NULL)")
+        await conn.close()
+        store = await PostgresStore.open(postgres_url)
+        try:
+            assert (await store.get_conversation("conv_old")).owner is None
+            await store.create_conversation(StoredConversation(id="conv_new", owner="alice"), [])
+            assert (await store.get_conversation("conv_new")).owner == "alice"
+        finally:
+            await store.close()
+
+    asyncio.run(check())
 
 
 def test_the_sdk_with_several_keys(server):

@@ -197,3 +197,70 @@ def test_serve_takes_a_postgresql_url(postgres_url, tmp_path, monkeypatch, caplo
     with pytest.raises(OSError):
         asyncio.run(opened())
     assert "could not open the store postgresql://postgres:***@127.0.0.1:1/none" in caplog.text
+
+
+def test_following_a_run_on_the_other_server_speaks_the_requests_dialect(two_servers):
+    """A run on a followed from b: on b's Open Responses prefix the spec's event names and the
+    logprobs' bytes, on b's /v1 OpenAI's names and no bytes (as a's own stream would)."""
+    from tests.agent_server.responses.test_dialect import SPEC, spec_problems
+
+    a, b = two_servers
+    thinking = "Think " * 300
+    a.engine.say(
+        f"<|channel|>analysis<|message|>{thinking}<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Hello there, friend.<|return|>"
+    )
+    body = {
+        "model": MODEL,
+        "input": "Hi",
+        "background": True,
+        "top_logprobs": 2,
+        "include": ["message.output_text.logprobs"],
+    }
+    response_id = httpx.post(f"{a.url}/v1/responses", json=body, timeout=60).json()["id"]
+    with contextlib.ExitStack() as streams:
+        spec_stream, openai_stream = (
+            streams.enter_context(
+                httpx.stream("GET", f"{b.url}{prefix}/responses/{response_id}", params={"stream": "true"}, timeout=60)
+            )
+            for prefix in (SPEC, "/v1")
+        )
+        assert a.state.runs.get(response_id) is not None  # (both follow it while a runs it)
+        spec, openai = events_of(spec_stream), events_of(openai_stream)
+    for stream in (spec, openai):
+        assert stream[-1]["type"] == "response.completed"
+        assert [e["sequence_number"] for e in stream] == list(range(len(stream)))
+    assert [p for e in spec for p in spec_problems(e)] == []
+    spec_kinds, openai_kinds = {e["type"] for e in spec}, {e["type"] for e in openai}
+    assert "response.reasoning.delta" in spec_kinds and "response.reasoning_text.delta" not in spec_kinds
+    assert "response.reasoning_text.delta" in openai_kinds and "response.reasoning.delta" not in openai_kinds
+    for stream, with_bytes in ((spec, True), (openai, False)):
+        logprobs = [lp for e in stream if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+        assert logprobs and all(("bytes" in lp) == with_bytes for lp in logprobs)
+
+
+def test_a_response_whose_final_write_failed_is_marked_failed_by_its_live_server(tmp_path, postgres_url):
+    """The server is alive, but the write of a run's final record failed: the record it wrote
+    while the run ran (in progress) is marked failed by its own heartbeat, not left running."""
+    engine = ScriptedEngine(token_delay=0.005)
+    app = make_app(lambda: engine, tmp_path / "unused.sqlite3", store=shared_store(postgres_url))
+    with LiveServer(app) as server:
+        store = server.state.store
+        put = store.put
+
+        async def failing_put(record):  # (the final record, once the run ended)
+            if record.status not in ("queued", "in_progress"):
+                raise ConnectionError("the database went away")
+            await put(record)
+
+        store.put = failing_put
+        server.engine.say("<|channel|>final<|message|>" + "word " * 100 + "<|return|>")
+        response_id = httpx.post(
+            f"{server.url}/v1/responses", json={"model": MODEL, "input": "tell me", "background": True}, timeout=60
+        ).json()["id"]
+        wait_for(lambda: server.state.runs.get(response_id) is None)
+        assert httpx.get(f"{server.url}/v1/responses/{response_id}").json()["status"] == "in_progress"
+        wait_for(lambda: httpx.get(f"{server.url}/v1/responses/{response_id}").json()["status"] == "failed")
+        stored = httpx.get(f"{server.url}/v1/responses/{response_id}").json()
+        assert stored["error"]["code"] == "server_error"
+        store.put = put

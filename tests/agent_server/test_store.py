@@ -133,15 +133,17 @@ def item(n: int) -> dict:
 
 
 async def test_a_conversation_and_its_items(store):
-    conversation = StoredConversation(id="conv_1", metadata={"topic": "a"}, created_at=5.0)
+    conversation = StoredConversation(id="conv_1", metadata={"topic": "a"}, created_at=5.0, owner="alice")
     await store.create_conversation(conversation, [item(0), item(1)])
     got = await store.get_conversation("conv_1")
     assert (got.metadata, got.version, got.created_at, got.state) == ({"topic": "a"}, 0, 5.0, None)
-    assert (await store.update_conversation("conv_1", {"topic": "b"})).metadata == {"topic": "b"}
+    assert got.owner == "alice"  # (what the conversations routes check against the requester)
+    updated = await store.update_conversation("conv_1", {"topic": "b"})
+    assert (updated.metadata, updated.owner) == ({"topic": "b"}, "alice")
     assert await store.update_conversation("conv_none", {}) is None
 
     added = await store.add_conversation_items("conv_1", [item(2), item(3)])
-    assert added.version == 1
+    assert (added.version, added.owner) == (1, "alice")
     ids = lambda items: [i["id"] for i in items]  # noqa: E731
     assert ids(await store.conversation_items("conv_1")) == ["msg_0", "msg_1", "msg_2", "msg_3"]
     assert ids(await store.conversation_items("conv_1", descending=True, limit=2)) == ["msg_3", "msg_2"]
@@ -161,7 +163,7 @@ async def test_a_conversation_and_its_items(store):
     assert ids(await store.conversation_items("conv_1")) == ["msg_0", "msg_1", "msg_2", "msg_3"]
 
     deleted = await store.delete_conversation_item("conv_1", "msg_1")
-    assert deleted.version == 2
+    assert (deleted.version, deleted.owner) == (2, "alice")
     assert await store.delete_conversation_item("conv_1", "msg_1") is None
     await store.add_conversation_items("conv_1", [item(4)])  # (after the gap: still last)
     assert ids(await store.conversation_items("conv_1")) == ["msg_0", "msg_2", "msg_3", "msg_4"]
@@ -310,3 +312,59 @@ async def test_changed_wakes_a_follower_when_the_owner_writes(shared):
     assert loop.time() - started < 5
     assert await follower.events_after("resp_f", -1) == [event(0)]
     await asyncio.gather(owner.close(), follower.close())
+
+
+@pytest.mark.slow  # (a PostgreSQL server)
+async def test_a_run_taken_over_by_another_server_is_stopped_not_deleted(shared):
+    """The owner lost the database longer than its lease; another server's sweep failed its run.
+    When the owner is back, its next write is fenced: its run stops, as a cancel, and the
+    record (failed, with what was stored) stays; a deleted record still stops it as deleted."""
+    owner, other = await shared(), await shared()
+    stopped = []
+    owner.set_cancel_handler(lambda rid, deleted: stopped.append((rid, deleted)))
+    output = [{"id": "msg_1", "type": "message", "status": "in_progress", "content": []}]
+    await owner.put(response("resp_t", "in_progress", output=output, events=[event(0)]))
+    owner._beating.cancel()  # (cut off: no more heartbeats)
+    await asyncio.gather(owner._beating, return_exceptions=True)
+    for _ in range(200):
+        if "resp_t" in await other.sweep():
+            break
+        await asyncio.sleep(0.05)
+    assert (await other.get("resp_t")).status == "failed"
+    await owner.put(response("resp_t", "in_progress", output=output, events=[event(0), event(1)]))
+    assert stopped == [("resp_t", False)]  # (taken over: not deleted)
+    await owner.put(response("resp_t", "cancelled", events=[event(0), event(1)]))  # (its final write: dropped)
+    kept = await other.get("resp_t")
+    assert kept.status == "failed" and [e["sequence_number"] for e in kept.events] == [0]
+
+    await owner._renew_lease()
+    await owner.put(response("resp_d", "in_progress", events=[]))
+    assert await other.delete("resp_d") is True
+    stopped.clear()
+    await owner.put(response("resp_d", "in_progress", events=[]))
+    assert ("resp_d", True) in stopped and await other.get("resp_d") is None
+    await asyncio.gather(owner.close(), other.close())
+
+
+@pytest.mark.slow  # (a PostgreSQL server)
+async def test_a_running_record_its_live_owner_no_longer_runs_is_marked_failed(shared):
+    """The owner is alive but the final write of a run failed: its heartbeat marks the record
+    failed (with what was stored) once no run of it was seen for the grace; its live runs' stay."""
+    owner = await shared()
+    live = {"resp_live"}
+    owner.set_live_runs(lambda rid: rid in live)
+    output = [{"id": "msg_1", "type": "message", "status": "in_progress", "content": []}]
+    await owner.put(response("resp_orphan", "in_progress", output=output, events=[event(0)]))
+    await owner.put(response("resp_live", "in_progress", events=[]))
+    assert (await owner.get("resp_orphan")).status == "in_progress"  # (within the grace)
+    for _ in range(200):
+        record = await owner.get("resp_orphan")
+        if record.status == "failed":
+            break
+        await asyncio.sleep(0.05)
+    assert record.status == "failed" and record.response["error"]["code"] == "server_error"
+    assert record.response["output"][0]["status"] == "incomplete" and [e["sequence_number"] for e in record.events] == [
+        0
+    ]
+    assert (await owner.get("resp_live")).status == "in_progress"
+    await owner.close()
