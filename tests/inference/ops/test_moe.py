@@ -678,11 +678,11 @@ def test_triton_add_norm_moe_matches_add_rms_norm_then_moe():
 
     w = make_weights(4, 96, 64, seed=8)
     g = torch.Generator().manual_seed(9)
-    x = (torch.randn(3, 96, generator=g) * 3).to(DEVICE, DTYPE)
-    delta = torch.randn(3, 96, generator=g).to(DEVICE, DTYPE)
+    x = (torch.randn(2, 96, generator=g) * 3).to(DEVICE, DTYPE)  # (few rows: the decode GEMVs are slow interpreted)
+    delta = torch.randn(2, 96, generator=g).to(DEVICE, DTYPE)
     norm_weight = (torch.rand(96, generator=g) + 0.5).to(DEVICE, DTYPE)
     want_residual, h = add_rms_norm_reference(x, delta, norm_weight, 1e-5)
-    for decode_max in (3, 0):  # the decode path, then the grouped one
+    for decode_max in (2, 0):  # the decode path, then the grouped one
         backend = triton_backend(
             _kernels().MoEKernelConfig(decode_max_tokens=decode_max, decode_max_pairs_per_expert=None)
         )
@@ -700,12 +700,12 @@ def test_triton_valid_tokens_route_padding_nowhere(path):
     unpadded batch gets, and the padding rows route to no expert at all, so their output rows
     stay zero (any routed pair would add its expert's nonzero bias there). The grouped path
     also sees pads across blocks (n = 5 of 12 in 16-token blocks), the add + norm variant too;
-    the decode path n = 1 and 3 of 4 (fewer rows: its GEMV programs, one set per (token, slot),
-    are slow under the interpreter)."""
+    the decode path n = 1 of 2 (fewer rows: its GEMV programs, one set per (token, slot), are
+    slow under the interpreter)."""
     mt = _kernels()
     w = make_weights(4, 96, 64, seed=12)
     g = torch.Generator().manual_seed(13)
-    rows = 4 if path == "decode" else 12
+    rows = 2 if path == "decode" else 12
     x = torch.randn(rows, 96, generator=g).to(DEVICE, DTYPE)
     delta = torch.randn(rows, 96, generator=g).to(DEVICE, DTYPE)
     norm_weight = (torch.rand(96, generator=g) + 0.5).to(DEVICE, DTYPE)
@@ -718,7 +718,7 @@ def test_triton_valid_tokens_route_padding_nowhere(path):
     )
     prepared = prepared_copy(backend, w)
     tol = max(TOL, DECODE_TOL) if path == "decode" else TOL
-    for n in (1, 3) if path == "decode" else (1, 5, 12):
+    for n in (1,) if path == "decode" else (1, 5, 12):
         valid = torch.tensor([n], dtype=torch.int32, device=DEVICE)
         out = backend.forward(x, prepared, 2, LIMIT, valid_tokens=valid)
         assert_close(out[:n], reference(x[:n], w, 2), tol)
