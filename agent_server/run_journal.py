@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from agent_server.responses.events import dump
 from agent_server.responses.runs import ResponseRun
-from agent_server.store import ResponseStore, StoredResponse
+from agent_server.store import RUNNING, ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,12 @@ class RunJournal:
                 events, self._events = self._events, []
                 if events:
                     await self.store.append_events(self.run.response_id, events)
-                await self.store.put(self.record())
+                record = self.record()
+                # A record that has ended while this write ran is the run's final write to make,
+                # with all its events: stored here, it would read ended without its last events
+                # (a stream followed on another server would end early).
+                if record.status in RUNNING:
+                    await self.store.put(record)
                 if self.run.deleted:  # a DELETE that came while the write ran wins all the same
                     await self.store.delete(self.run.response_id)
         except Exception:  # the run goes on; its final record is written when it ends
