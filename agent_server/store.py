@@ -118,6 +118,28 @@ class StoredConversation:
     def current_state(self) -> dict[str, Any] | None:
         return self.state if self.state is not None and self.state.get("version") == self.version else None
 
+    # Its row in a store's `conversations` table, as both backends keep it (metadata and state as JSON).
+    COLUMNS = ("id", "created_at", "metadata", "version", "state", "owner")
+
+    def row(self) -> tuple:
+        """The values of COLUMNS."""
+        return (self.id, self.created_at, json.dumps(self.metadata), self.version, self.state_json(), self.owner)
+
+    def state_json(self) -> str | None:
+        return json.dumps(self.state) if self.state else None
+
+    @classmethod
+    def from_row(cls, id, created_at, metadata, version, state, owner) -> StoredConversation:
+        """The conversation a row of COLUMNS holds."""
+        return cls(
+            id=id,
+            created_at=created_at,
+            metadata=json.loads(metadata),
+            version=version,
+            state=json.loads(state) if state else None,
+            owner=owner,
+        )
+
 
 class ConversationStore(Protocol):
     async def create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None: ...
@@ -351,18 +373,9 @@ class SQLiteResponseStore:
 
     def _conversation_row(self, conversation_id: str) -> StoredConversation | None:
         row = self._db.execute(
-            "SELECT created_at, metadata, version, state, owner FROM conversations WHERE id = ?", (conversation_id,)
+            f"SELECT {', '.join(StoredConversation.COLUMNS)} FROM conversations WHERE id = ?", (conversation_id,)
         ).fetchone()
-        if row is None:
-            return None
-        return StoredConversation(
-            id=conversation_id,
-            created_at=row[0],
-            metadata=json.loads(row[1]),
-            version=row[2],
-            state=json.loads(row[3]) if row[3] else None,
-            owner=row[4],
-        )
+        return None if row is None else StoredConversation.from_row(*row)
 
     def _append_items(self, conversation_id: str, items: list[dict[str, Any]]) -> None:
         ids = [item["id"] for item in items]
@@ -394,14 +407,7 @@ class SQLiteResponseStore:
         with self._lock, self._db:
             self._db.execute(
                 "INSERT INTO conversations (id, created_at, metadata, version, state, owner) VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    conversation.id,
-                    conversation.created_at,
-                    json.dumps(conversation.metadata),
-                    conversation.version,
-                    json.dumps(conversation.state) if conversation.state else None,
-                    conversation.owner,
-                ),
+                conversation.row(),
             )
             self._append_items(conversation.id, items)
 
@@ -464,7 +470,7 @@ class SQLiteResponseStore:
                 conversation.state = {**state, "version": conversation.version}
             self._db.execute(
                 "UPDATE conversations SET version = ?, state = ? WHERE id = ?",
-                (conversation.version, json.dumps(conversation.state) if conversation.state else None, conversation_id),
+                (conversation.version, conversation.state_json(), conversation_id),
             )
             return conversation
 

@@ -423,14 +423,7 @@ class PostgresStore:
     def _conversation(row: asyncpg.Record | None) -> StoredConversation | None:
         if row is None:
             return None
-        return StoredConversation(
-            id=row["id"],
-            created_at=row["created_at"],
-            metadata=json.loads(row["metadata"]),
-            version=row["version"],
-            state=json.loads(row["state"]) if row["state"] else None,
-            owner=row["owner"],
-        )
+        return StoredConversation.from_row(*(row[c] for c in StoredConversation.COLUMNS))
 
     @staticmethod
     async def _append_items(conn: asyncpg.Connection, conversation_id: str, items: list[dict[str, Any]]) -> None:
@@ -464,12 +457,7 @@ class PostgresStore:
             await conn.execute(
                 "INSERT INTO conversations (id, created_at, metadata, version, state, owner) "
                 "VALUES ($1, $2, $3, $4, $5, $6)",
-                conversation.id,
-                conversation.created_at,
-                json.dumps(conversation.metadata),
-                conversation.version,
-                json.dumps(conversation.state) if conversation.state else None,
-                conversation.owner,
+                *conversation.row(),
             )
             await self._append_items(conn, conversation.id, items)
 
@@ -541,7 +529,7 @@ class PostgresStore:
                 "UPDATE conversations SET version = $2, state = $3 WHERE id = $1",
                 conversation_id,
                 conversation.version,
-                json.dumps(conversation.state) if conversation.state else None,
+                conversation.state_json(),
             )
             return conversation
 
