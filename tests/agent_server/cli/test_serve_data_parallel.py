@@ -9,22 +9,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from agent_server.bench.server_metrics import parse_metrics
-from tests.process_tree import spawned_children, wait_until
+from tests.process_tree import serve_process, spawned_children, wait_until
 
 pytestmark = pytest.mark.slow  # a long end-to-end run: CI runs it with `-m slow`
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 def _metric(base: str, name: str, **labels) -> float:
@@ -36,57 +30,18 @@ def _metric(base: str, name: str, **labels) -> float:
 
 @pytest.fixture
 def server(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "agent_server.cli",
-            "serve",
-            "--data-parallel-size",
-            "2",
-            "--device",
-            "cpu",
-            "--port",
-            str(port),
-            "--store",
-            str(tmp_path / "r.db"),
-            "--tool-server",
-            "python",
-        ],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited ({proc.returncode}):\n{(tmp_path / 'serve.log').read_text()}")
-        try:
-            return httpx.get(f"{base}/ready", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(ready, 300, "the server ready", poll=0.5)
-        yield proc, base, tmp_path / "serve.log"
-    finally:
-        for pid in spawned_children(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with serve_process(
+        tmp_path,
+        "--data-parallel-size",
+        "2",
+        "--device",
+        "cpu",
+        "--store",
+        str(tmp_path / "r.db"),
+        "--tool-server",
+        "python",
+    ) as running:
+        yield running
 
 
 def test_two_replicas_route_by_load_prefix_and_continuation_and_survive_one_dying(server):

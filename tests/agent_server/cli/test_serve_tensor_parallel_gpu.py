@@ -11,20 +11,15 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.process_tree import spawned_children, wait_until
+from tests.process_tree import serve_process, spawned_children, wait_until
 
 pytestmark = pytest.mark.gpu(count=4)
-REPO = Path(__file__).resolve().parents[3]
 
 
 def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
@@ -33,52 +28,24 @@ def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
     from inference.model.tiny_checkpoint import write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "tiny-tp4", seed=0, num_key_value_heads=4, intermediate_size=128)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "agent_server.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--served-model-name",
-            "tiny-tp4",
-            "--tensor-parallel-size",
-            "4",
-            "--port",
-            str(port),
-            "--store",
-            str(tmp_path / "r.db"),
-            "--num-pages",
-            "512",
-            "--max-model-len",
-            "2048",
-            "--max-num-seqs",
-            "16",
-        ],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-
-        def ready():
-            if server.poll() is not None:
-                raise AssertionError(
-                    f"the server exited ({server.returncode}):\n{(tmp_path / 'serve.log').read_text()}"
-                )
-            try:
-                return httpx.get(f"{base}/ready", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, 900, "the server ready", poll=1.0)
+    with serve_process(
+        tmp_path,
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny-tp4",
+        "--tensor-parallel-size",
+        "4",
+        "--store",
+        str(tmp_path / "r.db"),
+        "--num-pages",
+        "512",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "16",
+        ready_timeout=900,
+    ) as (server, base, _):
         engine = next(pid for pid in spawned_children(server.pid) if len(spawned_children(pid)) == 3)
         workers = spawned_children(engine)
 
@@ -111,15 +78,3 @@ def test_serve_on_four_gpus_answers_and_reports_a_stopped_rank(tmp_path):
         assert took < 20, took
         reader.join(30)
         assert "at" in ended, "the stream did not end"
-    finally:
-        for pid in [p for e in spawned_children(server.pid) for p in spawned_children(e)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
