@@ -54,11 +54,12 @@ class PrefixIndex:
         self.capacity, self.block_tokens = capacity, block_tokens
         self._owners: collections.OrderedDict[int, int] = collections.OrderedDict()  # hash -> replica bits
 
-    def hashes(self, tokens: list[int]) -> list[int]:
-        """The chained hashes of `tokens`' full blocks, in order."""
-        out, previous = [], 0
+    def hashes(self, tokens: list[int], known: list[int] = ()) -> list[int]:
+        """The chained hashes of `tokens`' full blocks, in order; `known`: those of its first
+        blocks, already computed (the prompt's, for prompt + output)."""
+        out, previous = list(known), known[-1] if known else 0
         block = self.block_tokens
-        for start in range(0, len(tokens) - block + 1, block):
+        for start in range(len(known) * block, len(tokens) - block + 1, block):
             previous = hash((previous, *tokens[start : start + block]))
             out.append(previous)
         return out
@@ -140,8 +141,9 @@ class ReplicaRouter:
             self._parked.discard(rid)
         log.error("engine replica %d is out of rotation: %s", i, cause)
 
-    def choose(self, request: GenerationRequest) -> tuple[int, str]:
-        """(replica, why): see the module docstring."""
+    def choose(self, request: GenerationRequest, hashes: list[int]) -> tuple[int, str]:
+        """(replica, why) for `request`, whose prompt's block hashes are `hashes`: see the
+        module docstring."""
         live = self.live()
         if not live:
             raise RuntimeError(self.failure or "no engine replica is serving")
@@ -149,7 +151,6 @@ class ReplicaRouter:
             owner = self._owner.get(request.continue_from)
             if owner is not None and owner in live:
                 return owner, "continuation"
-        hashes = self.index.hashes(request.prompt_token_ids)
         matched = self.index.matches(hashes, len(self.replicas))
         # Cost in prompt tokens: what the replica's cache would not cover, plus its queue.
         cost = {
@@ -166,9 +167,10 @@ class ReplicaRouter:
         """Route now, validate on the replica (ValueError / RuntimeError as a client raises)."""
         if request.request_id in self._owner and request.request_id not in self._parked:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        replica, why = self.choose(request)
+        hashes = self.index.hashes(request.prompt_token_ids)
+        replica, why = self.choose(request, hashes)
         stream = self.replicas[replica].generate(request)
-        return RoutedStream(self, replica, why, request, stream)
+        return RoutedStream(self, replica, why, request, hashes, stream)
 
     def abort(self, request_id: str) -> None:
         owner = self._owner.get(request_id)
@@ -224,7 +226,7 @@ class ReplicaRouter:
 
     # -- a stream's life -------------------------------------------------------------------
 
-    def _opened(self, replica: int, why: str, request: GenerationRequest) -> None:
+    def _opened(self, replica: int, why: str, request: GenerationRequest, hashes: list[int]) -> None:
         self._owner[request.request_id] = replica  # (a parked id it continues stays until `release`)
         counters = self.counters[replica]
         counters.routed += 1
@@ -233,15 +235,17 @@ class ReplicaRouter:
             counters.routed_by_prefix += 1
         elif why == "continuation":
             counters.routed_by_continuation += 1
-        self.index.record(replica, self.index.hashes(request.prompt_token_ids))
+        self.index.record(replica, hashes)
 
-    def _finished(self, replica: int, request: GenerationRequest, output: list[int], delta: TokenDelta | None) -> None:
+    def _finished(
+        self, replica: int, request: GenerationRequest, hashes: list[int], output: list[int], delta: TokenDelta | None
+    ) -> None:
         rid = request.request_id
         self.counters[replica].in_flight -= 1
         if replica in self._out:
             return
         if delta is not None and delta.finish_reason in ("stop", "length"):
-            self.index.record(replica, self.index.hashes(request.prompt_token_ids + output))
+            self.index.record(replica, self.index.hashes(request.prompt_token_ids + output, known=hashes))
         if request.keep_alive and delta is not None and delta.finish_reason in ("stop", "length"):
             self._parked.add(rid)  # until `release` (or a continuation takes it over)
         elif self._owner.get(rid) == replica:
@@ -251,8 +255,11 @@ class ReplicaRouter:
 class RoutedStream:
     """A replica's `DeltaStream`, telling the router when it opens and ends."""
 
-    def __init__(self, router: ReplicaRouter, replica: int, why: str, request: GenerationRequest, stream):
+    def __init__(
+        self, router: ReplicaRouter, replica: int, why: str, request: GenerationRequest, hashes: list[int], stream
+    ):
         self.router, self.replica, self.why, self.request = router, replica, why, request
+        self.hashes = hashes  # the prompt's block hashes (`PrefixIndex.hashes`)
         self._stream = stream
         self._opened = False
         self._ended = False
@@ -265,7 +272,7 @@ class RoutedStream:
         self._stream.open()
         self._opened = True
         self._loop = asyncio.get_running_loop()
-        self.router._opened(self.replica, self.why, self.request)
+        self.router._opened(self.replica, self.why, self.request, self.hashes)
 
     def __aiter__(self) -> RoutedStream:
         return self
@@ -292,7 +299,7 @@ class RoutedStream:
     def _end(self, delta: TokenDelta | None) -> None:
         if self._opened and not self._ended:
             self._ended = True
-            self.router._finished(self.replica, self.request, self._output, delta)
+            self.router._finished(self.replica, self.request, self.hashes, self._output, delta)
 
     def __del__(self) -> None:
         # Dropped unfinished: the replica's own stream aborts the request; the router's count

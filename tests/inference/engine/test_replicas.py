@@ -107,6 +107,13 @@ def test_prefix_index_matches_whole_leading_blocks():
     assert index.matches(index.hashes(SHARED), 2) == [0, 2]
 
 
+def test_prefix_hashes_extend_from_known_ones():
+    index = PrefixIndex(block_tokens=16)
+    prompt, output = SHARED + [1] * 7, [2] * 30
+    assert index.hashes(prompt + output, known=index.hashes(prompt)) == index.hashes(prompt + output)
+    assert len(index.hashes(prompt + output)) == (len(prompt) + len(output)) // 16
+
+
 def test_prefix_index_is_bounded_lru():
     index = PrefixIndex(capacity=8, block_tokens=16)
     old = index.hashes(list(range(64)))
