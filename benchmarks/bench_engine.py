@@ -11,6 +11,7 @@ by the measured copy bandwidth.
     python benchmarks/bench_engine.py --model 20b
     python benchmarks/bench_engine.py --model 120b --batches 1,64
     python benchmarks/bench_engine.py --model 20b --profile 1,64   # per-kernel breakdown of a step
+    python benchmarks/bench_engine.py --model 20b --profile 256 --mixed-prompt 1024   # ... with a prompt joining
     python benchmarks/bench_engine.py --model 20b --hf             # also transformers, same shapes
     python benchmarks/bench_engine.py --model 20b --speculative ngram   # batch-1 decode with / without drafts
     python benchmarks/bench_engine.py --model 20b --async-scheduling --batches 1,8,64   # engine decode, overlap off / on
@@ -53,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
+from matmul_rate import matmul_rate  # noqa: E402
 
 from inference.config import GPT_OSS_SHAPES, ModelConfig  # noqa: E402
 from inference.model.gpt_oss import GptOssModel  # noqa: E402
@@ -83,6 +85,41 @@ def bytes_per_token(c: ModelConfig, context: int) -> dict[str, float]:
         "lm_head": c.vocab_size * h * 2 + h * 2,
         "kv": kv_bytes,
     }
+
+
+def step_roofline(c: ModelConfig, batch: int, context: int) -> dict[str, float]:
+    """What one decode step of `batch` sequences at `context` tokens each must move and compute.
+    bytes: the dense weights and the lm_head once, the experts the batch touches (E(1 - (1 - k/E)^B)
+    a layer on average under uniform routing, which random weights approximate), and every
+    sequence's KV. flops: 2 per weight a token uses, plus attention's 4 per key and query dim."""
+    parts = bytes_per_token(c, context)
+    e, k = c.num_local_experts, c.num_experts_per_tok
+    expert_bytes = (parts["experts"] / c.num_hidden_layers - (e * c.hidden_size + e) * 2) / k
+    router_bytes = parts["experts"] - c.num_hidden_layers * k * expert_bytes
+    touched = e * (1 - (1 - k / e) ** batch)
+    h, q, kv, i = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    )
+    weights_a_token = c.num_hidden_layers * (h * (q + 2 * kv) + q * h + e * h + k * 3 * i * h) + c.vocab_size * h
+    keys = sum(min(context, c.sliding_window) if c.is_sliding(n) else context for n in range(c.num_hidden_layers))
+    return {
+        "bytes": parts["attention"]
+        + parts["lm_head"]
+        + router_bytes
+        + c.num_hidden_layers * touched * expert_bytes
+        + batch * parts["kv"],
+        "flops": batch * (2 * weights_a_token + 4 * keys * q),
+    }
+
+
+def roofline_tok_s(c: ModelConfig, batch: int, context: int, bandwidth: float, flop_rate: float) -> tuple[float, str]:
+    """(tok/s if a step took max(bytes / bandwidth, flops / flop_rate), which of the two binds)."""
+    r = step_roofline(c, batch, context)
+    memory, compute = r["bytes"] / bandwidth, r["flops"] / flop_rate
+    return batch / max(memory, compute), ("memory" if memory >= compute else "compute")
 
 
 ACTIVATION_RESERVE = 4e9  # bytes held back for a prefill step's activations and CUDA graphs
@@ -175,18 +212,68 @@ def bench_prefill(model, kv_caches, tokens: int, page_size: int, repeats: int = 
     return tokens * repeats / (time.perf_counter() - t0)
 
 
-def profile_step(model, kv_caches, batch, context, pages_per_seq, page_size) -> str:
-    """Per-kernel GPU time of one eager decode step, top entries."""
+def mixed_step(seqs: StaticBatch, prompt: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(input ids, metadata) of a step where one `prompt`-token request joins `seqs`'s decode
+    rows, as the scheduler builds it: the decode rows first, then the prompt, on the pages after
+    the batch's. Each call advances the decode rows by one token and re-prefills the prompt."""
+    decode = seqs.metadata()
+    dev, b, page = seqs.ids.device, seqs.batch, seqs.page_size
+    first_page = seqs.table.shape[0] * seqs.table.shape[1]
+    prompt_table = torch.zeros(1, seqs.table.shape[1], dtype=torch.int32, device=dev)
+    pages = -(-prompt // page)
+    prompt_table[0, :pages] = torch.arange(first_page, first_page + pages, dtype=torch.int32, device=dev)
+    table = torch.cat([seqs.table, prompt_table])
+    pos = torch.arange(prompt, device=dev)
+    slots = torch.cat([decode.slot_mapping["full"], first_page * page + pos])
+    ids = torch.cat([seqs.ids, torch.randint(0, 1000, (prompt,), device=dev)])
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([*range(b + 1), b + prompt], dtype=torch.int32, device=dev),
+        context_lens=torch.cat([decode.context_lens, torch.tensor([prompt], dtype=torch.int32, device=dev)]),
+        block_tables={"full": table, "sliding": table},
+        slot_mapping={"full": slots, "sliding": slots},
+        positions=torch.cat([decode.positions, pos]),
+        max_q_len=prompt,
+        q_lens=[1] * b + [prompt],
+        context_lens_list=decode.context_lens_list + [prompt],
+    )
+    return ids, meta
+
+
+def profile_step(model, kv_caches, batch, context, pages_per_seq, page_size, prompt: int = 0) -> str:
+    """Per-kernel GPU time of one eager decode step of `batch` sequences (with `prompt`: beside
+    a joining `prompt`-token request), top entries; with `prompt`, also the eager step times of
+    the decode rows alone, the prompt alone and the two in one step (CUDA events, medians)."""
+    from cuda_timing import time_events
     from torch.profiler import ProfilerActivity, profile
 
     seqs = StaticBatch(model, kv_caches, batch, context, pages_per_seq, page_size)
+
+    def step(ids, meta):
+        # Logits of the rows the engine samples: each sequence's last (every decode row).
+        hidden = model(ids, meta, kv_caches)
+        return model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+
+    def one():
+        return step(*mixed_step(seqs, prompt)) if prompt else step(seqs.ids, seqs.metadata())
+
     for _ in range(2):
-        model.compute_logits(model(seqs.ids, seqs.metadata(), kv_caches))
+        one()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model.compute_logits(model(seqs.ids, seqs.metadata(), kv_caches)).argmax(-1).tolist()
+        one().argmax(-1).tolist()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+    if not prompt:
+        return table
+    alone = StaticBatch(model, kv_caches, 0, 0, pages_per_seq, page_size)
+    alone.table = seqs.table  # the prompt on the same pages as in the mixed step
+    times = {
+        "decode rows alone": time_events(lambda: step(seqs.ids, seqs.metadata()), reps=10),
+        f"{prompt}-token prompt alone": time_events(lambda: step(*mixed_step(alone, prompt)), reps=10),
+        "both in one step": time_events(one, reps=10),
+    }
+    lines = "\n".join(f"| {k} | {v * 1e3:.2f} |" for k, v in times.items())
+    return f"{table}\n| eager step | ms |\n| --- | ---: |\n{lines}"
 
 
 def bench_transformers(config_dict: dict, prompt: int = 128, new: int = 64) -> float:
@@ -584,6 +671,14 @@ def main() -> None:
         default="",
         help="print a per-kernel breakdown of one step at these batches (default 1)",
     )
+    ap.add_argument(
+        "--mixed-prompt",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="with --profile: the profiled steps also take a joining prompt of this many tokens, and the "
+        "script times decode rows alone, the prompt alone and both in one step",
+    )
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same shapes")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument(
@@ -626,12 +721,22 @@ def main() -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = True
     gpu = torch.cuda.get_device_name()
-    progress(f"device {gpu}; measuring copy bandwidth")
-    bandwidth = copy_bandwidth()
+    progress(f"device {gpu}; measuring copy bandwidth and the bf16 matmul rate")
+    bandwidth, flop_rate = copy_bandwidth(), matmul_rate()
     raw = hf_config_dict(GPT_OSS_SHAPES[args.model])
     config = ModelConfig.from_dict(raw)
+
+    def roofline_note(batch: int, rate: float) -> str:
+        bound, binds = roofline_tok_s(config, batch, args.context, bandwidth, flop_rate)
+        return f"{bound:,.0f} ({binds}) | {rate / bound:.0%}"
+
+    ceilings = (
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flop_rate / 1e12:.0f} TFLOP/s (measured); "
+        "roofline: a step's bytes (weights, the experts the batch touches, KV) at the copy bandwidth or its "
+        "FLOPs at the matmul rate, whichever takes longer"
+    )
     batches = [int(b) for b in args.batches.split(",")]
-    max_context = args.context + args.steps + 8
+    max_context = args.context + args.steps + 8 + (32 if args.profile else 0)  # --profile's steps advance too
     pages_per_seq = -(-max([max_context, *args.prefill]) // args.page_size)
     if args.timeline:
         from step_timeline import format_timeline
@@ -667,15 +772,19 @@ def main() -> None:
             f"\ngpt-oss-{args.model} random weights on {gpu}; decode through the engine, greedy, every sequence "
             f"at ~{args.context} tokens of context; {args.steps} timed steps"
         )
+        print(ceilings)
         print(
             "\n| batch | graph replay alone tok/s | engine sync tok/s | engine async tok/s | async / sync "
-            "| host µs/step sync | host µs/step async |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+            "| host µs/step sync | host µs/step async | async step ms | roofline tok/s | async / roofline |"
+            "\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
         )
         for b, r in rows.items():
             print(
                 f"| {b} | {r['graph_tok_s']:,.0f} | {r['sync_tok_s']:,.0f} | {r['async_tok_s']:,.0f} | "
-                f"{r['async_tok_s'] / r['sync_tok_s']:.2f}x | {r['sync_host_us']:,.0f} | {r['async_host_us']:,.0f} |"
+                f"{r['async_tok_s'] / r['sync_tok_s']:.2f}x | {r['sync_host_us']:,.0f} | {r['async_host_us']:,.0f} | "
+                f"{1e3 * b / r['async_tok_s']:.2f} | {roofline_note(b, r['async_tok_s'])} |"
             )
+            r["roofline_tok_s"], r["roofline_bound"] = roofline_tok_s(config, b, args.context, bandwidth, flop_rate)
         if args.json:
             Path(args.json).write_text(
                 json.dumps(
@@ -730,7 +839,7 @@ def main() -> None:
     torch.cuda.synchronize()
     weights_bytes = torch.cuda.memory_allocated()
     profile_batches = [int(b) for b in args.profile.split(",") if b]
-    num_pages = max(batches + profile_batches) * pages_per_seq
+    num_pages = max(batches + profile_batches) * pages_per_seq + -(-args.mixed_prompt // args.page_size)
     shape = (num_pages, args.page_size, config.num_key_value_heads, config.head_dim)
     progress(f"allocating KV cache: {num_pages} pages x {config.num_hidden_layers} layers")
     kv_caches = []
@@ -753,6 +862,8 @@ def main() -> None:
         "attention_backend": type(model.attention_backend).__name__,
         "moe_backend": type(model.moe_backend).__name__,
         "copy_bandwidth_TBps": bandwidth / 1e12,
+        "matmul_TFLOPs": flop_rate / 1e12,
+        "roofline_tok_s": {b: roofline_tok_s(config, b, args.context, bandwidth, flop_rate)[0] for b in batches},
         "bytes_per_token_GB": sum(parts.values()) / 1e9,
         "roofline_batch1_tok_s": roofline,
         "context": args.context,
@@ -783,15 +894,18 @@ def main() -> None:
         f"{results['kv_tokens_h100_80gb']:,} tokens of cache beside them (computed, {ACTIVATION_RESERVE / 1e9:.0f} GB "
         f"kept for activations)\n"
     )
-    print("| measure | tok/s | note |\n| --- | ---: | --- |")
+    print(ceilings + "\n")
+    print("| measure | tok/s | step ms | roofline tok/s | of roofline |\n| --- | ---: | ---: | ---: | ---: |")
     for b, rate in results["decode"].items():
-        note = f"{rate / roofline:.1%} of roofline" if b == 1 else ""
-        print(f"| decode batch {b}, context {args.context} | {rate:,.0f} | {note} |")
+        print(
+            f"| decode batch {b}, context {args.context} | {rate:,.0f} | {1e3 * b / rate:.2f} | {roofline_note(b, rate)} |"
+        )
     for tokens, rate in results["prefill_tok_s"].items():
-        print(f"| prefill, {tokens}-token prompt | {rate:,.0f} | |")
+        print(f"| prefill, {tokens}-token prompt | {rate:,.0f} | | | |")
     for batch in profile_batches:
-        print(f"\nper-kernel breakdown of one eager batch-{batch} decode step:\n")
-        print(profile_step(model, kv_caches, batch, args.context, pages_per_seq, args.page_size))
+        joining = f" beside a joining {args.mixed_prompt}-token prompt" if args.mixed_prompt else ""
+        print(f"\nper-kernel breakdown of one eager batch-{batch} decode step{joining}:\n")
+        print(profile_step(model, kv_caches, batch, args.context, pages_per_seq, args.page_size, args.mixed_prompt))
     if args.hf:
         del model, kv_caches, runner
         torch.cuda.empty_cache()

@@ -179,6 +179,7 @@ class LLMEngine:
             enforce_eager=config.enforce_eager,
             aux_layers=self.drafter.aux_layers if self.drafter else (),
             num_draft_tokens=self.num_draft_tokens,
+            max_prefill_tokens_decoding=config.max_prefill_tokens_decoding,
         )
         self.tokens_prefilled = 0
         self.tokens_decoded = 0

@@ -36,7 +36,9 @@ from inference.runner.vocab_parallel import vocab_parallel_argmax
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+# Decode graphs are captured up to the smallest size holding `max_num_seqs` (256 by default; the
+# sizes past it are for engines configured for more sequences).
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
 @dataclass
@@ -254,8 +256,31 @@ class DecodeGraphRunner:
 # of capture at start-up.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024)
 # Sequences a step graph holds (real ones, and one more for the padding): the steps where requests
-# join 64 running ones fit; larger batches run eagerly.
+# join 64 running ones fit; larger batches run eagerly. Graphs for 257 sequences gained 0.5-1.4%
+# at 128 streams but cost a lone prompt 0.18 ms (twice the attention programs, longer scans of
+# the sequence slots), and nothing measurable at 256 streams, where a joining step's kernels
+# outlast its launches (docs/benchmark-log.md).
 PREFILL_GRAPH_SEQS = 128
+# Past 1024 tokens, buckets every MIXED_BUCKET_STEP tokens up to the steps where a prefill chunk
+# capped at `max_prefill_tokens_decoding` joins a batch the graphs hold.
+MIXED_BUCKET_STEP = 128
+MAX_STEP_GRAPH_TOKENS = 2048  # larger steps are prefill-heavy: their kernels outlast their launches
+
+
+def step_graph_buckets(max_num_seqs: int, max_prefill_tokens_decoding: int | None) -> tuple[int, ...]:
+    """Token buckets of the step graphs for an engine that runs at most `max_num_seqs` sequences
+    and prefills at most `max_prefill_tokens_decoding` tokens a step while any of them decodes
+    (None: no cap, and no buckets past 1024: a joining prompt may then take the whole budget).
+    A capped chunk beside up to 127 decode rows then replays a graph instead of ~270 eager
+    launches: at 64 streams and 1,024-token chunks, mean TTFT fell from 366-385 ms to 320-323
+    (H200, docs/benchmark-log.md)."""
+    buckets = list(PREFILL_BUCKETS)
+    if max_prefill_tokens_decoding is not None:
+        rows = min(max_num_seqs, PREFILL_GRAPH_SEQS - 1)
+        mixed = min(rows + max_prefill_tokens_decoding, MAX_STEP_GRAPH_TOKENS)
+        while buckets[-1] < mixed:
+            buckets.append(buckets[-1] + MIXED_BUCKET_STEP)
+    return tuple(buckets)
 
 
 class PrefillGraphRunner:

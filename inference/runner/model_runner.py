@@ -170,9 +170,12 @@ class ModelRunner:
         enforce_eager: bool = False,
         aux_layers: tuple[int, ...] = (),
         num_draft_tokens: int = 0,
+        max_prefill_tokens_decoding: int | None = None,
     ):
         """aux_layers: target layers whose outputs a drafter reads (returned with each step);
-        num_draft_tokens: with speculation, verification steps of that many drafts get graphs too."""
+        num_draft_tokens: with speculation, verification steps of that many drafts get graphs too;
+        max_prefill_tokens_decoding: the scheduler's prefill cap while sequences decode, which
+        bounds the mixed steps the step graphs are captured for (`step_graph_buckets`)."""
         self.model = model
         self.has_sliding = has_sliding
         self.kv_caches = kv_caches
@@ -189,7 +192,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = self._capture_graphs(max_model_len, max_num_seqs, num_draft_tokens)
             if model.tp is None and not self.aux_layers:
-                self.prefill_graphs = self._capture_prefill_graphs(max_model_len)
+                self.prefill_graphs = self._capture_prefill_graphs(
+                    max_model_len, max_num_seqs, max_prefill_tokens_decoding
+                )
         self.sampler.warm_up(model.config.vocab_size, self.device)
 
     def _capture_graphs(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int):
@@ -224,11 +229,17 @@ class ModelRunner:
         torch.cuda.synchronize()
         self.graphs = self._capture_graphs(*self._graph_args)
 
-    def _capture_prefill_graphs(self, max_model_len: int):
-        from inference.runner.cuda_graphs import PrefillGraphRunner
+    def _capture_prefill_graphs(self, max_model_len: int, max_num_seqs: int, max_prefill_tokens_decoding: int | None):
+        from inference.runner.cuda_graphs import PrefillGraphRunner, step_graph_buckets
 
         try:
-            runner = PrefillGraphRunner(self.model, self.kv_caches, -(-max_model_len // self.page_size), max_model_len)
+            runner = PrefillGraphRunner(
+                self.model,
+                self.kv_caches,
+                -(-max_model_len // self.page_size),
+                max_model_len,
+                buckets=step_graph_buckets(max_num_seqs, max_prefill_tokens_decoding),
+            )
             runner.capture()
             return runner
         except Exception:  # short prefills then run eagerly, as longer ones do

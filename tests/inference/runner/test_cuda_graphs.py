@@ -16,7 +16,12 @@ import tests.triton_interpreter  # noqa: F401  (first: sets TRITON_INTERPRET on 
 from inference.config import ModelConfig
 from inference.model.gpt_oss import GptOssModel
 from inference.model.tiny_checkpoint import hf_config_dict
-from inference.runner.cuda_graphs import PrefillGraphRunner
+from inference.runner.cuda_graphs import (
+    PREFILL_BUCKETS,
+    DecodeGraphRunner,
+    PrefillGraphRunner,
+    step_graph_buckets,
+)
 from inference.runner.model_runner import build_metadata
 
 PAGE = 16
@@ -119,6 +124,25 @@ def test_fill_leaves_nothing_of_a_longer_earlier_step():
     assert not runner.can_run(16, 4, 1) and not runner.can_run(17, 1, 1)
 
 
+def test_step_graphs_hold_a_capped_chunk_beside_the_decode_rows():
+    # 127 decode rows (and the padding's sequence) beside a 1,024-token chunk: 1,151 tokens.
+    assert step_graph_buckets(256, 1024) == (*PREFILL_BUCKETS, 1152)
+    assert step_graph_buckets(64, 1024) == (*PREFILL_BUCKETS, 1152)  # 1,088
+    assert step_graph_buckets(32, 512) == PREFILL_BUCKETS  # fits the defaults
+    assert step_graph_buckets(512, 1536)[-3:] == (1408, 1536, 1664)  # 1,663
+    # Uncapped, a joining prompt may take the whole token budget: such steps stay eager.
+    assert step_graph_buckets(256, None) == PREFILL_BUCKETS
+    assert step_graph_buckets(256, 8192)[-1] == 2048  # bounded
+
+
+def test_decode_graphs_cover_the_configured_batch():
+    def sizes(max_batch):
+        return DecodeGraphRunner(None, [], max_pages=8, max_context=128, max_batch=max_batch).batch_sizes
+
+    assert sizes(256)[-1] == 256 and sizes(300)[-1] == 320 and sizes(512)[-1] == 512
+    assert sizes(5)[-1] == 8 and sizes(4096)[-1] == 512  # past the largest size, the rest runs eagerly
+
+
 def eager_against_graphs(drive, **options):
     """`drive(engine)` -> per request (tokens, logprobs, top-2 margins), on the float32 tiny model
     eagerly and with graphs: ({eager: its result}, the q_lens of each step graph replayed)."""
@@ -128,7 +152,7 @@ def eager_against_graphs(drive, **options):
     runs, replays = {}, []
     for eager in (True, False):
         engine = LLMEngine.from_random(
-            config, device="cuda", dtype=torch.float32, seed=3, num_pages=256, enforce_eager=eager, **options
+            config, device="cuda", dtype=torch.float32, seed=3, enforce_eager=eager, **{"num_pages": 256, **options}
         )
         assert (engine.runner.prefill_graphs is None) == eager
         if not eager:
@@ -201,3 +225,35 @@ def test_engine_requests_joining_a_batch_replay_step_graphs_and_match_eager():
     compared, total = compare_greedy(runs[True], runs[False], near_tie=0.05)
     assert compared >= total // 4, f"only {compared} of {total} tokens were compared"
     assert_first_tokens_agree(runs)
+
+
+@pytest.mark.gpu
+def test_engine_step_graphs_take_a_capped_chunk_beside_64_decoding_sequences():
+    """A 1,000-token prompt joining 64 decoding sequences (1,064 tokens, past the 1,024 bucket)
+    replays the step graph of 1,152 tokens, and its steps equal the eager engine's."""
+    from inference.request import GenerationRequest, SamplingParams
+    from tests.gpu_comparison import compare_greedy, generations, prompts
+
+    def drive(engine):
+        if engine.runner.prefill_graphs is not None:  # (the eager run has none)
+            assert engine.runner.prefill_graphs.buckets[-1] == 1152
+        many = [prompts(1, 8, seed=i)[0] for i in range(64)] + prompts(1, 1000, seed=64)
+        for i, prompt in enumerate(many[:64]):
+            engine.add_request(
+                GenerationRequest(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2))
+            )
+        deltas, step = {}, 0
+        while engine.has_unfinished():
+            if step == 2:  # the 64 decode; the long prompt joins them
+                engine.add_request(
+                    GenerationRequest("64", many[64], SamplingParams(temperature=0.0, max_tokens=8, logprobs=2))
+                )
+            for d in engine.step():
+                deltas.setdefault(d.request_id, []).append(d)
+            step += 1
+        return generations(deltas, 65)
+
+    runs, replays = eager_against_graphs(drive, max_prefill_tokens_decoding=1024, num_pages=1024)
+    assert any(sum(q) > 1024 and len(q) == 65 for q in replays), f"steps replayed: {[sum(q) for q in replays]}"
+    compared, total = compare_greedy(runs[True], runs[False], near_tie=0.05)
+    assert compared >= total // 4, f"only {compared} of {total} tokens were compared"

@@ -1,0 +1,112 @@
+"""What a Triton kernel costs the GPU's registers, compiled offline: no GPU needed.
+
+Compiles the grouped MoE kernels (`inference/ops/moe/triton.py`) for an sm_90 target with the
+ptxas that ships with triton, and prints per launch shape the registers a thread, the bytes it
+spills to local memory, the static shared memory, and how its tensor-core MMAs are issued:
+`wgmma` instructions and the `wgmma.wait_group` waits between them (a wait of 0 right after
+each group means every MMA's latency sits on the warp's critical path, with nothing of the
+next tile's dequantisation overlapping it).
+
+    python benchmarks/kernel_resources.py                            # MoEKernelConfig's shapes
+    python benchmarks/kernel_resources.py --block-m 32,64 --stages 2,3 --warps 4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from inference.ops.moe import triton as moe  # noqa: E402
+
+_SHARED = dict(sorted_ptr="*i32", block_expert_ptr="*i32", w_ptr="*u8", s_ptr="*i32", b_ptr="*fp32")
+_INTS = ("H", "I", "E0", "E_LOCAL", "num_tiles", "num_pairs")
+_CONST = ("TOP_K", "BLOCK_M", "BLOCK_N", "LARGE_SCALES", "PACKED", "OPERAND", "PDL")
+SIGNATURES = {
+    "gate_up": (
+        moe._grouped_gate_up_kernel,
+        {"x_ptr": "*bf16", **_SHARED, "act_ptr": "*bf16", **dict.fromkeys(_INTS, "i32"), "stride_x": "i32"}
+        | {"limit": "fp32", "alpha": "fp32"},
+    ),
+    "down": (
+        moe._grouped_down_kernel,
+        {"act_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "gates_ptr": "*fp32"}
+        | {"w_ptr": "*u8", "s_ptr": "*i32", "b_ptr": "*fp32", "out_ptr": "*fp32", **dict.fromkeys(_INTS, "i32")},
+    ),
+}
+
+
+def resources(kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int = 90) -> dict:
+    """Compile one grouped MoE kernel (bf16 activations, packed MXFP4 dequantisation, top-4) for
+    sm_`arch`; {registers, spill_bytes, shared_bytes, wgmma, waits_0, waits_other}."""
+    fn, signature = SIGNATURES[kernel]
+    const = dict(
+        TOP_K=4, BLOCK_M=block_m, BLOCK_N=block_n, LARGE_SCALES=False, PACKED=True, OPERAND=tl.bfloat16, PDL=False
+    )
+    src = ASTSource(
+        fn=fn,
+        signature={**signature, **dict.fromkeys(_CONST, "constexpr")},
+        constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+    ptx = compiled.asm["ptx"]
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_resources_{os.getpid()}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run(
+            [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        cubin.unlink()
+    field = lambda name: int(re.search(rf"{name}:(\d+)", usage).group(1))  # noqa: E731
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
+    return {
+        "registers": field("REG"),
+        "spill_bytes": field("STACK"),
+        "shared_bytes": compiled.metadata.shared,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "waits_0": waits.count("0"),
+        "waits_other": len(waits) - waits.count("0"),
+    }
+
+
+def main() -> None:
+    cfg = moe.DEFAULT_CONFIG
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", default="gate_up,down")
+    ap.add_argument("--block-m", type=ints, default=[16, 32, 64, 128], help="tokens a block")
+    ap.add_argument("--block-n", type=ints, default=None, help="weight rows a program (default: the config's)")
+    ap.add_argument("--warps", type=ints, default=[cfg.warps])
+    ap.add_argument("--stages", type=ints, default=[cfg.stages])
+    args = ap.parse_args()
+    print(f"triton {triton.__version__}, sm_90, compiled offline\n")
+    print(
+        "| kernel | BLOCK_M | BLOCK_N | warps | stages | registers | spilled bytes | shared bytes | wgmma | waits of 0 | other waits |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for kernel in args.kernels.split(","):
+        block_ns = args.block_n or [cfg.block_n if kernel == "gate_up" else cfg.down_block_n]
+        for m, n, w, s in itertools.product(args.block_m, block_ns, args.warps, args.stages):
+            r = resources(kernel, m, n, w, s)
+            print(
+                f"| {kernel} | {m} | {n} | {w} | {s} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} | "
+                f"{r['wgmma']} | {r['waits_0']} | {r['waits_other']} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
