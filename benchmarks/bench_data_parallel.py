@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent_server.bench import engine as bench_engine  # noqa: E402
 from agent_server.bench.report import format_summary, json_safe  # noqa: E402
+from agent_server.cli import serve as serve_command  # noqa: E402
 
 
 def progress(msg: str) -> None:
@@ -79,7 +80,6 @@ def main() -> int:
     ap.add_argument(
         "--model", choices=["20b", "120b", "tiny"], default="20b", help="tiny: the tiny random checkpoint (a smoke run)"
     )
-    ap.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=64, help="requests in flight per replica")
     ap.add_argument("--requests", type=int, default=256, help="requests per replica")
@@ -87,16 +87,18 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--range-ratio", type=float, default=0.0)
     ap.add_argument("--shared-prefix-len", type=int, default=1024)
-    ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    serve_command.add_engine_placement_arguments(ap)  # as oss-agent serve takes them
+    ap.set_defaults(max_model_len=4096)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    if args.engine_process is False:
+        ap.error("replicas run in engine processes of their own (and so does the one they are compared with)")
 
     parser = argparse.ArgumentParser()
     bench_engine.add_arguments(parser)
-    argv = ["--ignore-eos", "--no-progress", "--max-model-len", "4096"]
+    argv = ["--ignore-eos", "--no-progress", *serve_command.engine_placement_argv(args)]
     argv += [] if args.model == "tiny" else ["--random-weights", args.model]
-    argv += ["--device", args.device] if args.device else []
-    base = parser.parse_args(argv + [f"--engine-option={o}" for o in args.engine_option])
+    base = parser.parse_args(argv)
     base.engine_process = True  # as serve runs replicas, and the one engine on CUDA
     report: dict[str, Any] = {}
     for replicas in (1, args.replicas):

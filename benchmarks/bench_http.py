@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent_server.bench import engine as bench_engine  # noqa: E402
 from agent_server.bench.report import format_summary, json_safe  # noqa: E402
+from agent_server.cli import serve as serve_command  # noqa: E402
 
 # name: (user message tokens, output tokens, in flight, range ratio of both lengths)
 WORKLOADS = {
@@ -173,20 +174,7 @@ def main() -> int:
     ap.add_argument("--c128-requests", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2, help="engine-then-HTTP rounds of each workload")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
-    ap.add_argument(
-        "--engine-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra keyword for the engine, as in oss-agent serve",
-    )
-    ap.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the engine in a process of its own (default: as oss-agent serve, on with CUDA)",
-    )
-    ap.add_argument("--device", default=None)
+    serve_command.add_engine_placement_arguments(ap)  # as oss-agent serve takes them
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     names = [n for n in args.runs.split(",") if n]
@@ -197,11 +185,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     bench_engine.add_arguments(parser)
     argv = ["--random-weights", args.model, "--ignore-eos", "--no-progress"]
-    argv += [f"--engine-option={o}" for o in args.engine_option]
-    if args.device:
-        argv += ["--device", args.device]
-    if args.engine_process is not None:
-        argv.append("--engine-process" if args.engine_process else "--no-engine-process")
+    argv += serve_command.engine_placement_argv(args)
     if args.temperature is not None:
         argv += ["--temperature", str(args.temperature)]
     base = parser.parse_args(argv)

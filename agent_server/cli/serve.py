@@ -42,6 +42,19 @@ def add_engine_placement_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_placement_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of `add_engine_placement_arguments` as parsed into `args`, back as command-line
+    words: what a script that takes them hands on to `oss-agent bench engine`'s parser."""
+    argv = [f"--engine-option={option}" for option in args.engine_option]
+    if args.device:
+        argv += ["--device", args.device]
+    if args.max_model_len is not None:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    if args.engine_process is not None:
+        argv.append("--engine-process" if args.engine_process else "--no-engine-process")
+    return argv
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF gpt-oss checkpoint directory (default: a tiny random one)")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the folder's name)")

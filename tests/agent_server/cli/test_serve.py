@@ -127,3 +127,23 @@ def test_engine_process_default_follows_the_device(argv, cuda, expected, monkeyp
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert engine_in_process_of_its_own(build_parser().parse_args(["serve", *argv])) is expected
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--device", "cpu", "--max-model-len", "512", "--no-engine-process"],
+        ["--engine-option=num_pages=64", "--engine-option", "enforce_eager=True", "--engine-process"],
+    ],
+)
+def test_engine_placement_flags_survive_being_handed_on(argv):
+    """What a benchmark script hands on to `bench engine` is what its own command line said."""
+    import argparse
+
+    from agent_server.cli.serve import add_engine_placement_arguments, engine_placement_argv
+
+    parser = argparse.ArgumentParser()
+    add_engine_placement_arguments(parser)
+    first = parser.parse_args(argv)
+    assert parser.parse_args(engine_placement_argv(first)) == first
