@@ -287,6 +287,7 @@ class HarmonyStream:
         self.in_content = False  # past this message's <|message|>
         self.started: MessageStart | None = None  # the message being streamed, if any
         self.message_tokens: list[int] = []  # tokens of the current message so far
+        self.streamed = ""  # the current message's text given out in deltas so far
         self.raw: list[int] | None = None  # tokens of a malformed stretch being recovered
         self.raw_text = ""
         self.raw_error = ""
@@ -307,7 +308,10 @@ class HarmonyStream:
             if token in (END, RETURN, CALL):
                 return self._ended(self.parser.messages[-1])
             delta = self.parser.last_content_delta
-            return [ContentDelta(delta)] if delta else []
+            if not delta:
+                return []
+            self.streamed += delta
+            return [ContentDelta(delta)]
         if token == MESSAGE:
             self.in_content = True
             p = self.parser
@@ -325,6 +329,11 @@ class HarmonyStream:
             events.append(self.started)
             if text:
                 events.append(ContentDelta(text))
+        elif text != self.streamed and text.startswith(self.streamed):
+            # The deltas hold back a character split over tokens; a message that ends inside one
+            # ends with its replacement character, in its text and so in its last delta (a
+            # code cell's streamed code is then the code that runs).
+            events.append(ContentDelta(text[len(self.streamed) :]))
         events.append(
             MessageEnd(
                 message.channel,
@@ -335,7 +344,7 @@ class HarmonyStream:
                 truncated=truncated,
             )
         )
-        self.started, self.message_tokens, self.in_content = None, [], False
+        self.started, self.message_tokens, self.in_content, self.streamed = None, [], False, ""
         return events
 
     def finish(self) -> list[HarmonyEvent]:
@@ -388,7 +397,7 @@ class HarmonyStream:
             tokens = tokens[-1:]
             self.started = None
         self.raw, self.raw_error, self.raw_text, self.message_tokens = [], error, "", []
-        self.in_content = False
+        self.in_content, self.streamed = False, ""
         self.raw_decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         events.append(MessageStart(None, None, None, malformed=True))
         if ending:

@@ -24,6 +24,7 @@ from agent_server.harmony import (
     tool_message,
 )
 from agent_server.store import SQLiteResponseStore, StoredResponse
+from agent_server.token_bytes import token_bytes
 from inference.tokenizer import harmony_encoding
 from tests.fake_engine import harmony_tokens
 from tools.browser.citation_stream import CitationStreamer
@@ -107,6 +108,28 @@ def test_random_tokens_never_raise():
     for _ in range(20):
         tokens = [rng.randrange(0, 201088) for _ in range(rng.randrange(1, 80))]
         parse(tokens)
+
+
+def partial_character_token() -> int:
+    """A token whose bytes end inside a UTF-8 character (a space, then a lead byte)."""
+    for token in range(1000, 200_000):
+        raw = token_bytes(token)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.reason == "unexpected end of data" and raw[:1] == b" ":
+                return token
+    raise AssertionError("no such token")
+
+
+@pytest.mark.parametrize("end", ["<|call|>", "<|end|>", ""])
+def test_a_message_ending_inside_a_character_streams_what_it_ends_with(end):
+    """The deltas hold back a character split over tokens; when the message ends inside it, its
+    replacement character is streamed too, so the code a python cell runs is the code streamed
+    (`parse` checks deltas against each message's text)."""
+    tokens = harmony_tokens("<|channel|>commentary to=python<|message|>print(1)")
+    ends = parse(tokens + [partial_character_token()] + harmony_tokens(end))
+    assert ends[0].text == "print(1) \ufffd" and ends[0].truncated == (end == "")
 
 
 def test_truncated_message_is_marked():
