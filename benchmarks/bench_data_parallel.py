@@ -7,7 +7,8 @@ loopback HTTP in this process and drives it with `oss-agent bench serve` (Chat A
 a process of its own) at the same concurrency per replica: C in flight against one replica, N*C
 against N. Every prompt starts with the same system-prompt-like prefix (`--shared-prefix-len`),
 so the prefix-cache hit rate (the server's own cached / prompt tokens) shows whether routing keeps
-each replica's cache as useful as one engine's.
+each replica's cache as useful as one engine's. The engine flags are `oss-agent serve`'s
+(`--device`, `--engine-option`, ...), with `--max-model-len` 4096 unless given.
 
     python benchmarks/bench_data_parallel.py --model 20b --replicas 2 --concurrency 64
 """
