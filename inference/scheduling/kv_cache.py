@@ -191,12 +191,32 @@ class KVCacheManager:
             sliding = (end_page - first) - have
         return full, sliding
 
+    def _holds(self, table: PageTable, start: int, num_new: int) -> bool:
+        """Whether positions [start, start+num_new) already have every page they need and the
+        window leaves no sliding page to free: a decode row's step but once every page_size
+        tokens. O(1), because held sliding pages form one run up to the end of the table (see
+        `trim_window`): the window's first page held means all after it are, and the page
+        before it already freed means there is nothing to trim."""
+        end_page = (start + num_new - 1) // self.page_size + 1
+        if end_page > len(table.full):
+            return False
+        if self.window is None:
+            return True
+        first = self.first_window_page(start)
+        return (
+            end_page <= len(table.sliding)
+            and table.sliding[first] >= 0
+            and (first == 0 or table.sliding[first - 1] < 0)
+        )
+
     def can_reserve(self, table: PageTable, start: int, num_new: int) -> bool:
         full, sliding = self._pages_missing(table, start, num_new)
         return full <= self.full.num_free and sliding <= self.sliding.num_free
 
     def fit_tokens(self, table: PageTable, start: int, num_new: int) -> int:
         """The most tokens (<= num_new) starting at `start` whose pages can be reserved now."""
+        if num_new > 0 and self._holds(table, start, num_new):
+            return num_new
         self.trim_window(table, start)
         n = num_new
         while n > 0 and not self.can_reserve(table, start, n):
@@ -206,6 +226,8 @@ class KVCacheManager:
 
     def reserve(self, table: PageTable, start: int, num_new: int) -> None:
         """Allocate pages for positions [start, start+num_new); call `fit_tokens` first."""
+        if num_new > 0 and self._holds(table, start, num_new):
+            return
         self.trim_window(table, start)
         if not self.can_reserve(table, start, num_new):
             raise RuntimeError("reserve() called without room; check fit_tokens() first")

@@ -218,3 +218,56 @@ def test_plan_with_explicit_pages_and_no_sliding_layers():
     plan = plan_cache(full_only, 16, torch.float32, memory_bytes=1 << 20)
     assert plan.num_sliding_pages == 0 and plan.bytes_per_sliding_page == 0
     assert plan.num_full_pages == (1 << 20) // (4 * 2 * 16 * 2 * 16 * 4)
+
+
+@pytest.mark.parametrize("window", [None, 8, 6])
+def test_held_pages_shortcut_changes_nothing(window, monkeypatch):
+    """`fit_tokens` / `reserve` skip their work when a step's pages are all held and the window
+    frees nothing (`_holds`, O(1)). Driven through the same random scheduler-like workload
+    (prompts prefilled in chunks, decode steps, sequences finished and their prefixes reused,
+    drafts rolled back), a manager with the shortcut and one without it end every step with the
+    same page tables, free pages and answers."""
+    import random
+
+    real_holds = KVCacheManager._holds
+    taken = []
+
+    def run(shortcut: bool) -> list:
+        def holds(self, table, start, num_new):
+            held = shortcut and real_holds(self, table, start, num_new)
+            taken.append(held)
+            return held
+
+        monkeypatch.setattr(KVCacheManager, "_holds", holds)
+        rng = random.Random(7)
+        cache = KVCacheManager(48, 48, 4, window)
+        live: list[tuple[PageTable, list[int], int]] = []
+        trace = []
+        for step in range(400):
+            if len(live) < 4 and rng.random() < 0.3:  # admit, maybe over a cached prefix
+                ids = tokens(rng.randrange(1, 30), start=100 * rng.randrange(3))
+                table = PageTable()
+                live.append((table, ids, cache.match_prefix(table, ids, len(ids) - 1)))
+            for i, (table, ids, done) in enumerate(live):
+                want = 1 if done >= len(ids) - 1 else min(len(ids) - done, rng.randrange(1, 9))
+                want += rng.randrange(3) if want == 1 else 0  # drafts beside a decode row
+                n = cache.fit_tokens(table, done, want)
+                trace.append((step, i, "fit", n))
+                if n == 0:
+                    continue
+                cache.reserve(table, done, n)
+                kept = n if want == n else rng.randrange(1, n + 1)
+                while len(ids) < done + kept + 1:
+                    ids.append(rng.randrange(1000))
+                cache.truncate(table, done + kept) if kept < n else None
+                cache.register_computed(table, ids, done + kept)
+                live[i] = (table, ids, done + kept)
+                trace.append((step, i, list(table.full), list(table.sliding)))
+            if live and rng.random() < 0.1:  # a sequence ends
+                table, _, _ = live.pop(rng.randrange(len(live)))
+                cache.release(table)
+            trace.append((step, cache.full.num_free, cache.sliding.num_free))
+        return trace
+
+    assert run(shortcut=False) == run(shortcut=True)
+    assert taken.count(True) >= 100  # (the shortcut was taken, often)
