@@ -271,6 +271,16 @@ async def test_a_cancel_request_reaches_the_owner_without_its_notification(share
     await asyncio.gather(owner.close(), other.close())
 
 
+async def record_once_failed(store, response_id: str):
+    """The stored record, polled until a heartbeat has marked it failed (or about 10 s passed)."""
+    for _ in range(200):
+        record = await store.get(response_id)
+        if record.status == "failed":
+            break
+        await asyncio.sleep(0.05)
+    return record
+
+
 async def test_a_run_whose_owner_died_is_marked_failed_by_another_server(shared):
     owner, other = await shared(), await shared()
     output = [{"id": "msg_1", "type": "message", "status": "in_progress", "content": []}]
@@ -280,11 +290,7 @@ async def test_a_run_whose_owner_died_is_marked_failed_by_another_server(shared)
     # The owner dies: no more heartbeats, its lease runs out (its connections stay, as a hung
     # server's would, and it may still try to write).
     owner._beating.cancel()
-    for _ in range(200):
-        record = await other.get("resp_dead")
-        if record.status == "failed":
-            break
-        await asyncio.sleep(0.05)
+    record = await record_once_failed(other, "resp_dead")
     assert record.status == "failed" and record.response["error"]["code"] == "server_error"
     assert record.response["output"][0]["status"] == "incomplete"
     assert [e["sequence_number"] for e in record.events] == [0, 1]
@@ -357,11 +363,7 @@ async def test_a_running_record_its_live_owner_no_longer_runs_is_marked_failed(s
     await owner.put(response("resp_orphan", "in_progress", output=output, events=[event(0)]))
     await owner.put(response("resp_live", "in_progress", events=[]))
     assert (await owner.get("resp_orphan")).status == "in_progress"  # (within the grace)
-    for _ in range(200):
-        record = await owner.get("resp_orphan")
-        if record.status == "failed":
-            break
-        await asyncio.sleep(0.05)
+    record = await record_once_failed(owner, "resp_orphan")
     assert record.status == "failed" and record.response["error"]["code"] == "server_error"
     assert record.response["output"][0]["status"] == "incomplete" and [e["sequence_number"] for e in record.events] == [
         0
