@@ -68,13 +68,18 @@ def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def expert_and_router_bytes(c: ModelConfig) -> tuple[float, float]:
+    """(bytes of one expert: MXFP4 blocks + scales + f32 biases, bytes of one layer's router)."""
+    h, i = c.hidden_size, c.intermediate_size
+    expert = (2 * i * h + h * i) * (0.5 + 1 / 32) + (2 * i + h) * 4
+    return expert, (c.num_local_experts * h + c.num_local_experts) * 2
+
+
 def bytes_per_token(c: ModelConfig, context: int) -> dict[str, float]:
     """Bytes one batch-1 decode step must read (weights + KV), by part."""
     h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv + h)) * 2 + c.num_attention_heads * 4 + 2 * h * 2
-    i = c.intermediate_size
-    expert_weights = (2 * i * h + h * i) * (0.5 + 1 / 32) + (2 * i + h) * 4  # MXFP4 + scales + f32 bias
-    router = (c.num_local_experts * h + c.num_local_experts) * 2
+    expert_weights, router = expert_and_router_bytes(c)
     kv_bytes = 0.0
     for layer in range(c.num_hidden_layers):
         seen = min(context, c.sliding_window) if c.is_sliding(layer) else context
@@ -94,8 +99,7 @@ def step_roofline(c: ModelConfig, batch: int, context: int) -> dict[str, float]:
     sequence's KV. flops: 2 per weight a token uses, plus attention's 4 per key and query dim."""
     parts = bytes_per_token(c, context)
     e, k = c.num_local_experts, c.num_experts_per_tok
-    expert_bytes = (parts["experts"] / c.num_hidden_layers - (e * c.hidden_size + e) * 2) / k
-    router_bytes = parts["experts"] - c.num_hidden_layers * k * expert_bytes
+    expert_bytes, router = expert_and_router_bytes(c)
     touched = e * (1 - (1 - k / e) ** batch)
     h, q, kv, i = (
         c.hidden_size,
@@ -108,7 +112,7 @@ def step_roofline(c: ModelConfig, batch: int, context: int) -> dict[str, float]:
     return {
         "bytes": parts["attention"]
         + parts["lm_head"]
-        + router_bytes
+        + c.num_hidden_layers * router
         + c.num_hidden_layers * touched * expert_bytes
         + batch * parts["kv"],
         "flops": batch * (2 * weights_a_token + 4 * keys * q),
