@@ -16,6 +16,7 @@ of its 53 MB at batch 1 still in the 50 MB L2), and its first kernel overlaps th
     python benchmarks/bench_moe.py
     python benchmarks/bench_moe.py --models 20b --batches 1,2048 --profile   # per-kernel times
     python benchmarks/bench_moe.py --sweep                                   # try launch configs
+    python benchmarks/bench_moe.py --batches 1 --persistent both             # one launch vs the GEMVs
     python benchmarks/bench_moe.py --backends triton,flashinfer --check      # both, vs the reference
     python benchmarks/bench_moe.py --backends triton,flashinfer --flashinfer-tactics   # each tactic
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from cuda_timing import graph_replay_seconds  # noqa: E402
 
+from inference.ops.moe import persistent  # noqa: E402
 from inference.ops.moe.backend import TritonMoEBackend, model_output_dtype, select_moe_backend  # noqa: E402
 from inference.ops.moe.reference import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
 from inference.ops.moe.triton import takes_decode_path  # noqa: E402
@@ -213,6 +215,23 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times for the first model's batches")
     ap.add_argument(
+        "--persistent",
+        choices=("on", "off", "both"),
+        default="both",
+        help="at one token: the persistent MoE kernel after the router (on), the two Triton GEMVs (off), or both",
+    )
+    ap.add_argument(
+        "--persistent-timeline",
+        action="store_true",
+        help="build the persistent kernel with -DTIMELINE and print when its CTAs pass each phase",
+    )
+    ap.add_argument(
+        "--persistent-load-only",
+        action="store_true",
+        help="build the persistent kernel with -DLOAD_ONLY: its loads and barriers without the arithmetic "
+        "(wrong results; the time of its structure)",
+    )
+    ap.add_argument(
         "--check",
         action="store_true",
         help="print each backend's relative error against the float32 reference per batch",
@@ -243,6 +262,7 @@ def main() -> None:
 
         use_prebuilt(args.flashinfer_module)
 
+    persistent.EXTRA_DEFINES = ("-DLOAD_ONLY",) * args.persistent_load_only
     bandwidth = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     print("| model | batch | path | config | time (us) | experts read | GB/s | % of copy | TFLOP/s |")
@@ -313,8 +333,18 @@ def main() -> None:
                                 f"{100 * moved / seconds / bandwidth:.0f}% | {flops / seconds / 1e12:.1f} |",
                                 flush=True,
                             )
-                for path, variant, bench in runs:
+                if name == "triton" and persistent.supported(x, EXPERTS[model], HIDDEN, INTERMEDIATE, TOP_K):
+                    modes = {"on": [True], "off": [False], "both": [True, False]}[args.persistent]
+                    runs = [
+                        ("persistent" if on else path, variant, bench, on)
+                        for path, variant, bench in runs
+                        for on in (modes if path == "gemv" else [False])
+                    ]
+                else:
+                    runs = [(path, variant, bench, False) for path, variant, bench in runs]
+                for path, variant, bench, persistent_on in runs:
                     label = f"{name} {path}" if len(names) > 1 else path
+                    persistent.set_enabled(persistent_on)
                     try:
                         forward = each_layer(bench, x, prepared[name], out_dtype=model_output_dtype(bench))
                         seconds = graph_replay_seconds(forward, args.iters) / args.layers
@@ -331,6 +361,20 @@ def main() -> None:
                         f"{flops / seconds / 1e12:.1f} |",
                         flush=True,
                     )
+            persistent.set_enabled(args.persistent != "off")  # what --check and --profile run
+            if args.persistent_timeline and persistent.supported(x, EXPERTS[model], HIDDEN, INTERMEDIATE, TOP_K):
+                persistent.set_enabled(True)
+                timed_build = persistent.EXTRA_DEFINES
+                persistent.EXTRA_DEFINES = timed_build + ("-DTIMELINE",)  # the stamps stay out of the timed runs
+                each_layer(backends["triton"], x, prepared["triton"], out_dtype=torch.float32)()
+                torch.cuda.synchronize()
+                persistent.EXTRA_DEFINES = timed_build
+                print(
+                    f"    persistent kernel, {model} T={t}, the last layer: µs after the first CTA starts (median / max)"
+                )
+                for event, (median, most) in persistent.timeline(x.device).items():
+                    print(f"      {event:30s} {median:7.2f} {most:7.2f}")
+                persistent.set_enabled(args.persistent != "off")
             if len(best) > 1:
                 ranked = sorted(best, key=best.get)
                 print(

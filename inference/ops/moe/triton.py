@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from inference.ops.dependent_launch import pdl_options, wait_for_previous
+from inference.ops.moe import persistent
 from inference.ops.moe.reference import MoEWeights
 from inference.ops.mxfp4 import BLOCK_SIZE
 from inference.ops.rmsnorm import add_rms_norm_triton, residual_add, rms_rstd, rms_scaled
@@ -1306,6 +1307,11 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
     if takes_decode_path(t_count, top_k, num_experts, cfg) and act_scale is not None and w.max_scale <= GEMV_MAX_SCALE:
         i_pad = pairs2 * 128  # whole tile pairs, zeros past I (the gate_up programs past I write them)
         residual, logits, x_half, inv_scale = decode_router(x, w.router_weight, w.router_bias, out32, add_norm)
+        if persistent.applies(x, num_experts, hidden, inter, top_k):
+            persistent.moe_after_router(
+                x_half, inv_scale, logits, w, out32, valid_tokens, top_k, swiglu_limit, SWIGLU_ALPHA, act_scale
+            )
+            return residual, out32.to(out_dtype)
         k_pad = x_half.shape[1]
         act = torch.empty(pairs, i_pad, dtype=torch.float16, device=dev)  # * act_scale, permuted
         asm = not interpreting()
