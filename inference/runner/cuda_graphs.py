@@ -416,7 +416,8 @@ class PrefillGraphRunner:
         for kind, table in buf.block_tables.items():
             if kind in meta.block_tables:
                 real = meta.block_tables[kind]
-                table[:s, : real.shape[1]].copy_(real)
+                cols = min(real.shape[1], table.shape[1])  # an eager table's padding may be wider (all -1)
+                table[:s, :cols].copy_(real[:, :cols])
                 table[s].zero_()
         buf.valid_tokens.fill_(n)
         buf.row[: rows.shape[0]].copy_(rows)

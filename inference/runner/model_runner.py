@@ -37,7 +37,7 @@ import torch
 from inference.model.gpt_oss import GptOssModel
 from inference.ops.attention.reference import AttentionMetadata
 from inference.request import TokenLogprob
-from inference.runner.step_inputs import StepInputPacker, StepInputs
+from inference.runner.step_inputs import StepInputPacker, StepInputs, table_width
 from inference.runner.vocab_parallel import vocab_parallel_argmax
 from inference.sample.rejection_sampler import RejectionSampler, VerifyOutput
 from inference.sample.sampler import SampledTokens
@@ -127,7 +127,7 @@ def build_metadata(
     sliding_tables None means the model has no sliding layers (the full table stands in).
     """
     ps = page_size
-    width = max(len(t) for t in full_tables)
+    width = table_width(max(len(t) for t in full_tables), q_lens)
     full = torch.tensor([t + [-1] * (width - len(t)) for t in full_tables], dtype=torch.int32)
     if sliding_tables is not None:
         sliding = torch.tensor([t + [-1] * (width - len(t)) for t in sliding_tables], dtype=torch.int32)

@@ -24,6 +24,15 @@ from inference.ops.attention.reference import AttentionMetadata
 from inference.transfers import StagingBuffers
 
 
+def table_width(pages: int, q_lens: list[int]) -> int:
+    """A step's block-table width for its longest sequence's `pages` (-1 past each row's own).
+    Steps where prompts join (some sequence has other than one new token) round it up to whole
+    16s: their leading decode rows run the decode kernel, which specialises on the table's row
+    stride (divisible by 16 or not), and a width that followed the step would compile variants
+    while serving. Pure decode steps keep theirs (their graphs' tables are max_pages wide)."""
+    return pages if max(q_lens) == 1 else -(-pages // 16) * 16
+
+
 def _with_padding(sizes: list[int], multiple: int) -> list[int]:
     """[n0, pad0, n1, pad1, ...]: each array's length, then filler up to a multiple of `multiple`
     (so that the next array starts on a 16-byte boundary)."""
@@ -67,7 +76,7 @@ class StepInputPacker:
         (arguments as in `build_metadata`; `input_ids` [T], `sample_rows` [S])."""
         ps = self.page_size
         b, t = len(q_lens), len(input_ids)
-        w = max(len(table) for table in full_tables)
+        w = table_width(max(len(table) for table in full_tables), q_lens)
         kinds = 2 if sliding_tables is not None else 1
         # int64: ids, positions, slots per kind, sample rows; int32: cu_seqlens, context lens, tables
         chunks64 = _with_padding([t, t, *[t] * kinds, len(sample_rows)], 2)

@@ -83,6 +83,17 @@ class TritonAttentionBackend(AttentionBackend):
     def folds_rope_into_decode(self, q, meta, window) -> bool:
         return self._is_pure_decode(q.shape[0], meta)
 
+    def warmup(self, num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype) -> None:
+        """Compile the decode kernel's variants for mixed steps now, not mid-request (on a CUDA
+        GPU; the interpreter has nothing to compile)."""
+        from inference.ops.attention import triton as attention_triton
+
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+            attention_triton.warm_up_mixed_decode(
+                num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype, device
+            )
+
     def rope_kv_attention(
         self, q, k, v, cos_sin, k_cache, v_cache, meta, block_table, slot_mapping, sinks, sm_scale, window
     ):
@@ -141,8 +152,10 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         return super().folds_rope_into_decode(q, meta, window) and not self.runs_flashinfer(q, meta, window)
 
     def warmup(self, num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype) -> None:
-        """Compile (first start on a machine) or load the kernels this split uses: full layers'.
-        A build that fails leaves Triton serving every step, with a warning."""
+        """Compile (first start on a machine) or load the kernels this split uses: full layers'
+        flashinfer's, the Triton kernels' mixed-step variants. A flashinfer build that fails
+        leaves Triton serving every step, with a warning."""
+        super().warmup(num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype)
         if dtype not in (torch.bfloat16, torch.float16) or None not in windows or head_dim not in HEAD_DIMS:
             return
         try:

@@ -26,6 +26,7 @@ once and keeps fully masked blocks from producing NaN.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -603,7 +604,10 @@ def paged_sink_attention(
 
     Pure decode steps (one token per sequence) take the split-K decode kernel and do no host
     synchronisation (CUDA-graph safe; `meta.context_lens_list` only bounds the work); anything
-    else takes the prefill/extend kernel.
+    else takes the prefill/extend kernel, except that the decode rows ahead of a step's prompts
+    (`leading_decode_rows`) take the decode kernel: the prefill kernel gives each a 16-row tile
+    of its own and reads its keys in one program, 2.5x the decode kernel's time for 256 rows
+    beside a 1,024-token prompt (20b, H200, docs/benchmark-log.md).
     """
     t, hq, d, page_size, hkv = _check_inputs(q, k_cache, v_cache, sinks)
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -611,9 +615,92 @@ def paged_sink_attention(
         return out
     if is_pure_decode(t, meta):
         _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, decode_cfg)
+        return out
+    # Whole groups of 4 rows: the prefill kernel's sliced context lengths and block tables then
+    # start 16-byte aligned, as a whole step's do, and need no specialisation of their own. From
+    # MIXED_DECODE_MIN_ROWS rows on, and in one split (what the split rule picks there on gpt-oss),
+    # so that a mixed step launches one of the few variants `warm_up_mixed_decode` compiles.
+    rows = leading_decode_rows(meta) // 4 * 4
+    if rows >= MIXED_DECODE_MIN_ROWS:
+        _decode(
+            q[:rows],
+            k_cache,
+            v_cache,
+            sequences(meta, 0, rows),
+            block_table[:rows],
+            sinks,
+            sm_scale,
+            window,
+            out[:rows],
+            dataclasses.replace(decode_cfg, num_splits=1),
+        )
+        q, out_rest, block_table = q[rows:], out[rows:], block_table[rows:]
+        meta = sequences(meta, rows, len(meta.q_lens))
     else:
-        _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, prefill_cfg)
+        out_rest = out
+    _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out_rest, prefill_cfg)
     return out
+
+
+MIXED_DECODE_MIN_ROWS = 64  # fewer decode rows ahead of a prompt stay in the prefill kernel
+
+
+def warm_up_mixed_decode(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, windows, dtype, device
+) -> None:
+    """Compile the decode kernel's variants that mixed steps launch (their leading decode rows,
+    keys already in the cache): one split, each keys-a-step size, each window. No CUDA graph
+    capture compiles them (graphs fold RoPE and the cache write in), so without this each would
+    compile the first time prompts join a batch of its shape: 30 s of stalls in the first
+    serving run on an H200 (docs/benchmark-log.md). The dummies have the engine's dtypes and a
+    block table 16 pages wide, as `step_inputs.table_width` pads a mixed step's, so the
+    specialisations match."""
+    rows, pages = 4, 16
+    cache = torch.zeros(pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    q = torch.zeros(rows, num_q_heads, head_dim, dtype=dtype, device=device)
+    sinks = torch.zeros(num_q_heads, dtype=torch.float32, device=device)
+    table = torch.arange(rows * pages, dtype=torch.int32, device=device).view(rows, pages) % pages
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, device=device),
+        context_lens=torch.full((rows,), page_size, dtype=torch.int32, device=device),
+        block_tables={},
+        slot_mapping={},
+        positions=torch.zeros(rows, dtype=torch.int64, device=device),
+        max_q_len=1,
+        q_lens=[1] * rows,
+        context_lens_list=[page_size] * rows,
+    )
+    for window in windows:
+        for block_n in (32, 64):
+            cfg = dataclasses.replace(DECODE, num_splits=1, block_n=block_n)
+            _decode(q, cache, cache, meta, table, sinks, 1.0, window, torch.empty_like(q), cfg)
+
+
+def leading_decode_rows(meta: AttentionMetadata) -> int:
+    """How many sequences at the front of a step have one new token each. The scheduler puts
+    running sequences first, so where prompts join a batch these are its decode rows. 0 for a
+    CUDA graph's step metadata, whose lists hold bounds that start with the step's tokens."""
+    for i, n in enumerate(meta.q_lens):
+        if n != 1:
+            return i
+    return len(meta.q_lens)
+
+
+def sequences(meta: AttentionMetadata, start: int, stop: int) -> AttentionMetadata:
+    """Sequences start..stop-1 of a step as a step of their own (views; one subtraction on the
+    device when start > 0, for the query offsets)."""
+    t0, t1 = sum(meta.q_lens[:start]), sum(meta.q_lens[:stop])
+    cu = meta.cu_seqlens_q[start : stop + 1]
+    return AttentionMetadata(
+        cu_seqlens_q=cu - t0 if t0 else cu,
+        context_lens=meta.context_lens[start:stop],
+        block_tables={kind: table[start:stop] for kind, table in meta.block_tables.items()},
+        slot_mapping={kind: slots[t0:t1] for kind, slots in meta.slot_mapping.items()},
+        positions=meta.positions[t0:t1],
+        max_q_len=max(meta.q_lens[start:stop]),
+        q_lens=meta.q_lens[start:stop],
+        context_lens_list=meta.context_lens_list[start:stop],
+    )
 
 
 def is_pure_decode(num_tokens: int, meta: AttentionMetadata) -> bool:

@@ -427,6 +427,75 @@ def test_triton_prefill_extend(heads, window):
 
 
 @needs_triton
+@pytest.mark.parametrize("window", [None, 8])
+def test_triton_decode_rows_ahead_of_prompts_take_the_decode_kernel(window, monkeypatch):
+    """A step where prompts join decoding sequences: the leading decode rows, in whole groups of
+    4, run in the decode kernel; the rest (a fifth decode row, a prompt, an extend, a decode row
+    after them, an idle sequence) in the prefill kernel; together they equal the reference.
+    (The threshold of decode rows, 64 in the engine, is lowered to 4 for these small steps.)"""
+    attention_triton, _ = _kernel_modules()
+    monkeypatch.setattr(attention_triton, "MIXED_DECODE_MIN_ROWS", 4)
+    calls = []
+    for name in ("_decode", "_prefill"):
+        original = getattr(attention_triton, name)
+
+        def spy(q, *args, _name=name, _original=original, **kw):
+            calls.append((_name, q.shape[0]))
+            return _original(q, *args, **kw)
+
+        monkeypatch.setattr(attention_triton, name, spy)
+    q_lens, contexts = [1, 1, 1, 1, 1, 9, 6, 1, 0], [30, 12, 41, 5, 7, 9, 20, 13, 4]
+    check_attention(
+        attention_triton.paged_sink_attention,
+        11,
+        q_lens,
+        contexts,
+        (4, 2, 16),
+        4,
+        window,
+        **small_cfgs(attention_triton),
+    )
+    assert calls == [("_decode", 4), ("_prefill", 17)]  # whole groups of 4 decode rows
+    calls.clear()  # a step that starts with a prompt: all of it in the prefill kernel
+    check_attention(attention_triton.paged_sink_attention, 11, [5, 1, 1], [5, 9, 17], (4, 2, 16), 4, window)
+    assert calls == [("_prefill", 7)]
+    calls.clear()  # fewer decode rows than the threshold: all of it in the prefill kernel
+    monkeypatch.setattr(attention_triton, "MIXED_DECODE_MIN_ROWS", 8)
+    check_attention(attention_triton.paged_sink_attention, 11, [1] * 7 + [5], [9] * 7 + [5], (4, 2, 16), 4, window)
+    assert calls == [("_prefill", 12)]
+
+
+@gpu_only
+def test_gpu_mixed_steps_compile_nothing_after_the_warm_up():
+    """After the backend's warm-up, mixed steps at gpt-oss shapes (64 to 256 decode rows ahead of a
+    prompt, block tables padded as `step_inputs.table_width` pads them, both windows) launch only decode
+    kernel variants it compiled: none compiles while serving."""
+    attention_triton, _ = _kernel_modules()
+    from inference.ops.attention.backend import TritonAttentionBackend
+
+    kernel = attention_triton._decode_kernel
+    if not hasattr(kernel, "device_caches"):
+        pytest.skip("this Triton keeps its compiled variants elsewhere")
+    hq, hkv, d = GPT_OSS
+    TritonAttentionBackend().warmup(hq, hkv, d, 16, (None, 128), torch.bfloat16)
+    device = torch.cuda.current_device()
+    compiled = len(kernel.device_caches[device][0])
+    # (contexts of 14 and 94 pages: `make_batch`'s tables, 2 pages wider, are then whole 16s)
+    for rows, context in ((64, 220), (68, 1500), (256, 1500), (132, 220)):
+        for window in (None, 128):
+            check_attention(
+                attention_triton.paged_sink_attention,
+                3,
+                [1] * rows + [200],
+                [context] * rows + [200],
+                GPT_OSS,
+                16,
+                window,
+            )
+    assert len(kernel.device_caches[device][0]) == compiled
+
+
+@needs_triton
 @pytest.mark.parametrize("seqs_a_scan", [64, 4])
 def test_triton_prefill_many_sequences(seqs_a_scan, monkeypatch):
     """Tiles find their sequence in-kernel: many sequences, some with no new tokens; with 4 a scan
@@ -521,6 +590,10 @@ def test_gpu_prefill_extend_gpt_oss_shapes(window, page_size):
     attention_triton, _ = _kernel_modules()
     check_attention(
         attention_triton.paged_sink_attention, 7, [2000, 1, 333, 50], [2000, 900, 1500, 50], GPT_OSS, page_size, window
+    )
+    # 256 decode rows at long contexts ahead of a 1,024-token prompt (decode and prefill kernels)
+    check_attention(
+        attention_triton.paged_sink_attention, 9, [1] * 256 + [1024], [1500] * 256 + [1024], GPT_OSS, page_size, window
     )
     gen = torch.Generator().manual_seed(page_size)
     q_lens = torch.randint(0, 60, (70,), generator=gen).tolist()  # a mixed batch, some sequences idle

@@ -113,7 +113,8 @@ def test_fill_leaves_nothing_of_a_longer_earlier_step():
     runner.fill(buf, ids[:4], build_metadata(PAGE, [[1, 2, 6]], [[1, 2, 6]], [40], [4], cpu), torch.tensor([3]))
     assert buf.input_ids.tolist() == [0, 1, 2, 3] + [0] * 12
     assert buf.slots["sliding"].tolist() == [6 * PAGE + 8 + i for i in range(4)] + [-1] * 12
-    assert buf.block_tables["full"][0, :4].tolist() == [1, 2, 6, 0] and buf.row.tolist()[0] == 3
+    # (a step where a prompt joins has its table padded to whole 16s with -1: `table_width`)
+    assert buf.block_tables["full"][0, :4].tolist() == [1, 2, 6, -1] and buf.row.tolist()[0] == 3
     assert buf.block_tables["full"][1].eq(0).all()  # the padding sequence's row: page 0
     assert buf.positions.tolist() == [40, 41, 42, 43] + list(range(12))
     assert buf.context_lens.tolist() == [44, 12, 12, 12] and buf.cu_seqlens_q.tolist() == [0, 4, 16, 16, 16]

@@ -461,6 +461,8 @@ def test_packed_inputs_equal_build_metadata(case):
     ids = [100 + i for i in range(t)]
     rows = [q_lens[0] - 1, q_lens[0], t - 1] if case != "decode" else [0, 1, 2]
     want = build_metadata(ps, full, sliding, starts, q_lens, torch.device("cpu"))
+    # A step where prompts join pads its tables to whole 16s (`table_width`); decode keeps 3.
+    assert want.block_tables["full"].shape[1] == (3 if case == "decode" else 16)
     packer = StepInputPacker(ps, torch.device("cpu"))
     for _ in range(3):  # the host buffers are reused in turn: every round must come out whole
         got = packer.pack(ids, full, sliding, starts, q_lens, rows)
