@@ -118,7 +118,10 @@ def supported(x: torch.Tensor, num_experts: int, hidden: int, inter: int, top_k:
     if -(-units // multiprocessors(x.device)) > MAX_UNITS_OF_A_KIND:
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _device_ok(index)
+    if not _device_ok(index):
+        return False
+    p1, p2 = -(-hidden // 128), -(-inter // 128)  # tile pairs of a gate_up and a down row
+    return stage_plan(p1, p2, top_k, 128 * p1, 128 * p2, _shared_limit(index)) is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,7 +151,8 @@ _barriers: dict[int, torch.Tensor] = {}
 def _barrier(device: torch.device) -> torch.Tensor:
     """The grid barrier's arrival counter for `device` (int64, element 0), shared by every layer:
     launches on one stream run one after another, and each adds one grid's worth of arrivals.
-    After it, TIMELINE_SLOTS stamps a CTA for -DTIMELINE builds."""
+    (Two streams running the kernel at once on one GPU would mix their arrivals: one model a
+    device, as the engine runs.) After it, TIMELINE_SLOTS stamps a CTA for -DTIMELINE builds."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _barriers:
         _barriers[index] = torch.zeros(1 + TIMELINE_SLOTS * multiprocessors(device), dtype=torch.int64, device=device)

@@ -70,6 +70,13 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         : "memory");
 }
 
+// A warp done reading stage s hands it back to the producer (the empty barrier counts one
+// arrival a warp of the consuming group).
+__device__ __forceinline__ void release_stage(u64* empty, int s, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(shared_address(&empty[s]));
+}
+
 __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(dst),
@@ -77,7 +84,7 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
         : "memory");
 }
 
-__device__ __forceinline__ void consumers_sync() {  // the 8 consumer warps, not the producer
+__device__ __forceinline__ void consumers_sync() {  // the consumer warps, not the producer
     asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_WARPS * 32) : "memory");
 }
 
@@ -205,7 +212,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_decode_persistent(
     unsigned short* __restrict__ act,           // [TOP_K, I_PAD] fp16: act * act_scale, permuted
     float* __restrict__ out,                    // [1, H] float32, zeroed by the router kernel
     const int* __restrict__ valid,              // null, or int32 [1]: 0 means the row is padding
-    u64* __restrict__ barrier,                  // [1]: arrivals at the grid barrier, ever (zero at first use)
+    u64* __restrict__ barrier,                  // [0]: arrivals at the grid barrier, ever (zero at first use);
+                                                // then 16 TIMELINE stamps a CTA
     int E, int E0, int E_LOCAL, float limit, float alpha, float act_scale, float inv_act_scale) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) u64 full[STAGES], empty[STAGES];
@@ -346,8 +354,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_decode_persistent(
 #else
         float acc = row_dot(stages + s * STAGE_BYTES, 2 * GROUP, P1, row, q, po, 2, tiles);
 #endif
-        __syncwarp();
-        if (lane == 0) mbar_arrive(shared_address(&empty[s]));
+        release_stage(empty, s, lane);
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         acc += __shfl_xor_sync(0xffffffffu, acc, 2);
         acc += __shfl_xor_sync(0xffffffffu, acc, 16);
@@ -400,8 +407,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_decode_persistent(
 #else
         float acc = row_dot(stages + s * STAGE_BYTES, GROUP, P2, row, q, po, 4, tiles + slot * (I_PAD / 64) * TILE_WORDS);
 #endif
-        __syncwarp();
-        if (lane == 0) mbar_arrive(shared_address(&empty[s]));
+        release_stage(empty, s, lane);
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         acc += __shfl_xor_sync(0xffffffffu, acc, 2);
         acc += __shfl_xor_sync(0xffffffffu, acc, 8);
