@@ -738,8 +738,11 @@ def main() -> None:
     raw = hf_config_dict(GPT_OSS_SHAPES[args.model])
     config = ModelConfig.from_dict(raw)
 
+    batches = [int(b) for b in args.batches.split(",")]
+    rooflines = {b: roofline_tok_s(config, b, args.context, bandwidth, flop_rate) for b in batches}
+
     def roofline_note(batch: int, rate: float) -> str:
-        bound, binds = roofline_tok_s(config, batch, args.context, bandwidth, flop_rate)
+        bound, binds = rooflines[batch]
         return f"{bound:,.0f} ({binds}) | {rate / bound:.0%}"
 
     ceilings = (
@@ -747,7 +750,6 @@ def main() -> None:
         "roofline: a step's bytes (weights, the experts the batch touches, KV) at the copy bandwidth or its "
         "FLOPs at the matmul rate, whichever takes longer"
     )
-    batches = [int(b) for b in args.batches.split(",")]
     max_context = args.context + args.steps + 8 + (32 if args.profile else 0)  # --profile's steps advance too
     pages_per_seq = -(-max([max_context, *args.prefill]) // args.page_size)
     if args.timeline:
@@ -796,7 +798,7 @@ def main() -> None:
                 f"{r['async_tok_s'] / r['sync_tok_s']:.2f}x | {r['sync_host_us']:,.0f} | {r['async_host_us']:,.0f} | "
                 f"{1e3 * b / r['async_tok_s']:.2f} | {roofline_note(b, r['async_tok_s'])} |"
             )
-            r["roofline_tok_s"], r["roofline_bound"] = roofline_tok_s(config, b, args.context, bandwidth, flop_rate)
+            r["roofline_tok_s"], r["roofline_bound"] = rooflines[b]
         if args.json:
             Path(args.json).write_text(
                 json.dumps(
@@ -875,7 +877,7 @@ def main() -> None:
         "moe_backend": type(model.moe_backend).__name__,
         "copy_bandwidth_TBps": bandwidth / 1e12,
         "matmul_TFLOPs": flop_rate / 1e12,
-        "roofline_tok_s": {b: roofline_tok_s(config, b, args.context, bandwidth, flop_rate)[0] for b in batches},
+        "roofline_tok_s": {b: bound for b, (bound, _) in rooflines.items()},
         "bytes_per_token_GB": sum(parts.values()) / 1e9,
         "roofline_batch1_tok_s": roofline,
         "context": args.context,

@@ -1,4 +1,5 @@
 """What a Triton kernel costs the GPU's registers, compiled offline: no GPU needed.
+(`cubin_usage` reads any CUBIN's, such as the NVRTC-compiled kernels'.)
 
 Compiles the grouped MoE kernels (`inference/ops/moe/triton.py`) for an sm_90 target with the
 ptxas that ships with triton, and prints per launch shape the registers a thread, the bytes it
@@ -47,6 +48,22 @@ SIGNATURES = {
 }
 
 
+def cubin_usage(cubin: bytes) -> dict[str, int]:
+    """cuobjdump's resource usage of a CUBIN's (first) kernel, with the cuobjdump in the triton
+    wheel: {"REG": registers a thread, "STACK": bytes spilled, "SHARED": static shared bytes,
+    "LOCAL": local memory bytes}."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_resources_{os.getpid()}.cubin"
+    path.write_bytes(cubin)
+    try:
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True, check=True)
+    finally:
+        path.unlink()
+    return {
+        name: int(re.search(rf"{name}:(\d+)", usage.stdout).group(1)) for name in ("REG", "STACK", "SHARED", "LOCAL")
+    }
+
+
 def resources(kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int = 90) -> dict:
     """Compile one grouped MoE kernel (bf16 activations, packed MXFP4 dequantisation, top-4) for
     sm_`arch`; {registers, spill_bytes, shared_bytes, wgmma, waits_0, waits_other}."""
@@ -61,20 +78,11 @@ def resources(kernel: str, block_m: int, block_n: int, warps: int, stages: int, 
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
     ptx = compiled.asm["ptx"]
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_resources_{os.getpid()}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    try:
-        usage = subprocess.run(
-            [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-    finally:
-        cubin.unlink()
-    field = lambda name: int(re.search(rf"{name}:(\d+)", usage).group(1))  # noqa: E731
+    usage = cubin_usage(compiled.asm["cubin"])
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
     return {
-        "registers": field("REG"),
-        "spill_bytes": field("STACK"),
+        "registers": usage["REG"],
+        "spill_bytes": usage["STACK"],
         "shared_bytes": compiled.metadata.shared,
         "wgmma": ptx.count("wgmma.mma_async"),
         "waits_0": waits.count("0"),

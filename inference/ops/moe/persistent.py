@@ -118,17 +118,17 @@ def supported(x: torch.Tensor, num_experts: int, hidden: int, inter: int, top_k:
     if -(-units // multiprocessors(x.device)) > MAX_UNITS_OF_A_KIND:
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if not _device_ok(index):
-        return False
-    p1, p2 = -(-hidden // 128), -(-inter // 128)  # tile pairs of a gate_up and a down row
-    return stage_plan(p1, p2, top_k, 128 * p1, 128 * p2, _shared_limit(index)) is not None
+    return _device_ok(index) and _plan(index, hidden, inter, top_k) is not None
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_limit(index: int) -> int:
+def _plan(index: int, hidden: int, inter: int, top_k: int) -> StagePlan | None:
+    """`stage_plan` for these shapes on GPU `index` (its opt-in shared memory less the kernel's
+    static part and some slack): gate_up rows have ceil(H / 128) tile pairs, down rows ceil(I / 128)."""
     props = torch.cuda.get_device_properties(index)
-    optin = getattr(props, "shared_memory_per_block_optin", 0) or 232448
-    return optin - 2048  # the kernel's static shared memory (barriers, unit list) and slack
+    shared = (getattr(props, "shared_memory_per_block_optin", 0) or 232448) - 2048
+    p1, p2 = -(-hidden // 128), -(-inter // 128)
+    return stage_plan(p1, p2, top_k, 128 * p1, 128 * p2, shared)
 
 
 def _kernel(device: torch.device, top_k: int, hidden: int, inter: int, p1: int, p2: int, plan: StagePlan):
@@ -191,16 +191,9 @@ def moe_after_router(
     router kernel's outputs. w: `TritonMoEWeights`."""
     device = x_half.device
     hidden, inter = w.hidden_size, w.intermediate_size
-    p1, p2 = w.w1.shape[2], w.w2.shape[2]
-    k_pad, i_pad = x_half.shape[1], p2 * 128
-    plan = stage_plan(
-        p1,
-        p2,
-        top_k,
-        k_pad,
-        i_pad,
-        _shared_limit(device.index if device.index is not None else torch.cuda.current_device()),
-    )
+    p1, p2 = w.w1.shape[2], w.w2.shape[2]  # the layout's tile pairs: those `_plan` counts
+    i_pad = p2 * 128
+    plan = _plan(device.index if device.index is not None else torch.cuda.current_device(), hidden, inter, top_k)
     if plan is None:
         raise ValueError(f"the persistent MoE kernel does not fit shapes H={hidden}, I={inter}")
     kernel = _kernel(device, top_k, hidden, inter, p1, p2, plan)

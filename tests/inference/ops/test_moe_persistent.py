@@ -10,15 +10,13 @@ graph replays through its grid barrier.
 from __future__ import annotations
 
 import dataclasses
-import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from inference.ops import nvrtc
 from inference.ops.moe import persistent
+from tests.benchmark_scripts import load_benchmark
 from tests.inference.ops.test_moe import (
     DEVICE,
     DTYPE,
@@ -48,35 +46,20 @@ def test_stage_plan_fits_gpt_oss_on_hopper():
     assert persistent.stage_plan(2, 10, 2, 256, 1280, H200_SHARED).stage_bytes == -(-10 * 8 * 68 // 128) * 128
 
 
-def _cuobjdump() -> Path | None:
-    if not HAVE_TRITON:
-        return None
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return tool if tool.exists() else None
-
-
 @pytest.mark.skipif(nvrtc._nvrtc() is None, reason="no NVRTC installed")
-def test_compiles_for_sm90_without_spills(tmp_path):
+def test_compiles_for_sm90_without_spills():
     """The CUDA source compiles with NVRTC for the gpt-oss shapes, 20b and 120b alike; where
-    triton's cuobjdump is at hand, the kernel keeps everything in registers."""
+    triton (and its cuobjdump) is at hand, the kernel keeps everything in registers."""
     plan = persistent.stage_plan(23, 23, 4, 2944, 2944, H200_SHARED)
     defines = ("-DTOP_K=4", "-DHIDDEN=2880", "-DINTER=2880", "-DP1=23", "-DP2=23", f"-DSTAGES={plan.stages}")
     defines += (f"-DSTAGE_BYTES={plan.stage_bytes}", f"-DCONSUMER_WARPS={persistent.CONSUMER_WARPS}")
     cubin = nvrtc.compile_to_cubin(persistent.SOURCE, persistent.KERNEL, "sm_90", defines)
     assert cubin[:4] == b"\x7fELF"
-    tool = _cuobjdump()
-    if tool is None:
+    if not HAVE_TRITON:
         return
-    path = tmp_path / "kernel.cubin"
-    path.write_bytes(cubin)
-    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-    assert found, usage
-    registers, stack, shared, local = map(int, found.groups())
-    assert registers * persistent.THREADS <= 65536 and stack == 0 and local == 0
-    assert plan.shared_bytes + shared <= H200_SHARED + 2048
+    usage = load_benchmark("kernel_resources").cubin_usage(cubin)
+    assert usage["REG"] * persistent.THREADS <= 65536 and usage["STACK"] == 0 and usage["LOCAL"] == 0
+    assert plan.shared_bytes + usage["SHARED"] <= H200_SHARED + 2048
 
 
 def test_compile_error_carries_the_log():
