@@ -75,6 +75,11 @@ GROUPED_SWEEP = [
     dict(warps=8),
     dict(stages=1),
     dict(stages=2),
+    dict(stages=4),
+    dict(stages=2, maxnreg=128),
+    dict(block_n=128, warps=8, down_warps=4),
+    dict(block_n=128, down_block_n=128, warps=8),
+    dict(block_n=128, down_block_n=128, warps=8, stages=2),
     dict(router_programs=256),
 ]
 GROUPED_SWEEP_BATCHES = {

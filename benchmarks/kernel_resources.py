@@ -6,10 +6,16 @@ ptxas that ships with triton, and prints per launch shape the registers a thread
 spills to local memory, the static shared memory, and how its tensor-core MMAs are issued:
 `wgmma` instructions and the `wgmma.wait_group` waits between them (a wait of 0 right after
 each group means every MMA's latency sits on the warp's critical path, with nothing of the
-next tile's dequantisation overlapping it).
+next tile's dequantisation overlapping it), and how many programs a multiprocessor holds.
+
+The kernels are compiled as a launch specialises them: pointers 16-byte aligned and the integer
+arguments that are multiples of 16 at gpt-oss's shapes (H = I = 2880, all 32 of 20b's experts)
+marked so. Without those hints the compiler cannot vectorise or pipeline the loads, and the
+registers and shared memory it reports are not those of the kernels that run.
 
     python benchmarks/kernel_resources.py                            # MoEKernelConfig's shapes
     python benchmarks/kernel_resources.py --block-m 32,64 --stages 2,3 --warps 4,8
+    python benchmarks/kernel_resources.py --maxnreg 128                # as MoEKernelConfig.maxnreg
 """
 
 from __future__ import annotations
@@ -64,9 +70,37 @@ def cubin_usage(cubin: bytes) -> dict[str, int]:
     }
 
 
-def resources(kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int = 90) -> dict:
+# The integer arguments' values in a 20b layer: a launch marks those divisible by 16 as such
+# (Triton's specialisation), and so does the offline compile.
+EXAMPLE_INTS = dict(H=2880, I=2880, E0=0, E_LOCAL=32, num_tiles=45, num_pairs=23, stride_x=2880)
+SM90_REGISTERS = 65536  # a multiprocessor's registers, shared memory and warps
+SM90_SHARED = 233472
+SM90_WARPS = 64
+RESERVED_SHARED = 1024  # the driver's shared memory per program
+
+
+def launch_attrs(fn, signature: dict[str, str]) -> dict:
+    """`ASTSource` attrs as a launch of `fn` at gpt-oss's shapes specialises it: tt.divisibility
+    16 on every pointer (torch's allocations are 256-byte aligned) and every integer in
+    EXAMPLE_INTS divisible by 16."""
+    aligned = [k for k, t in signature.items() if t.startswith("*") or EXAMPLE_INTS.get(k, 1) % 16 == 0]
+    return {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned}
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """Programs an sm_90 multiprocessor holds at once: registers are given out per warp in units
+    of 256 (a thread's count rounded up to 8), shared memory per program plus the driver's 1 KB."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM90_REGISTERS // (per_warp * warps)
+    return min(by_registers, SM90_SHARED // (shared + RESERVED_SHARED), SM90_WARPS // warps)
+
+
+def resources(
+    kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int = 90, maxnreg: int | None = None
+) -> dict:
     """Compile one grouped MoE kernel (bf16 activations, packed MXFP4 dequantisation, top-4) for
-    sm_`arch`; {registers, spill_bytes, shared_bytes, wgmma, waits_0, waits_other}."""
+    sm_`arch` as a launch specialises it; {registers, spill_bytes, shared_bytes, wgmma, waits_0,
+    waits_other, programs_per_sm}."""
     fn, signature = SIGNATURES[kernel]
     const = dict(
         TOP_K=4, BLOCK_M=block_m, BLOCK_N=block_n, LARGE_SCALES=False, PACKED=True, OPERAND=tl.bfloat16, PDL=False
@@ -75,8 +109,10 @@ def resources(kernel: str, block_m: int, block_n: int, warps: int, stages: int, 
         fn=fn,
         signature={**signature, **dict.fromkeys(_CONST, "constexpr")},
         constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+        attrs=launch_attrs(fn, signature),
     )
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+    options = dict(num_warps=warps, num_stages=stages) | ({"maxnreg": maxnreg} if maxnreg else {})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     ptx = compiled.asm["ptx"]
     usage = cubin_usage(compiled.asm["cubin"])
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
@@ -87,6 +123,7 @@ def resources(kernel: str, block_m: int, block_n: int, warps: int, stages: int, 
         "wgmma": ptx.count("wgmma.mma_async"),
         "waits_0": waits.count("0"),
         "waits_other": len(waits) - waits.count("0"),
+        "programs_per_sm": programs_per_sm(usage["REG"], compiled.metadata.shared, warps),
     }
 
 
@@ -99,19 +136,21 @@ def main() -> None:
     ap.add_argument("--block-n", type=ints, default=None, help="weight rows a program (default: the config's)")
     ap.add_argument("--warps", type=ints, default=[cfg.warps])
     ap.add_argument("--stages", type=ints, default=[cfg.stages])
+    ap.add_argument("--maxnreg", type=ints, default=[0], help="register caps a thread (0: none)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, compiled offline\n")
     print(
-        "| kernel | BLOCK_M | BLOCK_N | warps | stages | registers | spilled bytes | shared bytes | wgmma | waits of 0 | other waits |"
+        "| kernel | BLOCK_M | BLOCK_N | warps | stages | maxnreg | registers | spilled bytes | shared bytes | wgmma "
+        "| waits of 0 | other waits | programs a multiprocessor |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kernel in args.kernels.split(","):
         block_ns = args.block_n or [cfg.block_n if kernel == "gate_up" else cfg.down_block_n]
-        for m, n, w, s in itertools.product(args.block_m, block_ns, args.warps, args.stages):
-            r = resources(kernel, m, n, w, s)
+        for m, n, w, s, cap in itertools.product(args.block_m, block_ns, args.warps, args.stages, args.maxnreg):
+            r = resources(kernel, m, n, w, s, maxnreg=cap or None)
             print(
-                f"| {kernel} | {m} | {n} | {w} | {s} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} | "
-                f"{r['wgmma']} | {r['waits_0']} | {r['waits_other']} |",
+                f"| {kernel} | {m} | {n} | {w} | {s} | {cap or '-'} | {r['registers']} | {r['spill_bytes']} | "
+                f"{r['shared_bytes']} | {r['wgmma']} | {r['waits_0']} | {r['waits_other']} | {r['programs_per_sm']} |",
                 flush=True,
             )
 

@@ -1141,6 +1141,10 @@ class MoEKernelConfig:
     down_block_n: int = 64  # grouped down: weight rows per program
     down_warps: int | None = None  # None: warps
     stages: int = 3  # grouped path: loop steps (of two K tiles) loaded ahead
+    # Register caps a thread for the grouped gate_up and down kernels (None: the compiler's
+    # choice): how many programs share a multiprocessor (`benchmarks/kernel_resources.py`).
+    maxnreg: int | None = None
+    down_maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         u = self.gemv_block_u
@@ -1476,6 +1480,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
         SWIGLU_ALPHA,
         BLOCK_N=cfg.block_n,
         num_warps=cfg.warps,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         **common,
     )
     _grouped_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), max_blocks)](
@@ -1495,6 +1500,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
         pairs2,
         BLOCK_N=cfg.down_block_n,
         num_warps=cfg.down_warps or cfg.warps,
+        **({"maxnreg": cfg.down_maxnreg} if cfg.down_maxnreg else {}),
         **common,
     )
     return residual, out32.to(out_dtype)
