@@ -18,7 +18,7 @@ Per head h the softmax has one extra logit, the learned sink:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,9 @@ class AttentionMetadata:
     max_q_len: int
     q_lens: list[int]
     context_lens_list: list[int]
+    # What a backend derives from this step once and every layer reuses (a step's own: a new
+    # step's metadata, or one made by dataclasses.replace, starts without it).
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def is_decode(self) -> bool:

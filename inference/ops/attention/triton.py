@@ -616,17 +616,15 @@ def paged_sink_attention(
     if is_pure_decode(t, meta):
         _decode(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out, decode_cfg)
         return out
-    # Whole groups of 4 rows: the prefill kernel's sliced context lengths and block tables then
-    # start 16-byte aligned, as a whole step's do, and need no specialisation of their own. From
-    # MIXED_DECODE_MIN_ROWS rows on, and in one split (what the split rule picks there on gpt-oss),
-    # so that a mixed step launches one of the few variants `warm_up_mixed_decode` compiles.
-    rows = leading_decode_rows(meta) // 4 * 4
-    if rows >= MIXED_DECODE_MIN_ROWS:
+    # In one split (what the split rule picks there on gpt-oss), so that a mixed step launches
+    # one of the few variants `warm_up_mixed_decode` compiles.
+    rows, decode_meta, rest_meta = mixed_decode_split(meta)
+    if rows:
         _decode(
             q[:rows],
             k_cache,
             v_cache,
-            sequences(meta, 0, rows),
+            decode_meta,
             block_table[:rows],
             sinks,
             sm_scale,
@@ -634,8 +632,7 @@ def paged_sink_attention(
             out[:rows],
             dataclasses.replace(decode_cfg, num_splits=1),
         )
-        q, out_rest, block_table = q[rows:], out[rows:], block_table[rows:]
-        meta = sequences(meta, rows, len(meta.q_lens))
+        q, out_rest, block_table, meta = q[rows:], out[rows:], block_table[rows:], rest_meta
     else:
         out_rest = out
     _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out_rest, prefill_cfg)
@@ -643,6 +640,24 @@ def paged_sink_attention(
 
 
 MIXED_DECODE_MIN_ROWS = 64  # fewer decode rows ahead of a prompt stay in the prefill kernel
+
+
+def mixed_decode_split(meta: AttentionMetadata) -> tuple[int, AttentionMetadata | None, AttentionMetadata | None]:
+    """(rows, their metadata, the other sequences') where a step's leading decode rows take the
+    decode kernel, (0, None, None) where they stay in the prefill kernel. Whole groups of 4 rows:
+    the prefill kernel's sliced context lengths and block tables then start 16-byte aligned, as
+    a whole step's do, and need no specialisation of their own; from MIXED_DECODE_MIN_ROWS rows
+    on. Derived once a step (`meta.derived`): every layer asks, and the slices cost a device
+    subtraction."""
+    split = meta.derived.get("mixed_decode_split")
+    if split is None:
+        rows = leading_decode_rows(meta) // 4 * 4
+        if rows >= MIXED_DECODE_MIN_ROWS:
+            split = (rows, sequences(meta, 0, rows), sequences(meta, rows, len(meta.q_lens)))
+        else:
+            split = (0, None, None)
+        meta.derived["mixed_decode_split"] = split
+    return split
 
 
 def warm_up_mixed_decode(

@@ -12,6 +12,7 @@ NaN too. Reading anything outside the window therefore turns the output into NaN
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -463,6 +464,36 @@ def test_triton_decode_rows_ahead_of_prompts_take_the_decode_kernel(window, monk
     monkeypatch.setattr(attention_triton, "MIXED_DECODE_MIN_ROWS", 8)
     check_attention(attention_triton.paged_sink_attention, 11, [1] * 7 + [5], [9] * 7 + [5], (4, 2, 16), 4, window)
     assert calls == [("_prefill", 12)]
+
+
+@needs_triton
+def test_a_mixed_steps_split_is_derived_once_for_all_layers(monkeypatch):
+    """Every layer asks for the split of a step's leading decode rows; the slices are made once
+    and kept on the step's metadata, which a new step (or a dataclasses.replace) starts without."""
+    attention_triton, _ = _kernel_modules()
+    monkeypatch.setattr(attention_triton, "MIXED_DECODE_MIN_ROWS", 4)
+    made = []
+    original = attention_triton.sequences
+    monkeypatch.setattr(attention_triton, "sequences", lambda *a: made.append(a[1:]) or original(*a))
+    q_lens = [1, 1, 1, 1, 1, 1, 5]
+    cu = torch.tensor([0, 1, 2, 3, 4, 5, 6, 11], dtype=torch.int32)
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu,
+        context_lens=torch.tensor([9] * 6 + [5], dtype=torch.int32),
+        block_tables={"full": torch.arange(14, dtype=torch.int32).view(7, 2)},
+        slot_mapping={"full": torch.arange(11)},
+        positions=torch.arange(11),
+        max_q_len=5,
+        q_lens=q_lens,
+        context_lens_list=[9] * 6 + [5],
+    )
+    split = attention_triton.mixed_decode_split(meta)
+    assert attention_triton.mixed_decode_split(meta) is split and made == [(0, 4), (4, 7)]
+    rows, head, rest = split
+    assert rows == 4 and head.q_lens == [1] * 4 and rest.q_lens == [1, 1, 5]
+    assert rest.cu_seqlens_q.tolist() == [0, 1, 2, 7] and rest.block_tables["full"][0].tolist() == [8, 9]
+    assert attention_triton.mixed_decode_split(dataclasses.replace(meta, q_lens=[5, *q_lens[1:]])) == (0, None, None)
+    assert len(made) == 2
 
 
 @gpu_only
