@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from agent_server.responses.dialect import PREFIX, api_path
-from inference.request import TokenDelta
+from inference.request import STEP_KINDS, StepTimes, TokenDelta
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.5, 1, 2.5)
@@ -72,9 +72,27 @@ class EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from step_families(s.step_times)
         replicas = getattr(engine, "replica_stats", None)
         if replicas is not None:  # data parallel: the totals above, and each replica here
             yield from replica_families(replicas())
+
+
+def step_families(t: StepTimes):
+    """Engine steps and their wall seconds by kind (decode, mixed, prefill), and the steps planned
+    only after the previous one's tokens were read (`inference/engine/step_clock.py`)."""
+    steps = CounterMetricFamily("oss_agent_engine_steps", "Engine steps, by kind", labels=["kind"])
+    seconds = CounterMetricFamily(
+        "oss_agent_engine_step_seconds", "Wall time engine steps took, by kind", labels=["kind"]
+    )
+    for kind in STEP_KINDS:
+        steps.add_metric([kind], t.steps(kind))
+        seconds.add_metric([kind], t.seconds(kind))
+    sync = CounterMetricFamily(
+        "oss_agent_engine_sync_steps", "Engine steps planned only after the previous step's tokens were read"
+    )
+    sync.add_metric([], t.sync_steps)
+    yield from (steps, seconds, sync)
 
 
 def replica_families(rows):

@@ -66,7 +66,7 @@ def time_steps(batch: int, prompt: int, steps: int) -> dict[str, float]:
         t0 = time.perf_counter()
         apply(cache, scheduler.schedule())
         sync.append(time.perf_counter() - t0)
-    overlap = StepOverlap(scheduler, cache, max_model_len=10**6)
+    overlap = StepOverlap(scheduler, max_model_len=10**6)
     launched = scheduler.schedule()
     ahead = []
     for _ in range(steps):

@@ -263,8 +263,9 @@ class EngineConfig:
     unfinished on a worker before the engine fails (a hung rank; a stopped or dead one fails it
     within seconds).
 
-    `async_scheduling` launches a decode step before the previous one's tokens are read
-    (`inference/scheduling/async_scheduling.py`); None: on CUDA only. Never with a drafter or tensor parallelism.
+    `async_scheduling` launches each step (prompts joining included) before the previous one's
+    tokens are read (`inference/scheduling/async_scheduling.py`); None: on CUDA only. Never with
+    a drafter or tensor parallelism.
     """
 
     page_size: int = 16

@@ -7,7 +7,7 @@ one. Nothing here knows about HTTP, Harmony or tools.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import AsyncIterator, Literal, Protocol
 
 from inference.grammar import Grammar, check_grammar
@@ -107,6 +107,49 @@ class TokenDelta:
     error: str | None = None  # message when finish_reason == "error"
 
 
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(num_tokens: int, prefill_tokens: int) -> str:
+    """The kind of a step (`inference/engine/step_clock.py`) of `num_tokens` tokens,
+    `prefill_tokens` of them prompt tokens."""
+    if prefill_tokens == 0:
+        return "decode"
+    return "prefill" if prefill_tokens == num_tokens else "mixed"
+
+
+@dataclass
+class StepTimes:
+    """Steps, wall seconds and tokens by kind since start, and how many steps were planned only
+    after the previous step's tokens were read (synchronous) with their seconds."""
+
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0  # (drafts verified included)
+    mixed_steps: int = 0
+    mixed_seconds: float = 0.0
+    mixed_decode_tokens: int = 0
+    mixed_prefill_tokens: int = 0
+    prefill_steps: int = 0
+    prefill_seconds: float = 0.0
+    prefill_tokens: int = 0
+    sync_steps: int = 0
+    sync_seconds: float = 0.0
+
+    def __add__(self, other: StepTimes) -> StepTimes:
+        """Field by field (replicas' totals; a run's share is `after - before`)."""
+        return StepTimes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __sub__(self, other: StepTimes) -> StepTimes:
+        return StepTimes(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+    def steps(self, kind: str) -> int:
+        return getattr(self, f"{kind}_steps")
+
+    def seconds(self, kind: str) -> float:
+        return getattr(self, f"{kind}_seconds")
+
+
 @dataclass
 class EngineStats:
     """A snapshot of engine counters for metrics (monotonic counters are totals since start)."""
@@ -127,6 +170,8 @@ class EngineStats:
     spec_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Steps by kind with the wall time each took (`inference/engine/step_clock.py`).
+    step_times: StepTimes = field(default_factory=StepTimes)
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agent_server.bench.driver import add_load_arguments, check_load_arguments, drive
-from agent_server.bench.report import RequestResult, format_summary, json_safe, summarize
+from agent_server.bench.report import (
+    RequestResult,
+    engine_steps,
+    format_engine_steps,
+    format_summary,
+    json_safe,
+    summarize,
+)
 from agent_server.bench.serve import add_target_arguments
 from agent_server.bench.workload import BenchRequest, add_workload_arguments, workload_from_args
 from agent_server.cli import serve as serve_command
@@ -196,7 +203,7 @@ async def engine_run(engine, args: argparse.Namespace, *, seed_offset: int = 0) 
         desc="bench engine",
     )
     stats = engine.stats()
-    return summarize(
+    summary = summarize(
         results,
         duration,
         start,
@@ -209,6 +216,8 @@ async def engine_run(engine, args: argparse.Namespace, *, seed_offset: int = 0) 
         prefix_hit_tokens=stats.prefix_hit_tokens - stats_before.prefix_hit_tokens,
         preemptions=stats.preemptions - stats_before.preemptions,
     )
+    summary["engine_steps"] = engine_steps(stats.step_times - stats_before.step_times, duration)
+    return summary
 
 
 async def http_run(base_url: str, model: str, args: argparse.Namespace, *, seed_offset: int = 2) -> dict[str, Any]:
@@ -363,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench engine: {e}", file=sys.stderr)
         return 1
     print(format_summary(report["engine"], f"engine benchmark: {engine.model_name}, in-process"))
+    print()
+    print(format_engine_steps(report["engine"]["engine_steps"]))
     if "http" in report:
         print()
         print(format_summary(report["http"], f"the same engine over HTTP: {report['http']['base_url']}"))

@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from inference.request import STEP_KINDS, StepTimes
+
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end-to-end latency"))
 
 
@@ -163,4 +165,56 @@ def format_summary(summary: dict[str, Any], title: str) -> str:
         lines.append(f"| {name} | " + " | ".join(_number(d[s]) for s in ("mean", "median", "p90", "p99")) + " |")
     for message, count in summary["errors"].items():
         lines.append(f"\nfailed x{count}: {message}")
+    return "\n".join(lines)
+
+
+def engine_steps(times: StepTimes, duration: float) -> dict[str, Any]:
+    """A run's engine steps (`after - before` of `EngineStats.step_times`) by kind: how many, the
+    wall seconds they took, their share of the run's `duration`, the mean step in ms and its
+    tokens; and the steps planned only after the previous one's tokens were read (synchronous)."""
+
+    def row(steps: int, seconds: float, **tokens: int) -> dict[str, Any]:
+        return {
+            "steps": steps,
+            "seconds": seconds,
+            "share": seconds / duration if duration > 0 else math.nan,
+            "mean_ms": 1e3 * seconds / steps if steps else math.nan,
+            **{name: value / steps if steps else math.nan for name, value in tokens.items()},
+        }
+
+    t = times
+    return {
+        "decode": row(t.decode_steps, t.decode_seconds, mean_decode_tokens=t.decode_tokens),
+        "mixed": row(
+            t.mixed_steps,
+            t.mixed_seconds,
+            mean_decode_tokens=t.mixed_decode_tokens,
+            mean_prefill_tokens=t.mixed_prefill_tokens,
+        ),
+        "prefill": row(t.prefill_steps, t.prefill_seconds, mean_prefill_tokens=t.prefill_tokens),
+        "synchronous": row(t.sync_steps, t.sync_seconds),
+        "idle": {"seconds": duration - sum(t.seconds(k) for k in STEP_KINDS)},
+    }
+
+
+def format_engine_steps(steps: dict[str, Any]) -> str:
+    """`engine_steps` as a markdown table."""
+    lines = [
+        "where the engine's time went (steps by kind; synchronous: planned after the previous step's tokens were read)",
+        "",
+        "| steps | count | seconds | of the run | mean ms | decode tokens a step | prefill tokens a step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for kind in (*STEP_KINDS, "synchronous"):
+        r = steps[kind]
+        cells = [
+            str(r["steps"]),
+            _number(r["seconds"]),
+            f"{r['share']:.1%}",
+            _number(r["mean_ms"]),
+            _number(r.get("mean_decode_tokens", math.nan), 1),
+            _number(r.get("mean_prefill_tokens", math.nan), 1),
+        ]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    lines.append(f"\nengine idle or waiting for requests: {steps['idle']['seconds']:.2f} s")
     return "\n".join(lines)

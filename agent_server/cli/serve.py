@@ -139,8 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="launch each decode step before the previous one's tokens are read, so host work "
-        "overlaps the GPU (default: on with CUDA, off on CPU; never with a drafter or -tp)",
+        help="launch each step (decode rows, prompts joining) before the previous one's tokens are "
+        "read, so host work overlaps the GPU (default: on with CUDA, off on CPU; never with a drafter or -tp)",
     )
     parser.add_argument(
         "--harmony-grammar",

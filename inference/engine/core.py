@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
 from inference.config import EngineConfig, ModelConfig
 from inference.engine import executor
+from inference.engine.step_clock import StepClock
 from inference.grammar import GrammarCompiler
 from inference.model.gpt_oss import GptOssModel
 from inference.request import EngineStats, GenerationRequest, TokenDelta, check_request
@@ -184,13 +185,14 @@ class LLMEngine:
         self.tokens_prefilled = 0
         self.tokens_decoded = 0
         self.steps = 0
+        self.step_clock = StepClock()
         self.spec = SpeculationCounters()
         overlap = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         self.overlap = None  # async scheduling, where it is on
         if config.async_scheduling and (self.drafter is not None or model.tp is not None):
             log.info("async scheduling is off: it does not run with speculative decoding or tensor parallelism")
         if overlap and self.drafter is None and model.tp is None:
-            self.overlap = StepOverlap(self.scheduler, self.cache, self.max_model_len)
+            self.overlap = StepOverlap(self.scheduler, self.max_model_len)
         self._inflight: LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
         self.grammars = GrammarCompiler(c.vocab_size)
         if device.type == "cuda":  # a served model: build the vocabulary's tables now, not for the first grammar
@@ -419,25 +421,40 @@ class LLMEngine:
         """Run one step; its deltas. With async scheduling that step may have been launched by the
         previous call, and the next one may already be running on the device when this returns."""
         admitted = self._admit_compiled() if self.compiling else []
+        synchronous = self._inflight is None
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
         else:
+            self.step_clock.planned()
             batch = self.scheduler.schedule()
             if not batch.seqs:
+                self.step_clock.idle()
                 return admitted
             self.steps += 1
             if self.overlap is None:
-                return admitted + self._run_synchronously(batch)
+                deltas = self._run_synchronously(batch)
+                self._step_done(batch, synchronous=True)
+                return admitted + deltas
             try:
                 launched = self.runner.launch(batch)
             except Exception as e:
+                self.step_clock.idle()
                 return admitted + self._fail_step(batch, e)
         self._inflight = self._launch_next(launched)  # queued behind `launched` on the device
         try:
             out = self.runner.collect(launched)
         except Exception as e:
+            self.step_clock.idle()
             return admitted + self._fail_step(launched.batch, e) + self._sample_inflight()
-        return admitted + self._apply_step(launched.batch, out)[0] + self._sample_inflight()
+        deltas = self._apply_step(launched.batch, out)[0]
+        self._step_done(launched.batch, synchronous)
+        return admitted + deltas + self._sample_inflight()
+
+    def _step_done(self, batch: ScheduledBatch, synchronous: bool) -> None:
+        """Charge a step whose tokens were just read and applied its wall time (`StepClock`)."""
+        self.step_clock.done(sum(batch.num_new), batch.prefill_tokens, synchronous)
+        if self._inflight is None and not self.scheduler.has_work():
+            self.step_clock.idle()  # nothing left: the next step starts when a request comes
 
     def _sample_inflight(self) -> list[TokenDelta]:
         """Queue the sampling of the step launched ahead, if it waited for the grammars to take
@@ -618,6 +635,7 @@ class LLMEngine:
             spec_steps=self.spec.steps,
             spec_draft_tokens=self.spec.draft_tokens,
             spec_accepted_tokens=self.spec.accepted_tokens,
+            step_times=replace(self.step_clock.times),  # a snapshot, not the live counters
         )
 
     def cache_usage(self) -> CacheUsage:

@@ -60,8 +60,9 @@ class StepPlan:
     q_lens: list[int]
     sample_rows: list[int]  # rows that need logits (each sampling entry's last 1 + drafts)
     graph_tokens: int | None = None  # replay the captured graph of this many tokens per sequence; None: eager
-    # input_ids are rows of the previous step's sampled ids (still on the device), not token ids
-    inputs_from_previous: bool = False
+    # The first previous_rows input_ids are rows of the previous step's sampled ids (still on
+    # the device), not token ids.
+    previous_rows: int = 0
     # Tensor parallel: every sampled row is plain greedy (`plain_greedy`), so the ranks agree on
     # the argmax and no rank gathers the logits.
     greedy: bool = False
@@ -286,25 +287,42 @@ class ModelRunner:
         return plan, sample_index, first_row
 
     def plan_after(self, batch: ScheduledBatch, after: LaunchedStep) -> tuple[StepPlan, list[int], list[int]]:
-        """`plan` for a decode step launched before `after`'s tokens are known: every sequence
-        of `batch` decodes one token just past what `after` computes for it (its pages reserved),
-        and its input is the token `after` sampled for it, gathered on the device."""
+        """`plan` for a step launched before `after`'s tokens are known (`Scheduler.schedule_after`):
+        each sequence starts where `after` leaves it (its pages reserved). The leading entries
+        that `after` samples decode one token each, their input the token `after` sampled,
+        gathered on the device; the others (prompt chunks, requests joining) take token ids."""
         seqs = batch.seqs
-        n = len(seqs)
         rows = after.token_rows()
         computed = {seq: seq.num_computed + k for seq, k in zip(after.batch.seqs, after.batch.num_new)}
-        graph = self.graphs is not None and self.graphs.can_run(n, 1)
+        starts = [computed.get(seq, seq.num_computed) for seq in seqs]
+        ids: list[int] = []
+        sample_index: list[int] = []
+        first_row: list[int] = []
+        for b, (seq, start, n) in enumerate(zip(seqs, starts, batch.num_new)):
+            first_row.append(len(ids))
+            if seq in rows:  # decodes the token `after` samples for it
+                ids.append(rows[seq])
+                sample_index.append(b)
+            else:
+                ids.extend(seq.token_ids[start : start + n])
+                if start + n == seq.num_tokens:
+                    sample_index.append(b)
+        previous_rows = sum(1 for seq in seqs if seq in rows)
+        if any(seq in rows for seq in seqs[previous_rows:]):
+            raise ValueError("the rows taking the previous step's samples must lead the batch")
+        decode = previous_rows == len(seqs)
+        graph = decode and self.graphs is not None and self.graphs.can_run(len(seqs), 1)
         plan = StepPlan(
-            [rows[seq] for seq in seqs],
+            ids,
             [seq.pages.full for seq in seqs],
             [seq.pages.sliding for seq in seqs] if self.has_sliding else None,
-            [computed[seq] for seq in seqs],
-            [1] * n,
-            list(range(n)),
+            starts,
+            list(batch.num_new),
+            [first_row[b] + batch.num_new[b] - 1 for b in sample_index],
             1 if graph else None,
-            inputs_from_previous=True,
+            previous_rows=previous_rows,
         )
-        return plan, list(range(n)), list(range(n))
+        return plan, sample_index, first_row
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         return self.packer.pack(
@@ -316,13 +334,13 @@ class ModelRunner:
         self, plan: StepPlan, previous_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Run the model on this device (every tensor-parallel rank runs each plan).
-        previous_tokens: the previous step's sampled ids [N] when plan.inputs_from_previous.
+        previous_tokens: the previous step's sampled ids [N] when plan.previous_rows.
         Returns (logits of plan.sample_rows [S, V] float32 or None if none, aux hidden or None,
         greedy tokens [S] int64 or None): a tensor-parallel `plan.greedy` step returns the
         tokens instead of the logits. After a graph step they may be views of the graph's
         output buffers: valid until the next `execute`, so consume (or queue work on) them first."""
         inputs = self.prepare(plan)
-        previous = previous_tokens if plan.inputs_from_previous else None
+        previous = previous_tokens if plan.previous_rows else None
         tp = self.model.tp
         if plan.graph_tokens is not None:  # the graph's input kernel gathers the previous ids itself
             logits, aux, ids = self.graphs.run(inputs.input_ids, inputs.meta, plan.graph_tokens, previous=previous)
@@ -334,10 +352,15 @@ class ModelRunner:
             if plan.greedy:
                 return None, aux, ids
             return self.model.gather_logits(logits), aux, None  # (collective: every rank gathers)
+        input_ids = inputs.input_ids
+        if previous is not None:  # the leading rows decode the previous step's samples
+            d = plan.previous_rows
+            input_ids = (
+                previous[input_ids] if d == len(input_ids) else torch.cat([previous[input_ids[:d]], input_ids[d:]])
+            )
         if self._step_graph_fits(plan):  # a prefill chunk, or requests joining a batch: one replay
-            logits = self.prefill_graphs.run(inputs.input_ids, inputs.meta, inputs.sample_rows)
+            logits = self.prefill_graphs.run(input_ids, inputs.meta, inputs.sample_rows)
             return (logits if plan.sample_rows else None), None, None
-        input_ids = inputs.input_ids if previous is None else previous[inputs.input_ids]
         out = self.model(input_ids, inputs.meta, self.kv_caches, aux_layers=self.aux_layers)
         hidden, aux = out if self.aux_layers else (out, None)
         if not plan.sample_rows:
@@ -353,7 +376,6 @@ class ModelRunner:
         return (
             self.prefill_graphs is not None
             and plan.graph_tokens is None
-            and not plan.inputs_from_previous
             and self.prefill_graphs.can_run(len(plan.input_ids), len(plan.q_lens), len(plan.sample_rows))
         )
 
@@ -362,7 +384,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """`execute` on every rank: hand the plan to the tensor-parallel workers first, if any."""
         if self.workers is not None:
-            if plan.inputs_from_previous:  # the workers hold no sampled ids
+            if plan.previous_rows:  # the workers hold no sampled ids
                 raise RuntimeError("a step taking the previous step's ids cannot run tensor-parallel")
             self.workers.send_step(plan)
         return self.execute(plan, previous_tokens)

@@ -168,13 +168,17 @@ class KVCacheManager:
 
     # -- reserving pages for a step ------------------------------------------------------------
 
-    def trim_window(self, table: PageTable, start: int) -> None:
-        """Free sliding pages no query at position >= `start` will read."""
+    def trim_window(self, table: PageTable, start: int, keep_unregistered: bool = False) -> None:
+        """Free sliding pages no query at position >= `start` will read. keep_unregistered: only
+        those already registered for prefix sharing (a step planned before the launched one
+        that fills the others is applied; see `reserve`)."""
         if self.window is None:
             return
         # Held sliding pages always form one run up to the end of the table, so walk down from
         # the window's edge until the first already-freed entry.
         i = min(self.first_window_page(start), len(table.sliding)) - 1
+        if keep_unregistered:
+            i = min(i, len(table.hashes) - 1)
         while i >= 0 and table.sliding[i] >= 0:
             self.sliding.release(table.sliding[i])
             table.sliding[i] = -1
@@ -213,22 +217,26 @@ class KVCacheManager:
         full, sliding = self._pages_missing(table, start, num_new)
         return full <= self.full.num_free and sliding <= self.sliding.num_free
 
-    def fit_tokens(self, table: PageTable, start: int, num_new: int) -> int:
+    def fit_tokens(self, table: PageTable, start: int, num_new: int, ahead: bool = False) -> int:
         """The most tokens (<= num_new) starting at `start` whose pages can be reserved now."""
         if num_new > 0 and self._holds(table, start, num_new):
             return num_new
-        self.trim_window(table, start)
+        self.trim_window(table, start, keep_unregistered=ahead)
         n = num_new
         while n > 0 and not self.can_reserve(table, start, n):
             # Fewer tokens only help when they end on an earlier page.
             n = (start + n - 1) // self.page_size * self.page_size - start
         return max(n, 0)
 
-    def reserve(self, table: PageTable, start: int, num_new: int) -> None:
-        """Allocate pages for positions [start, start+num_new); call `fit_tokens` first."""
+    def reserve(self, table: PageTable, start: int, num_new: int, ahead: bool = False) -> None:
+        """Allocate pages for positions [start, start+num_new); call `fit_tokens` first.
+
+        ahead: planned while a launched step that fills the positions before `start` is not
+        applied yet (async scheduling). Sliding pages it fills that fall out of the window stay
+        held until it is: freed before being registered, they would be lost to prefix sharing."""
         if num_new > 0 and self._holds(table, start, num_new):
             return
-        self.trim_window(table, start)
+        self.trim_window(table, start, keep_unregistered=ahead)
         if not self.can_reserve(table, start, num_new):
             raise RuntimeError("reserve() called without room; check fit_tokens() first")
         end_page = self.num_pages(start + num_new)

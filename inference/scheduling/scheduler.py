@@ -11,6 +11,10 @@ full budget. A sequence processes
 `token_ids[num_computed : num_computed + n]`; when that reaches its last token the step samples
 its next token.
 
+With async scheduling the engine plans each step before the previous one is applied
+(`schedule_after`, `async_scheduling.py`): the same policy, every sequence starting where the
+launched step leaves it.
+
 When pages run out: parked sequences are evicted first, then waiting sequences that hold
 pages drop them, then the newest running sequence is preempted: it frees its pages and goes
 back to the front of the queue to be recomputed later (its generated tokens are kept, so the
@@ -82,6 +86,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new: list[int]
     num_draft: list[int] = field(default_factory=list)
+    prefill_tokens: int = 0  # of sum(num_new), prompt tokens (the rest decode one token, or verify drafts)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -168,34 +173,89 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
+        """The next step, every sequence where its last applied step left it."""
+        batch = self._plan({}, frozenset(), ahead=False)
+        assert batch is not None  # (only a plan ahead gives up)
+        return batch
+
+    def schedule_after(self, inflight: dict[Sequence, int], ending: frozenset[Sequence]) -> ScheduledBatch | None:
+        """The step after one launched but not applied yet (async scheduling): `inflight` maps the
+        running sequences in it to its tokens of theirs, each starting at its `num_computed`;
+        `ending` holds those whose token sampled there is their last by length, which sit this
+        step out. Each sequence starts where the launched step leaves it: one that the launched
+        step samples decodes one token (its input is that sample, taken on the device); a
+        prompt's next chunk follows the launched one. Rows decoding from a sample come first.
+        None when pages run short: then only the synchronous scheduler may preempt or park."""
+        batch = self._plan(inflight, ending, ahead=True)
+        if batch is None or not batch.seqs:
+            return None
+        # The launched step's samples as inputs first (`ModelRunner.plan_after` takes them as a
+        # leading block of rows), in the order the scheduler chose.
+        follows = [seq in inflight and seq.num_computed + inflight[seq] == seq.num_tokens for seq in batch.seqs]
+        if False not in follows or True not in follows[follows.index(False) :]:
+            return batch  # (already so: a decode step, or one where prompts join behind the rows)
+        order = sorted(range(len(batch.seqs)), key=lambda i: not follows[i])
+        return ScheduledBatch(
+            [batch.seqs[i] for i in order],
+            [batch.num_new[i] for i in order],
+            [batch.num_draft[i] for i in order],
+            batch.prefill_tokens,
+        )
+
+    def _positions(self, inflight: dict[Sequence, int]) -> tuple[list[int], list[int]]:
+        """Each running sequence's first position and tokens left to compute once the launched
+        step (if any) is applied; one that step samples decodes one token."""
+        if not inflight:
+            starts = [seq.num_computed for seq in self.running]
+            return starts, [seq.num_tokens - start for seq, start in zip(self.running, starts)]
+        starts = [seq.num_computed + inflight.get(seq, 0) for seq in self.running]
+        left = [
+            1 if seq in inflight and start == seq.num_tokens else seq.num_tokens - start
+            for seq, start in zip(self.running, starts)
+        ]
+        return starts, left
+
+    def _plan(self, inflight: dict[Sequence, int], ending: frozenset[Sequence], ahead: bool) -> ScheduledBatch | None:
+        """One step's batch (`inflight`, `ending`: see `schedule_after`); planned ahead, None where
+        pages run short."""
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], [])
         under_pressure = False
+
+        starts, left = self._positions(inflight)
+
         # Prefill tokens this step may take (see the module docstring).
         prefill_budget = budget
         cap = self.max_prefill_tokens_decoding
-        if cap is not None and any(seq.num_tokens - seq.num_computed == 1 for seq in self.running):
+        if cap is not None and 1 in left:
             prefill_budget = cap
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            decoding = seq.num_tokens - seq.num_computed == 1
+            if seq in ending:
+                i += 1
+                continue
+            start = starts[i]
+            decoding = left[i] == 1
             if decoding:
                 wanted = min(1 + len(seq.draft_ids), budget)  # the drafts too, as far as budget allows
             else:
-                wanted = min(seq.num_tokens - seq.num_computed, budget, prefill_budget)
+                wanted = min(left[i], budget, prefill_budget)
                 if wanted == 0:  # this step's prefill share is spent: its next chunk waits a step
                     i += 1
                     continue
-            n = self.cache.fit_tokens(seq.pages, seq.num_computed, wanted)
+            n = self.cache.fit_tokens(seq.pages, start, wanted, ahead=ahead)
             if n == 0:
+                if ahead:
+                    return None
                 under_pressure = True
                 if not self._make_room(protect=seq):
                     # Only this sequence's own pages are left to take: it waits instead.
                     self._preempt(seq)
+                starts, left = self._positions(inflight)  # (a sequence may have left `running`)
                 continue  # retry this index (or whichever sequence moved into it)
-            self.cache.reserve(seq.pages, seq.num_computed, n)
+            self.cache.reserve(seq.pages, start, n, ahead=ahead)
             num_draft = n - 1 if decoding else 0
             del seq.draft_ids[num_draft:]  # drafts that did not fit are dropped, not deferred
             batch.seqs.append(seq)
@@ -204,6 +264,7 @@ class Scheduler:
             budget -= n
             if not decoding:
                 prefill_budget -= n
+                batch.prefill_tokens += n
             i += 1
 
         # Admit new work only when no running sequence had to give up pages this step.
@@ -217,6 +278,12 @@ class Scheduler:
             matched_now = not seq.pages.holds_pages  # a continuation arrives holding pages
             if matched_now:
                 self._match_prefix(seq)
+                if ahead and self._prefix_grows_in_flight(seq, inflight):
+                    # The launched step computes more of its prompt's prefix for another
+                    # sequence: admitted once that is applied, it finds more of it cached.
+                    self.cache.release(seq.pages)
+                    seq.num_computed = 0
+                    break
             wanted = min(seq.num_tokens - seq.num_computed, budget, prefill_budget)
             n = self.cache.fit_tokens(seq.pages, seq.num_computed, wanted)
             if n < wanted and not (n > 0 and not batch.seqs):
@@ -247,7 +314,19 @@ class Scheduler:
             batch.num_draft.append(0)
             budget -= n
             prefill_budget -= n
+            batch.prefill_tokens += n
         return batch
+
+    def _prefix_grows_in_flight(self, seq: Sequence, inflight: dict[Sequence, int]) -> bool:
+        """Whether the launched step completes, for a sequence in it, the first page of `seq`'s
+        prompt that the prefix cache does not hold yet (same tokens up to that page's end)."""
+        end = seq.num_computed + self.cache.page_size  # the end of the first page not matched
+        if end > seq.num_tokens - 1:
+            return False
+        for other, k in inflight.items():
+            if other.num_computed < end <= other.num_computed + k and other.token_ids[:end] == seq.token_ids[:end]:
+                return True
+        return False
 
     def _match_prefix(self, seq: Sequence) -> None:
         # Leave at least the last token to compute: its logits give the next token.

@@ -104,3 +104,24 @@ def test_kv_usage_gauge_follows_the_pages_a_request_holds(tmp_path, tiny_checkpo
         # The continuation took the parked pages over and finished; everything is free again.
         wait_for(lambda: engine.stats().parked == 0 and engine.stats().running == 0 and engine.stats().pages_used == 0)
         assert scrape(server.url, GAUGE) == 0.0
+
+
+def test_engine_steps_are_exported_by_kind():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from agent_server.metrics import EngineCollector
+    from inference.request import EngineStats, StepTimes
+
+    class Engine:
+        def stats(self):
+            times = StepTimes(decode_steps=7, decode_seconds=0.5, mixed_steps=2, mixed_seconds=0.25, sync_steps=3)
+            return EngineStats(step_times=times)
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(lambda: Engine()))
+    text = generate_latest(registry).decode()
+    assert 'oss_agent_engine_steps_total{kind="decode"} 7.0' in text
+    assert 'oss_agent_engine_steps_total{kind="mixed"} 2.0' in text
+    assert 'oss_agent_engine_steps_total{kind="prefill"} 0.0' in text
+    assert 'oss_agent_engine_step_seconds_total{kind="mixed"} 0.25' in text
+    assert "oss_agent_engine_sync_steps_total 3.0" in text

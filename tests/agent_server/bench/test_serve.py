@@ -437,6 +437,22 @@ def test_bench_engine_and_its_http_overhead_in_one_run(tiny_checkpoint, tmp_path
         http["output_throughput"] / engine["output_throughput"]
     )
     assert "streaming overhead" in printed and "| output token throughput (tok/s) |" in printed
+    # Where the engine's time went: every token of the run in some step, each step charged its
+    # wall time (all synchronous on the CPU), together no more than the run took.
+    steps = engine["engine_steps"]
+    decoded = sum(steps[k]["steps"] * steps[k]["mean_decode_tokens"] for k in ("decode", "mixed") if steps[k]["steps"])
+    prefilled = sum(
+        steps[k]["steps"] * steps[k]["mean_prefill_tokens"] for k in ("mixed", "prefill") if steps[k]["steps"]
+    )
+    assert decoded == pytest.approx(4 * 7)  # the first token of each comes from its prompt's step
+    assert prefilled == pytest.approx(engine["total_input_tokens"] - engine["prefix_hit_tokens"])
+    total = sum(steps[k]["steps"] for k in ("decode", "mixed", "prefill"))
+    assert steps["synchronous"]["steps"] == total >= 8
+    busy = sum(steps[k]["seconds"] for k in ("decode", "mixed", "prefill"))
+    assert 0 < busy <= engine["duration_s"] + 0.05 and steps["idle"]["seconds"] == pytest.approx(
+        engine["duration_s"] - busy
+    )
+    assert "where the engine's time went" in printed and "| decode | " in printed
 
 
 def test_sse_lines_end_only_where_the_sse_format_ends_them():

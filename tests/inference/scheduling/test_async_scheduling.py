@@ -24,6 +24,7 @@ from inference.model.tiny_checkpoint import write_tiny_checkpoint
 from inference.request import GenerationRequest, SamplingParams
 from inference.runner.model_runner import build_metadata
 from inference.runner.step_inputs import StepInputPacker
+from inference.scheduling.scheduler import SequenceStatus
 from tests.engine_runs import random_prompt as prompt
 
 
@@ -255,51 +256,59 @@ def test_when_the_next_step_is_launched_ahead(model):
     # its pages reserved for that position now.
     assert nxt.seqs == [a] and nxt.num_new == [1]
     assert len(a.pages.full) * 4 >= a.num_computed + 2 and a.pages.full[: len(pages_before)] == pages_before
-    # A waiting request with no room (max_num_seqs 2) does not stop the overlap; with room, the
-    # scheduler must see it first.
+    # A waiting request with no room (max_num_seqs 2) waits; with room it joins the step
+    # planned ahead, behind the row that decodes the launched step's sample.
     eng.add_request(request("c", prompt(72, 4), temperature=0.0, max_tokens=3))
     assert overlap.next_batch(decode).seqs == [a]
     eng.scheduler.finish(b)
-    assert overlap.next_batch(decode) is None
+    nxt = overlap.next_batch(decode)
+    c = eng.scheduler.find("c")
+    assert nxt.seqs == [a, c] and nxt.num_new == [1, 4] and nxt.prefill_tokens == 4
+    assert c.status == SequenceStatus.RUNNING and c.num_computed == 0
     eng.abort("c")
     # Penalties need the host's token history: no overlap for a batch holding one.
     a.sampling.presence_penalty = 0.5
     assert overlap.next_batch(decode) is None
 
 
-def test_requests_joining_the_batch_are_followed_by_a_step_launched_ahead(model):
-    """The step where a prompt prefills beside decode rows is launched like a decode step, and
-    when the prompt ends in it the next step (every sequence decoding, the newcomer too) goes
-    ahead at once; a chunk that stops short of its prompt's end leaves the planning to the
-    scheduler."""
+def test_requests_joining_the_batch_and_later_chunks_are_planned_ahead(model):
+    """A request arriving while a step is in flight joins the step planned ahead of that step's
+    tokens, beside the rows that decode its samples (taken on the device), and a long prompt's
+    later chunks are planned ahead too: after the first step every step is launched before the
+    previous one's tokens are read, and the tokens are those of the synchronous engine."""
     eng = engine(model, True)  # 16-token budget
+    out: dict[str, list[int]] = {}
+
+    def step() -> list[int]:
+        for delta in eng.step():
+            out.setdefault(delta.request_id, []).extend(delta.token_ids)
+        batch = eng._inflight.batch
+        return [s.request_id for s in batch.seqs], batch.num_new, batch.prefill_tokens
+
     eng.add_request(request("a", prompt(80, 6), temperature=0.0, max_tokens=12))
-    eng.step()
-    eng.step()  # a decodes, launched ahead from here on
+    assert step() == (["a"], [1], 0)  # a's prompt ran synchronously; its first decode step is queued
     eng.add_request(request("b", prompt(81, 9), temperature=0.0, max_tokens=6))
-    eng.step()  # collects a's step in flight; b waits with room: nothing launched ahead
-    assert not eng.in_flight
-    eng.step()  # b's prompt beside a's decode row, then both decode in the step launched ahead
-    assert eng.in_flight
-    queued = eng._inflight.batch
-    assert [s.request_id for s in queued.seqs] == ["a", "b"] and queued.num_new == [1, 1]
-    b = queued.seqs[1]
-    assert b.num_computed == 9 and b.num_output_tokens == 1  # its prompt, and its first token applied
+    assert step() == (["a", "b"], [1, 9], 9)  # b joins the step planned ahead
+    assert step() == (["a", "b"], [1, 1], 0)  # b's prompt ends there: it decodes its sample next
     eng.add_request(request("c", prompt(82, 30), temperature=0.0, max_tokens=4))
-    eng.step()  # collects the step in flight; c waits
-    eng.step()  # c's first 14 tokens beside a's and b's rows: the rest of its prompt comes next
-    assert not eng.in_flight
+    assert step() == (["a", "b", "c"], [1, 1, 14], 14)
+    assert step() == (["a", "b", "c"], [1, 1, 14], 14)  # c's next chunk, planned before the first is read
+    assert step() == (["a", "b", "c"], [1, 1, 2], 2)
+    assert step() == (["a", "b", "c"], [1, 1, 1], 0)
     while eng.has_unfinished():
-        eng.step()
+        for delta in eng.step():
+            out.setdefault(delta.request_id, []).extend(delta.token_ids)
+    times = eng.stats().step_times
+    assert times.sync_steps == 1 and times.mixed_steps == 4 and times.mixed_prefill_tokens == 39
     sync = Run(
         engine(model, False),
         {
             0: [request("a", prompt(80, 6), temperature=0.0, max_tokens=12)],
-            2: [request("b", prompt(81, 9), temperature=0.0, max_tokens=6)],
-            4: [request("c", prompt(82, 30), temperature=0.0, max_tokens=4)],
+            1: [request("b", prompt(81, 9), temperature=0.0, max_tokens=6)],
+            3: [request("c", prompt(82, 30), temperature=0.0, max_tokens=4)],
         },
     )
-    assert sync.finishes() == {"a": ("length", None), "b": ("length", None), "c": ("length", None)}
+    assert out == sync.tokens() and {len(v) for v in out.values()} == {12, 6, 4}
     assert_back_to_baseline(eng)
 
 
@@ -399,7 +408,8 @@ def test_gpu_steady_decode_never_waits_for_the_stream_but_to_read_ids(tmp_path, 
     """With async scheduling, the only wait per decode step must be for that step's own sampled
     ids (`HostCopy.get`): any other synchronising call (a blocking copy, `.item()`, `.tolist()`
     of a device tensor) would also wait for the step queued behind it, and the overlap is gone.
-    torch's sync debug mode turns every such call into an error."""
+    torch's sync debug mode turns every such call into an error. The same holds for a request
+    joining the running ones: its prompt's step is planned and launched ahead too."""
     from inference import transfers
 
     path = write_tiny_checkpoint(tmp_path / "tiny", seed=0)
@@ -426,6 +436,11 @@ def test_gpu_steady_decode_never_waits_for_the_stream_but_to_read_ids(tmp_path, 
         for _ in range(10):
             assert eng.in_flight
             eng.step()
+        eng.add_request(request("joins", prompt(99, 40), max_tokens=6, temperature=0.0))
+        for _ in range(6):
+            assert eng.in_flight
+            eng.step()
+        assert eng.scheduler.find("joins").num_output_tokens >= 3
     finally:
         torch.cuda.set_sync_debug_mode(0)
     while eng.has_unfinished():

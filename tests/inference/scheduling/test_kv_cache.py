@@ -129,6 +129,31 @@ def test_prefix_reuse_needs_the_window_pages():
     assert probe.full == table_full_prefix(cache, ids, 4)
 
 
+def test_pages_planned_ahead_keep_the_sliding_pages_the_launched_step_fills():
+    """Planning a step while the one that fills the positions before it is in flight (async
+    scheduling) must not free the sliding pages that step fills before they are registered: a
+    later request sharing the prompt would find those positions unusable. Once registered, the
+    next reservation frees them, and they stay findable for prefix sharing."""
+    ids = tokens(24)
+    for ahead in (False, True):
+        cache = KVCacheManager(num_full_pages=16, num_sliding_pages=16, page_size=4, window=8)
+        table = PageTable()
+        cache.reserve(table, 0, 16)  # chunk 1, launched
+        assert cache.fit_tokens(table, 16, 8, ahead=ahead) == 8
+        cache.reserve(table, 16, 8, ahead=ahead)  # chunk 2, planned before chunk 1 is applied
+        # Chunk 2's first query (position 16) reads from position 9: pages 0 and 1 are out of its window.
+        assert all(p >= 0 for p in table.sliding[:2]) == ahead
+        cache.register_computed(table, ids, 16)  # chunk 1 applied
+        cache.register_computed(table, ids, 24)  # chunk 2 applied
+        cache.reserve(table, 24, 1)  # the next step frees what the window left behind, registered
+        assert table.sliding[:4] == [-1, -1, -1, -1]
+        cache.release(table)
+        probe = PageTable()
+        # At 8 tokens the window needs the sliding pages of positions 1..7: pages 0 and 1.
+        assert cache.match_prefix(probe, ids[:8] + [1], limit=8) == (8 if ahead else 0)
+        cache.release(probe)
+
+
 def table_full_prefix(cache: KVCacheManager, ids: list[int], n: int) -> list[int]:
     pages, h = [], None
     for i in range(n):

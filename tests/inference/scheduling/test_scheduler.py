@@ -144,3 +144,104 @@ def test_continuation_takes_over_parked_pages():
     assert fake_step(s) == [("q", 3)]  # only the sampled token and the two new ones
     assert follow.num_cached_tokens == 8
     assert s.counters.prefix_hit_tokens == 8
+
+
+def apply_fake(s: Scheduler, batch) -> None:
+    """`fake_step`'s model step for a batch planned earlier."""
+    for q, n in zip(batch.seqs, batch.num_new):
+        if q.status != SequenceStatus.RUNNING:
+            continue
+        q.num_computed += n
+        s.cache.register_computed(q.pages, q.token_ids, q.num_computed)
+        if q.num_computed == q.num_tokens:
+            q.token_ids.append(7)
+            if q.num_output_tokens >= q.sampling.max_tokens:
+                s.finish(q)
+
+
+def plan_ahead(s: Scheduler, batch):
+    """`StepOverlap.next_batch`'s call: the step after `batch`, before `batch` is applied."""
+    inflight = {q: n for q, n in zip(batch.seqs, batch.num_new) if q.status == SequenceStatus.RUNNING}
+    ending = frozenset(
+        q
+        for q, n in inflight.items()
+        if q.num_computed + n == q.num_tokens and q.num_output_tokens + 1 >= q.sampling.max_tokens
+    )
+    return s.schedule_after(inflight, ending)
+
+
+def steps(batch) -> list[tuple[str, int]]:
+    return [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_new)]
+
+
+def test_planning_ahead_gives_the_synchronous_plan():
+    """Every step planned before the previous one is applied is the step the synchronous
+    scheduler plans after it (its decode rows first): chunks under the cap, admissions, a
+    sequence that ends by length sitting out, pages reserved where the launched step leaves off."""
+
+    def workload(s):
+        s.add(seq("a", 20, max_tokens=9))
+        s.add(seq("b", 30, max_tokens=6, start=2000))
+
+    sync = make(budget=32, num_pages=128, sliding_pages=128, prefill_cap=8)
+    workload(sync)
+    want = [fake_step(sync)]
+    while sync.has_work():
+        want.append(fake_step(sync))
+        if len(want) == 3:
+            sync.add(seq("c", 11, max_tokens=3, start=3000))
+
+    ahead = make(budget=32, num_pages=128, sliding_pages=128, prefill_cap=8)
+    workload(ahead)
+    batch = ahead.schedule()
+    got = [steps(batch)]
+    while True:
+        if len(got) == 3:
+            ahead.add(seq("c", 11, max_tokens=3, start=3000))
+        nxt = plan_ahead(ahead, batch)
+        apply_fake(ahead, batch)
+        if nxt is None:
+            assert not ahead.has_work()
+            break
+        got.append(steps(nxt))
+        batch = nxt
+    # Rows that decode come first ahead; the synchronous scheduler keeps running order.
+    assert [sorted(g) for g in got] == [sorted(w) for w in want]
+    assert got[2] == [("a", 1), ("b", 8)] and got[3] == [("a", 1), ("b", 2), ("c", 6)]
+    assert ahead.cache.full.num_used == 0 and sync.cache.full.num_used == 0
+
+
+def test_a_prefix_the_launched_step_computes_is_waited_for():
+    """A request sharing a prompt's pages that the launched step is computing is not admitted
+    ahead (it would miss them in the prefix cache), but in the step after, with the hit."""
+    s = make(budget=16, num_pages=64, sliding_pages=64)
+    shared = list(range(500, 516))
+    a = Sequence("a", shared + [1, 2, 3], 19, SamplingParams(max_tokens=4))
+    s.add(a)
+    batch = s.schedule()
+    assert steps(batch) == [("a", 16)]
+    b = Sequence("b", shared + [9, 9], 18, SamplingParams(max_tokens=4))
+    s.add(b)
+    nxt = plan_ahead(s, batch)  # a's first 16 tokens are in flight: b waits
+    assert steps(nxt) == [("a", 3)] and b.status == SequenceStatus.WAITING and not b.pages.holds_pages
+    apply_fake(s, batch)
+    after = plan_ahead(s, nxt)
+    assert steps(after) == [("a", 1), ("b", 2)] and b.num_computed == 16
+    assert s.counters.prefix_hit_tokens == 16
+
+
+def test_planning_ahead_never_preempts():
+    """Short of pages, the plan ahead gives up and changes nothing; the synchronous scheduler
+    preempts once the launched step is applied."""
+    s = make(budget=16, num_pages=6, sliding_pages=6, window=None)
+    s.add(seq("a", 12, max_tokens=20))
+    s.add(seq("b", 4, max_tokens=20, start=2000))
+    batch = s.schedule()
+    assert steps(batch) == [("a", 12), ("b", 4)]
+    while (nxt := plan_ahead(s, batch)) is not None:
+        apply_fake(s, batch)
+        batch = nxt
+    a, b = s.running
+    assert not s.waiting and s.counters.preemptions == 0 and a.num_output_tokens < 20
+    apply_fake(s, batch)
+    assert steps(s.schedule()) == [("a", 1)] and s.counters.preemptions == 1 and s.waiting[0] is b
