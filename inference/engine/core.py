@@ -422,7 +422,7 @@ class LLMEngine:
         previous call, and the next one may already be running on the device when this returns."""
         admitted = self._admit_compiled() if self.compiling else []
         synchronous = self._inflight is None
-        if self._inflight is not None:
+        if not synchronous:
             launched, self._inflight = self._inflight, None
         else:
             self.step_clock.planned()

@@ -298,18 +298,19 @@ class ModelRunner:
         ids: list[int] = []
         sample_index: list[int] = []
         first_row: list[int] = []
+        previous_rows = 0
         for b, (seq, start, n) in enumerate(zip(seqs, starts, batch.num_new)):
             first_row.append(len(ids))
             if seq in rows:  # decodes the token `after` samples for it
+                if b != previous_rows:
+                    raise ValueError("the rows taking the previous step's samples must lead the batch")
+                previous_rows += 1
                 ids.append(rows[seq])
                 sample_index.append(b)
             else:
                 ids.extend(seq.token_ids[start : start + n])
                 if start + n == seq.num_tokens:
                     sample_index.append(b)
-        previous_rows = sum(1 for seq in seqs if seq in rows)
-        if any(seq in rows for seq in seqs[previous_rows:]):
-            raise ValueError("the rows taking the previous step's samples must lead the batch")
         decode = previous_rows == len(seqs)
         graph = decode and self.graphs is not None and self.graphs.can_run(len(seqs), 1)
         plan = StepPlan(

@@ -17,17 +17,29 @@ def seq(rid: str, prompt_len: int, max_tokens: int = 4, start: int = 1000, **kw)
     return Sequence(rid, ids, prompt_len, SamplingParams(max_tokens=max_tokens), **kw)
 
 
-def fake_step(s: Scheduler) -> list[tuple[str, int]]:
-    """Schedule, then pretend the model ran: advance, publish pages, sample token 7, finish at max_tokens."""
-    batch = s.schedule()
+def apply_fake(s: Scheduler, batch) -> None:
+    """Pretend the model ran `batch` (planned now or earlier): advance, publish pages, sample
+    token 7, finish at max_tokens; sequences no longer running are skipped."""
     for q, n in zip(batch.seqs, batch.num_new):
+        if q.status != SequenceStatus.RUNNING:
+            continue
         q.num_computed += n
         s.cache.register_computed(q.pages, q.token_ids, q.num_computed)
         if q.num_computed == q.num_tokens:
             q.token_ids.append(7)
             if q.num_output_tokens >= q.sampling.max_tokens:
                 s.finish(q)
+
+
+def steps(batch) -> list[tuple[str, int]]:
     return [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_new)]
+
+
+def fake_step(s: Scheduler) -> list[tuple[str, int]]:
+    """Schedule, then pretend the model ran (`apply_fake`)."""
+    batch = s.schedule()
+    apply_fake(s, batch)
+    return steps(batch)
 
 
 def test_chunked_prefill_shares_the_budget_with_decodes():
@@ -146,19 +158,6 @@ def test_continuation_takes_over_parked_pages():
     assert s.counters.prefix_hit_tokens == 8
 
 
-def apply_fake(s: Scheduler, batch) -> None:
-    """`fake_step`'s model step for a batch planned earlier."""
-    for q, n in zip(batch.seqs, batch.num_new):
-        if q.status != SequenceStatus.RUNNING:
-            continue
-        q.num_computed += n
-        s.cache.register_computed(q.pages, q.token_ids, q.num_computed)
-        if q.num_computed == q.num_tokens:
-            q.token_ids.append(7)
-            if q.num_output_tokens >= q.sampling.max_tokens:
-                s.finish(q)
-
-
 def plan_ahead(s: Scheduler, batch):
     """`StepOverlap.next_batch`'s call: the step after `batch`, before `batch` is applied."""
     inflight = {q: n for q, n in zip(batch.seqs, batch.num_new) if q.status == SequenceStatus.RUNNING}
@@ -168,10 +167,6 @@ def plan_ahead(s: Scheduler, batch):
         if q.num_computed + n == q.num_tokens and q.num_output_tokens + 1 >= q.sampling.max_tokens
     )
     return s.schedule_after(inflight, ending)
-
-
-def steps(batch) -> list[tuple[str, int]]:
-    return [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_new)]
 
 
 def test_planning_ahead_gives_the_synchronous_plan():
