@@ -13,10 +13,11 @@ import time
 from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from agent_server.responses.dialect import PREFIX, api_path
-from inference.request import STEP_KINDS, StepTimes, TokenDelta
+from inference.request import STEP_KINDS, DurationHistogram, StepTimes, TokenDelta
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.5, 1, 2.5)
@@ -92,7 +93,24 @@ def step_families(t: StepTimes):
         "oss_agent_engine_sync_steps", "Engine steps planned only after the previous step's tokens were read"
     )
     sync.add_metric([], t.sync_steps)
-    yield from (steps, seconds, sync)
+    durations = HistogramMetricFamily(
+        "oss_agent_engine_step_duration_seconds", "Wall time of each engine step, by kind", labels=["kind"]
+    )
+    for kind in STEP_KINDS:
+        durations.add_metric([kind], *histogram_buckets(t.durations(kind)))
+    gaps = HistogramMetricFamily(
+        "oss_agent_engine_token_gap_seconds",
+        "Time between a running sequence's consecutive tokens as the engine hands them out "
+        "(each sequence decoding in a step counts once, with that step's wall time)",
+    )
+    gaps.add_metric([], *histogram_buckets(t.token_gaps))
+    yield from (steps, seconds, sync, durations, gaps)
+
+
+def histogram_buckets(h: DurationHistogram) -> tuple[list[tuple[str, int]], float]:
+    """A `DurationHistogram` as a Prometheus histogram's (buckets, sum): one bucket an octave
+    (0.24 ms to 16 s, and +Inf), a quarter of the bounds it keeps."""
+    return [(floatToGoString(bound), count) for bound, count in h.cumulative(every=4)], h.total
 
 
 def replica_families(rows):

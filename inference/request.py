@@ -7,6 +7,7 @@ one. Nothing here knows about HTTP, Harmony or tools.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field, fields
 from typing import AsyncIterator, Literal, Protocol
 
@@ -118,10 +119,72 @@ def step_kind(num_tokens: int, prefill_tokens: int) -> str:
     return "prefill" if prefill_tokens == num_tokens else "mixed"
 
 
+# Upper bounds (seconds) of a `DurationHistogram`'s buckets: four an octave from 2^-12 s (0.24
+# ms) to 16 s, so a quantile read from one is within its bucket's 19% of the true value.
+DURATION_BOUNDS = tuple(2.0 ** (k / 4) for k in range(-48, 17))
+
+
+@dataclass(frozen=True)
+class DurationHistogram:
+    """Durations in the buckets of `DURATION_BOUNDS`: `counts[i]` holds the weight of those in
+    (bounds[i - 1], bounds[i]] seconds, the last count those above 16 s; `total` is the weighted
+    sum of the durations. Immutable, so a snapshot of one is never changed by later steps."""
+
+    counts: tuple[int, ...] = (0,) * (len(DURATION_BOUNDS) + 1)
+    total: float = 0.0
+
+    def record(self, seconds: float, weight: int = 1) -> DurationHistogram:
+        """This histogram with `weight` more durations of `seconds`."""
+        counts = list(self.counts)
+        counts[bisect_left(DURATION_BOUNDS, seconds)] += weight
+        return DurationHistogram(tuple(counts), self.total + seconds * weight)
+
+    def __add__(self, other: DurationHistogram) -> DurationHistogram:
+        return DurationHistogram(tuple(map(int.__add__, self.counts, other.counts)), self.total + other.total)
+
+    def __sub__(self, other: DurationHistogram) -> DurationHistogram:
+        return DurationHistogram(tuple(map(int.__sub__, self.counts, other.counts)), self.total - other.total)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def quantile(self, q: float) -> float:
+        """The duration (seconds) below which a share `q` of the weight lies, interpolated
+        geometrically within its bucket; NaN when empty, 16 s and above as 16 s."""
+        if not self.count:
+            return float("nan")
+        target, seen = q * self.count, 0
+        for i, n in enumerate(self.counts):
+            if n and seen + n >= target:
+                if i == len(DURATION_BOUNDS):
+                    return DURATION_BOUNDS[-1]
+                upper = DURATION_BOUNDS[i]
+                lower = DURATION_BOUNDS[i - 1] if i else upper / 2 ** 0.25
+                return lower * (upper / lower) ** ((target - seen) / n)
+            seen += n
+        return DURATION_BOUNDS[-1]
+
+    def cumulative(self, every: int = 1) -> list[tuple[float, int]]:
+        """(bound, weight of durations <= bound) at every `every`-th bound, and (inf, all):
+        the buckets of a Prometheus histogram."""
+        out, running = [], 0
+        for i, n in enumerate(self.counts[:-1]):
+            running += n
+            if i % every == 0:
+                out.append((DURATION_BOUNDS[i], running))
+        return out + [(float("inf"), running + self.counts[-1])]
+
+
 @dataclass
 class StepTimes:
     """Steps, wall seconds and tokens by kind since start, and how many steps were planned only
-    after the previous step's tokens were read (synchronous) with their seconds."""
+    after the previous step's tokens were read (synchronous) with their seconds.
+
+    The histograms: each kind's step durations (a step weighs one), and `token_gaps`, the time
+    between a running sequence's consecutive tokens as the engine hands them out (each sequence
+    that decodes in a step weighs one, with that step's duration): the engine's share of the
+    inter-token latency a client measures."""
 
     decode_steps: int = 0
     decode_seconds: float = 0.0
@@ -135,6 +198,10 @@ class StepTimes:
     prefill_tokens: int = 0
     sync_steps: int = 0
     sync_seconds: float = 0.0
+    decode_durations: DurationHistogram = DurationHistogram()
+    mixed_durations: DurationHistogram = DurationHistogram()
+    prefill_durations: DurationHistogram = DurationHistogram()
+    token_gaps: DurationHistogram = DurationHistogram()
 
     def __add__(self, other: StepTimes) -> StepTimes:
         """Field by field (replicas' totals; a run's share is `after - before`)."""
@@ -148,6 +215,9 @@ class StepTimes:
 
     def seconds(self, kind: str) -> float:
         return getattr(self, f"{kind}_seconds")
+
+    def durations(self, kind: str) -> DurationHistogram:
+        return getattr(self, f"{kind}_durations")
 
 
 @dataclass

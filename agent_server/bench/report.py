@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.request import STEP_KINDS, StepTimes
+from inference.request import STEP_KINDS, DurationHistogram, StepTimes
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end-to-end latency"))
 
@@ -173,28 +173,36 @@ def engine_steps(times: StepTimes, duration: float) -> dict[str, Any]:
     wall seconds they took, their share of the run's `duration`, the mean step in ms and its
     tokens; and the steps planned only after the previous one's tokens were read (synchronous)."""
 
-    def row(steps: int, seconds: float, **tokens: int) -> dict[str, Any]:
+    def row(steps: int, seconds: float, durations: DurationHistogram | None = None, **tokens: int) -> dict[str, Any]:
         return {
             "steps": steps,
             "seconds": seconds,
             "share": seconds / duration if duration > 0 else math.nan,
             "mean_ms": 1e3 * seconds / steps if steps else math.nan,
             **{name: value / steps if steps else math.nan for name, value in tokens.items()},
+            **(quantiles_ms(durations) if durations is not None else {}),
         }
 
     t = times
     return {
-        "decode": row(t.decode_steps, t.decode_seconds, mean_decode_tokens=t.decode_tokens),
+        "decode": row(t.decode_steps, t.decode_seconds, t.decode_durations, mean_decode_tokens=t.decode_tokens),
         "mixed": row(
             t.mixed_steps,
             t.mixed_seconds,
+            t.mixed_durations,
             mean_decode_tokens=t.mixed_decode_tokens,
             mean_prefill_tokens=t.mixed_prefill_tokens,
         ),
-        "prefill": row(t.prefill_steps, t.prefill_seconds, mean_prefill_tokens=t.prefill_tokens),
+        "prefill": row(t.prefill_steps, t.prefill_seconds, t.prefill_durations, mean_prefill_tokens=t.prefill_tokens),
         "synchronous": row(t.sync_steps, t.sync_seconds),
         "idle": {"seconds": duration - sum(t.seconds(k) for k in STEP_KINDS)},
+        "token_gaps_ms": quantiles_ms(t.token_gaps),
     }
+
+
+def quantiles_ms(h: DurationHistogram) -> dict[str, float]:
+    """The median, p90 and p99 of a duration histogram, in ms (NaN when empty)."""
+    return {name: 1e3 * h.quantile(q) for name, q in (("median_ms", 0.5), ("p90_ms", 0.9), ("p99_ms", 0.99))}
 
 
 def format_engine_steps(steps: dict[str, Any]) -> str:
@@ -202,8 +210,8 @@ def format_engine_steps(steps: dict[str, Any]) -> str:
     lines = [
         "where the engine's time went (steps by kind; synchronous: planned after the previous step's tokens were read)",
         "",
-        "| steps | count | seconds | of the run | mean ms | decode tokens a step | prefill tokens a step |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| steps | count | seconds | of the run | mean ms | median ms | p99 ms | decode tokens a step | prefill tokens a step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for kind in (*STEP_KINDS, "synchronous"):
         r = steps[kind]
@@ -212,9 +220,17 @@ def format_engine_steps(steps: dict[str, Any]) -> str:
             _number(r["seconds"]),
             f"{r['share']:.1%}",
             _number(r["mean_ms"]),
+            _number(r.get("median_ms", math.nan)),
+            _number(r.get("p99_ms", math.nan)),
             _number(r.get("mean_decode_tokens", math.nan), 1),
             _number(r.get("mean_prefill_tokens", math.nan), 1),
         ]
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     lines.append(f"\nengine idle or waiting for requests: {steps['idle']['seconds']:.2f} s")
+    gaps = steps.get("token_gaps_ms")
+    if gaps is not None:
+        lines.append(
+            f"gaps between a sequence's tokens as the engine hands them out: median {_number(gaps['median_ms'])}, "
+            f"p90 {_number(gaps['p90_ms'])}, p99 {_number(gaps['p99_ms'])} ms (the ITL less what delivery adds)"
+        )
     return "\n".join(lines)

@@ -452,7 +452,9 @@ class LLMEngine:
 
     def _step_done(self, batch: ScheduledBatch, synchronous: bool) -> None:
         """Charge a step whose tokens were just read and applied its wall time (`StepClock`)."""
-        self.step_clock.done(sum(batch.num_new), batch.prefill_tokens, synchronous)
+        num_tokens = sum(batch.num_new)
+        decode_rows = num_tokens - batch.prefill_tokens - sum(batch.num_draft)
+        self.step_clock.done(num_tokens, batch.prefill_tokens, synchronous, decode_rows)
         if self._inflight is None and not self.scheduler.has_work():
             self.step_clock.idle()  # nothing left: the next step starts when a request comes
 

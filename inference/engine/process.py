@@ -24,6 +24,7 @@ exits), so the server's `/health` answers 503 with it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -38,6 +39,7 @@ from inference.engine.async_engine import AsyncEngine
 from inference.engine.client import StreamingEngineClient, put_deltas
 from inference.engine.core import LLMEngine
 from inference.engine.driver import EngineDriver
+from inference.gc_policy import settle_heap
 from inference.request import EngineStats, GenerationRequest, TokenDelta
 from inference.scheduling.kv_cache import CacheUsage
 
@@ -328,6 +330,8 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
     except BaseException:
         events.send(("failed", traceback.format_exc()))
         return
+    frozen = settle_heap()  # the collector out of the streams' way (inference/gc_policy.py)
+    log.debug("froze %d objects; young collections every %d", frozen, gc.get_threshold()[0])
     events.send(
         (
             "ready",
@@ -361,6 +365,7 @@ def _engine_process_main(spec: EngineSpec, commands, events) -> None:
         log.warning("the server process is gone; the engine process stops")
     finally:
         engine.close()
+        gc.unfreeze()  # collectable again at exit: extension types check for leaks there (nanobind)
     try:
         events.send(("stopped", failure))
     except OSError:

@@ -10,6 +10,11 @@ launched ahead (async scheduling) is charged only what is left of it once the pr
 Kinds: `decode` (every row one decoded token, drafts included), `prefill` (prompt tokens only)
 and `mixed` (both: a prompt joining running sequences, or a chunk of one). Serving benchmarks
 read the totals before and after a run (`EngineStats.step_times`) to show where its time went.
+
+Each kind also keeps a histogram of its steps' durations, and `token_gaps` one of the gaps
+between a running sequence's tokens as the engine hands them out: each sequence decoding in a
+step adds that step's time. Set beside the inter-token latency a client measures, it tells the
+engine's share of a slow token from the delivery's (the pipe, the client's own pauses).
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ class StepClock:
         if self._free_at is None:
             self._free_at = self.clock()
 
-    def done(self, num_tokens: int, prefill_tokens: int, synchronous: bool) -> None:
-        """A step's tokens were read: charge it from when the engine was free to start it."""
+    def done(self, num_tokens: int, prefill_tokens: int, synchronous: bool, decode_rows: int = 0) -> None:
+        """A step's tokens were read: charge it from when the engine was free to start it.
+        `decode_rows`: the sequences that decoded in it (not those whose prompt it computed)."""
         now = self.clock()
         start = self._free_at if self._free_at is not None else now
         seconds, self._free_at = now - start, now
@@ -47,15 +53,20 @@ class StepClock:
             t.decode_steps += 1
             t.decode_seconds += seconds
             t.decode_tokens += num_tokens
+            t.decode_durations = t.decode_durations.record(seconds)
         elif kind == "mixed":
             t.mixed_steps += 1
             t.mixed_seconds += seconds
             t.mixed_decode_tokens += num_tokens - prefill_tokens
             t.mixed_prefill_tokens += prefill_tokens
+            t.mixed_durations = t.mixed_durations.record(seconds)
         else:
             t.prefill_steps += 1
             t.prefill_seconds += seconds
             t.prefill_tokens += prefill_tokens
+            t.prefill_durations = t.prefill_durations.record(seconds)
+        if decode_rows:
+            t.token_gaps = t.token_gaps.record(seconds, decode_rows)
         if synchronous:
             t.sync_steps += 1
             t.sync_seconds += seconds

@@ -110,11 +110,19 @@ def test_engine_steps_are_exported_by_kind():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from agent_server.metrics import EngineCollector
-    from inference.request import EngineStats, StepTimes
+    from inference.request import DurationHistogram, EngineStats, StepTimes
 
     class Engine:
         def stats(self):
-            times = StepTimes(decode_steps=7, decode_seconds=0.5, mixed_steps=2, mixed_seconds=0.25, sync_steps=3)
+            times = StepTimes(
+                decode_steps=7,
+                decode_seconds=0.5,
+                mixed_steps=2,
+                mixed_seconds=0.25,
+                sync_steps=3,
+                mixed_durations=DurationHistogram().record(0.03).record(0.2),
+                token_gaps=DurationHistogram().record(0.013, 256).record(0.03, 200),
+            )
             return EngineStats(step_times=times)
 
     registry = CollectorRegistry()
@@ -125,3 +133,12 @@ def test_engine_steps_are_exported_by_kind():
     assert 'oss_agent_engine_steps_total{kind="prefill"} 0.0' in text
     assert 'oss_agent_engine_step_seconds_total{kind="mixed"} 0.25' in text
     assert "oss_agent_engine_sync_steps_total 3.0" in text
+    # Step durations and token gaps as Prometheus histograms, one bucket an octave.
+    assert 'oss_agent_engine_step_duration_seconds_bucket{kind="mixed",le="0.015625"} 0.0' in text
+    assert 'oss_agent_engine_step_duration_seconds_bucket{kind="mixed",le="0.03125"} 1.0' in text
+    assert 'oss_agent_engine_step_duration_seconds_bucket{kind="mixed",le="0.25"} 2.0' in text
+    assert 'oss_agent_engine_step_duration_seconds_count{kind="mixed"} 2.0' in text
+    assert 'oss_agent_engine_step_duration_seconds_sum{kind="mixed"} 0.23' in text
+    assert 'oss_agent_engine_step_duration_seconds_count{kind="prefill"} 0.0' in text
+    assert 'oss_agent_engine_token_gap_seconds_bucket{le="0.015625"} 256.0' in text
+    assert 'oss_agent_engine_token_gap_seconds_bucket{le="+Inf"} 456.0' in text

@@ -453,6 +453,11 @@ def test_bench_engine_and_its_http_overhead_in_one_run(tiny_checkpoint, tmp_path
         engine["duration_s"] - busy
     )
     assert "where the engine's time went" in printed and "| decode | " in printed
+    # Each kind's step durations and the gaps between a sequence's tokens, from histograms.
+    gaps = steps["token_gaps_ms"]
+    assert 0 < gaps["median_ms"] <= gaps["p90_ms"] <= gaps["p99_ms"] < 1e3 * engine["duration_s"]
+    assert steps["decode"]["median_ms"] <= steps["decode"]["p99_ms"] and steps["decode"]["median_ms"] > 0
+    assert "gaps between a sequence's tokens as the engine hands them out" in printed
 
 
 def test_sse_lines_end_only_where_the_sse_format_ends_them():
