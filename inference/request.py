@@ -160,7 +160,7 @@ class DurationHistogram:
                 if i == len(DURATION_BOUNDS):
                     return DURATION_BOUNDS[-1]
                 upper = DURATION_BOUNDS[i]
-                lower = DURATION_BOUNDS[i - 1] if i else upper / 2 ** 0.25
+                lower = DURATION_BOUNDS[i - 1] if i else upper / 2**0.25
                 return lower * (upper / lower) ** ((target - seen) / n)
             seen += n
         return DURATION_BOUNDS[-1]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from inference.engine.step_clock import StepClock
 import math
 
 import pytest
 
+from inference.engine.step_clock import StepClock
 from inference.request import DURATION_BOUNDS, DurationHistogram, StepTimes, step_kind
 
 
@@ -69,6 +69,7 @@ def test_each_step_lands_in_its_kinds_histogram_and_decoding_rows_in_the_token_g
     assert [times.durations(k).count for k in ("decode", "mixed", "prefill")] == [3, 1, 1]
     assert times.token_gaps.count == 3 * 256 + 65
     assert times.token_gaps.total == pytest.approx(2 * 256 * 0.013 + 256 * 0.031 + 65 * 0.012)
+
     # Quantiles within a bucket's width (2^(1/4)) of the true value.
     def near(value, true):
         return true / 2**0.25 <= value <= true * 2**0.25
