@@ -227,10 +227,9 @@ def format_engine_steps(steps: dict[str, Any]) -> str:
         ]
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     lines.append(f"\nengine idle or waiting for requests: {steps['idle']['seconds']:.2f} s")
-    gaps = steps.get("token_gaps_ms")
-    if gaps is not None:
-        lines.append(
-            f"gaps between a sequence's tokens as the engine hands them out: median {_number(gaps['median_ms'])}, "
-            f"p90 {_number(gaps['p90_ms'])}, p99 {_number(gaps['p99_ms'])} ms (the ITL less what delivery adds)"
-        )
+    gaps = steps["token_gaps_ms"]
+    lines.append(
+        f"gaps between a sequence's tokens as the engine hands them out: median {_number(gaps['median_ms'])}, "
+        f"p90 {_number(gaps['p90_ms'])}, p99 {_number(gaps['p99_ms'])} ms (the ITL less what delivery adds)"
+    )
     return "\n".join(lines)

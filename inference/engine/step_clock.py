@@ -53,18 +53,16 @@ class StepClock:
             t.decode_steps += 1
             t.decode_seconds += seconds
             t.decode_tokens += num_tokens
-            t.decode_durations = t.decode_durations.record(seconds)
         elif kind == "mixed":
             t.mixed_steps += 1
             t.mixed_seconds += seconds
             t.mixed_decode_tokens += num_tokens - prefill_tokens
             t.mixed_prefill_tokens += prefill_tokens
-            t.mixed_durations = t.mixed_durations.record(seconds)
         else:
             t.prefill_steps += 1
             t.prefill_seconds += seconds
             t.prefill_tokens += prefill_tokens
-            t.prefill_durations = t.prefill_durations.record(seconds)
+        setattr(t, f"{kind}_durations", t.durations(kind).record(seconds))
         if decode_rows:
             t.token_gaps = t.token_gaps.record(seconds, decode_rows)
         if synchronous:
