@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.model.gpt_oss import GptOssModel
-from inference.ops.attention.reference import AttentionMetadata
+from inference.ops.attention.reference import AttentionMetadata, DecodePrefix, leading_decode_rows
 from inference.runner.graph_inputs_triton import KINDS, GraphInputs, StepValues, fill_graph_inputs
 from inference.runner.vocab_parallel import vocab_parallel_argmax
 
@@ -62,6 +62,7 @@ class _Captured:
     row: torch.Tensor | None = None  # prefill: [R] int64, the rows whose logits the graph returns
     # [1] int32: the step's real tokens (the rest are padding, which the MoE routes nowhere)
     valid_tokens: torch.Tensor | None = None
+    decode_prefix: DecodePrefix | None = None  # prefill: where the step's decode rows are
 
     def inputs(self) -> GraphInputs:
         """The static buffers `fill_graph_inputs` writes before a replay."""
@@ -255,12 +256,14 @@ class DecodeGraphRunner:
 # batch (63 decode rows and a prompt: 260-520 tokens at 64 streams). Each graph costs about 1.6 s
 # of capture at start-up.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024)
-# Sequences a step graph holds (real ones, and one more for the padding): the steps where requests
-# join 64 running ones fit; larger batches run eagerly. Graphs for 257 sequences gained 0.5-1.4%
-# at 128 streams but cost a lone prompt 0.18 ms (twice the attention programs, longer scans of
-# the sequence slots), and nothing measurable at 256 streams, where a joining step's kernels
-# outlast its launches (docs/benchmark-log.md).
-PREFILL_GRAPH_SEQS = 128
+# Sequences a step graph holds (real ones, and one more for the padding): every step of up to
+# 256 sequences where requests join running ones. Such a step's decode rows take the decode kernel as eagerly
+# (`DecodePrefix`). At 256 streams against graphs of 128 sequences, which left those steps eager
+# (20 ms of launches on the host): 14,433 against 13,682 output tok/s and ITL p99 31.8 against
+# 47.2 ms (20b, H200, docs/benchmark-log.md). A lone prompt pays for the wider graph: twice the
+# attention programs and longer scans of the sequence slots cost it 0.18 ms, measured before the
+# decode kernel's launch (its programs find no context and return) joined each layer.
+PREFILL_GRAPH_SEQS = 257
 # Past 1024 tokens, buckets every MIXED_BUCKET_STEP tokens up to the steps where a prefill chunk
 # capped at `max_prefill_tokens_decoding` joins a batch the graphs hold.
 MIXED_BUCKET_STEP = 128
@@ -271,7 +274,7 @@ def step_graph_buckets(max_num_seqs: int, max_prefill_tokens_decoding: int | Non
     """Token buckets of the step graphs for an engine that runs at most `max_num_seqs` sequences
     and prefills at most `max_prefill_tokens_decoding` tokens a step while any of them decodes
     (None: no cap, and no buckets past 1024: a joining prompt may then take the whole budget).
-    A capped chunk beside up to 127 decode rows then replays a graph instead of ~270 eager
+    A capped chunk beside up to 256 decode rows then replays a graph instead of ~270 eager
     launches: at 64 streams and 1,024-token chunks, mean TTFT fell from 366-385 ms to 320-323
     (H200, docs/benchmark-log.md)."""
     buckets = list(PREFILL_BUCKETS)
@@ -301,6 +304,9 @@ class PrefillGraphRunner:
     attention grid covers any split of Q tokens into `max_seqs` sequences, and sequences past the
     real ones have no tokens (cu_seqlens_q repeats Q). The graph returns the logits of
     min(Q, max_seqs) rows (`rows`): those the step samples from, then whatever the buffer held.
+    The step's leading decode rows, whose count only the device knows, are marked for the
+    attention backend (`DecodePrefix`, written by `fill`): the Triton backend gives them the
+    decode kernel, as it does eagerly, instead of a prefill tile each.
     """
 
     def __init__(
@@ -324,7 +330,7 @@ class PrefillGraphRunner:
             max=model.max_positions - 1
         )
         # One logits buffer for every graph (a replay writes its rows at the end of the step): the
-        # graphs' outputs cost 128 rows of the vocabulary in all (103 MB at 20b), not 128 a bucket.
+        # graphs' outputs cost 257 rows of the vocabulary in all (207 MB at 20b), not 257 a bucket.
         self.logits = torch.empty(
             self.rows(self.buckets[-1]), model.config.vocab_size, dtype=torch.float32, device=model.device
         )
@@ -353,6 +359,11 @@ class PrefillGraphRunner:
             block_tables=self.block_tables,
             row=torch.zeros(self.rows(q), dtype=torch.long, device=dev),
             valid_tokens=torch.full((1,), q, dtype=torch.int32, device=dev),
+            decode_prefix=DecodePrefix(
+                rows=min(q, s - 1),
+                context_lens=torch.zeros(min(q, s - 1), dtype=torch.int32, device=dev),
+                cu_seqlens_q=torch.tensor([0] + [q] * s, dtype=torch.int32, device=dev),
+            ),
         )
 
     def metadata(self, buf: _Captured, exact: tuple[list[int], list[int]] | None = None) -> AttentionMetadata:
@@ -371,6 +382,7 @@ class PrefillGraphRunner:
             max_q_len=q,
             q_lens=q_lens,
             context_lens_list=contexts,
+            decode_prefix=buf.decode_prefix,
         )
 
     def step(self, buf: _Captured, exact: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
@@ -421,6 +433,13 @@ class PrefillGraphRunner:
                 table[s].zero_()
         buf.valid_tokens.fill_(n)
         buf.row[: rows.shape[0]].copy_(rows)
+        # The leading decode rows (one token each: their offsets are 0..d), for the decode kernel;
+        # the rest of the step without them, for the prefill kernel.
+        prefix, d = buf.decode_prefix, leading_decode_rows(meta)
+        prefix.context_lens[:d].copy_(meta.context_lens[:d])
+        prefix.context_lens[d:].zero_()
+        torch.clamp(meta.cu_seqlens_q, min=d, out=prefix.cu_seqlens_q[: s + 1])
+        prefix.cu_seqlens_q[s + 1 :].fill_(q)
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
         """A step that `can_run`; the logits [k, V] of its `rows` [k] (a view of the graphs'

@@ -6,8 +6,9 @@ prefill chunk that stops short of the prompt's end samples nothing), and, with s
 decoding, for each draft token a sequence verifies (`inference/sample/rejection_sampler.py` decides
 which drafts stay). On CUDA, decode-only steps and verification steps with the same number of
 drafts per sequence replay captured CUDA graphs (`inference/runner/cuda_graphs.py`) unless `enforce_eager`;
-other steps of up to 1024 tokens and 127 sequences (prefill chunks, requests joining a running
-batch) replay the step graph of their token bucket; larger ones run eagerly.
+other steps of up to 256 sequences and 1024 tokens, or a capped prefill chunk beside the decode
+rows (prefill chunks, requests joining a running batch), replay the step graph of their token
+bucket; larger ones run eagerly.
 
 A step is first described in plain Python values (`StepPlan`), then run (`execute`): its integer
 inputs go to the device packed in one buffer with one copy (`inference/runner/step_inputs.py`). Under

@@ -46,6 +46,9 @@ class AttentionMetadata:
     max_q_len: int
     q_lens: list[int]
     context_lens_list: list[int]
+    # A CUDA graph's step, whose lists hold bounds, marks its leading decode rows this way (the
+    # backends free to ignore it: the fields above describe the whole step).
+    decode_prefix: DecodePrefix | None = None
     # What a backend derives from this step once and every layer reuses (a step's own: a new
     # step's metadata, or one made by dataclasses.replace, starts without it).
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -53,6 +56,35 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         return self.max_q_len == 1
+
+
+@dataclass
+class DecodePrefix:
+    """The leading decode rows of a step whose count only the device knows (a CUDA graph's step:
+    one graph serves every mix of decode rows and prompts of its token bucket), so that a kernel
+    made for decode can take them at a fixed size.
+
+        rows:          python int, a bound: the first `rows` tokens (and sequences) include the
+                       step's d decode rows, each one token of its own sequence
+        context_lens:  [rows] int32, the context lengths of the d decode rows, then 0: a row
+                       past them attends to nothing
+        cu_seqlens_q:  [B+1] int32, the step's offsets with the decode rows' tokens taken out
+                       (max(cu_seqlens_q, d)): its first d sequences have no new tokens
+    """
+
+    rows: int
+    context_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+
+
+def leading_decode_rows(meta: AttentionMetadata) -> int:
+    """How many sequences at the front of a step have one new token each. The scheduler puts
+    running sequences first, so where prompts join a batch these are its decode rows. 0 for a
+    CUDA graph's step metadata, whose lists hold bounds that start with the step's tokens."""
+    for i, n in enumerate(meta.q_lens):
+        if n != 1:
+            return i
+    return len(meta.q_lens)
 
 
 def write_kv(

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inference.ops.attention.reference import AttentionMetadata
+from inference.ops.attention.reference import AttentionMetadata, leading_decode_rows
 from inference.ops.dependent_launch import pdl_options, wait_for_previous
 from inference.ops.multiprocessors import multiprocessors
 
@@ -170,8 +170,9 @@ def _decode_kernel(
     `rope_cache` does) and takes the new key into its softmax from registers, masked out unless
     its split ends at the newest position; that program also stores the rotated k and v at the
     token's slot (`Slots`, -1: none). That is the RoPE + cache-write launch folded into
-    attention. Every sequence has ctx >= 1 (graph padding included): with none, a masked-out new
-    value that is not finite would reach the output.
+    attention. With NEW_KV every sequence has ctx >= 1 (graph padding included): with none, a
+    masked-out new value that is not finite would reach the output. Without it a row of ctx 0
+    attends to nothing and writes zeros (a step graph's decode rows past the real ones).
 
     The loads are ordered for a small batch, which waits on this kernel's chain of round trips
     rather than on its bytes: first all that the program's ids locate (context length, position,
@@ -618,7 +619,7 @@ def paged_sink_attention(
         return out
     # In one split (what the split rule picks there on gpt-oss), so that a mixed step launches
     # one of the few variants `warm_up_mixed_decode` compiles.
-    rows, decode_meta, rest_meta = mixed_decode_split(meta)
+    rows, decode_meta, rest_from, rest_meta = mixed_decode_split(meta)
     if rows:
         _decode(
             q[:rows],
@@ -632,30 +633,51 @@ def paged_sink_attention(
             out[:rows],
             dataclasses.replace(decode_cfg, num_splits=1),
         )
-        q, out_rest, block_table, meta = q[rows:], out[rows:], block_table[rows:], rest_meta
-    else:
-        out_rest = out
-    _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out_rest, prefill_cfg)
+        # (A graph's rest starts at 0: its decode rows have no tokens there, and the rows the
+        # decode kernel wrote past them, zeros, are the rest's to write. The prefill kernel is an
+        # ordinary launch, not a programmatic dependent: it starts once the decode kernel is done.)
+        q, block_table, meta = q[rest_from:], block_table[rest_from:], rest_meta
+    _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, out[rest_from:], prefill_cfg)
     return out
 
 
 MIXED_DECODE_MIN_ROWS = 64  # fewer decode rows ahead of a prompt stay in the prefill kernel
 
 
-def mixed_decode_split(meta: AttentionMetadata) -> tuple[int, AttentionMetadata | None, AttentionMetadata | None]:
-    """(rows, their metadata, the other sequences') where a step's leading decode rows take the
-    decode kernel, (0, None, None) where they stay in the prefill kernel. Whole groups of 4 rows:
-    the prefill kernel's sliced context lengths and block tables then start 16-byte aligned, as
-    a whole step's do, and need no specialisation of their own; from MIXED_DECODE_MIN_ROWS rows
-    on. Derived once a step (`meta.derived`): every layer asks, and the slices cost a device
+def mixed_decode_split(
+    meta: AttentionMetadata,
+) -> tuple[int, AttentionMetadata | None, int, AttentionMetadata]:
+    """(rows, their metadata, the first token and sequence of the rest, the rest's metadata)
+    where a step's leading decode rows take the decode kernel; (0, None, 0, None) where they
+    stay in the prefill kernel. (None there, not `meta`: the split is kept on `meta`, which
+    would then hold itself, a cycle only the collector frees.)
+
+    Eagerly the rows are whole groups of 4 (the prefill kernel's sliced context lengths and
+    block tables then start 16-byte aligned, as a whole step's do, and need no specialisation of
+    their own), from MIXED_DECODE_MIN_ROWS on. A CUDA graph's step (`meta.decode_prefix`) runs
+    the decode kernel on its bound of rows, those past the real decode rows attending to
+    nothing, and the prefill kernel on the whole step, where the decode rows have no tokens.
+    Derived once a step (`meta.derived`): every layer asks, and the slices cost a device
     subtraction."""
     split = meta.derived.get("mixed_decode_split")
     if split is None:
-        rows = leading_decode_rows(meta) // 4 * 4
-        if rows >= MIXED_DECODE_MIN_ROWS:
-            split = (rows, sequences(meta, 0, rows), sequences(meta, rows, len(meta.q_lens)))
+        prefix = meta.decode_prefix
+        if prefix is not None and prefix.rows:
+            head = AttentionMetadata(
+                cu_seqlens_q=prefix.cu_seqlens_q[: prefix.rows + 1],  # unread: one token a row
+                context_lens=prefix.context_lens,
+                block_tables={kind: table[: prefix.rows] for kind, table in meta.block_tables.items()},
+                slot_mapping={},
+                positions=meta.positions[: prefix.rows],
+                max_q_len=1,
+                q_lens=[1] * prefix.rows,
+                context_lens_list=meta.context_lens_list[: prefix.rows],
+            )
+            split = (prefix.rows, head, 0, dataclasses.replace(meta, cu_seqlens_q=prefix.cu_seqlens_q))
+        elif (rows := leading_decode_rows(meta) // 4 * 4) >= MIXED_DECODE_MIN_ROWS:
+            split = (rows, sequences(meta, 0, rows), rows, sequences(meta, rows, len(meta.q_lens)))
         else:
-            split = (0, None, None)
+            split = (0, None, 0, None)
         meta.derived["mixed_decode_split"] = split
     return split
 
@@ -689,16 +711,6 @@ def warm_up_mixed_decode(
         for block_n in (32, 64):
             cfg = dataclasses.replace(DECODE, num_splits=1, block_n=block_n)
             _decode(q, cache, cache, meta, table, sinks, 1.0, window, torch.empty_like(q), cfg)
-
-
-def leading_decode_rows(meta: AttentionMetadata) -> int:
-    """How many sequences at the front of a step have one new token each. The scheduler puts
-    running sequences first, so where prompts join a batch these are its decode rows. 0 for a
-    CUDA graph's step metadata, whose lists hold bounds that start with the step's tokens."""
-    for i, n in enumerate(meta.q_lens):
-        if n != 1:
-            return i
-    return len(meta.q_lens)
 
 
 def sequences(meta: AttentionMetadata, start: int, stop: int) -> AttentionMetadata:

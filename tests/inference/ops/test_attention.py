@@ -489,10 +489,11 @@ def test_a_mixed_steps_split_is_derived_once_for_all_layers(monkeypatch):
     )
     split = attention_triton.mixed_decode_split(meta)
     assert attention_triton.mixed_decode_split(meta) is split and made == [(0, 4), (4, 7)]
-    rows, head, rest = split
-    assert rows == 4 and head.q_lens == [1] * 4 and rest.q_lens == [1, 1, 5]
+    rows, head, rest_from, rest = split
+    assert rows == rest_from == 4 and head.q_lens == [1] * 4 and rest.q_lens == [1, 1, 5]
     assert rest.cu_seqlens_q.tolist() == [0, 1, 2, 7] and rest.block_tables["full"][0].tolist() == [8, 9]
-    assert attention_triton.mixed_decode_split(dataclasses.replace(meta, q_lens=[5, *q_lens[1:]])) == (0, None, None)
+    prompt_first = dataclasses.replace(meta, q_lens=[5, *q_lens[1:]])
+    assert attention_triton.mixed_decode_split(prompt_first) == (0, None, 0, None)  # (not itself: no cycle)
     assert len(made) == 2
 
 
@@ -565,6 +566,59 @@ def test_triton_prefill_grid_from_bounds():
         out = attention_triton.paged_sink_attention(
             q, k_cache, v_cache, bound, wide_table, sinks, scale, window, **small_cfgs(attention_triton)
         )
+        assert relative_error(out, ref) < TOL
+
+
+@needs_triton
+@pytest.mark.parametrize("q_lens, contexts", [([1, 1, 1, 9, 1, 3], [30, 12, 7, 9, 12, 20]), ([4, 1, 1], [4, 9, 17])])
+def test_triton_graph_step_gives_its_decode_rows_to_the_decode_kernel(monkeypatch, q_lens, contexts):
+    """A CUDA graph's step (bounds in the lists) with a `DecodePrefix`: the decode kernel takes
+    the prefix's bound of rows, those past the step's real decode rows attending to nothing, and
+    the prefill kernel the whole step, where those decode rows have no tokens. Every row comes
+    out as the reference computes it, also where the step starts with a prompt (no decode rows)."""
+    attention_triton, _ = _kernel_modules()
+    from inference.ops.attention.reference import DecodePrefix, leading_decode_rows
+
+    calls, offsets = [], []
+    for name in ("_decode", "_prefill"):
+        original = getattr(attention_triton, name)
+
+        def spy(q, *args, _name=name, _original=original, **kw):
+            calls.append((_name, q.shape[0]))
+            offsets.append(args[2].cu_seqlens_q.tolist())
+            return _original(q, *args, **kw)
+
+        monkeypatch.setattr(attention_triton, name, spy)
+    slots_for = 8
+    for window in (None, 8):
+        q, k_cache, v_cache, meta, table, sinks, scale = make_batch(6, q_lens, contexts, (4, 2, 16), 4, window)
+        ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
+        total, pad, d = sum(q_lens), slots_for - len(q_lens), leading_decode_rows(meta)
+        cu = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(pad)])
+        rows = min(total, slots_for - 1)
+        # Stale lengths past the real decode rows would read keys: the prefix holds zeros there.
+        decode_contexts = torch.zeros(rows, dtype=torch.int32, device=q.device)
+        decode_contexts[:d] = meta.context_lens[:d]
+        bound = AttentionMetadata(
+            cu_seqlens_q=cu,
+            context_lens=torch.cat([meta.context_lens, torch.zeros(pad, dtype=torch.int32, device=q.device)]),
+            block_tables=meta.block_tables,
+            slot_mapping=meta.slot_mapping,
+            positions=meta.positions,
+            max_q_len=total,
+            q_lens=[total] + [1] * (slots_for - 1),
+            context_lens_list=[64] * slots_for,
+            decode_prefix=DecodePrefix(rows, decode_contexts, cu.clamp(min=d)),
+        )
+        wide_table = torch.cat([table, torch.full((pad, table.shape[1]), -1, dtype=table.dtype, device=q.device)])
+        calls.clear()
+        offsets.clear()
+        out = attention_triton.paged_sink_attention(
+            q, k_cache, v_cache, bound, wide_table, sinks, scale, window, **small_cfgs(attention_triton)
+        )
+        assert calls == [("_decode", rows), ("_prefill", total)]
+        # The prefill kernel's offsets give the decode rows no tokens (it would compute them again).
+        assert offsets[1] == cu.clamp(min=d).tolist() and offsets[1][: d + 1] == [d] * (d + 1)
         assert relative_error(out, ref) < TOL
 
 

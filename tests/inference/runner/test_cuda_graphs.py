@@ -87,6 +87,11 @@ def test_padded_step_equals_the_eager_step(starts, q_lens, bucket):
     assert buf.cu_seqlens_q.tolist() == [0, *torch.tensor(q_lens).cumsum(0).tolist()] + [bucket] * (6 - len(q_lens))
     assert buf.slots["full"][n:].eq(-1).all() and buf.valid_tokens.tolist() == [n]
     assert buf.positions.tolist() == meta.positions.tolist() + list(range(bucket - n))
+    # The leading decode rows, for the Triton backend's decode kernel (the reference ignores them).
+    d = next(i for i, k in enumerate(q_lens + [0]) if k != 1)
+    prefix = buf.decode_prefix
+    assert prefix.rows == min(bucket, 5) and prefix.context_lens.tolist() == contexts[:d] + [0] * (prefix.rows - d)
+    assert prefix.cu_seqlens_q.tolist() == [max(c, d) for c in buf.cu_seqlens_q.tolist()]
     torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
     for (ek, ev), (pk, pv) in zip(eager_caches, padded_caches):
         # The real tokens' K/V land where the eager step puts them; the padded ones write nothing.
@@ -107,9 +112,11 @@ def test_fill_leaves_nothing_of_a_longer_earlier_step():
     runner.fill(
         buf,
         ids[:14],
-        build_metadata(PAGE, [[3, 5], [4], [9]], [[3, 5], [4], [9]], [0, 5, 9], [12, 1, 1], cpu),
-        torch.tensor([11, 12, 13]),
+        build_metadata(PAGE, [[4], [9], [3, 5]], [[4], [9], [3, 5]], [5, 9, 0], [1, 1, 12], cpu),
+        torch.tensor([0, 1, 13]),
     )
+    assert buf.decode_prefix.context_lens.tolist()[:3] == [6, 10, 0]
+    assert buf.decode_prefix.cu_seqlens_q.tolist() == [2, 2, 2, 14, 16]
     runner.fill(buf, ids[:4], build_metadata(PAGE, [[1, 2, 6]], [[1, 2, 6]], [40], [4], cpu), torch.tensor([3]))
     assert buf.input_ids.tolist() == [0, 1, 2, 3] + [0] * 12
     assert buf.slots["sliding"].tolist() == [6 * PAGE + 8 + i for i in range(4)] + [-1] * 12
@@ -118,6 +125,8 @@ def test_fill_leaves_nothing_of_a_longer_earlier_step():
     assert buf.block_tables["full"][1].eq(0).all()  # the padding sequence's row: page 0
     assert buf.positions.tolist() == [40, 41, 42, 43] + list(range(12))
     assert buf.context_lens.tolist() == [44, 12, 12, 12] and buf.cu_seqlens_q.tolist() == [0, 4, 16, 16, 16]
+    assert buf.decode_prefix.context_lens.eq(0).all()  # a prompt first: no decode rows
+    assert buf.decode_prefix.cu_seqlens_q.tolist() == [0, 4, 16, 16, 16]
     assert not runner.can_run(4)  # nothing captured
     runner.graphs[16] = buf
     # Up to 3 sequences (one slot holds the padding), 16 tokens, 16 rows.
@@ -126,11 +135,11 @@ def test_fill_leaves_nothing_of_a_longer_earlier_step():
 
 
 def test_step_graphs_hold_a_capped_chunk_beside_the_decode_rows():
-    # 127 decode rows (and the padding's sequence) beside a 1,024-token chunk: 1,151 tokens.
-    assert step_graph_buckets(256, 1024) == (*PREFILL_BUCKETS, 1152)
+    # 256 decode rows beside a 1,024-token chunk: 1,280 tokens.
+    assert step_graph_buckets(256, 1024) == (*PREFILL_BUCKETS, 1152, 1280)
     assert step_graph_buckets(64, 1024) == (*PREFILL_BUCKETS, 1152)  # 1,088
     assert step_graph_buckets(32, 512) == PREFILL_BUCKETS  # fits the defaults
-    assert step_graph_buckets(512, 1536)[-3:] == (1408, 1536, 1664)  # 1,663
+    assert step_graph_buckets(512, 1536)[-3:] == (1536, 1664, 1792)  # 256 rows: 1,792
     # Uncapped, a joining prompt may take the whole token budget: such steps stay eager.
     assert step_graph_buckets(256, None) == PREFILL_BUCKETS
     assert step_graph_buckets(256, 8192)[-1] == 2048  # bounded
@@ -231,13 +240,14 @@ def test_engine_requests_joining_a_batch_replay_step_graphs_and_match_eager():
 @pytest.mark.gpu
 def test_engine_step_graphs_take_a_capped_chunk_beside_64_decoding_sequences():
     """A 1,000-token prompt joining 64 decoding sequences (1,064 tokens, past the 1,024 bucket)
-    replays the step graph of 1,152 tokens, and its steps equal the eager engine's."""
+    replays the step graph of 1,152 tokens (the buckets go on to 1,280: 256 decode rows beside a
+    1,024-token chunk), and its steps equal the eager engine's."""
     from inference.request import GenerationRequest, SamplingParams
     from tests.gpu_comparison import compare_greedy, generations, prompts
 
     def drive(engine):
         if engine.runner.prefill_graphs is not None:  # (the eager run has none)
-            assert engine.runner.prefill_graphs.buckets[-1] == 1152
+            assert engine.runner.prefill_graphs.buckets[-2:] == (1152, 1280)
         many = [prompts(1, 8, seed=i)[0] for i in range(64)] + prompts(1, 1000, seed=64)
         for i, prompt in enumerate(many[:64]):
             engine.add_request(
