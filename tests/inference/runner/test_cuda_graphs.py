@@ -135,7 +135,7 @@ def test_fill_leaves_nothing_of_a_longer_earlier_step():
 
 
 def test_step_graphs_hold_a_capped_chunk_beside_the_decode_rows():
-    # 256 decode rows beside a 1,024-token chunk: 1,280 tokens.
+    # A row for each of 256 sequences beside a 1,024-token chunk: 1,280 tokens.
     assert step_graph_buckets(256, 1024) == (*PREFILL_BUCKETS, 1152, 1280)
     assert step_graph_buckets(64, 1024) == (*PREFILL_BUCKETS, 1152)  # 1,088
     assert step_graph_buckets(32, 512) == PREFILL_BUCKETS  # fits the defaults
@@ -240,8 +240,8 @@ def test_engine_requests_joining_a_batch_replay_step_graphs_and_match_eager():
 @pytest.mark.gpu
 def test_engine_step_graphs_take_a_capped_chunk_beside_64_decoding_sequences():
     """A 1,000-token prompt joining 64 decoding sequences (1,064 tokens, past the 1,024 bucket)
-    replays the step graph of 1,152 tokens (the buckets go on to 1,280: 256 decode rows beside a
-    1,024-token chunk), and its steps equal the eager engine's."""
+    replays the step graph of 1,152 tokens (the buckets go on to 1,280: a row for each of 256
+    sequences beside a 1,024-token chunk), and its steps equal the eager engine's."""
     from inference.request import GenerationRequest, SamplingParams
     from tests.gpu_comparison import compare_greedy, generations, prompts
 
