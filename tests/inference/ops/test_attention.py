@@ -541,6 +541,25 @@ def test_triton_prefill_many_sequences(seqs_a_scan, monkeypatch):
     )
 
 
+def graph_bounds(meta: AttentionMetadata, table: torch.Tensor, slots_for: int):
+    """`meta` as a CUDA graph of its tokens for `slots_for` sequences sees it: (metadata whose
+    lists are bounds, q_lens [Q, 1, 1, ...], with cu_seqlens_q repeating the end and contexts of
+    0 past the real sequences; the block table with rows of -1 for those)."""
+    total, pad = sum(meta.q_lens), slots_for - len(meta.q_lens)
+    dev = meta.context_lens.device
+    bound = AttentionMetadata(
+        cu_seqlens_q=torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(pad)]),
+        context_lens=torch.cat([meta.context_lens, torch.zeros(pad, dtype=torch.int32, device=dev)]),
+        block_tables=meta.block_tables,
+        slot_mapping=meta.slot_mapping,
+        positions=meta.positions,
+        max_q_len=total,
+        q_lens=[total] + [1] * (slots_for - 1),
+        context_lens_list=[64] * slots_for,
+    )
+    return bound, torch.cat([table, torch.full((pad, table.shape[1]), -1, dtype=table.dtype, device=dev)])
+
+
 @needs_triton
 def test_triton_prefill_grid_from_bounds():
     """As a CUDA graph of Q tokens for up to S sequences launches it: the metadata's lists are
@@ -551,18 +570,7 @@ def test_triton_prefill_grid_from_bounds():
     for window in (None, 8):
         q, k_cache, v_cache, meta, table, sinks, scale = make_batch(5, q_lens, contexts, (4, 2, 16), 4, window)
         ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
-        total, pad = sum(q_lens), slots_for - len(q_lens)
-        bound = AttentionMetadata(
-            cu_seqlens_q=torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(pad)]),
-            context_lens=torch.cat([meta.context_lens, torch.zeros(pad, dtype=torch.int32, device=q.device)]),
-            block_tables=meta.block_tables,
-            slot_mapping=meta.slot_mapping,
-            positions=meta.positions,
-            max_q_len=total,
-            q_lens=[total] + [1] * (slots_for - 1),
-            context_lens_list=[64] * slots_for,
-        )
-        wide_table = torch.cat([table, torch.full((pad, table.shape[1]), -1, dtype=table.dtype, device=q.device)])
+        bound, wide_table = graph_bounds(meta, table, slots_for)
         out = attention_triton.paged_sink_attention(
             q, k_cache, v_cache, bound, wide_table, sinks, scale, window, **small_cfgs(attention_triton)
         )
@@ -593,24 +601,14 @@ def test_triton_graph_step_gives_its_decode_rows_to_the_decode_kernel(monkeypatc
     for window in (None, 8):
         q, k_cache, v_cache, meta, table, sinks, scale = make_batch(6, q_lens, contexts, (4, 2, 16), 4, window)
         ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
-        total, pad, d = sum(q_lens), slots_for - len(q_lens), leading_decode_rows(meta)
-        cu = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(pad)])
+        total, d = sum(q_lens), leading_decode_rows(meta)
+        bound, wide_table = graph_bounds(meta, table, slots_for)
+        cu = bound.cu_seqlens_q
         rows = min(total, slots_for - 1)
         # Stale lengths past the real decode rows would read keys: the prefix holds zeros there.
         decode_contexts = torch.zeros(rows, dtype=torch.int32, device=q.device)
         decode_contexts[:d] = meta.context_lens[:d]
-        bound = AttentionMetadata(
-            cu_seqlens_q=cu,
-            context_lens=torch.cat([meta.context_lens, torch.zeros(pad, dtype=torch.int32, device=q.device)]),
-            block_tables=meta.block_tables,
-            slot_mapping=meta.slot_mapping,
-            positions=meta.positions,
-            max_q_len=total,
-            q_lens=[total] + [1] * (slots_for - 1),
-            context_lens_list=[64] * slots_for,
-            decode_prefix=DecodePrefix(rows, decode_contexts, cu.clamp(min=d)),
-        )
-        wide_table = torch.cat([table, torch.full((pad, table.shape[1]), -1, dtype=table.dtype, device=q.device)])
+        bound.decode_prefix = DecodePrefix(rows, decode_contexts, cu.clamp(min=d))
         calls.clear()
         offsets.clear()
         out = attention_triton.paged_sink_attention(
