@@ -4,7 +4,7 @@ Builds gpt-oss-20b (or -120b) with random weights, first as one engine (`oss-age
 default: the engine in a process of its own on cuda:0), then as N replicas on cuda:0..N-1
 (`oss-agent serve --data-parallel-size N`: `inference/engine/replicas.py`), serves each over
 loopback HTTP in this process and drives it with `oss-agent bench serve` (Chat API, streaming,
-a process of its own) at the same concurrency per replica: C in flight against one replica, N*C
+processes of its own) at the same concurrency per replica: C in flight against one replica, N*C
 against N. Every prompt starts with the same system-prompt-like prefix (`--shared-prefix-len`),
 so the prefix-cache hit rate (the server's own cached / prompt tokens) shows whether routing keeps
 each replica's cache as useful as one engine's. The engine flags are `oss-agent serve`'s
@@ -44,6 +44,7 @@ def run_args(base: argparse.Namespace, replicas: int, args: argparse.Namespace) 
             "output_len": args.output_len,
             "range_ratio": args.range_ratio,
             "shared_prefix_len": args.shared_prefix_len,
+            "client_processes": args.client_processes,
             "warmup": 1,
         }
     )
@@ -88,6 +89,12 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--range-ratio", type=float, default=0.0)
     ap.add_argument("--shared-prefix-len", type=int, default=1024)
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        help="`bench serve`'s client processes, for both runs (one reads several thousand chunks a second)",
+    )
     serve_command.add_engine_placement_arguments(ap)  # as oss-agent serve takes them
     ap.set_defaults(max_model_len=4096)
     ap.add_argument("--json", help="also write the results here")

@@ -147,11 +147,16 @@ async def _warm_up(send, requests: list[BenchRequest]) -> None:
 @contextlib.asynccontextmanager
 async def loopback_server(engine) -> AsyncIterator[str]:
     """Serve `engine` on 127.0.0.1 (a free port) in this event loop; yields the base URL. The
-    app's shutdown also shuts the engine down, so nothing may use the engine after this."""
-    import uvicorn
+    app's shutdown also shuts the engine down, so nothing may use the engine after this; when
+    the app cannot be made, the engine is shut down here (its process would outlive the run)."""
+    try:
+        import uvicorn
 
-    from agent_server.app import create_app
-    from agent_server.state import ServerConfig
+        from agent_server.app import create_app
+        from agent_server.state import ServerConfig
+    except BaseException:
+        await engine.shutdown()
+        raise
 
     with tempfile.TemporaryDirectory(prefix="oss-agent-bench-") as scratch:
         config = ServerConfig(model_name=engine.model_name, store_path=Path(scratch) / "responses.sqlite3")
@@ -264,6 +269,7 @@ async def http_run(base_url: str, model: str, args: argparse.Namespace, *, seed_
             ("--max-concurrency", args.max_concurrency),
             ("--temperature", args.temperature),
             ("--shared-prefix-len", getattr(args, "shared_prefix_len", 0) or None),
+            ("--client-processes", getattr(args, "client_processes", None)),
         ):
             if value is not None:
                 argv += [flag, str(value)]

@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import queue
 import re
 import sys
 import time
@@ -263,6 +265,113 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, req: Benc
     return check.finish(time.perf_counter())
 
 
+# --- the load, split over client processes -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Load:
+    """How requests are sent (`drive`'s arguments)."""
+
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+
+    def share(self, index: int, parts: int) -> Load:
+        """Process `index` of `parts`: its part of the rate and of the concurrency (the first
+        processes take one more where it does not divide), and arrivals of its own. Independent
+        Poisson arrivals at R / parts add up to Poisson arrivals at R."""
+        concurrency = None
+        if self.max_concurrency is not None:
+            concurrency = self.max_concurrency // parts + (index < self.max_concurrency % parts)
+        return Load(self.request_rate / parts, self.burstiness, concurrency, self.seed + 1000 * index)
+
+
+async def drive_in_processes(
+    target: ServeTarget, requests: list[BenchRequest], load: Load, processes: int
+) -> tuple[list[RequestResult], float, float]:
+    """`drive`, with the requests dealt out to `processes` client processes: one process's event
+    loop reads several thousand streamed chunks a second (httpx, SSE, JSON), less than a server
+    with several engine replicas sends (docs/benchmark-log.md, "Data parallelism on 2 H200s"). Every process connects first; they start together; times are
+    `time.perf_counter`, one clock for all processes (CLOCK_MONOTONIC on Linux). Returns
+    (results in request order, start, duration), as `drive` does."""
+    import multiprocessing as mp
+
+    processes = max(1, min(processes, len(requests), load.max_concurrency or len(requests)))
+    ctx = mp.get_context("spawn")
+    go, results = ctx.Event(), ctx.Queue()
+    workers = [
+        ctx.Process(
+            target=_client_process,
+            args=(i, target, requests[i::processes], load.share(i, processes), go, results),
+            daemon=True,
+        )
+        for i in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    loop = asyncio.get_running_loop()
+
+    def next_message():  # a process that died without a word (killed) must not leave us waiting
+        while True:
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, w in enumerate(workers) if w.exitcode not in (None, 0)]
+                if dead:
+                    return ("failed", dead[0], f"exited with {workers[dead[0]].exitcode}")
+
+    try:
+        for _ in workers:
+            kind, index, payload = await loop.run_in_executor(None, next_message)
+            if kind == "failed":
+                raise RuntimeError(f"client process {index} could not start: {payload}")
+        go.set()
+        parts = {}
+        for _ in workers:
+            kind, index, payload = await loop.run_in_executor(None, next_message)
+            if kind == "failed":
+                raise RuntimeError(f"client process {index} failed: {payload}")
+            parts[index] = payload
+    finally:
+        go.set()
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+    start = min(part[1] for part in parts.values())
+    end = max(part[1] + part[2] for part in parts.values())
+    ordered: list[RequestResult] = [None] * len(requests)  # type: ignore[list-item]
+    for index, (part, _, _) in parts.items():
+        ordered[index::processes] = part
+    return ordered, start, end - start
+
+
+def _client_process(index: int, target: ServeTarget, requests, load: Load, go, results) -> None:
+    """One client process of `drive_in_processes`: connect, say ready, wait for go, drive."""
+
+    async def main():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=load.max_concurrency or len(requests))
+        async with httpx.AsyncClient(limits=limits, timeout=target.timeout, headers=target.headers()) as client:
+            await client.get(f"{target.base_url}/v1/models")  # a connection open before the start
+            results.put(("ready", index, None))
+            await asyncio.to_thread(go.wait)
+            return await drive(
+                requests,
+                lambda req: send_request(client, target, req),
+                request_rate=load.request_rate,
+                burstiness=load.burstiness,
+                max_concurrency=load.max_concurrency,
+                seed=load.seed,
+                progress=False,
+            )
+
+    try:
+        results.put(("done", index, asyncio.run(main())))
+    except BaseException as e:  # the parent is told either way, never left waiting
+        results.put(("failed", index, f"{type(e).__name__}: {e}"))
+
+
 # --- the benchmark --------------------------------------------------------------------------
 
 
@@ -286,9 +395,11 @@ async def benchmark(
     seed: int = 0,
     progress: bool = True,
     server_metrics: bool = False,
+    client_processes: int = 1,
 ) -> dict[str, Any]:
     """Run the workload against `target` and return the summary (bench_report.summarize), with
-    the warm-up requests sent first, one at a time, and left out."""
+    the warm-up requests sent first, one at a time, and left out. `client_processes` > 1: the
+    requests are sent and read by that many processes (`drive_in_processes`)."""
     from agent_server.bench.server_metrics import server_view, settled_scrape
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_concurrency or len(requests))
@@ -301,16 +412,20 @@ async def benchmark(
             if not result.ok:
                 raise RuntimeError(f"the warm-up request failed: {result.error}")
         before = await settled_scrape(client, target.base_url) if server_metrics else None
-        results, start, duration = await drive(
-            requests,
-            lambda req: send_request(client, target, req),
-            request_rate=request_rate,
-            burstiness=burstiness,
-            max_concurrency=max_concurrency,
-            seed=seed,
-            progress=progress,
-            desc=f"bench serve ({target.api})",
-        )
+        load = Load(request_rate, burstiness, max_concurrency, seed)
+        if client_processes > 1:
+            results, start, duration = await drive_in_processes(target, requests, load, client_processes)
+        else:
+            results, start, duration = await drive(
+                requests,
+                lambda req: send_request(client, target, req),
+                request_rate=request_rate,
+                burstiness=burstiness,
+                max_concurrency=max_concurrency,
+                seed=seed,
+                progress=progress,
+                desc=f"bench serve ({target.api})",
+            )
         after = await settled_scrape(client, target.base_url) if server_metrics else None
     summary = summarize(
         results,
@@ -362,6 +477,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="scrape the server's GET /metrics before and after and report its own numbers",
     )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="send and read the requests from this many processes (one reads several thousand "
+        "streamed chunks a second; the rate and concurrency are shared out)",
+    )
     add_workload_arguments(parser)
     add_load_arguments(parser)
 
@@ -372,6 +494,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--ignore-eos is a Chat Completions extension: use it with --api chat")
     if not isinstance(args.extra_body, dict):
         raise SystemExit("--extra-body must be a JSON object")
+    if args.client_processes < 1:
+        raise SystemExit("--client-processes must be >= 1")
     target = ServeTarget(
         base_url=normalize_base_url(args.base_url),
         model=args.model or "",
@@ -396,6 +520,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 progress=not args.no_progress,
                 server_metrics=args.server_metrics,
+                client_processes=args.client_processes,
             )
         )
     except httpx.TransportError as e:

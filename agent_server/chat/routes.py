@@ -9,7 +9,6 @@ preambles) `content`, commentary calls to `functions.*` become `tool_calls`. Str
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -27,7 +26,7 @@ from agent_server.errors import APIError, engine_unavailable, internal_error
 from agent_server.harmony import ContentDelta, HarmonyStream, MessageEnd, MessageStart, recipient_kind, render_prompt
 from agent_server.large_prompts import check_fits, text_chars
 from agent_server.request_parsing import read_request
-from agent_server.sse import data_only, sse_response
+from agent_server.sse import compact_json, data_only, sse_response
 from agent_server.state import ServerState
 from agent_server.token_bytes import is_special, logprob_entry
 from inference.request import DeltaStream, GenerationRequest, Grammar, SamplingParams, TokenLogprob
@@ -433,7 +432,7 @@ def _stream(state: ServerState, choices: list[ChoiceStream], header: dict[str, A
         body = {**header, "object": "chat.completion.chunk", "choices": [choice] if choice else []}
         if include_usage:
             body["usage"] = usage
-        return json.dumps(body, separators=(",", ":"))
+        return compact_json(body)
 
     async def events():
         for choice in choices:

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from inference.engine.client import StreamingEngineClient, put_deltas
-from inference.engine.core import LLMEngine
+from inference.engine.core import LLMEngine, make_device_current
 from inference.engine.driver import EngineDriver
 from inference.request import GenerationRequest, TokenDelta
 
@@ -98,6 +98,7 @@ class AsyncEngine(StreamingEngineClient):
         self._wakeup.set()
 
     def _loop(self) -> None:
+        make_device_current(self.engine.model.device)  # this thread steps the engine
         driver = EngineDriver(self.engine)
         while True:
             if not self.engine.has_unfinished():

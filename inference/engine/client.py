@@ -8,6 +8,7 @@ say how a request reaches the engine (`_open`) and how the other commands do (`_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from inference.request import EngineStats, GenerationRequest, TokenDelta, check_request
 from inference.scheduling.kv_cache import CacheUsage
@@ -68,7 +69,12 @@ class StreamingEngineClient:
 class RequestStream:
     """One request's deltas from a `StreamingEngineClient` (the `DeltaStream` protocol): sent to
     the engine at `open()` or at the first iteration. Leaving before the last delta (`aclose()`,
-    a cancelled wait, or dropping the stream) aborts the request."""
+    a cancelled wait, or dropping the stream) aborts the request.
+
+    Deltas that have piled up while the reader was busy come out as one (`merge_deltas`): a
+    server whose event loop falls behind the engines (several replicas' steps to stream) then
+    writes one chunk for several tokens instead of falling further behind. A reader that keeps
+    up gets every step's delta as it was; nothing ever waits to be merged."""
 
     def __init__(self, client: StreamingEngineClient, request: GenerationRequest):
         self._client = client
@@ -105,6 +111,8 @@ class RequestStream:
         except BaseException:  # cancelled while waiting: nobody reads the rest
             self._abandon()
             raise
+        while delta.finish_reason is None and not self._queue.empty():
+            delta = merge_deltas(delta, self._queue.get_nowait())
         if delta.finish_reason is not None:
             self._done = True
             self._client._active.discard(self.request.request_id)
@@ -157,6 +165,15 @@ def _abandon_request(queue: DeltaQueue) -> None:
         queue.client._active.discard(queue.request_id)
     else:
         queue.client._submit(("abort", queue.request_id))
+
+
+def merge_deltas(first: TokenDelta, then: TokenDelta) -> TokenDelta:
+    """One delta for `first` followed by `then` (of the same request): their tokens and
+    logprobs in order, the rest (finish, usage counts, error) as of `then`."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = (first.logprobs or []) + (then.logprobs or [])
+    return dataclasses.replace(then, token_ids=first.token_ids + then.token_ids, logprobs=logprobs)
 
 
 def put_deltas(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:

@@ -77,6 +77,17 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return dtype
 
 
+def make_device_current(device: str | torch.device | None) -> None:
+    """Make `device` the calling thread's current CUDA device. Triton launches a kernel on the
+    current device whatever its tensors' device, so an engine on cuda:1 (a data-parallel replica,
+    `--device cuda:1`) needs cuda:1 current in the threads that build and step it."""
+    if device is None:
+        return
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 class LLMEngine:
     """The synchronous engine core. Not thread-safe: one thread drives it."""
 
@@ -91,6 +102,7 @@ class LLMEngine:
         every step the runner runs."""
         config = config or EngineConfig()
         config.validate()
+        make_device_current(model.device)
         c = model.config
         self.model = model
         self.config = config
@@ -217,6 +229,7 @@ class LLMEngine:
         """Load a HF gpt-oss checkpoint and build an engine; `options` are `EngineConfig` fields."""
         config = _engine_config(options)
         dtype = _dtype(dtype)
+        make_device_current(device)
         if config.tensor_parallel_size > 1:
             return executor.start_tensor_parallel(
                 executor.ModelSource(model_dir=str(model_dir)),
@@ -257,6 +270,7 @@ class LLMEngine:
         config = _engine_config(options)
         if config.tensor_parallel_size > 1:
             raise ValueError("random weights run on one device (tensor_parallel_size 1)")
+        make_device_current(device)
         model = GptOssModel.from_random(
             model_config,
             device=device,

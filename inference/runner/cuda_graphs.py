@@ -85,9 +85,22 @@ def record_graph(step, pool=None, warmups: int = 2):
     for _ in range(warmups):
         step()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):  # (synchronises first)
+    with torch.cuda.graph(graph, pool=pool, stream=capture_stream()):  # (synchronises first)
         out = step()
     return graph, out
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """A side stream of the current device to capture on. `torch.cuda.graph`'s default is one
+    stream for the whole process, made on whichever device was current at the first capture:
+    an engine on another GPU would capture on it, its launches going to the first GPU."""
+    index = torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    return _CAPTURE_STREAMS[index]
 
 
 class DecodeGraphRunner:

@@ -8,13 +8,14 @@ import asyncio
 import json
 import math
 import random
+import sys
 
 import httpx
 import pytest
 
 from agent_server.bench.driver import arrival_gaps, drive
 from agent_server.bench.report import RequestResult, json_safe, percentile, summarize
-from agent_server.bench.serve import StreamCheck
+from agent_server.bench.serve import Load, ServeTarget, StreamCheck, drive_in_processes
 from agent_server.bench.server_metrics import parse_metrics
 from agent_server.bench.workload import BenchRequest, dataset_requests, random_prompt, random_requests
 from agent_server.cli.main import main
@@ -116,6 +117,30 @@ async def test_max_concurrency_caps_requests_in_flight():
     peak = 0
     await drive(requests, send, progress=False)
     assert peak == 12
+
+
+def test_load_shares_split_rate_and_concurrency():
+    load = Load(request_rate=12.0, burstiness=0.5, max_concurrency=7, seed=3)
+    shares = [load.share(i, 3) for i in range(3)]
+    assert [s.max_concurrency for s in shares] == [3, 2, 2]  # 7 in flight in all
+    assert all(s.request_rate == 4.0 and s.burstiness == 0.5 for s in shares)
+    assert len({s.seed for s in shares}) == 3  # arrivals of their own
+    assert Load().share(1, 4).max_concurrency is None and math.isinf(Load().share(1, 4).request_rate)
+
+
+async def test_requests_sent_from_two_client_processes(bench_server):
+    """The requests dealt to two processes, which start together: every one served, the
+    results back in request order, the run's span covering both processes' requests."""
+    requests = random_requests(5, input_len=16, output_len=6, range_ratio=0.5, seed=4)
+    target = ServeTarget(base_url=bench_server.url, model=MODEL, ignore_eos=True, temperature=0, timeout=120)
+    before = scrape(bench_server)
+    results, start, duration = await drive_in_processes(target, requests, Load(max_concurrency=3), processes=2)
+    after = scrape(bench_server)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.prompt_len for r in results] == [q.prompt_len for q in requests]
+    assert [r.output_tokens for r in results] == [q.output_len for q in requests]  # ignore_eos: exact
+    assert counter_delta(before, after, "oss_agent_generation_tokens_total") == sum(q.output_len for q in requests)
+    assert all(start <= r.start and r.start + r.e2e <= start + duration + 1e-6 for r in results)
 
 
 # --- statistics -----------------------------------------------------------------------------
@@ -513,3 +538,21 @@ def test_bench_serve_scrapes_the_metrics_with_the_api_key(tmp_path, capsys):
     assert rc == 0, printed
     assert "not available" not in printed
     assert json.loads(out.read_text())["server_metrics"]["requests_by_status"] == {"200": 2}
+
+
+async def test_loopback_server_shuts_the_engine_down_when_the_app_cannot_be_made(monkeypatch):
+    """Its engine process would otherwise outlive the benchmark, which then never exits."""
+    from agent_server.bench.engine import loopback_server
+
+    class Engine:
+        model_name, stopped = "m", False
+
+        async def shutdown(self):
+            self.stopped = True
+
+    monkeypatch.setitem(sys.modules, "agent_server.app", None)  # its import fails
+    engine = Engine()
+    with pytest.raises(ImportError):
+        async with loopback_server(engine):
+            pass
+    assert engine.stopped
