@@ -2,12 +2,15 @@
 
 An engine stand-in (`PacedEngine`) gives every running stream one token per step, all of them
 at once, as the engine process does at the end of a decode step; `step-ms` paces the steps,
-which never wait for the server.
-The server (the real app, on loopback, in this process) streams them through the Chat API to
-`oss-agent bench serve` in a process of its own. Offered = concurrency / step; when delivered
-falls short of offered, the server's event loop (or the client) is the limit, not the engine.
+which never wait for the server (steps the server's loop came too late for are delivered
+together, as the engine process's passes are read from its pipe). The server (the real app, on
+loopback, in this process) streams them through the Chat API to `oss-agent bench serve` in
+processes of its own. Offered = concurrency / step; when delivered falls short of offered, the
+server's event loop (or the client: see its CPU) is the limit, not the engine. The server's CPU
+a delivered token is the figure to compare between trees on a machine where the client is the
+limit. Results: docs/benchmark-log.md, "Data parallelism on 2 H200s".
 
-    python experiments/front_end_throughput.py --concurrency 128 --step-ms 8
+    python experiments/front_end_throughput.py --concurrency 128 --step-ms 8 --client-processes 4
 """
 
 from __future__ import annotations
@@ -67,21 +70,31 @@ class PacedEngine(StreamingEngineClient):
         while True:
             next_step += self.step_s
             await asyncio.sleep(max(0.0, next_step - loop.time()))
-            for rid, (queue, request, done) in list(self.open.items()):
-                i, n = done[0], request.sampling.max_tokens
-                done[0] += 1
-                last = done[0] >= n
-                if last:
-                    del self.open[rid]
-                self._stats.tokens_decoded += 1
-                queue.put_nowait(
-                    TokenDelta(
-                        rid,
-                        [self.body[i % len(self.body)]],
-                        finish_reason="length" if last else None,
-                        num_prompt_tokens=len(request.prompt_token_ids),
-                    )
+            steps = 1
+            # The loop came late: the steps it missed are delivered now, each its own deltas, as
+            # the engine process's passes wait in its pipe and are all read at once.
+            while loop.time() >= next_step + self.step_s:
+                next_step += self.step_s
+                steps += 1
+            for _ in range(steps):
+                self._step()
+
+    def _step(self) -> None:
+        for rid, (queue, request, done) in list(self.open.items()):
+            i, n = done[0], request.sampling.max_tokens
+            done[0] += 1
+            last = done[0] >= n
+            if last:
+                del self.open[rid]
+            self._stats.tokens_decoded += 1
+            queue.put_nowait(
+                TokenDelta(
+                    rid,
+                    [self.body[i % len(self.body)]],
+                    finish_reason="length" if last else None,
+                    num_prompt_tokens=len(request.prompt_token_ids),
                 )
+            )
 
     def stats(self) -> EngineStats:
         self._stats.running = len(self.open)
@@ -125,9 +138,10 @@ if __name__ == "__main__":
     s = bench_engine.run_serving_loop(main(args))
     offered = args.concurrency / (args.step_ms / 1000)
     itl = s["itl_ms"]
+    errors = f" {s['errors']}" if s["errors"] else ""
     print(
         f"offered {offered:,.0f} tok/s; delivered {s['output_throughput']:,.0f} tok/s "
-        f"({s['output_throughput'] / offered:.0%}); failed {s['failed']}; ITL {itl}; "
+        f"({s['output_throughput'] / offered:.0%}); failed {s['failed']}{errors}; ITL {itl}; "
         f"CPU of the run's wall time: server {s['cpu_share']['server']:.0%}, client {s['cpu_share']['client']:.0%}; "
         f"server CPU a token {s['cpu_share']['server'] * 1e6 / s['output_throughput']:.0f} us"
     )
