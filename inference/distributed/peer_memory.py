@@ -34,6 +34,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from inference.device import cuda_index
+
 log = logging.getLogger(__name__)
 
 ONE_SHOT_MAX_BYTES = 256 << 10  # 22 rows of 2880 float32 values; larger messages take two-shot
@@ -64,7 +66,7 @@ class PeerAllReduce:
         self.group_name = group.group_name
         self.rank, self.size = group.rank(), group.size()
         device = torch.device(device)
-        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cuda", cuda_index(device))
         self.capacity = capacity_bytes // 4 * 4
         self.buffer = symm_mem.empty(self.capacity // 4, dtype=torch.float32, device=self.device)
         self.buffer.zero_()
@@ -172,7 +174,7 @@ def _local_obstacle(group, device: torch.device, peer_devices: list[int]) -> str
     for name in ("one_shot_all_reduce_out", "two_shot_all_reduce_out"):
         if not hasattr(ops, name):
             return f"this PyTorch has no torch.ops.symm_mem.{name}"
-    mine = device.index if device.index is not None else torch.cuda.current_device()
+    mine = cuda_index(device)
     blocked = [d for d in peer_devices if d != mine and not torch.cuda.can_device_access_peer(mine, d)]
     if blocked:
         return f"cuda:{mine} cannot access the memory of cuda:{', cuda:'.join(map(str, blocked))} (no P2P)"

@@ -7,8 +7,9 @@ import logging
 import threading
 from pathlib import Path
 
+from inference.device import make_device_current
 from inference.engine.client import StreamingEngineClient, put_deltas
-from inference.engine.core import LLMEngine, make_device_current
+from inference.engine.core import LLMEngine
 from inference.engine.driver import EngineDriver
 from inference.request import GenerationRequest, TokenDelta
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from inference.config import EngineConfig, ModelConfig
+from inference.device import make_device_current
 from inference.engine import executor
 from inference.engine.step_clock import StepClock
 from inference.grammar import GrammarCompiler
@@ -75,17 +76,6 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto")
         return _DTYPES.get(dtype)
     return dtype
-
-
-def make_device_current(device: str | torch.device | None) -> None:
-    """Make `device` the calling thread's current CUDA device. Triton launches a kernel on the
-    current device whatever its tensors' device, so an engine on cuda:1 (a data-parallel replica,
-    `--device cuda:1`) needs cuda:1 current in the threads that build and step it."""
-    if device is None:
-        return
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
 
 
 class LLMEngine:

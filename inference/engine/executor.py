@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from inference.config import EngineConfig, ModelConfig
+from inference.device import cuda_index
 from inference.distributed.group import TensorParallelGroup, join_group
 from inference.distributed.peer_memory import disable_multicast_environment
 from inference.distributed.sharding import check_tensor_parallel_size
@@ -103,7 +104,7 @@ def rank_devices(device, size: int) -> list[torch.device]:
         return [device] * size
     if device.type != "cuda":
         raise ValueError(f"tensor parallelism runs on cuda or cpu devices, not {device.type}")
-    first = device.index if device.index is not None else torch.cuda.current_device()
+    first = cuda_index(device)
     count = torch.cuda.device_count()
     if first + size > count:
         raise ValueError(f"tensor_parallel_size {size} needs GPUs {first}..{first + size - 1}; {count} are visible")

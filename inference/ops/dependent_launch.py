@@ -38,6 +38,8 @@ import os
 
 import torch
 
+from inference.device import cuda_index
+
 try:
     import triton
     import triton.language as tl
@@ -68,7 +70,7 @@ def uses_pdl(device: torch.device) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+    return _hopper_or_later(cuda_index(device))
 
 
 def pdl_options(device: torch.device, dependent: bool) -> dict:

@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from inference.device import cuda_index
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
@@ -17,4 +19,4 @@ def multiprocessors(device: torch.device) -> int:
     split paths)."""
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(cuda_index(device))

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.device import cuda_index
+
 log = logging.getLogger(__name__)
 
 _LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
@@ -176,7 +178,7 @@ _loaded: dict[tuple, CudaKernel] = {}
 def load_kernel(source: str, name: str, device: torch.device, options: tuple[str, ...] = ()) -> CudaKernel:
     """Compile (once per source, device and options) and load kernel `name` of `source` for
     `device`'s architecture."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     key = (source, name, index, options)
     kernel = _loaded.get(key)
     if kernel is None:

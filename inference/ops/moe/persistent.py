@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from inference.device import cuda_index
 from inference.ops import nvrtc
 from inference.ops.dependent_launch import uses_pdl
 from inference.ops.multiprocessors import multiprocessors
@@ -117,7 +118,7 @@ def supported(x: torch.Tensor, num_experts: int, hidden: int, inter: int, top_k:
     units = top_k * (max(hidden, inter) // 8)
     if -(-units // multiprocessors(x.device)) > MAX_UNITS_OF_A_KIND:
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = cuda_index(x.device)
     return _device_ok(index) and _plan(index, hidden, inter, top_k) is not None
 
 
@@ -153,7 +154,7 @@ def _barrier(device: torch.device) -> torch.Tensor:
     launches on one stream run one after another, and each adds one grid's worth of arrivals.
     (Two streams running the kernel at once on one GPU would mix their arrivals: one model a
     device, as the engine runs.) After it, TIMELINE_SLOTS stamps a CTA for -DTIMELINE builds."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     if index not in _barriers:
         _barriers[index] = torch.zeros(1 + TIMELINE_SLOTS * multiprocessors(device), dtype=torch.int64, device=device)
     return _barriers[index]
@@ -193,7 +194,7 @@ def moe_after_router(
     hidden, inter = w.hidden_size, w.intermediate_size
     p1, p2 = w.w1.shape[2], w.w2.shape[2]  # the layout's tile pairs: those `_plan` counts
     i_pad = p2 * 128
-    plan = _plan(device.index if device.index is not None else torch.cuda.current_device(), hidden, inter, top_k)
+    plan = _plan(cuda_index(device), hidden, inter, top_k)
     if plan is None:
         raise ValueError(f"the persistent MoE kernel does not fit shapes H={hidden}, I={inter}")
     kernel = _kernel(device, top_k, hidden, inter, p1, p2, plan)
