@@ -292,9 +292,10 @@ async def drive_in_processes(
 ) -> tuple[list[RequestResult], float, float]:
     """`drive`, with the requests dealt out to `processes` client processes: one process's event
     loop reads several thousand streamed chunks a second (httpx, SSE, JSON), less than a server
-    with several engine replicas sends (docs/benchmark-log.md, "Data parallelism on 2 H200s"). Every process connects first; they start together; times are
-    `time.perf_counter`, one clock for all processes (CLOCK_MONOTONIC on Linux). Returns
-    (results in request order, start, duration), as `drive` does."""
+    with several engine replicas sends (docs/benchmark-log.md, "Data parallelism on 2 H200s").
+    Every process connects first; they start together; times are `time.perf_counter`, one
+    clock for all processes (CLOCK_MONOTONIC on Linux). Returns (results in request order,
+    start, duration), as `drive` does."""
     import multiprocessing as mp
 
     processes = max(1, min(processes, len(requests), load.max_concurrency or len(requests)))
