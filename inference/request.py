@@ -43,6 +43,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top_k, top_p or min_p cut the distribution a sampled token is drawn from."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the field if a value is out of range."""
         if self.temperature < 0:

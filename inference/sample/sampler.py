@@ -8,11 +8,15 @@ Order of operations per row, all on the logits' device:
     otherwise      -> logits / temperature, keep the top_k, keep the smallest set with mass
                       >= top_p, drop tokens below min_p * p_max, sample
 Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which draws from p
-exactly. A seeded row draws its E from its own `torch.Generator`, so the same seed gives the
-same tokens whatever else is in the batch. Logprobs are those of the model's raw distribution
-(log_softmax of the logits before any of the above), as OpenAI reports them. Both argmaxes run
-`inference/sample/argmax_triton.py` on CUDA (one 201k-wide row is a single slow reduction for
-torch.argmax).
+exactly. A seeded row draws its randomness from its own `torch.Generator`, so the same seed
+gives the same tokens whatever else is in the batch. Logprobs are those of the model's raw
+distribution (log_softmax of the logits before any of the above), as OpenAI reports them. The
+argmaxes run `inference/sample/argmax_triton.py` on CUDA (one 201k-wide row is a single slow
+reduction for torch.argmax). There, rows sampled at a temperature with nothing truncated (the
+API's defaults) race in that module's one-pass kernel, greedy rows beside them: one read of the
+logits, where the torch ops below read and write a dozen [N, V] tensors. Each such row's
+Philox key comes from the default CUDA generator, or from the row's own generator when seeded
+(one draw a step). Rows that truncate take the torch ops.
 
 `Sampler.sample` only queues that work on the device and starts copying the ids (and logprobs)
 to the host: nothing in it waits for the stream, so with async scheduling the next step can be
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.request import SamplingParams, TokenLogprob
-from inference.sample.argmax_triton import argmax_rows
+from inference.sample.argmax_triton import argmax_rows, on_triton, race_argmax_rows_triton
 from inference.sample.token_mask import TokenMasks, apply_token_masks
 from inference.transfers import HostCopy, to_device
 
@@ -56,6 +60,11 @@ class SampledTokens:
 
 
 class Sampler:
+    def __init__(self, race: bool = True):
+        # race: sample the rows it takes in `race_argmax_rows_triton`'s one pass (on CUDA); False:
+        # the torch ops for every sampled row (what `benchmarks/bench_sampler.py` compares with).
+        self.race = race
+
     @torch.inference_mode()
     def __call__(
         self,
@@ -89,8 +98,14 @@ class Sampler:
         device = logits.device
         processed = self._apply_bias_and_penalties(logits, params, output_ids)
         processed = apply_token_masks(processed, masks, inplace=processed is not logits)
-        tokens = argmax_rows(processed)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        races = self.race and on_triton(processed)
+        raced = [i for i in sampled_rows if not params[i].truncates] if races else []
+        if raced:
+            tokens = self._race(processed, params, raced, generators)
+            sampled_rows = [i for i in sampled_rows if params[i].truncates]
+        else:
+            tokens = argmax_rows(processed)
         if sampled_rows:
             rows = to_device(sampled_rows, torch.long, device)
             temperature = to_device([params[i].temperature for i in sampled_rows], torch.float32, device)
@@ -104,6 +119,20 @@ class Sampler:
                 noise[j].exponential_(generator=generator)
             tokens[rows] = argmax_rows(probs / noise.clamp_min_(1e-20))
         return SampledTokens(tokens, params, self._logprob_tensors(logits, tokens, params))
+
+    @staticmethod
+    def _race(logits, params, rows, generators) -> torch.Tensor:
+        """Tokens [N] of every row of logits [N, V] in one pass: the rows in `rows` drawn at
+        their temperature (`race_argmax_rows_triton`), the others their argmax."""
+        device = logits.device
+        inv_temp = [0.0] * len(params)
+        for i in rows:
+            inv_temp[i] = 1.0 / params[i].temperature
+        keys = torch.randint(0, RACE_KEY_END, (len(params),), device=device)
+        for i in rows:
+            if generators[i] is not None:
+                keys[i : i + 1].random_(0, RACE_KEY_END, generator=generators[i])
+        return race_argmax_rows_triton(logits, to_device(inv_temp, torch.float32, device), keys)
 
     @staticmethod
     def _apply_bias_and_penalties(logits, params, output_ids) -> torch.Tensor:
@@ -189,6 +218,9 @@ class Sampler:
             out[i] = TokenLogprob(token_list[i], chosen[j], list(zip(top_ids[j][:kk], top_values[j][:kk])))
         return out
 
+
+# The race's Philox keys are drawn from [0, RACE_KEY_END): 62 random bits a row and step.
+RACE_KEY_END = 2**62
 
 # top_k / top_p look at the best this many logits of a row first; a full sort of the vocabulary
 # (201k entries) is needed only for rows whose kept set may reach past them.
