@@ -6,7 +6,9 @@ the longer) for:
     greedy      temperature 0: the argmax kernels
     race        temperature 1, nothing truncated (the API's defaults): the one-pass race kernel
     torch ops   the same rows through torch (`Sampler(race=False)`): scale, softmax, noise, argmax
-    top_p 0.9   temperature 1 with top_p: candidates by topk, then the torch ops
+    top_k 40, top_p 0.9   temperature 1 and a truncation: its cut from the best 1,024 candidates
+                (a full sort where they cannot settle it: top_p on these random logits, flatter
+                than a model's), then the race above it, or the torch ops
 beside the time one read of the logits takes at the copy bandwidth measured in the same process.
 
     python3 benchmarks/bench_sampler.py [--batches 1,64,256,512] [--json out.json]
@@ -34,7 +36,10 @@ MODES = {
     "greedy": (Sampler(), SamplingParams(temperature=0)),
     "race": (Sampler(), SamplingParams()),
     "torch ops": (Sampler(race=False), SamplingParams()),
-    "top_p 0.9": (Sampler(), SamplingParams(top_p=0.9)),
+    "top_k 40 race": (Sampler(), SamplingParams(top_k=40)),
+    "top_k 40 torch ops": (Sampler(race=False), SamplingParams(top_k=40)),
+    "top_p 0.9 race": (Sampler(), SamplingParams(top_p=0.9)),
+    "top_p 0.9 torch ops": (Sampler(race=False), SamplingParams(top_p=0.9)),
 }
 
 

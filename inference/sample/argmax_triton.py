@@ -15,7 +15,8 @@ exponential race: the softmax's normaliser does not move the argmax, so it is ne
 Each program draws its own E_v from Philox keyed by the row's key, and nothing [N, V] is
 written: done with torch ops (scale, softmax, noise, divide, argmax) the same draw reads and
 writes about a dozen [N, V] float32 tensors, 0.5-1 ms a step at 256 rows of gpt-oss's 201k
-vocabulary. `race_reference` is the definition, given the uniforms `race_uniforms` draws.
+vocabulary. A row may race above a floor, the least x_v / T its top_k / top_p / min_p keep (the
+others never win). `race_reference` is the definition, given the uniforms `race_uniforms` draws.
 """
 
 from __future__ import annotations
@@ -41,15 +42,20 @@ def argmax_reference(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def race_reference(x: torch.Tensor, inv_temp: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def race_reference(
+    x: torch.Tensor, inv_temp: torch.Tensor, uniforms: torch.Tensor, floors: torch.Tensor | None = None
+) -> torch.Tensor:
     """x: [N, V] logits; inv_temp: [N] float32, 1 / temperature, 0 for a plain argmax; uniforms:
-    [N, V] in (0, 1) -> [N] int64, argmax of x * inv_temp - log(-log(uniforms)) for the raced
-    rows (NaN read as +inf, as the kernels do)."""
+    [N, V] in (0, 1); floors: None or [N] float32 -> [N] int64, argmax of x * inv_temp -
+    log(-log(uniforms)) over the columns where x * inv_temp >= floors for the raced rows (NaN
+    read as +inf, as the kernels do)."""
     xf = x.float()
     xf = torch.where(torch.isnan(xf), float("inf"), xf)
-    raced = inv_temp[:, None] > 0
-    scores = torch.where(raced, xf * inv_temp[:, None] - torch.log(-torch.log(uniforms)), xf)
-    return scores.argmax(dim=-1)
+    scaled = xf * inv_temp[:, None]
+    raced_scores = scaled - torch.log(-torch.log(uniforms))
+    if floors is not None:
+        raced_scores = raced_scores.masked_fill(scaled < floors[:, None], float("-inf"))
+    return torch.where(inv_temp[:, None] > 0, raced_scores, xf).argmax(dim=-1)
 
 
 if triton is not None:
@@ -85,18 +91,23 @@ if triton is not None:
         return ((bits >> _DROPPED_BITS).to(tl.float32) + 0.5) * _UNIFORM_STEP
 
     @triton.jit
-    def _raced_quarter(base, cols, V, inv_t, bits):
-        """(max, first index) over one quarter of a chunk of x * inv_t - log(-log(u))."""
+    def _raced_quarter(base, cols, V, inv_t, floor, bits):
+        """(max, first index) over one quarter of a chunk of x * inv_t - log(-log(u)), -inf where
+        x * inv_t is below floor."""
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         x = tl.where(x != x, float("inf"), x)
-        score = x * inv_t - tl.log(-tl.log(_uniforms(bits)))
+        scaled = x * inv_t
+        score = tl.where(scaled >= floor, scaled - tl.log(-tl.log(_uniforms(bits))), float("-inf"))
         return tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
 
     @triton.jit
-    def _race_partial_kernel(X, inv_temp, keys, part_value, part_index, V, stride_x, num_chunks, CHUNK: tl.constexpr):
+    def _race_partial_kernel(
+        X, inv_temp, keys, floors, part_value, part_index, V, stride_x, num_chunks, CHUNK: tl.constexpr
+    ):
         """Program (row, c): the raced max and its first index over columns [c*CHUNK, (c+1)*CHUNK)
         (a plain argmax where inv_temp[row] is 0). One Philox call gives four words for each
-        offset c*CHUNK/4 + q: word p is column c*CHUNK + p*CHUNK/4 + q's."""
+        offset c*CHUNK/4 + q: word p is column c*CHUNK + p*CHUNK/4 + q's. floors: None, or each
+        row's least x * inv_temp that may win (-inf: any)."""
         row = tl.program_id(0)
         c = tl.program_id(1)
         base = X + row.to(tl.int64) * stride_x
@@ -105,13 +116,14 @@ if triton is not None:
         q = tl.arange(0, QUARTER)
         first = c * CHUNK + q
         if inv_t > 0:
+            floor = float("-inf") if floors is None else tl.load(floors + row)
             r0, r1, r2, r3 = tl.randint4x(tl.load(keys + row), c * QUARTER + q)
-            best, where = _raced_quarter(base, first, V, inv_t, r0)
-            b, w = _raced_quarter(base, first + QUARTER, V, inv_t, r1)
+            best, where = _raced_quarter(base, first, V, inv_t, floor, r0)
+            b, w = _raced_quarter(base, first + QUARTER, V, inv_t, floor, r1)
             best, where = tl.where(b > best, b, best), tl.where(b > best, w + QUARTER, where)
-            b, w = _raced_quarter(base, first + 2 * QUARTER, V, inv_t, r2)
+            b, w = _raced_quarter(base, first + 2 * QUARTER, V, inv_t, floor, r2)
             best, where = tl.where(b > best, b, best), tl.where(b > best, w + 2 * QUARTER, where)
-            b, w = _raced_quarter(base, first + 3 * QUARTER, V, inv_t, r3)
+            b, w = _raced_quarter(base, first + 3 * QUARTER, V, inv_t, floor, r3)
             best, where = tl.where(b > best, b, best), tl.where(b > best, w + 3 * QUARTER, where)
         else:
             cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -153,10 +165,14 @@ def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def race_argmax_rows_triton(x: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def race_argmax_rows_triton(
+    x: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor, floors: torch.Tensor | None = None
+) -> torch.Tensor:
     """x: [N, V] (unit column stride, float); inv_temp: [N] float32 (1 / temperature; 0: a plain
-    argmax); keys: [N] int64, each raced row's Philox key -> [N] int64 on x's device: each raced
-    row a draw from softmax(x * inv_temp), the others their argmax (see the module docstring)."""
+    argmax); keys: [N] int64, each raced row's Philox key; floors: None or [N] float32, each
+    raced row's least x * inv_temp that may be drawn (top_k / top_p / min_p as a threshold;
+    -inf: none) -> [N] int64 on x's device: each raced row a draw from softmax(x * inv_temp)
+    over its columns at or above its floor, the others their argmax (see the module docstring)."""
     n, v = x.shape
     if x.stride(1) != 1:
         raise ValueError("race_argmax_rows_triton needs rows with unit column stride")
@@ -167,7 +183,7 @@ def race_argmax_rows_triton(x: torch.Tensor, inv_temp: torch.Tensor, keys: torch
     part_value = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
     part_index = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
     _race_partial_kernel[(n, chunks)](
-        x, inv_temp, keys, part_value, part_index, v, x.stride(0), chunks, CHUNK=CHUNK, num_warps=4
+        x, inv_temp, keys, floors, part_value, part_index, v, x.stride(0), chunks, CHUNK=CHUNK, num_warps=4
     )
     _argmax_final_kernel[(n,)](part_value, part_index, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
     return out

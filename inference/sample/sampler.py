@@ -12,15 +12,17 @@ exactly. A seeded row draws its randomness from its own `torch.Generator`, so th
 gives the same tokens whatever else is in the batch. Logprobs are those of the model's raw
 distribution (log_softmax of the logits before any of the above), as OpenAI reports them. The
 argmaxes run `inference/sample/argmax_triton.py` on CUDA (one 201k-wide row is a single slow
-reduction for torch.argmax). There, rows sampled at a temperature with nothing truncated (the
-API's defaults) race in that module's one-pass kernel, greedy rows beside them: one read of the
-logits, where the torch ops below read and write a dozen [N, V] tensors. Each such row's
-Philox key comes from the default CUDA generator, or from the row's own generator when seeded
-(one draw a step). Rows that truncate take the torch ops.
+reduction for torch.argmax). There, every row races in that module's one-pass kernel, greedy
+rows beside sampled ones: one read of the logits, where the torch ops (`_race_in_torch`, the
+path elsewhere) read and write a dozen [N, V] tensors. Each sampled row's Philox key comes from
+the default CUDA generator, or from the row's own generator when seeded (one draw a step). A
+row that truncates (top_k / top_p / min_p) races above a floor, the least scaled logit its
+truncation keeps (`_floors`).
 
 `Sampler.sample` only queues that work on the device and starts copying the ids (and logprobs)
-to the host: nothing in it waits for the stream, so with async scheduling the next step can be
-queued before this one's ids are read (`SampledTokens.result`). Calling the sampler does both.
+to the host: nothing in it waits for the stream (but a top_k / top_p row whose best candidates
+cannot settle its cut: `_top_k_top_p`), so with async scheduling the next step can be queued
+before this one's ids are read (`SampledTokens.result`). Calling the sampler does both.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class SampledTokens:
 
 class Sampler:
     def __init__(self, race: bool = True):
-        # race: sample the rows it takes in `race_argmax_rows_triton`'s one pass (on CUDA); False:
-        # the torch ops for every sampled row (what `benchmarks/bench_sampler.py` compares with).
+        # race: sample in `race_argmax_rows_triton`'s one pass where the logits allow it (CUDA);
+        # False: the torch ops for every sampled row (what `benchmarks/bench_sampler.py` compares with).
         self.race = race
 
     @torch.inference_mode()
@@ -80,10 +82,17 @@ class Sampler:
 
     @staticmethod
     def warm_up(vocab_size: int, device: torch.device) -> None:
-        """Compile the argmax kernels for rows of `vocab_size` logits on `device` now (CUDA), not
-        on the first request."""
-        if torch.device(device).type == "cuda":
-            argmax_rows(torch.zeros(1, vocab_size, device=device))
+        """Compile the argmax and race kernels (with and without floors) for rows of `vocab_size`
+        logits on `device` now (CUDA), not on the first request."""
+        if torch.device(device).type != "cuda":
+            return
+        logits = torch.zeros(1, vocab_size, device=device)
+        argmax_rows(logits)
+        if on_triton(logits):
+            inv_temp = torch.ones(1, device=device)
+            keys = torch.zeros(1, dtype=torch.long, device=device)
+            race_argmax_rows_triton(logits, inv_temp, keys)
+            race_argmax_rows_triton(logits, inv_temp, keys, torch.full((1,), float("-inf"), device=device))
 
     @torch.inference_mode()
     def sample(
@@ -99,40 +108,85 @@ class Sampler:
         processed = self._apply_bias_and_penalties(logits, params, output_ids)
         processed = apply_token_masks(processed, masks, inplace=processed is not logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        races = self.race and on_triton(processed)
-        raced = [i for i in sampled_rows if not params[i].truncates] if races else []
-        if raced:
-            tokens = self._race(processed, params, raced, generators)
-            sampled_rows = [i for i in sampled_rows if params[i].truncates]
+        if sampled_rows and self.race and on_triton(processed):
+            tokens = self._race(processed, params, sampled_rows, generators)
         else:
             tokens = argmax_rows(processed)
-        if sampled_rows:
-            rows = to_device(sampled_rows, torch.long, device)
-            temperature = to_device([params[i].temperature for i in sampled_rows], torch.float32, device)
-            scaled = processed[rows] / temperature[:, None]
-            probs = self._truncated_probs(scaled, [params[i] for i in sampled_rows])
-            noise = torch.empty_like(probs)
-            seeded = [(j, generators[i]) for j, i in enumerate(sampled_rows) if generators[i] is not None]
-            if len(seeded) < len(sampled_rows):
-                noise.exponential_()
-            for j, generator in seeded:
-                noise[j].exponential_(generator=generator)
-            tokens[rows] = argmax_rows(probs / noise.clamp_min_(1e-20))
+            if sampled_rows:
+                rows = to_device(sampled_rows, torch.long, device)
+                tokens[rows] = self._race_in_torch(processed, params, sampled_rows, generators)
         return SampledTokens(tokens, params, self._logprob_tensors(logits, tokens, params))
 
-    @staticmethod
-    def _race(logits, params, rows, generators) -> torch.Tensor:
-        """Tokens [N] of every row of logits [N, V] in one pass: the rows in `rows` drawn at
-        their temperature (`race_argmax_rows_triton`), the others their argmax."""
+    @classmethod
+    def _race_in_torch(cls, logits, params, rows, generators) -> torch.Tensor:
+        """Tokens [len(rows)] drawn for the rows `rows` of logits [N, V] with torch ops: scale,
+        truncate (`_truncated_probs`), then argmax p / E with E ~ Exp(1) drawn on the device (a
+        seeded row's from its own generator)."""
         device = logits.device
-        inv_temp = [0.0] * len(params)
+        index = to_device(rows, torch.long, device)
+        temperature = to_device([params[i].temperature for i in rows], torch.float32, device)
+        probs = cls._truncated_probs(logits[index] / temperature[:, None], [params[i] for i in rows])
+        noise = torch.empty_like(probs)
+        seeded = [(j, generators[i]) for j, i in enumerate(rows) if generators[i] is not None]
+        if len(seeded) < len(rows):
+            noise.exponential_()
+        for j, generator in seeded:
+            noise[j].exponential_(generator=generator)
+        return argmax_rows(probs / noise.clamp_min_(1e-20))
+
+    @classmethod
+    def _race(cls, logits, params, rows, generators) -> torch.Tensor:
+        """Tokens [N] of every row of logits [N, V] in one pass: the rows in `rows` drawn at
+        their temperature (`race_argmax_rows_triton`), the others their argmax. A row that
+        truncates races above its floor (`_floors`)."""
+        device = logits.device
+        inv_list = [0.0] * len(params)
         for i in rows:
-            inv_temp[i] = 1.0 / params[i].temperature
+            inv_list[i] = 1.0 / params[i].temperature
+        inv_temp = to_device(inv_list, torch.float32, device)
         keys = torch.randint(0, RACE_KEY_END, (len(params),), device=device)
         for i in rows:
             if generators[i] is not None:
                 keys[i : i + 1].random_(0, RACE_KEY_END, generator=generators[i])
-        return race_argmax_rows_triton(logits, to_device(inv_temp, torch.float32, device), keys)
+        truncating = [i for i in rows if params[i].truncates]
+        floors = cls._floors(logits, inv_temp, params, truncating) if truncating else None
+        return race_argmax_rows_triton(logits, inv_temp, keys, floors)
+
+    @classmethod
+    def _floors(cls, logits, inv_temp, params, rows) -> torch.Tensor:
+        """[N] float32: for each row in `rows`, the least logit * inv_temp its top_k, top_p and
+        min_p keep (the kept set is every logit at or above it: the same set as the masks of
+        `_truncated_probs`, but for ties at the cut, which it keeps whole); -inf elsewhere.
+        Computed on the scaled logits as the race kernel scales them (a multiply by the same
+        float32 inv_temp), so the last kept logit compares equal there."""
+        device = logits.device
+        index = to_device(rows, torch.long, device)
+        scaled = logits[index] * inv_temp[index, None]
+        chosen = [params[i] for i in rows]
+        floor = torch.full((len(rows),), float("-inf"), device=device)
+        if any(p.top_k > 0 or p.top_p < 1 for p in chosen):
+            vocab = scaled.shape[-1]
+            top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in chosen], torch.long, device)
+            top_p = to_device([max(p.top_p, 1.2e-38) for p in chosen], torch.float32, device)
+            width = min(vocab, TOP_CANDIDATES)
+            k_max = max(p.top_k for p in chosen)
+            if all(p.top_p >= 1 for p in chosen) and k_max <= width:
+                # top_k alone: the k-th best value (rows without a top_k have no floor).
+                kth = scaled.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1)[:, None])
+                floor = kth.squeeze(1).masked_fill(top_k >= vocab, float("-inf"))
+            else:
+                # Only a row with top_k beyond the candidates, or top_p without a top_k, can
+                # need the whole row (and the host synchronisation that decides it).
+                beyond = [p.top_k > width or (p.top_k == 0 and p.top_p < 1) for p in chosen]
+                floor = _truncation_floor(scaled, top_k, top_p, any(beyond))
+        if any(p.min_p > 0 for p in chosen):
+            # p >= min_p * p_max, with probabilities renormalised over the kept set: the same
+            # inequality between logits, logit >= the best one + log(min_p).
+            min_p = to_device([p.min_p for p in chosen], torch.float32, device)
+            floor = torch.maximum(floor, scaled.amax(-1) + min_p.log())
+        out = torch.full((len(params),), float("-inf"), device=device)
+        out[index] = floor
+        return out
 
     @staticmethod
     def _apply_bias_and_penalties(logits, params, output_ids) -> torch.Tensor:
@@ -253,6 +307,57 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
         rows = slow.nonzero().squeeze(1)
         out[rows] = _top_k_top_p_sorted(scaled[rows], top_k[rows], top_p[rows])
     return out
+
+
+def _truncation_floor(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, may_need_the_row: bool = True
+) -> torch.Tensor:
+    """[M] float32: each row of [M, V] scaled logits' least value kept by its top_k (V: off) and
+    then top_p (renormalised over the top_k set; the first token always stays), as
+    `_top_k_top_p_sorted` keeps them; -inf for rows with neither. From the row's
+    `TOP_CANDIDATES` best when they settle it; the other rows take a full sort, after one host
+    synchronisation that looks for them (only if may_need_the_row: some row has a top_k beyond
+    the candidates, or a top_p and no top_k)."""
+    vocab = scaled.shape[-1]
+    width = min(vocab, TOP_CANDIDATES)
+    values = scaled.topk(width, dim=-1).values  # sorted, best first
+    in_candidates = top_k <= width
+    if may_need_the_row:
+        whole = scaled.logsumexp(-1)
+        log_total = torch.where(in_candidates, _top_values(values, top_k).logsumexp(-1), whole)
+    else:
+        log_total = _top_values(values, top_k).logsumexp(-1)
+    floor, mass = _cut(values, top_k, top_p, log_total)
+    untouched = (top_k >= vocab) & (top_p >= 1)
+    floor = floor.masked_fill(untouched, float("-inf"))
+    if may_need_the_row:
+        short = ~(in_candidates | untouched | ((top_k >= vocab) & (mass >= top_p)))
+        if bool(short.any()):  # one host sync, only when some row may need more than the candidates
+            rows = short.nonzero().squeeze(1)
+            ordered = scaled[rows].sort(dim=-1, descending=True).values
+            k = top_k[rows]
+            log_total = _top_values(ordered, k).logsumexp(-1)
+            floor[rows] = _cut(ordered, k, top_p[rows], log_total)[0]
+    return floor
+
+
+def _top_values(values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Sorted rows [M, W] with the entries past each row's top_k set to -inf."""
+    rank = torch.arange(values.shape[-1], device=values.device)[None, :]
+    return values.masked_fill(rank >= top_k[:, None], float("-inf"))
+
+
+def _cut(values: torch.Tensor, top_k, top_p, log_total) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted rows [M, W] (best first) -> (the value of the last entry kept: inside top_k, and
+    the mass ranked above it under top_p; the mass of the W entries within top_k), log_total:
+    the log of the mass they are normalised by."""
+    values = _top_values(values, top_k)
+    probs = (values - log_total[:, None]).exp()
+    mass_before = probs.cumsum(-1) - probs
+    rank = torch.arange(values.shape[-1], device=values.device)[None, :]
+    kept = (rank < top_k[:, None]) & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1))
+    last = (kept.sum(-1) - 1).clamp_min(0)
+    return values.gather(1, last[:, None]).squeeze(1), probs.sum(-1)
 
 
 def _top_k_top_p_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,13 @@ def check_race(kernels, v: int) -> None:
     assert got.tolist() == race_reference(x, inv_temp, uniforms).cpu().tolist()
     assert got[1].item() == x[1].argmax().item() and got[5].item() == x[5].argmax().item()
     assert got[2].item() >= v // 2 and got[4].item() == 3
+    # Floors: row 0 may draw only its logits at or above 5 (a handful), row 3 its 3 best.
+    floors = torch.full((6,), float("-inf"), device=DEVICE)
+    floors[0] = 5.0
+    floors[3] = (x[3].float() * 3.0).topk(3).values[-1]
+    floored = kernels.race_argmax_rows_triton(x, inv_temp, keys, floors).cpu()
+    assert floored.tolist() == race_reference(x, inv_temp, uniforms, floors).cpu().tolist()
+    assert x[0, floored[0]].item() >= 5.0 and floored[3].item() in x[3].topk(3).indices.tolist()
     # The same keys draw the same tokens; other keys, other tokens (flat rows: any column can win).
     flat = torch.zeros(6, v, device=DEVICE)
     ones = torch.ones(6, device=DEVICE)

@@ -192,3 +192,28 @@ def test_top_k_top_p_without_a_sort_equals_the_sorted_definition(temperature):
     assert torch.equal(fast[kept], reference[kept])
     # Row 5 truncates nothing; row 2 keeps exactly its top 40.
     assert kept[5].all() and int(kept[2].sum()) == 40
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0])
+def test_truncation_floor_is_the_least_logit_the_definition_keeps(temperature):
+    """The race's floor (`_truncation_floor`) is the least logit `_top_k_top_p_sorted` keeps, on
+    rows settled by the candidates and on rows that need the whole row; without top_k or top_p
+    there is no floor. Without rows that may need the whole row it settles from the candidates."""
+    from inference.sample.sampler import TOP_CANDIDATES, _top_k_top_p_sorted, _truncation_floor
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 5000
+    logits = torch.randn(8, vocab, generator=g) / temperature
+    logits[::2] *= 6
+    top_k = torch.tensor([0, 0, 40, 40, TOP_CANDIDATES + 300, 0, vocab, 3])
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.7, 0.95, 1.0, 0.999, 0.2])
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    kept = _top_k_top_p_sorted(logits, k, top_p)
+    least = kept.masked_fill(torch.isinf(kept), float("inf")).amin(-1)
+    floor = _truncation_floor(logits, k, top_p)
+    assert floor[5].item() == float("-inf")
+    others = [0, 1, 2, 3, 4, 6, 7]
+    assert torch.equal(floor[others], least[others])
+    assert ((logits >= floor[:, None]) == ~torch.isinf(kept))[others].all()  # no ties here
+    settled = [2, 3, 7]  # top_k within the candidates
+    assert torch.equal(_truncation_floor(logits[settled], k[settled], top_p[settled], False), least[settled])

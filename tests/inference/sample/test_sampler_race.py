@@ -34,9 +34,9 @@ def races(monkeypatch):
     monkeypatch.setattr(kernels, "CHUNK", 64)
     calls = []
 
-    def race(x, inv_temp, keys):
+    def race(x, inv_temp, keys, floors=None):
         calls.append(inv_temp.tolist())
-        return kernels.race_argmax_rows_triton(x, inv_temp, keys)
+        return kernels.race_argmax_rows_triton(x, inv_temp, keys, floors)
 
     monkeypatch.setattr(sampler_module, "on_triton", lambda x: x.dim() == 2 and x.stride(1) == 1)
     monkeypatch.setattr(sampler_module, "race_argmax_rows_triton", race)
@@ -66,19 +66,48 @@ def test_triton_race_follows_the_tempered_distribution(races):
 
 @needs_triton
 def test_triton_race_beside_greedy_and_truncating_rows(races):
-    """Greedy rows take their argmax and truncating rows the torch ops, in the same batch."""
-    logits = torch.linspace(1.0, 0.0, V).expand(3, V).clone()  # nearly flat
-    params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams()]
-    raced = set()
+    """Greedy rows take their argmax and truncating rows their cut, in the same launch."""
+    logits = torch.linspace(1.0, 0.0, V).expand(4, V).clone()  # nearly flat
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_k=3)]
+    raced, top_3 = set(), set()
     for _ in range(20):
         out = run(logits, params)
         assert out[0] == 0 and out[1] == 0
         raced.add(out[2])
-    assert len(raced) > 5
-    assert all(r == [0.0, 0.0, 1.0] for r in races)
+        top_3.add(out[3])
+    assert len(raced) > 5 and top_3 == {0, 1, 2}
+    assert all(r == [0.0, 1.0, 1.0, 1.0] for r in races)
     races.clear()
-    assert run(logits, [SamplingParams(temperature=0)] * 3) == [0, 0, 0] and not races  # no sampled row
-    assert run(logits, [SamplingParams(top_p=0.5)] * 3) and not races  # every sampled row truncates
+    assert run(logits, [SamplingParams(temperature=0)] * 4) == [0] * 4 and not races  # no sampled row
+
+
+def probs_logits(probs: list[float]) -> torch.Tensor:
+    """Logits [V] giving these probabilities to the first tokens and ~0 to the rest."""
+    p = torch.full((V,), 1e-9)
+    p[: len(probs)] = torch.tensor(probs)
+    return p.log()
+
+
+@needs_triton
+def test_triton_race_truncates_as_top_k_top_p_and_min_p_say(races):
+    """One launch, 150 rows each: top_k 3 of nearly flat logits draws only the 3 best; top_p 0.75
+    of (0.5, 0.3, 0.1, ...) only the first two, in proportion 5:3; min_p 0.3 of (0.5, 0.3, 0.1,
+    0.1) only the first two; at temperature 2, top_k 2 the two best, evenly enough."""
+    n = 150
+    cases = [
+        (torch.linspace(1.0, 0.0, V), SamplingParams(top_k=3)),
+        (probs_logits([0.5, 0.3, 0.1, 0.05, 0.05]), SamplingParams(top_p=0.75)),
+        (probs_logits([0.5, 0.3, 0.1, 0.1]), SamplingParams(min_p=0.3)),
+        (probs_logits([0.4, 0.35, 0.25]), SamplingParams(temperature=2.0, top_k=2)),
+    ]
+    logits = torch.cat([row.expand(n, V) for row, _ in cases])
+    torch.manual_seed(1)
+    out = torch.tensor(run(logits, [p for _, p in cases for _ in range(n)])).view(len(cases), n)
+    assert len(races) == 1
+    assert set(out[0].tolist()) == {0, 1, 2}
+    assert set(out[1].tolist()) == {0, 1} and abs((out[1] == 0).float().mean().item() - 0.625) < 0.12
+    assert set(out[2].tolist()) == {0, 1}
+    assert set(out[3].tolist()) == {0, 1} and 0.35 < (out[3] == 0).float().mean().item() < 0.7
 
 
 @needs_triton
