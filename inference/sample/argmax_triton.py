@@ -54,7 +54,7 @@ def race_reference(
     scaled = xf * inv_temp[:, None]
     raced_scores = scaled - torch.log(-torch.log(uniforms))
     if floors is not None:
-        raced_scores = raced_scores.masked_fill(scaled < floors[:, None], float("-inf"))
+        raced_scores = raced_scores.masked_fill(~(scaled >= floors[:, None]), float("-inf"))  # as the kernel
     return torch.where(inv_temp[:, None] > 0, raced_scores, xf).argmax(dim=-1)
 
 

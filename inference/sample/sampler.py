@@ -12,17 +12,20 @@ exactly. A seeded row draws its randomness from its own `torch.Generator`, so th
 gives the same tokens whatever else is in the batch. Logprobs are those of the model's raw
 distribution (log_softmax of the logits before any of the above), as OpenAI reports them. The
 argmaxes run `inference/sample/argmax_triton.py` on CUDA (one 201k-wide row is a single slow
-reduction for torch.argmax). There, every row races in that module's one-pass kernel, greedy
-rows beside sampled ones: one read of the logits, where the torch ops (`_race_in_torch`, the
-path elsewhere) read and write a dozen [N, V] tensors. Each sampled row's Philox key comes from
-the default CUDA generator, or from the row's own generator when seeded (one draw a step). A
-row that truncates (top_k / top_p / min_p) races above a floor, the least scaled logit its
-truncation keeps (`_floors`).
+reduction for torch.argmax). There, a step with a sampled row races all its rows in that
+module's one-pass kernel, greedy rows beside sampled ones: one read of the logits, where the
+torch ops (`_race_in_torch`, the path elsewhere) read and write a dozen [N, V] tensors. Each
+sampled row's Philox key comes from the default CUDA generator, or from the row's own generator
+when seeded (one draw a step). A row that truncates (top_k / top_p / min_p) races above a floor,
+the least scaled logit its truncation keeps (`_floors`); logits tied with the last one kept are
+kept too (the lm_head's logits are bf16 values, so ties happen), where the torch ops keep
+exactly top_k. top_k 1 takes the argmax.
 
 `Sampler.sample` only queues that work on the device and starts copying the ids (and logprobs)
-to the host: nothing in it waits for the stream (but a top_k / top_p row whose best candidates
-cannot settle its cut: `_top_k_top_p`), so with async scheduling the next step can be queued
-before this one's ids are read (`SampledTokens.result`). Calling the sampler does both.
+to the host: nothing in it waits for the stream, but for truncation that may need a whole row
+(a top_p without a top_k, or a top_k past the best candidates: `_truncation_floor`; on the
+torch path any top_k or top_p: `_top_k_top_p`). So with async scheduling the next step can be
+queued before this one's ids are read (`SampledTokens.result`). Calling the sampler does both.
 """
 
 from __future__ import annotations
@@ -142,13 +145,15 @@ class Sampler:
         device = logits.device
         inv_list = [0.0] * len(params)
         for i in rows:
-            inv_list[i] = 1.0 / params[i].temperature
+            # top_k 1 keeps one token: the argmax (its first index among tied logits, which a
+            # floor would keep whole).
+            inv_list[i] = 0.0 if params[i].top_k == 1 else 1.0 / params[i].temperature
         inv_temp = to_device(inv_list, torch.float32, device)
         keys = torch.randint(0, RACE_KEY_END, (len(params),), device=device)
         for i in rows:
             if generators[i] is not None:
                 keys[i : i + 1].random_(0, RACE_KEY_END, generator=generators[i])
-        truncating = [i for i in rows if params[i].truncates]
+        truncating = [i for i in rows if params[i].truncates and params[i].top_k != 1]
         floors = cls._floors(logits, inv_temp, params, truncating) if truncating else None
         return race_argmax_rows_triton(logits, inv_temp, keys, floors)
 
@@ -164,26 +169,30 @@ class Sampler:
         scaled = logits[index] * inv_temp[index, None]
         chosen = [params[i] for i in rows]
         floor = torch.full((len(rows),), float("-inf"), device=device)
-        if any(p.top_k > 0 or p.top_p < 1 for p in chosen):
-            vocab = scaled.shape[-1]
-            top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in chosen], torch.long, device)
+        vocab = scaled.shape[-1]
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in chosen]  # vocab: off
+        if any(k < vocab or p.top_p < 1 for k, p in zip(ks, chosen)):
+            top_k = to_device(ks, torch.long, device)
             top_p = to_device([max(p.top_p, 1.2e-38) for p in chosen], torch.float32, device)
             width = min(vocab, TOP_CANDIDATES)
-            k_max = max(p.top_k for p in chosen)
-            if all(p.top_p >= 1 for p in chosen) and k_max <= width:
+            k_max = max(k for k in ks if k < vocab) if any(k < vocab for k in ks) else 0
+            if all(p.top_p >= 1 for p in chosen) and 0 < k_max <= width:
                 # top_k alone: the k-th best value (rows without a top_k have no floor).
                 kth = scaled.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1)[:, None])
                 floor = kth.squeeze(1).masked_fill(top_k >= vocab, float("-inf"))
             else:
                 # Only a row with top_k beyond the candidates, or top_p without a top_k, can
                 # need the whole row (and the host synchronisation that decides it).
-                beyond = [p.top_k > width or (p.top_k == 0 and p.top_p < 1) for p in chosen]
+                beyond = [width < k < vocab or (k == vocab and p.top_p < 1) for k, p in zip(ks, chosen)]
                 floor = _truncation_floor(scaled, top_k, top_p, any(beyond))
         if any(p.min_p > 0 for p in chosen):
             # p >= min_p * p_max, with probabilities renormalised over the kept set: the same
             # inequality between logits, logit >= the best one + log(min_p).
             min_p = to_device([p.min_p for p in chosen], torch.float32, device)
             floor = torch.maximum(floor, scaled.amax(-1) + min_p.log())
+        # A NaN logit (a broken model) makes a NaN floor: +inf instead, where the kernel, which
+        # reads NaN as +inf, still finds that token.
+        floor = torch.where(floor.isnan(), float("inf"), floor)
         out = torch.full((len(params),), float("-inf"), device=device)
         out[index] = floor
         return out
@@ -348,9 +357,10 @@ def _top_values(values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def _cut(values: torch.Tensor, top_k, top_p, log_total) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted rows [M, W] (best first) -> (the value of the last entry kept: inside top_k, and
-    the mass ranked above it under top_p; the mass of the W entries within top_k), log_total:
-    the log of the mass they are normalised by."""
+    """Sorted rows [M, W] (best first), top_k and top_p [M], log_total [M] (the log of the mass
+    the probabilities are normalised by) -> (the value of the last entry kept, [M]; the mass of
+    the W entries within top_k, [M]). An entry is kept when it ranks within top_k and the mass
+    ranked above it is below top_p."""
     values = _top_values(values, top_k)
     probs = (values - log_total[:, None]).exp()
     mass_before = probs.cumsum(-1) - probs

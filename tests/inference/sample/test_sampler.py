@@ -217,3 +217,36 @@ def test_truncation_floor_is_the_least_logit_the_definition_keeps(temperature):
     assert ((logits >= floor[:, None]) == ~torch.isinf(kept))[others].all()  # no ties here
     settled = [2, 3, 7]  # top_k within the candidates
     assert torch.equal(_truncation_floor(logits[settled], k[settled], top_p[settled], False), least[settled])
+
+
+def test_race_floors_follow_each_truncation():
+    """`Sampler._floors` (the race's thresholds, torch ops only): top_k among -inf-masked logits,
+    top_k past the candidates, top_k at or past the vocabulary (no floor), min_p 1 (the best
+    only), top_p with min_p, rows without truncation, and a NaN logit (+inf, its token)."""
+    from inference.sample.sampler import TOP_CANDIDATES, _top_k_top_p_sorted
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 3000
+    logits = torch.randn(7, vocab, generator=g) * 2
+    logits[0, ::2] = float("-inf")
+    logits[6, 17] = float("nan")
+    params = [
+        SamplingParams(top_k=40),
+        SamplingParams(top_k=TOP_CANDIDATES + 100),
+        SamplingParams(top_k=vocab + 5),
+        SamplingParams(min_p=1.0),
+        SamplingParams(top_p=0.6, min_p=0.2, temperature=0.7),
+        SamplingParams(),
+        SamplingParams(top_k=5),
+    ]
+    inv_temp = torch.tensor([1 / p.temperature for p in params])
+    floors = Sampler._floors(logits, inv_temp, params, [0, 1, 2, 3, 4, 6])
+    scaled = logits * inv_temp[:, None]
+    assert (scaled[0] >= floors[0]).sum() == 40 and torch.isfinite(floors[0])
+    assert (scaled[1] >= floors[1]).sum() == TOP_CANDIDATES + 100
+    assert floors[2].item() == float("-inf") and floors[5].item() == float("-inf")
+    assert floors[3] == scaled[3].max()
+    kept = _top_k_top_p_sorted(scaled[4:5], torch.tensor([vocab]), torch.tensor([0.6]))[0]
+    least = kept[~torch.isinf(kept)].min()
+    assert floors[4] == torch.maximum(least, scaled[4].max() + math.log(0.2))
+    assert floors[6].item() == float("inf")

@@ -1,5 +1,5 @@
-"""The sampler with its one-pass race (the CUDA path for rows sampled without truncation), on a
-GPU or under Triton's interpreter: the same contract as the torch ops in test_sampler.py."""
+"""The sampler with its one-pass race (the CUDA path whenever a row is sampled), on a GPU or
+under Triton's interpreter: the same contract as the torch ops in test_sampler.py."""
 
 from __future__ import annotations
 
@@ -70,15 +70,24 @@ def test_triton_race_beside_greedy_and_truncating_rows(races):
     logits = torch.linspace(1.0, 0.0, V).expand(4, V).clone()  # nearly flat
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_k=3)]
     raced, top_3 = set(), set()
+    torch.manual_seed(2)
     for _ in range(20):
         out = run(logits, params)
         assert out[0] == 0 and out[1] == 0
         raced.add(out[2])
         top_3.add(out[3])
     assert len(raced) > 5 and top_3 == {0, 1, 2}
-    assert all(r == [0.0, 1.0, 1.0, 1.0] for r in races)
+    assert all(r == [0.0, 0.0, 1.0, 1.0] for r in races)  # top_k 1: the argmax
     races.clear()
     assert run(logits, [SamplingParams(temperature=0)] * 4) == [0] * 4 and not races  # no sampled row
+
+
+@needs_triton
+def test_triton_race_top_k_1_is_the_first_argmax(races):
+    """top_k 1 among tied best logits (bf16 logits tie) takes the first, as greedy does."""
+    logits = torch.zeros(6, V)
+    logits[:, [4, 9, 30]] = 2.0
+    assert run(logits, [SamplingParams(top_k=1)] * 3 + [SamplingParams(top_k=1, temperature=3.0)] * 3) == [4] * 6
 
 
 def probs_logits(probs: list[float]) -> torch.Tensor:
