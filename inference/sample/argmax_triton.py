@@ -61,14 +61,23 @@ def race_reference(
 if triton is not None:
 
     @triton.jit
+    def _logits(base, cols, V):
+        """A row's logits at cols as float32: -inf past V, NaN read as +inf."""
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        return tl.where(x != x, float("inf"), x)
+
+    @triton.jit
+    def _chunk_argmax(base, c, V, CHUNK: tl.constexpr):
+        """(max, its first index within the chunk) over a row's columns [c*CHUNK, (c+1)*CHUNK)."""
+        x = _logits(base, c * CHUNK + tl.arange(0, CHUNK), V)
+        return tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+
+    @triton.jit
     def _argmax_partial_kernel(X, part_value, part_index, V, stride_x, num_chunks, CHUNK: tl.constexpr):
         """Program (row, c): max and its first index over columns [c*CHUNK, (c+1)*CHUNK)."""
         row = tl.program_id(0)
         c = tl.program_id(1)
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        x = tl.where(x != x, float("inf"), x)
-        best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        best, where = _chunk_argmax(X + row.to(tl.int64) * stride_x, c, V, CHUNK)
         tl.store(part_value + row * num_chunks + c, best)
         tl.store(part_index + row * num_chunks + c, c * CHUNK + where)
 
@@ -94,9 +103,7 @@ if triton is not None:
     def _raced_quarter(base, cols, V, inv_t, floor, bits):
         """(max, first index) over one quarter of a chunk of x * inv_t - log(-log(u)), -inf where
         x * inv_t is below floor."""
-        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        x = tl.where(x != x, float("inf"), x)
-        scaled = x * inv_t
+        scaled = _logits(base, cols, V) * inv_t
         score = tl.where(scaled >= floor, scaled - tl.log(-tl.log(_uniforms(bits))), float("-inf"))
         return tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
 
@@ -126,10 +133,7 @@ if triton is not None:
             b, w = _raced_quarter(base, first + 3 * QUARTER, V, inv_t, floor, r3)
             best, where = tl.where(b > best, b, best), tl.where(b > best, w + 3 * QUARTER, where)
         else:
-            cols = c * CHUNK + tl.arange(0, CHUNK)
-            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            x = tl.where(x != x, float("inf"), x)
-            best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            best, where = _chunk_argmax(base, c, V, CHUNK)
         tl.store(part_value + row * num_chunks + c, best)
         tl.store(part_index + row * num_chunks + c, c * CHUNK + where)
 
@@ -149,20 +153,33 @@ if triton is not None:
         tl.store(dst + first + 3 * QUARTER, _uniforms(r3), mask=first + 3 * QUARTER < V)
 
 
-def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
-    """x: [N, V] (unit column stride, float) -> [N] int64 on x's device; see the module docstring."""
+def _rows_argmax(x: torch.Tensor, caller: str, launch_partial) -> torch.Tensor:
+    """The two launches both argmaxes share: launch_partial(part_value, part_index, chunks) runs
+    the (row, chunk) programs that fill each chunk's (max, first index), then
+    `_argmax_final_kernel` picks each row's best. x: [N, V] -> [N] int64 on x's device."""
     n, v = x.shape
     if x.stride(1) != 1:
-        raise ValueError("argmax_rows_triton needs rows with unit column stride")
+        raise ValueError(f"{caller} needs rows with unit column stride")
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     if n == 0:
         return out
     chunks = triton.cdiv(v, CHUNK)
     part_value = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
     part_index = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
-    _argmax_partial_kernel[(n, chunks)](x, part_value, part_index, v, x.stride(0), chunks, CHUNK=CHUNK, num_warps=4)
+    launch_partial(part_value, part_index, chunks)
     _argmax_final_kernel[(n,)](part_value, part_index, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
     return out
+
+
+def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, V] (unit column stride, float) -> [N] int64 on x's device; see the module docstring."""
+
+    def partial(part_value, part_index, chunks):
+        _argmax_partial_kernel[(x.shape[0], chunks)](
+            x, part_value, part_index, x.shape[1], x.stride(0), chunks, CHUNK=CHUNK, num_warps=4
+        )
+
+    return _rows_argmax(x, "argmax_rows_triton", partial)
 
 
 def race_argmax_rows_triton(
@@ -173,20 +190,13 @@ def race_argmax_rows_triton(
     raced row's least x * inv_temp that may be drawn (top_k / top_p / min_p as a threshold;
     -inf: none) -> [N] int64 on x's device: each raced row a draw from softmax(x * inv_temp)
     over its columns at or above its floor, the others their argmax (see the module docstring)."""
-    n, v = x.shape
-    if x.stride(1) != 1:
-        raise ValueError("race_argmax_rows_triton needs rows with unit column stride")
-    out = torch.empty(n, dtype=torch.int64, device=x.device)
-    if n == 0:
-        return out
-    chunks = triton.cdiv(v, CHUNK)
-    part_value = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
-    part_index = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
-    _race_partial_kernel[(n, chunks)](
-        x, inv_temp, keys, floors, part_value, part_index, v, x.stride(0), chunks, CHUNK=CHUNK, num_warps=4
-    )
-    _argmax_final_kernel[(n,)](part_value, part_index, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
-    return out
+
+    def partial(part_value, part_index, chunks):
+        _race_partial_kernel[(x.shape[0], chunks)](
+            x, inv_temp, keys, floors, part_value, part_index, x.shape[1], x.stride(0), chunks, CHUNK=CHUNK, num_warps=4
+        )
+
+    return _rows_argmax(x, "race_argmax_rows_triton", partial)
 
 
 def race_uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
