@@ -16,6 +16,7 @@ of its 53 MB at batch 1 still in the 50 MB L2), and its first kernel overlaps th
     python benchmarks/bench_moe.py
     python benchmarks/bench_moe.py --models 20b --batches 1,2048 --profile   # per-kernel times
     python benchmarks/bench_moe.py --sweep                                   # try launch configs
+    python benchmarks/bench_moe.py --variant narrow_blocks=1 --variant narrow_blocks=0   # these configs
     python benchmarks/bench_moe.py --batches 1 --persistent both             # one launch vs the GEMVs
     python benchmarks/bench_moe.py --backends triton,flashinfer --check      # both, vs the reference
     python benchmarks/bench_moe.py --backends triton,flashinfer --flashinfer-tactics   # each tactic
@@ -44,7 +45,7 @@ from cuda_timing import graph_replay_seconds  # noqa: E402
 from inference.ops.moe import persistent  # noqa: E402
 from inference.ops.moe.backend import TritonMoEBackend, model_output_dtype, select_moe_backend  # noqa: E402
 from inference.ops.moe.reference import ExpertWeights, MoEWeights, moe_reference, route  # noqa: E402
-from inference.ops.moe.triton import takes_decode_path  # noqa: E402
+from inference.ops.moe.triton import MoEKernelConfig, takes_decode_path  # noqa: E402
 
 HIDDEN = INTERMEDIATE = 2880
 TOP_K = 4
@@ -199,6 +200,27 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+def parse_variant(text: str) -> dict:
+    """Parse "narrow_blocks=0,block_m=64" into {"narrow_blocks": False, "block_m": 64}, typed by the
+    MoEKernelConfig field (ints, bools as 0/1, floats, None)."""
+    types = {f.name: f.type for f in dataclasses.fields(MoEKernelConfig)}
+    variant = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in types:
+            raise argparse.ArgumentTypeError(f"MoEKernelConfig has no field {name!r}")
+        kind = types[name]
+        if value == "None":
+            variant[name] = None
+        elif "bool" in kind:
+            variant[name] = value not in ("0", "false", "False")
+        elif "float" in kind:
+            variant[name] = float(value)
+        else:
+            variant[name] = int(value)
+    return variant
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="20b,120b")
@@ -217,6 +239,14 @@ def main() -> None:
     )
     ap.add_argument(
         "--sweep", action="store_true", help="also time the Triton variants in DECODE_SWEEP and GROUPED_SWEEP"
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        type=parse_variant,
+        metavar="FIELD=VALUE[,FIELD=VALUE]",
+        help="time the Triton backend with these MoEKernelConfig fields (repeatable; instead of the default "
+        "and the sweep), e.g. --variant narrow_blocks=1 --variant narrow_blocks=0",
     )
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times for the first model's batches")
     ap.add_argument(
@@ -306,7 +336,9 @@ def main() -> None:
                 if name == "triton":
                     default = backend.config
                     variants = [dict()]
-                    if args.sweep and t <= DECODE_SWEEP_MAX_BATCH:
+                    if args.variant:
+                        variants = args.variant
+                    elif args.sweep and t <= DECODE_SWEEP_MAX_BATCH:
                         variants = [
                             dict(decode_max_tokens=t, decode_max_pairs_per_expert=None, **v) for v in DECODE_SWEEP
                         ]

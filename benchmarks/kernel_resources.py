@@ -16,6 +16,7 @@ registers and shared memory it reports are not those of the kernels that run.
     python benchmarks/kernel_resources.py                            # MoEKernelConfig's shapes
     python benchmarks/kernel_resources.py --block-m 32,64 --stages 2,3 --warps 4,8
     python benchmarks/kernel_resources.py --maxnreg 128                # as MoEKernelConfig.maxnreg
+    python benchmarks/kernel_resources.py --narrow 0,1                 # without / with narrow blocks
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from inference.ops.moe import triton as moe  # noqa: E402
 
 _SHARED = dict(sorted_ptr="*i32", block_expert_ptr="*i32", w_ptr="*u8", s_ptr="*i32", b_ptr="*fp32")
 _INTS = ("H", "I", "E0", "E_LOCAL", "num_tiles", "num_pairs")
-_CONST = ("TOP_K", "BLOCK_M", "BLOCK_N", "LARGE_SCALES", "PACKED", "OPERAND", "PDL")
+_CONST = ("TOP_K", "BLOCK_M", "BLOCK_N", "LARGE_SCALES", "PACKED", "OPERAND", "NARROW", "PDL")
 SIGNATURES = {
     "gate_up": (
         moe._grouped_gate_up_kernel,
@@ -96,15 +97,24 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> int:
 
 
 def resources(
-    kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int = 90, maxnreg: int | None = None
+    kernel: str,
+    block_m: int,
+    block_n: int,
+    warps: int,
+    stages: int,
+    arch: int = 90,
+    maxnreg: int | None = None,
+    narrow: bool | None = None,
 ) -> dict:
     """Compile one grouped MoE kernel (bf16 activations, packed MXFP4 dequantisation, top-4) for
     sm_`arch` as a launch specialises it; {registers, spill_bytes, shared_bytes, wgmma, waits_0,
-    waits_other, programs_per_sm}."""
+    waits_other, programs_per_sm}. narrow: the half-width branch compiled too (None: as a launch
+    decides, `MoEKernelConfig.narrow_blocks` for blocks of 32 or more)."""
     fn, signature = SIGNATURES[kernel]
-    const = dict(
-        TOP_K=4, BLOCK_M=block_m, BLOCK_N=block_n, LARGE_SCALES=False, PACKED=True, OPERAND=tl.bfloat16, PDL=False
-    )
+    if narrow is None:
+        narrow = moe.DEFAULT_CONFIG.narrow_blocks and block_m >= 32
+    const = dict(TOP_K=4, BLOCK_M=block_m, BLOCK_N=block_n, LARGE_SCALES=False, PACKED=True, OPERAND=tl.bfloat16)
+    const |= dict(NARROW=narrow, PDL=False)
     src = ASTSource(
         fn=fn,
         signature={**signature, **dict.fromkeys(_CONST, "constexpr")},
@@ -117,6 +127,7 @@ def resources(
     usage = cubin_usage(compiled.asm["cubin"])
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
     return {
+        "narrow": narrow,
         "registers": usage["REG"],
         "spill_bytes": usage["STACK"],
         "shared_bytes": compiled.metadata.shared,
@@ -137,19 +148,22 @@ def main() -> None:
     ap.add_argument("--warps", type=ints, default=[cfg.warps])
     ap.add_argument("--stages", type=ints, default=[cfg.stages])
     ap.add_argument("--maxnreg", type=ints, default=[0], help="register caps a thread (0: none)")
+    ap.add_argument("--narrow", type=ints, default=None, help="0, 1: the half-width branch (default: as launched)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, compiled offline\n")
     print(
-        "| kernel | BLOCK_M | BLOCK_N | warps | stages | maxnreg | registers | spilled bytes | shared bytes | wgmma "
+        "| kernel | BLOCK_M | BLOCK_N | warps | stages | maxnreg | narrow | registers | spilled bytes | shared bytes | wgmma "
         "| waits of 0 | other waits | programs a multiprocessor |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kernel in args.kernels.split(","):
         block_ns = args.block_n or [cfg.block_n if kernel == "gate_up" else cfg.down_block_n]
-        for m, n, w, s, cap in itertools.product(args.block_m, block_ns, args.warps, args.stages, args.maxnreg):
-            r = resources(kernel, m, n, w, s, maxnreg=cap or None)
+        narrows = [None] if args.narrow is None else [bool(v) for v in args.narrow]
+        shapes = itertools.product(args.block_m, block_ns, args.warps, args.stages, args.maxnreg, narrows)
+        for m, n, w, s, cap, narrow in shapes:
+            r = resources(kernel, m, n, w, s, maxnreg=cap or None, narrow=narrow)
             print(
-                f"| {kernel} | {m} | {n} | {w} | {s} | {cap or '-'} | {r['registers']} | {r['spill_bytes']} | "
+                f"| {kernel} | {m} | {n} | {w} | {s} | {cap or '-'} | {r['narrow']} | {r['registers']} | {r['spill_bytes']} | "
                 f"{r['shared_bytes']} | {r['wgmma']} | {r['waits_0']} | {r['waits_other']} | {r['programs_per_sm']} |",
                 flush=True,
             )

@@ -962,6 +962,17 @@ def _align_kernel(
 
 
 @triton.jit
+def _block_rows(sorted_ptr, mb, BLOCK_M: tl.constexpr, NARROW: tl.constexpr):
+    """Whether block mb's real rows all sit in its first half: an expert's padding rows (-1)
+    come after its pairs, so one load at the middle tells. Such a block runs its MMAs BLOCK_M / 2
+    tokens wide: the same weights dequantised once, half the tensor-core work and activation
+    loads. (Smaller blocks instead would dequantise an expert's weights once a block.)"""
+    if NARROW:
+        return tl.load(sorted_ptr + mb * BLOCK_M + BLOCK_M // 2) < 0
+    return False
+
+
+@triton.jit
 def _grouped_gate_up_kernel(
     x_ptr,
     sorted_ptr,
@@ -985,6 +996,7 @@ def _grouped_gate_up_kernel(
     LARGE_SCALES: tl.constexpr,
     PACKED: tl.constexpr,
     OPERAND: tl.constexpr,
+    NARROW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """act[rows, n] = swiglu(gate, up) for one BLOCK_M-row block of one expert's pairs.
@@ -994,7 +1006,8 @@ def _grouped_gate_up_kernel(
     and scales are loaded in the operand's register layout and dequantised there (no shared-
     memory round trip); scales as 32-bit words (a tile pair's 4 bytes), which the pipeliner can
     copy ahead like the weights. E0, E_LOCAL: the experts held; blocks of the others (and past
-    the last, -1) return at once.
+    the last, -1) return at once. NARROW: a block whose pairs fill at most half of it runs
+    half as wide (`_block_rows`); its other rows of act are left unwritten.
     """
     wait_for_previous(PDL)
     mb = tl.program_id(1)
@@ -1002,7 +1015,40 @@ def _grouped_gate_up_kernel(
     if (e < E0) | (e >= E0 + E_LOCAL):
         return
     e = (e - E0).to(tl.int64)
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    args = (x_ptr, sorted_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, e, mb * BLOCK_M, num_tiles, num_pairs)
+    if _block_rows(sorted_ptr, mb, BLOCK_M, NARROW):
+        _gate_up_block(*args, stride_x, limit, alpha, TOP_K, BLOCK_M // 2, BLOCK_N, LARGE_SCALES, PACKED, OPERAND)
+    else:
+        _gate_up_block(*args, stride_x, limit, alpha, TOP_K, BLOCK_M, BLOCK_N, LARGE_SCALES, PACKED, OPERAND)
+
+
+@triton.jit
+def _gate_up_block(
+    x_ptr,
+    sorted_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    act_ptr,
+    H,
+    I,
+    e,
+    row0,
+    num_tiles,
+    num_pairs,
+    stride_x,
+    limit,
+    alpha,
+    TOP_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LARGE_SCALES: tl.constexpr,
+    PACKED: tl.constexpr,
+    OPERAND: tl.constexpr,
+):
+    """`_grouped_gate_up_kernel`'s work on rows [row0, row0 + ROWS) of the sorted pairs, expert e
+    (int64, among those held)."""
+    rows = row0 + tl.arange(0, ROWS)
     pair = tl.load(sorted_ptr + rows)
     valid = pair >= 0
     token = tl.where(valid, pair // TOP_K, 0)
@@ -1019,8 +1065,8 @@ def _grouped_gate_up_kernel(
     x_rows = x_ptr + token.to(tl.int64)[None, :] * stride_x + j[:, None]
     gate_bias = tl.load(b_ptr + e * 2 * I + n, mask=n_ok, other=0.0)  # before the loop, not after it
     up_bias = tl.load(b_ptr + e * 2 * I + I + n, mask=n_ok, other=0.0)
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     for step in range(0, num_tiles, 2):  # two tiles a step: the scale words' bytes at constant shifts
         sg_w = tl.load(sg + (step // 2) * CHUNK, mask=n_ok, other=0)
         su_w = tl.load(su + (step // 2) * CHUNK, mask=n_ok, other=0)
@@ -1067,18 +1113,50 @@ def _grouped_down_kernel(
     LARGE_SCALES: tl.constexpr,
     PACKED: tl.constexpr,
     OPERAND: tl.constexpr,
+    NARROW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[token, n] += gate * (act[row] W2[e]^T + b2[e]) for one block of one expert's rows
     (fp32 atomics: the k experts of a token meet in its output row, no extra pass). Loads and
-    dequantises like `_grouped_gate_up_kernel` (E0, E_LOCAL too)."""
+    dequantises like `_grouped_gate_up_kernel` (E0, E_LOCAL and NARROW too: a narrow block reads
+    only the rows of act that gate_up wrote)."""
     wait_for_previous(PDL)
     mb = tl.program_id(1)
     e = tl.load(block_expert_ptr + mb)
     if (e < E0) | (e >= E0 + E_LOCAL):
         return
     e = (e - E0).to(tl.int64)
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    args = (act_ptr, sorted_ptr, gates_ptr, w_ptr, s_ptr, b_ptr, out_ptr, H, I, e, mb * BLOCK_M, num_tiles, num_pairs)
+    if _block_rows(sorted_ptr, mb, BLOCK_M, NARROW):
+        _down_block(*args, TOP_K, BLOCK_M // 2, BLOCK_N, LARGE_SCALES, PACKED, OPERAND)
+    else:
+        _down_block(*args, TOP_K, BLOCK_M, BLOCK_N, LARGE_SCALES, PACKED, OPERAND)
+
+
+@triton.jit
+def _down_block(
+    act_ptr,
+    sorted_ptr,
+    gates_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    H,
+    I,
+    e,
+    row0,
+    num_tiles,
+    num_pairs,
+    TOP_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LARGE_SCALES: tl.constexpr,
+    PACKED: tl.constexpr,
+    OPERAND: tl.constexpr,
+):
+    """`_grouped_down_kernel`'s work on rows [row0, row0 + ROWS) of the sorted pairs, expert e."""
+    rows = row0 + tl.arange(0, ROWS)
     pair = tl.load(sorted_ptr + rows)
     valid = pair >= 0
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1090,7 +1168,7 @@ def _grouped_down_kernel(
     a_rows = act_ptr + rows.to(tl.int64)[None, :] * I + j[:, None]
     gate = tl.load(gates_ptr + pair, mask=valid, other=0.0)  # the epilogue's reads, before the loop
     bias = tl.load(b_ptr + e * H + n, mask=n_ok, other=0.0)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     for step in range(0, num_tiles, 2):
         s_w = tl.load(s_words + (step // 2) * _GROUP, mask=n_ok, other=0)
         for half in tl.static_range(2):
@@ -1136,6 +1214,9 @@ class MoEKernelConfig:
     router_block_k: int = 64  # grouped path router: hidden values per loop step
     router_programs: int = 64  # grouped path router: split H until about this many programs
     block_m: int | None = None  # grouped path tokens per block; None: by tokens per expert (`_block_m`)
+    # Blocks of 32 or more whose pairs fill at most half of them run their MMAs half as wide
+    # (`_block_rows`): an expert's last block, and at decode batches most blocks.
+    narrow_blocks: bool = True
     block_n: int = 64  # grouped gate_up: weight rows (of gates, and as many of ups) per program
     warps: int = 4
     down_block_n: int = 64  # grouped down: weight rows per program
@@ -1456,6 +1537,7 @@ def _moe(x, add_norm, w, top_k, swiglu_limit, config, out_dtype, valid_tokens=No
         LARGE_SCALES=w.large_scales,
         PACKED=packed,
         OPERAND=operand,
+        NARROW=cfg.narrow_blocks and block_m >= 32,  # (tl.dot's sizes start at 16)
         num_stages=cfg.stages,
         **pdl,
     )

@@ -805,6 +805,27 @@ def test_triton_grouped_many_tokens_and_block_sizes():
 
 
 @needs_triton
+def test_triton_narrow_blocks_match_wide_ones():
+    """A block whose pairs fill at most half of it runs half as wide (`_block_rows`): skewed
+    routing gives full blocks, an expert's half-empty last block and a lone small block in one
+    batch, and the output is the reference's with narrow blocks on and off, at two block sizes."""
+    mt = _kernels()
+    w = make_weights(4, 64, 64, seed=12)
+    w.router_bias = torch.tensor([2.0, 0.5, 0, -1.0], dtype=DTYPE, device=DEVICE)
+    x = torch.randn(67, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE, DTYPE)
+    ref = reference(x, w, 2)
+    counts = torch.bincount(route(x.float(), float_copy(w), 2)[0].flatten(), minlength=4).tolist()  # [65, 44, 17, 8]
+    for block_m in (32, 64):
+        tails = [c % block_m for c in counts if c]
+        assert any(c > block_m for c in counts) and any(0 < t <= block_m // 2 for t in tails), (counts, block_m)
+        assert any(t == 0 or t > block_m // 2 for t in tails), (counts, block_m)  # and a wide last block
+        for narrow in (True, False):
+            config = mt.MoEKernelConfig(decode_max_tokens=0, block_m=block_m, block_n=32, narrow_blocks=narrow)
+            backend = triton_backend(config)
+            assert_close(backend.forward(x, prepared_copy(backend, w), 2, LIMIT), ref, TOL)
+
+
+@needs_triton
 def test_triton_decode_path_by_batch_and_experts():
     """The GEMVs take a batch up to decode_max_tokens tokens with no more (token, slot) pairs
     than experts: 20b (32 experts, top-4) up to 8 tokens, 120b (128) up to 16."""
