@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from copy_bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/, the script's folder)
 from cuda_timing import time_events, time_graph, time_graph_calls  # noqa: E402
 
-from inference.kernels import attention_triton as at  # noqa: E402
+from inference.ops.attention import triton as at  # noqa: E402
 from inference.ops.attention.reference import AttentionMetadata  # noqa: E402
 from inference.ops.attention.rope_cache import rope_and_write_kv_triton  # noqa: E402
 
