@@ -312,9 +312,10 @@ def main() -> None:
     print("\ndecode attention, one layer (split-K, CUDA graph replay)")
     print(f"{'layer':>8} {'batch':>5} {'context':>7} {'splits':>6} {'block_n':>7} {'us':>9} {'TB/s':>6} {'of copy':>7}")
     for window in (None, WINDOW) if "decode" in sections else ():
-        for batch in (1, 32, 64, 128):
-            for context in (1024, 8192, 32768):
-                if window and context != 8192:
+        for batch in (1, 32, 64, 128, 256, 512):
+            # serving batches (256, 512) at a serving run's contexts; the pool holds 4.2M keys
+            for context in (1024, 8192, 32768) if batch <= 128 else (1024, 2048):
+                if window and context not in (8192, 2048):
                     continue
                 r = bench_decode(pool, batch, context, window, at.DECODE)
                 tbs = r["bytes"] / r["seconds"]
@@ -398,12 +399,14 @@ def main() -> None:
                 flush=True,
             )
 
-    if args.sweep:
+    if args.sweep and "decode" in sections:
         print("\nsweep: decode, full layer")
         default = at.DECODE
         grid = [(64, 8192, n, w, st, None) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
         grid += [(64, 8192, 32, default.num_warps, default.num_stages, sp) for sp in (1, 2, 4, 8)]
         grid += [(b, c, n, w, 3, None) for b, c in ((1, 32768), (128, 1024)) for n in (32, 64, 128) for w in (4, 8)]
+        # serving batches: 2,048 or 4,096 (sequence, KV head) programs, no splits
+        grid += [(b, 2048, n, w, st, None) for b in (256, 512) for n in (32, 64) for w in (2, 4, 8) for st in (2, 3, 4)]
         for batch, context, block_n, warps, stages, splits in grid:
             cfg = at.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
             try:
@@ -428,6 +431,7 @@ def main() -> None:
                 f"{r['seconds'] * 1e6:.1f} us {frac:.0%}",
                 flush=True,
             )
+    if args.sweep and "prefill" in sections:
         print("\nsweep: prefill 8k")
         grid = [(None, rows, n, w, 3) for rows in (64, 128) for n in (64, 128) for w in (4, 8)]
         grid += [(WINDOW, rows, 64, w, st) for rows in (32, 64, 128) for w in (4, 8) for st in (2, 3)]

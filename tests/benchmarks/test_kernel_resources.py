@@ -27,8 +27,9 @@ def test_grouped_down_kernel_compiles_for_hopper_offline():
     ).stdout
     rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| down |")]
     assert [r[1] for r in rows] == ["16", "64"]
+    assert [r[6] for r in rows] == ["False", "True"]  # narrow blocks from 32 tokens, as launched
     names = ("registers", "spilled", "shared", "wgmma", "waits0", "waits", "programs")
-    (small, wide) = [dict(zip(names, map(int, r[6:]))) for r in rows]
+    (small, wide) = [dict(zip(names, map(int, r[7:]))) for r in rows]
     for r in (small, wide):
         assert 0 < r["registers"] <= 255 and r["wgmma"] > 0  # Hopper's tensor-core MMA
         assert r["waits0"] + r["waits"] > 0

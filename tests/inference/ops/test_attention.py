@@ -304,10 +304,12 @@ def test_triton_decode_splits(splits):
 def test_triton_decode_split_count():
     """No split up to min_chunk keys (a sliding layer's window); past it, as many splits as fit
     in 4 programs a multiprocessor (rounded down), none under split_keys keys; 64-key steps
-    while the grid stays within those programs, 32-key steps past them."""
+    while the grid stays within those programs, 32-key steps past them, and 64-key steps in
+    2-warp programs past 12 a multiprocessor (serving batches)."""
     attention_triton, _ = _kernel_modules()
     splits = attention_triton.decode_num_splits
     block_n = attention_triton.decode_block_n
+    warps = attention_triton.decode_num_warps
     assert splits(1, 8, 128, 132) == 1  # batch 1, sliding layer
     assert splits(1, 8, 1024, 132) == 16  # batch 1, 1k keys: one 64-key block a split
     assert splits(1, 8, 32768, 132) == 66  # 4 programs a multiprocessor
@@ -317,6 +319,11 @@ def test_triton_decode_split_count():
     assert block_n(1, 8, 66, 132) == 64 and block_n(64, 8, 1, 132) == 64 and block_n(32, 8, 2, 132) == 64
     assert block_n(128, 8, 1, 132) == 32 and block_n(64, 8, 2, 132) == 32
     assert block_n(128, 8, 1, 132, attention_triton.DecodeConfig(block_n=64)) == 64
+    assert warps(128, 8, 1, 132) == 4 and warps(64, 8, 1, 132) == 4 and warps(1, 8, 66, 132) == 4
+    assert block_n(256, 8, 1, 132) == 64 and warps(256, 8, 1, 132) == 2  # 2,048 programs
+    assert block_n(198, 8, 1, 132) == 32 and warps(198, 8, 1, 132) == 4  # 1,584: 12 a multiprocessor
+    assert block_n(512, 8, 1, 132) == 64 and warps(512, 8, 1, 132) == 2
+    assert warps(256, 8, 1, 132, attention_triton.DecodeConfig(num_warps=4)) == 4
 
 
 def newest_slots(meta, table, page_size):
