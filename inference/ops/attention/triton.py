@@ -523,7 +523,8 @@ class DecodeConfig:
     block_n: keys per loop step: 64 while the grid (splits included) has at most `waves`
     programs a multiprocessor, 32 past that (an H200 sweep, docs/benchmark-log.md: at 64 sequences
     x 1k keys one split of 64-key steps takes 40.6 us against 45.7 for two of 32-key steps; at
-    128 sequences, 1024 programs, 32-key steps win).
+    128 sequences, 1024 programs, 32-key steps win), and 64 again in 2-warp programs past
+    `wide_waves` (`decode_num_warps`).
     """
 
     block_n: int | None = None
@@ -698,7 +699,7 @@ def warm_up_mixed_decode(
     num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, windows, dtype, device
 ) -> None:
     """Compile the decode kernel's variants that mixed steps launch (their leading decode rows,
-    keys already in the cache): one split, each keys-a-step size, each window. No CUDA graph
+    keys already in the cache): one split, each launch shape, each window. No CUDA graph
     capture compiles them (graphs fold RoPE and the cache write in), so without this each would
     compile the first time prompts join a batch of its shape: 30 s of stalls in the first
     serving run on an H200 (docs/benchmark-log.md). The dummies have the engine's dtypes and a
@@ -720,8 +721,8 @@ def warm_up_mixed_decode(
         context_lens_list=[page_size] * rows,
     )
     for window in windows:
-        for block_n in (32, 64):
-            cfg = dataclasses.replace(DECODE, num_splits=1, block_n=block_n)
+        for block_n, warps in ((32, 4), (64, 4), (64, 2)):  # what decode_block_n, decode_num_warps pick
+            cfg = dataclasses.replace(DECODE, num_splits=1, block_n=block_n, num_warps=warps)
             _decode(q, cache, cache, meta, table, sinks, 1.0, window, torch.empty_like(q), cfg)
 
 

@@ -326,6 +326,19 @@ def test_triton_decode_split_count():
     assert warps(256, 8, 1, 132, attention_triton.DecodeConfig(num_warps=4)) == 4
 
 
+@needs_triton
+def test_triton_mixed_decode_warm_up_covers_every_launch_shape(monkeypatch):
+    """`warm_up_mixed_decode` compiles each (keys a step, warps) that the decode rules pick for a
+    mixed step's decode rows (one split), whatever their count, so none compiles while serving."""
+    attention_triton, _ = _kernel_modules()
+    warmed = set()
+    monkeypatch.setattr(attention_triton, "_decode", lambda *args: warmed.add((args[-1].block_n, args[-1].num_warps)))
+    attention_triton.warm_up_mixed_decode(64, 8, 64, 16, [None, 128], torch.float32, "cpu")
+    pick = attention_triton.decode_block_n, attention_triton.decode_num_warps
+    shapes = {tuple(f(rows, 8, 1, sm) for f in pick) for rows in range(1, 1025) for sm in (78, 114, 132)}
+    assert shapes == warmed == {(32, 4), (64, 4), (64, 2)}
+
+
 def newest_slots(meta, table, page_size):
     """The physical slot of each sequence's newest position (where its new K/V belong)."""
     slots = []
