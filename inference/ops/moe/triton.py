@@ -19,6 +19,8 @@ load time into the layout below; `fused_moe` runs one MoE block. Two paths:
     align: (token, slot) pairs grouped by expert into BLOCK_M-row blocks
     gate_up grouped GEMM + SwiGLU epilogue, rows in expert order                     act [R, I]
     down grouped GEMM, routing-weighted atomic adds into the fp32 output rows        [T, H]
+    (BLOCK_M leaves room for the spread of pairs an expert, `_block_m`; a block at most half
+    full runs both GEMMs half as wide, `_block_rows`)
 
 Nothing here reads a GPU value on the host, so both paths can be captured in a CUDA graph.
 The fp32 atomics make the order of a token's k expert sums vary between runs (float rounding).
