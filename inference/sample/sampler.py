@@ -300,15 +300,12 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     vocab = scaled.shape[-1]
     width = min(vocab, TOP_CANDIDATES)
     values, order = scaled.topk(width, dim=-1)  # sorted, best first
-    rank = torch.arange(width, device=scaled.device)[None, :]
-    values = values.masked_fill(rank >= top_k[:, None], float("-inf"))
+    values = _top_values(values, top_k)
     # Renormalise over the top_k set: inside the candidates, or (top_k off) the whole row.
     log_total = torch.where(top_k <= width, values.logsumexp(-1), scaled.logsumexp(-1))
-    probs = (values - log_total[:, None]).exp()
-    mass_before = probs.cumsum(-1) - probs
-    values = values.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1), float("-inf"))
-    out = torch.full_like(scaled, float("-inf")).scatter_(1, order, values)
-    fits = (top_k <= width) | ((top_k >= vocab) & (probs.sum(-1) >= top_p))
+    kept, mass = _kept(values, top_k, top_p, log_total)
+    out = torch.full_like(scaled, float("-inf")).scatter_(1, order, values.masked_fill(~kept, float("-inf")))
+    fits = (top_k <= width) | ((top_k >= vocab) & (mass >= top_p))
     untouched = (top_k >= vocab) & (top_p >= 1)
     out = torch.where(untouched[:, None], scaled, out)
     slow = ~(fits | untouched)
@@ -329,13 +326,12 @@ def _truncation_floor(
     the candidates, or a top_p and no top_k)."""
     vocab = scaled.shape[-1]
     width = min(vocab, TOP_CANDIDATES)
-    values = scaled.topk(width, dim=-1).values  # sorted, best first
+    values = _top_values(scaled.topk(width, dim=-1).values, top_k)  # sorted, best first
     in_candidates = top_k <= width
     if may_need_the_row:
-        whole = scaled.logsumexp(-1)
-        log_total = torch.where(in_candidates, _top_values(values, top_k).logsumexp(-1), whole)
+        log_total = torch.where(in_candidates, values.logsumexp(-1), scaled.logsumexp(-1))
     else:
-        log_total = _top_values(values, top_k).logsumexp(-1)
+        log_total = values.logsumexp(-1)
     floor, mass = _cut(values, top_k, top_p, log_total)
     untouched = (top_k >= vocab) & (top_p >= 1)
     floor = floor.masked_fill(untouched, float("-inf"))
@@ -343,10 +339,9 @@ def _truncation_floor(
         short = ~(in_candidates | untouched | ((top_k >= vocab) & (mass >= top_p)))
         if bool(short.any()):  # one host sync, only when some row may need more than the candidates
             rows = short.nonzero().squeeze(1)
-            ordered = scaled[rows].sort(dim=-1, descending=True).values
             k = top_k[rows]
-            log_total = _top_values(ordered, k).logsumexp(-1)
-            floor[rows] = _cut(ordered, k, top_p[rows], log_total)[0]
+            ordered = _top_values(scaled[rows].sort(dim=-1, descending=True).values, k)
+            floor[rows] = _cut(ordered, k, top_p[rows], ordered.logsumexp(-1))[0]
     return floor
 
 
@@ -356,18 +351,24 @@ def _top_values(values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(rank >= top_k[:, None], float("-inf"))
 
 
-def _cut(values: torch.Tensor, top_k, top_p, log_total) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted rows [M, W] (best first), top_k and top_p [M], log_total [M] (the log of the mass
-    the probabilities are normalised by) -> (the value of the last entry kept, [M]; the mass of
-    the W entries within top_k, [M]). An entry is kept when it ranks within top_k and the mass
-    ranked above it is below top_p."""
-    values = _top_values(values, top_k)
+def _kept(values: torch.Tensor, top_k, top_p, log_total) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted rows [M, W] (best first, -inf past each row's top_k: `_top_values`), top_k and
+    top_p [M], log_total [M] (the log of the mass the probabilities are normalised by) -> (which
+    entries are kept, [M, W] bool; the mass of the W entries within top_k, [M]). An entry is kept
+    when it ranks within top_k and the mass ranked above it is below top_p."""
     probs = (values - log_total[:, None]).exp()
     mass_before = probs.cumsum(-1) - probs
     rank = torch.arange(values.shape[-1], device=values.device)[None, :]
     kept = (rank < top_k[:, None]) & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1))
+    return kept, probs.sum(-1)
+
+
+def _cut(values: torch.Tensor, top_k, top_p, log_total) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `_kept` takes them -> (the value of the last entry kept, [M]; the mass of the W entries
+    within top_k, [M])."""
+    kept, mass = _kept(values, top_k, top_p, log_total)
     last = (kept.sum(-1) - 1).clamp_min(0)
-    return values.gather(1, last[:, None]).squeeze(1), probs.sum(-1)
+    return values.gather(1, last[:, None]).squeeze(1), mass
 
 
 def _top_k_top_p_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
