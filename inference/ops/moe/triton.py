@@ -1221,7 +1221,10 @@ class MoEKernelConfig:
     narrow_blocks: bool = True
     block_n: int = 64  # grouped gate_up: weight rows (of gates, and as many of ups) per program
     warps: int = 4
-    down_block_n: int = 64  # grouped down: weight rows per program
+    # grouped down: weight rows per program. 128 reads each activation tile half as often: 1-3%
+    # faster than 64 at most sizes (20b 12-128 and 640-1,280 tokens, 120b 32-256 and 3-4k),
+    # within 1.5% elsewhere (docs/benchmark-log.md).
+    down_block_n: int = 128
     down_warps: int | None = None  # None: warps
     stages: int = 3  # grouped path: loop steps (of two K tiles) loaded ahead
     # Register caps a thread for the grouped gate_up and down kernels (None: the compiler's
@@ -1267,11 +1270,12 @@ def _block_m(pairs: int, num_experts: int, config: MoEKernelConfig) -> int:
     # Room for 1.5x the mean pairs an expert: routing scatters the counts around the mean, and a
     # count past the block size dequantises the expert's weights twice, which costs more than
     # the MMA columns a half-empty block wastes (at 16 pairs an expert 32-token blocks beat 16
-    # by 22%). 128-token blocks need twice the registers (half the programs resident), which
-    # pays only once the mean count fills 1.5 of them (at 64 and 128 pairs an expert, 64-token
-    # blocks beat 128 by 10% and 2%, at 256 128 wins by 6%; docs/benchmark-log.md).
+    # by 22%). 128-token blocks need twice the registers (half the programs resident); past 64
+    # pairs an expert they dequantise each weight fewer times, and with the narrow blocks that
+    # pays (20b at 80 / 96 / 128 / 160 pairs an expert: 6-8 / 10-12 / 3-6 / 2-3% faster, at 64
+    # within 1%; 120b at 96-128 13-16% faster, at 40 11% slower; docs/benchmark-log.md).
     per_expert = pairs / num_experts
-    if per_expert >= 192:
+    if per_expert > 64:
         return 128
     return min(64, max(16, triton.next_power_of_2(math.ceil(1.5 * per_expert))))
 

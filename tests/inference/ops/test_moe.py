@@ -792,7 +792,7 @@ def test_triton_grouped_many_tokens_and_block_sizes():
     w = make_weights(4, 64, 64, seed=5)
     x = torch.randn(45, 64, device=DEVICE).to(DTYPE)
     ref = reference(x, w, 2)
-    for block_m, down_n in ((16, 128), (32, 16), (64, 64), (128, 64)):
+    for block_m, down_n in ((16, 128), (32, 16), (64, 64), (128, 64), (128, 128)):
         config = mt.MoEKernelConfig(
             decode_max_tokens=0,
             block_m=block_m,
@@ -839,14 +839,15 @@ def test_triton_decode_path_by_batch_and_experts():
 @needs_triton
 def test_triton_grouped_block_size_leaves_room_for_the_spread():
     """Blocks hold 1.5x the mean pairs an expert (16..64 tokens), so a typical expert's pairs
-    fit one block; 128-token blocks once the mean fills 1.5 of them; a configured size wins."""
+    fit one block; 128-token blocks past 64 pairs an expert; a configured size wins."""
     mt = _kernels()
     pick = lambda pairs, experts: mt._block_m(pairs, experts, mt.DEFAULT_CONFIG)  # noqa: E731
     assert pick(4 * 64, 32) == 16  # 8 an expert (20b, batch 64)
     assert pick(4 * 128, 32) == 32  # 16 an expert (batch 128)
     assert pick(4 * 256, 32) == 64  # 32 an expert
-    assert pick(4 * 512, 32) == 64 and pick(4 * 1024, 32) == 64  # 64 and 128 an expert
-    assert pick(4 * 2048, 32) == 128  # 256 an expert (20b, a 2048-token prefill chunk)
+    assert pick(4 * 512, 32) == 64  # 64 an expert (20b, 512 sequences decoding)
+    assert pick(4 * 640, 32) == 128 and pick(4 * 1280, 32) == 128  # 80, 160 (a mixed step)
+    assert pick(4 * 1280, 128) == 64  # 40 an expert (120b, a mixed step)
     assert pick(4 * 64, 128) == 16 and pick(4 * 8192, 32) == 128  # the bounds
     for pairs, experts in ((256, 32), (700, 32), (2048, 128), (5000, 128)):
         assert pick(pairs, experts) >= min(64, 1.5 * pairs / experts)
