@@ -1221,9 +1221,9 @@ class MoEKernelConfig:
     narrow_blocks: bool = True
     block_n: int = 64  # grouped gate_up: weight rows (of gates, and as many of ups) per program
     warps: int = 4
-    # grouped down: weight rows per program. 128 reads each activation tile half as often: 1-3%
-    # faster than 64 at most sizes (20b 12-128 and 640-1,280 tokens, 120b 32-256 and 3-4k),
-    # within 1.5% elsewhere (docs/benchmark-log.md).
+    # grouped down: weight rows per program. 128 reads each activation tile half as often: up
+    # to 3% faster than 64 at most sizes (20b 12-128 and 640-1,280 tokens, 120b 32-256 and
+    # 3-4k), within 1.5% elsewhere (docs/benchmark-log.md).
     down_block_n: int = 128
     down_warps: int | None = None  # None: warps
     stages: int = 3  # grouped path: loop steps (of two K tiles) loaded ahead
