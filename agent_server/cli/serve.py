@@ -15,6 +15,7 @@ from pathlib import Path
 
 from agent_server import default_model
 from agent_server.http_limits import HttpLimits
+from inference.config import EngineConfig
 
 log = logging.getLogger("oss_agent")
 
@@ -110,7 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="KV cache size in pages (16 tokens each by default), instead of sizing it from memory",
     )
-    parser.add_argument("--max-num-seqs", type=positive_int, help="most sequences in one batch (default: 256)")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        help=f"most sequences in one batch (default: {EngineConfig.max_num_seqs})",
+    )
     parser.add_argument(
         "--speculative",
         choices=["ngram", "eagle3"],

@@ -36,8 +36,7 @@ from inference.runner.vocab_parallel import vocab_parallel_argmax
 
 log = logging.getLogger(__name__)
 
-# Decode graphs are captured up to the smallest size holding `max_num_seqs` (256 by default; the
-# sizes past it are for engines configured for more sequences).
+# Decode graphs are captured up to the smallest size holding `max_num_seqs` (512 by default).
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.config import ModelConfig
+from inference.config import EngineConfig, ModelConfig
 
 
 def hash_page(previous: int | None, tokens: list[int]) -> int:
@@ -427,8 +427,8 @@ def plan_cache(
     memory_bytes: int | None = None,
     num_pages: int | None = None,
     num_sliding_pages: int | None = None,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = EngineConfig.max_num_seqs,
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
     max_model_len: int | None = None,
     extra_full_page_bytes: int = 0,
 ) -> CachePlan:
