@@ -1,7 +1,7 @@
 """Attention kernel benchmark: paged sink attention (decode and prefill), the RoPE + KV write, and
 the decode kernel with the step's RoPE + KV write folded in (`--only new-kv`).
 
-gpt-oss shapes (64 query heads, 8 KV heads, head_dim 64, bf16 cache, 16-token pages scattered
+gpt-oss shapes (64 query heads, 8 KV heads, head_dim 64, bf16 or fp8 cache, 16-token pages scattered
 at random over the pool). Prints, beside each time, what fraction of the GPU's measured ceilings
 it reaches: device-to-device copy bandwidth (bytes read + written) for decode, where the floor is
 reading every K/V entry once, and a large bf16 matmul's rate for prefill (causal FLOPs counted
@@ -52,13 +52,14 @@ def matmul_flops() -> float:
 
 
 class KVPool:
-    """One big bf16 K/V cache; each `table` call scatters sequences over random pages."""
+    """One big K/V cache (bf16, or fp8 with `--kv-dtype fp8`); each `table` call scatters
+    sequences over random pages."""
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, dtype: torch.dtype = torch.bfloat16):
         self.num_pages = max_tokens // PAGE
         shape = (self.num_pages, PAGE, HKV, D)
-        self.k = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
-        self.v = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+        self.k = torch.randn(shape, device=DEV, dtype=torch.bfloat16).to(dtype)
+        self.v = torch.randn(shape, device=DEV, dtype=torch.bfloat16).to(dtype)
 
     def table(self, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
         pages = -(-context // PAGE)
@@ -87,7 +88,7 @@ def bench_decode(pool: KVPool, batch: int, context: int, window, cfg: at.DecodeC
     """Seconds per decode attention call (one layer), measured over CUDA graph replays."""
     gen = torch.Generator().manual_seed(batch * 100003 + context)
     keys = min(context, window) if window else context
-    kv_bytes = batch * keys * HKV * D * BYTES * 2
+    kv_bytes = batch * keys * HKV * D * pool.k.element_size() * 2
     rotations = max(1, min(8, math.ceil(400e6 / kv_bytes)))  # several tables: stay out of L2
     steps = []
     for _ in range(rotations):
@@ -289,7 +290,15 @@ def main() -> None:
     ap.add_argument(
         "--only", default="", help="comma-separated sections to run (decode, prefill, rope, new-kv); default: all"
     )
+    ap.add_argument(
+        "--kv-dtype",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="the cache's dtype (fp8: float8 e4m3, `EngineConfig.kv_cache_dtype`)",
+    )
     args = ap.parse_args()
+    if args.kv_dtype == "fp8" and args.flashinfer:
+        ap.error("--flashinfer times bf16 caches only")
     sections = set(filter(None, args.only.split(","))) or {"decode", "prefill", "rope", "new-kv"}
     fi_kernels = [k for k in args.flashinfer.split(",") if k]
     workspace = None
@@ -307,7 +316,8 @@ def main() -> None:
     )
     print(header, flush=True)
     results: dict = {"header": header, "copy_bw": bw, "matmul_flops": flops, "decode": [], "prefill": [], "sweep": []}
-    pool = KVPool(128 * 32768 + 8 * 1024)
+    pool = KVPool(128 * 32768 + 8 * 1024, torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16)
+    print(f"K/V cache: {pool.k.dtype}")
 
     print("\ndecode attention, one layer (split-K, CUDA graph replay)")
     print(f"{'layer':>8} {'batch':>5} {'context':>7} {'splits':>6} {'block_n':>7} {'us':>9} {'TB/s':>6} {'of copy':>7}")

@@ -59,7 +59,7 @@ from matmul_rate import matmul_rate  # noqa: E402
 from inference.config import GPT_OSS_SHAPES, ModelConfig  # noqa: E402
 from inference.model.gpt_oss import GptOssModel  # noqa: E402
 from inference.model.tiny_checkpoint import hf_config_dict  # noqa: E402
-from inference.ops.attention.reference import AttentionMetadata  # noqa: E402
+from inference.ops.attention.reference import FP8_KV_DTYPE, AttentionMetadata  # noqa: E402
 from inference.runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from inference.spec_decode.drafter import DraftContext  # noqa: E402
 
@@ -75,15 +75,15 @@ def expert_and_router_bytes(c: ModelConfig) -> tuple[float, float]:
     return expert, (c.num_local_experts * h + c.num_local_experts) * 2
 
 
-def bytes_per_token(c: ModelConfig, context: int) -> dict[str, float]:
-    """Bytes one batch-1 decode step must read (weights + KV), by part."""
+def bytes_per_token(c: ModelConfig, context: int, kv_element: int = 2) -> dict[str, float]:
+    """Bytes one batch-1 decode step must read (weights + KV at kv_element bytes a value), by part."""
     h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv + h)) * 2 + c.num_attention_heads * 4 + 2 * h * 2
     expert_weights, router = expert_and_router_bytes(c)
     kv_bytes = 0.0
     for layer in range(c.num_hidden_layers):
         seen = min(context, c.sliding_window) if c.is_sliding(layer) else context
-        kv_bytes += seen * 2 * kv * 2
+        kv_bytes += seen * 2 * kv * kv_element
     return {
         "attention": c.num_hidden_layers * attn,
         "experts": c.num_hidden_layers * (c.num_experts_per_tok * expert_weights + router),
@@ -92,12 +92,12 @@ def bytes_per_token(c: ModelConfig, context: int) -> dict[str, float]:
     }
 
 
-def step_roofline(c: ModelConfig, batch: int, context: int) -> dict[str, float]:
+def step_roofline(c: ModelConfig, batch: int, context: int, kv_element: int = 2) -> dict[str, float]:
     """What one decode step of `batch` sequences at `context` tokens each must move and compute.
     bytes: the dense weights and the lm_head once, the experts the batch touches (E(1 - (1 - k/E)^B)
     a layer on average under uniform routing, which random weights approximate), and every
     sequence's KV. flops: 2 per weight a token uses, plus attention's 4 per key and query dim."""
-    parts = bytes_per_token(c, context)
+    parts = bytes_per_token(c, context, kv_element)
     e, k = c.num_local_experts, c.num_experts_per_tok
     expert_bytes, router = expert_and_router_bytes(c)
     touched = e * (1 - (1 - k / e) ** batch)
@@ -119,9 +119,11 @@ def step_roofline(c: ModelConfig, batch: int, context: int) -> dict[str, float]:
     }
 
 
-def roofline_tok_s(c: ModelConfig, batch: int, context: int, bandwidth: float, flop_rate: float) -> tuple[float, str]:
+def roofline_tok_s(
+    c: ModelConfig, batch: int, context: int, bandwidth: float, flop_rate: float, kv_element: int = 2
+) -> tuple[float, str]:
     """(tok/s if a step took max(bytes / bandwidth, flops / flop_rate), which of the two binds)."""
-    r = step_roofline(c, batch, context)
+    r = step_roofline(c, batch, context, kv_element)
     memory, compute = r["bytes"] / bandwidth, r["flops"] / flop_rate
     return batch / max(memory, compute), ("memory" if memory >= compute else "compute")
 
@@ -129,11 +131,11 @@ def roofline_tok_s(c: ModelConfig, batch: int, context: int, bandwidth: float, f
 ACTIVATION_RESERVE = 4e9  # bytes held back for a prefill step's activations and CUDA graphs
 
 
-def kv_capacity(c: ModelConfig, weights_bytes: int) -> dict[str, int]:
+def kv_capacity(c: ModelConfig, weights_bytes: int, kv_element: int = 2) -> dict[str, int]:
     """KV bytes per cached token (full-attention layers; sliding layers hold at most a window per
     sequence) and the tokens that fit in an 80 GB H100 at 0.9 utilisation beside the weights."""
     full_layers = sum(not c.is_sliding(i) for i in range(c.num_hidden_layers))
-    per_token = full_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
+    per_token = full_layers * 2 * c.num_key_value_heads * c.head_dim * kv_element  # K and V
     free = 80e9 * 0.9 - weights_bytes - ACTIVATION_RESERVE
     return {
         "weights_GB": round(weights_bytes / 1e9, 2),
@@ -448,6 +450,7 @@ def decode_engine(model, args, max_seqs: int):
             # Every prompt is prefilled before the clock: uncapped, so that all start decoding
             # together and none reaches max_tokens inside the timed window.
             max_prefill_tokens_decoding=None,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
     )
 
@@ -673,6 +676,12 @@ def main() -> None:
         help="prompt lengths to time prefill at (comma-separated; empty: none)",
     )
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="the KV cache's dtype (`EngineConfig.kv_cache_dtype`; the roofline counts its bytes)",
+    )
     ap.add_argument("--attention", default=None, help="attention backend (default: best available)")
     ap.add_argument("--moe", default=None, help="MoE backend (default: best available)")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
@@ -739,7 +748,8 @@ def main() -> None:
     config = ModelConfig.from_dict(raw)
 
     batches = [int(b) for b in args.batches.split(",")]
-    rooflines = {b: roofline_tok_s(config, b, args.context, bandwidth, flop_rate) for b in batches}
+    kv_element = 1 if args.kv_cache_dtype == "fp8" else 2
+    rooflines = {b: roofline_tok_s(config, b, args.context, bandwidth, flop_rate, kv_element) for b in batches}
 
     def roofline_note(batch: int, rate: float) -> str:
         bound, binds = rooflines[batch]
@@ -859,7 +869,8 @@ def main() -> None:
     kv_caches = []
     for _ in range(config.num_hidden_layers):
         k = torch.randn(shape, dtype=torch.bfloat16, device="cuda") * 0.5
-        kv_caches.append((k, torch.randn_like(k)))
+        kv_dtype = FP8_KV_DTYPE if args.kv_cache_dtype == "fp8" else torch.bfloat16
+        kv_caches.append((k.to(kv_dtype), torch.randn_like(k).to(kv_dtype)))
     runner = DecodeGraphRunner(model, kv_caches, pages_per_seq, max_context, batch_sizes=tuple(batches))
     if not args.no_graphs:
         progress(f"capturing CUDA graphs for batch sizes {batches}")
@@ -867,7 +878,7 @@ def main() -> None:
     else:
         runner.run = lambda ids, meta: (model.compute_logits(model(ids, meta, kv_caches)), None)  # type: ignore[method-assign]
 
-    parts = bytes_per_token(config, args.context)
+    parts = bytes_per_token(config, args.context, kv_element)
     roofline = bandwidth / sum(parts.values())
     results = {
         "device": gpu,
@@ -882,7 +893,7 @@ def main() -> None:
         "roofline_batch1_tok_s": roofline,
         "context": args.context,
         "decode": {},
-        **kv_capacity(config, weights_bytes),
+        **kv_capacity(config, weights_bytes, kv_element),
     }
     for b in batches:
         progress(f"decode batch {b}")

@@ -239,6 +239,9 @@ SPECULATIVE_METHODS = ("ngram", "eagle3")
 # `inference/distributed/group.py`, `inference/distributed/sharding.py`).
 TP_ALL_REDUCE_MODES = ("auto", "symm_mem", "nccl", "none")
 MOE_PARALLEL_MODES = ("tensor", "expert")
+# What `EngineConfig.kv_cache_dtype` takes: "auto" stores keys and values in the model's dtype,
+# "fp8" in float8 e4m3 (`inference/ops/attention/reference.py`, `cache_values`).
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -262,6 +265,11 @@ class EngineConfig:
     `inference/distributed/sharding.py`), and `tp_step_timeout` how many seconds a step may go
     unfinished on a worker before the engine fails (a hung rank; a stopped or dead one fails it
     within seconds).
+
+    `kv_cache_dtype` "fp8" stores keys and values as float8 e4m3 (one byte each, saturating at
+    ±448, no scale): twice the tokens in the same memory and half the bytes decode attention
+    reads, for keys and values rounded to 3 significant bits (docs/design.md). "auto": the
+    model's dtype.
 
     `async_scheduling` launches each step (prompts joining included) before the previous one's
     tokens are read (`inference/scheduling/async_scheduling.py`); None: on CUDA only. Never with
@@ -292,6 +300,7 @@ class EngineConfig:
     moe_parallel: str = "tensor"
     tp_step_timeout: float = 30.0
     async_scheduling: bool | None = None
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -320,6 +329,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be an integer >= 1")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or unset")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.tp_all_reduce not in TP_ALL_REDUCE_MODES:
             raise ValueError(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCE_MODES)}")
         if self.moe_parallel not in MOE_PARALLEL_MODES:

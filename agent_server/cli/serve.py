@@ -15,7 +15,7 @@ from pathlib import Path
 
 from agent_server import default_model
 from agent_server.http_limits import HttpLimits
-from inference.config import EngineConfig
+from inference.config import KV_CACHE_DTYPES, EngineConfig
 
 log = logging.getLogger("oss_agent")
 
@@ -115,6 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs",
         type=positive_int,
         help=f"most sequences in one batch (default: {EngineConfig.max_num_seqs})",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache stores keys and values: auto (the model's dtype, the default) or "
+        "fp8 (float8 e4m3: twice the tokens in the same memory, half the bytes for decode "
+        "attention, keys and values rounded to 3 significant bits)",
     )
     parser.add_argument(
         "--speculative",
@@ -243,6 +250,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization",
         "num_pages",
         "max_num_seqs",
+        "kv_cache_dtype",
         "speculative",
         "num_draft_tokens",
         "draft_model",

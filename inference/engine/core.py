@@ -38,6 +38,7 @@ from inference.engine import executor
 from inference.engine.step_clock import StepClock
 from inference.grammar import GrammarCompiler
 from inference.model.gpt_oss import GptOssModel
+from inference.ops.attention.reference import FP8_KV_DTYPE
 from inference.request import EngineStats, GenerationRequest, TokenDelta, check_request
 from inference.runner.model_runner import LaunchedStep, ModelRunner
 from inference.runner.single_sequence import SingleSequenceCache
@@ -109,6 +110,7 @@ class LLMEngine:
         self.page_size = config.page_size
         has_sliding = any(c.is_sliding(i) for i in range(c.num_hidden_layers))
         dtype, device = model.dtype, model.device
+        kv_dtype = FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else dtype
         self.drafter = None  # loaded before sizing the cache: its weights and K/V take memory too
         if config.speculative is not None:
             self.drafter = make_drafter(config.speculative, config.draft_model, model)
@@ -124,6 +126,7 @@ class LLMEngine:
                 config.page_size,
                 (None, c.sliding_window) if has_sliding else (None,),
                 dtype,
+                kv_dtype,
             )
 
         memory = None
@@ -134,7 +137,7 @@ class LLMEngine:
         plan = plan_cache(
             model.local_config,
             config.page_size,
-            dtype,
+            kv_dtype,
             memory_bytes=memory,
             num_pages=config.num_pages,
             num_sliding_pages=config.num_sliding_pages,
@@ -149,7 +152,7 @@ class LLMEngine:
                 f"the sliding-layer pool needs at least {min_sliding} pages (window {c.sliding_window}, "
                 f"page size {config.page_size}); it has {plan.num_sliding_pages}"
             )
-        log.info(describe_plan(plan, c, config.page_size))
+        log.info(describe_plan(plan, c, config.page_size, kv_dtype))
         if plan.num_full_pages * config.page_size < self.max_model_len:
             log.warning(
                 "the KV cache holds %d tokens: serving a context of %d tokens instead of %d",
@@ -158,7 +161,7 @@ class LLMEngine:
                 self.max_model_len,
             )
             self.max_model_len = plan.num_full_pages * config.page_size
-        self.kv_caches = allocate_kv_tensors(model.local_config, plan, config.page_size, dtype, device)
+        self.kv_caches = allocate_kv_tensors(model.local_config, plan, config.page_size, kv_dtype, device)
         if self.drafter is not None:
             self.drafter.allocate_kv(plan.num_full_pages, config.page_size)
         self.cache = KVCacheManager(

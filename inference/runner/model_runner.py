@@ -401,7 +401,8 @@ class ModelRunner:
         for the device; verifying drafts does. `after`: a launched step whose sampled ids are this
         step's inputs (see `plan_after`)."""
         plan, sample_index, first_row = self.plan(batch) if after is None else self.plan_after(batch, after)
-        logits, aux, greedy_ids = self.forward_step(plan, after.sampled.tokens if after is not None else None)
+        # (A launched step that samples nothing, a prompt chunk alone, leaves no previous rows.)
+        logits, aux, greedy_ids = self.forward_step(plan, after.sampled.tokens if plan.previous_rows else None)
         drafts = batch.num_draft or [0] * len(batch)
         rows, plain, verified = 0, [], []  # logits holds each sampling entry's 1 + drafts rows, in order
         for b in sample_index:

@@ -14,19 +14,21 @@ from inference.ops.attention.reference import AttentionMetadata
 
 
 class SingleSequenceCache:
-    """KV pages for one sequence of up to `max_len` tokens; page i is physical page i."""
+    """KV pages for one sequence of up to `max_len` tokens; page i is physical page i. kv_dtype:
+    the caches' dtype (None: the model's; `EngineConfig.kv_cache_dtype`)."""
 
-    def __init__(self, model: GptOssModel, max_len: int, page_size: int = 16):
+    def __init__(self, model: GptOssModel, max_len: int, page_size: int = 16, kv_dtype: torch.dtype | None = None):
         c = model.local_config  # under tensor parallelism: this rank's KV heads
         self.model = model
         self.page_size = page_size
         self.num_pages = -(-max_len // page_size)
         self.length = 0  # tokens already in the cache
         shape = (self.num_pages, page_size, c.num_key_value_heads, c.head_dim)
+        dtype = kv_dtype or model.dtype
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
+                torch.zeros(shape, dtype=dtype, device=model.device),
+                torch.zeros(shape, dtype=dtype, device=model.device),
             )
             for _ in range(c.num_hidden_layers)
         ]
@@ -66,9 +68,10 @@ def generate(
     stop_token_ids: tuple[int, ...] = (),
     temperature: float = 0.0,
     seed: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> list[int]:
     """Prefill the prompt, then decode one token per step. Greedy when temperature == 0."""
-    cache = SingleSequenceCache(model, len(prompt_ids) + max_new_tokens)
+    cache = SingleSequenceCache(model, len(prompt_ids) + max_new_tokens, kv_dtype=kv_dtype)
     generator = torch.Generator(device=model.device)
     if seed is not None:
         generator.manual_seed(seed)

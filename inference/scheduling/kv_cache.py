@@ -479,14 +479,15 @@ def allocate_kv_tensors(
     return caches
 
 
-def describe_plan(plan: CachePlan, config: ModelConfig, page_size: int) -> str:
+def describe_plan(plan: CachePlan, config: ModelConfig, page_size: int, dtype: torch.dtype | None = None) -> str:
     gib = 1 << 30
     full = plan.num_full_pages * plan.bytes_per_full_page / gib
     sliding = plan.num_sliding_pages * plan.bytes_per_sliding_page / gib
     # Without window freeing, sliding layers would need as many pages as full layers.
     saved = max(0, plan.num_full_pages - plan.num_sliding_pages) * plan.bytes_per_sliding_page / gib
+    kind = "" if dtype is None else f" ({str(dtype).removeprefix('torch.')})"
     return (
-        f"KV cache: {plan.num_full_pages} full-layer pages ({full:.2f} GiB, "
+        f"KV cache{kind}: {plan.num_full_pages} full-layer pages ({full:.2f} GiB, "
         f"{plan.num_full_pages * page_size} tokens), {plan.num_sliding_pages} sliding-layer pages "
         f"({sliding:.2f} GiB); keeping only the last {config.sliding_window} positions on sliding "
         f"layers saves {saved:.2f} GiB against a full cache of the same capacity"

@@ -83,15 +83,15 @@ class TritonAttentionBackend(AttentionBackend):
     def folds_rope_into_decode(self, q, meta, window) -> bool:
         return self._is_pure_decode(q.shape[0], meta)
 
-    def warmup(self, num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype) -> None:
+    def warmup(self, num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype, kv_dtype=None) -> None:
         """Compile the decode kernel's variants for mixed steps now, not mid-request (on a CUDA
-        GPU; the interpreter has nothing to compile)."""
+        GPU; the interpreter has nothing to compile). kv_dtype: the cache's (None: dtype)."""
         from inference.ops.attention import triton as attention_triton
 
         if torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
             attention_triton.warm_up_mixed_decode(
-                num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype, device
+                num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype, device, kv_dtype
             )
 
     def rope_kv_attention(
@@ -119,7 +119,8 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         (a prefill kernel) 10x slower;
       * sliding-window layers: Triton, 1.5-2x faster than either flashinfer kernel;
       * anything captured into a CUDA graph, float32 queries (flashinfer has no float32
-        kernels) and head sizes outside `HEAD_DIMS` (its FA3 kernels do not build for them): Triton.
+        kernels), head sizes outside `HEAD_DIMS` (its FA3 kernels do not build for them) and
+        fp8 caches (`EngineConfig.kv_cache_dtype`; not measured there): Triton.
     RoPE + KV write is Triton's in every case (folded into Triton's decode kernel at decode).
     """
 
@@ -144,18 +145,20 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         )
 
     def attention(self, q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window):
-        if self.runs_flashinfer(q, meta, window):
+        if k_cache.dtype == q.dtype and self.runs_flashinfer(q, meta, window):
             return self.flashinfer.attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window)
         return super().attention(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window)
 
     def folds_rope_into_decode(self, q, meta, window) -> bool:
         return super().folds_rope_into_decode(q, meta, window) and not self.runs_flashinfer(q, meta, window)
 
-    def warmup(self, num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype) -> None:
+    def warmup(self, num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype, kv_dtype=None) -> None:
         """Compile (first start on a machine) or load the kernels this split uses: full layers'
         flashinfer's, the Triton kernels' mixed-step variants. A flashinfer build that fails
         leaves Triton serving every step, with a warning."""
-        super().warmup(num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype)
+        super().warmup(num_qo_heads, num_kv_heads, head_dim, page_size, windows, dtype, kv_dtype)
+        if kv_dtype not in (None, dtype):  # an fp8 cache: Triton serves every step (`attention`)
+            return
         if dtype not in (torch.bfloat16, torch.float16) or None not in windows or head_dim not in HEAD_DIMS:
             return
         try:

@@ -1,7 +1,8 @@
 """Sink attention over a paged KV cache: the step metadata, the reference math, backend choice.
 
 KV cache layout (one pair of tensors per layer):
-    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], in the model's dtype or
+    float8 e4m3 (`cache_values`); attention computes in the queries' dtype either way
 A sequence's logical page i (token positions i*page_size .. (i+1)*page_size-1) lives in physical
 page `block_table[seq, i]`. Sliding-window layers use their own block table, in which pages that
 fell out of the window may have been freed (entry -1); attention on those layers never reads them.
@@ -87,18 +88,39 @@ def leading_decode_rows(meta: AttentionMetadata) -> int:
     return len(meta.q_lens)
 
 
+# An fp8 cache (`EngineConfig.kv_cache_dtype` "fp8") holds float8 e4m3 with no scale: 3 significant
+# bits, normal from 2^-6, largest finite value 448 (`torch.finfo(torch.float8_e4m3fn).max`).
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0
+
+
+def cache_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values (already rounded to the model's dtype) as a cache of `dtype` stores them.
+    An fp8 cache saturates at +-FP8_KV_MAX: an out-of-range key is clipped, never inf or NaN."""
+    if dtype == FP8_KV_DTYPE:
+        x = x.clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return x.to(dtype)
+
+
+def store_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache [num_pages, page_size, Hkv, D]; rows [N, Hkv, D] go to flat slots [N] (all >= 0)."""
+    num_pages, page_size, hkv, d = cache.shape
+    flat = cache.view(num_pages * page_size, hkv, d)
+    rows = cache_values(rows, cache.dtype)
+    if cache.dtype == FP8_KV_DTYPE:  # index_copy_ has no float8 kernel on CPU; the bytes are the same
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows)
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Store new keys/values. k, v: [T, Hkv, D]; slots: [T] int64 flat slot ids (-1: skip)."""
-    num_pages, page_size, hkv, d = k_cache.shape
-    flat_k = k_cache.view(num_pages * page_size, hkv, d)
-    flat_v = v_cache.view(num_pages * page_size, hkv, d)
     keep = slots >= 0
     if not bool(keep.all()):
         k, v, slots = k[keep], v[keep], slots[keep]
-    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
-    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+    store_slots(k_cache, slots, k)
+    store_slots(v_cache, slots, v)
 
 
 def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, start: int, end: int) -> torch.Tensor:

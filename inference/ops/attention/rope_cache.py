@@ -7,12 +7,15 @@ with cos/sin read from one row per token of a precomputed table `cos_sin [max_po
 
 `rope_and_write_kv_reference` is the pure-torch definition; `rope_and_write_kv_triton` computes
 the same thing in one launch (one program per token: rotate every q and k head, store q, and
-store rotated k plus v at the token's cache slot unless the slot is -1).
+store rotated k plus v at the token's cache slot unless the slot is -1). An fp8 cache gets
+keys and values rounded to the model's dtype, then saturated and rounded to fp8 (`cache_values`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from inference.ops.attention.reference import FP8_KV_DTYPE, FP8_KV_MAX, store_slots
 
 try:
     import triton
@@ -46,28 +49,39 @@ def rope_and_write_kv_reference(
     rows = cos_sin[positions].float()
     q_rot = rotate_half(q, rows)
     k_rot = rotate_half(k, rows)
-    num_pages, page_size, hkv, d = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(num_pages * page_size, hkv, d).index_copy_(0, slots, k_rot[keep].to(k_cache.dtype))
-    v_cache.view(num_pages * page_size, hkv, d).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    store_slots(k_cache, slots, k_rot[keep])
+    store_slots(v_cache, slots, v[keep])
     return q_rot
 
 
 if triton is not None:
+    _FP8_KV_MAX = tl.constexpr(FP8_KV_MAX)
 
     @triton.jit
-    def _rotate_store(src, dst, rows, row_mask, stride_src_h, stride_dst_h, cos, sin, HALF: tl.constexpr):
-        """Rotate heads `rows` of one token at `src` and store them at `dst` (both head-major)."""
+    def to_cache_dtype(x, Cache, FP8: tl.constexpr):
+        """Keys or values, already rounded to the model's dtype, as the cache at pointer `Cache`
+        stores them (`cache_values`): an fp8 cache (FP8) saturates at +-448."""
+        if FP8:
+            x = tl.clamp(x.to(tl.float32), -_FP8_KV_MAX, _FP8_KV_MAX)
+        return x.to(Cache.dtype.element_ty)
+
+    @triton.jit
+    def _rotate_store(
+        src, dst, rows, row_mask, stride_src_h, stride_dst_h, cos, sin, HALF: tl.constexpr, FP8: tl.constexpr
+    ):
+        """Rotate heads `rows` of one token at `src` and store them at `dst` (both head-major),
+        rounded to src's dtype first (then to an fp8 cache's, with FP8), as the reference does."""
         cols = tl.arange(0, HALF)
         src_ptr = src + rows[:, None] * stride_src_h + cols[None, :]
         x1 = tl.load(src_ptr, mask=row_mask[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(src_ptr + HALF, mask=row_mask[:, None], other=0.0).to(tl.float32)
         dst_ptr = dst + rows[:, None] * stride_dst_h + cols[None, :]
-        out1 = x1 * cos[None, :] - x2 * sin[None, :]
-        out2 = x2 * cos[None, :] + x1 * sin[None, :]
-        tl.store(dst_ptr, out1.to(dst.dtype.element_ty), mask=row_mask[:, None])
-        tl.store(dst_ptr + HALF, out2.to(dst.dtype.element_ty), mask=row_mask[:, None])
+        out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(src.dtype.element_ty)
+        out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(src.dtype.element_ty)
+        tl.store(dst_ptr, to_cache_dtype(out1, dst, FP8), mask=row_mask[:, None])
+        tl.store(dst_ptr + HALF, to_cache_dtype(out2, dst, FP8), mask=row_mask[:, None])
 
     @triton.jit
     def _rope_write_kv_kernel(
@@ -98,6 +112,7 @@ if triton is not None:
         BLOCK_HQ: tl.constexpr,
         BLOCK_HKV: tl.constexpr,
         HALF: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(Positions + t).to(tl.int64)
@@ -107,7 +122,16 @@ if triton is not None:
 
         q_heads = tl.arange(0, BLOCK_HQ)
         _rotate_store(
-            Q + t * stride_qt, QOut + t * stride_qout_t, q_heads, q_heads < HQ, stride_qh, stride_qout_h, cos, sin, HALF
+            Q + t * stride_qt,
+            QOut + t * stride_qout_t,
+            q_heads,
+            q_heads < HQ,
+            stride_qh,
+            stride_qout_h,
+            cos,
+            sin,
+            HALF,
+            False,
         )
 
         slot = tl.load(Slots + t)
@@ -115,12 +139,14 @@ if triton is not None:
             dst = (slot // page_size) * stride_cache_page + (slot % page_size) * stride_cache_slot
             kv_heads = tl.arange(0, BLOCK_HKV)
             kv_mask = kv_heads < HKV
-            _rotate_store(K + t * stride_kt, KCache + dst, kv_heads, kv_mask, stride_kh, stride_cache_h, cos, sin, HALF)
+            _rotate_store(
+                K + t * stride_kt, KCache + dst, kv_heads, kv_mask, stride_kh, stride_cache_h, cos, sin, HALF, KV_FP8
+            )
             d = tl.arange(0, 2 * HALF)
             v = tl.load(V + t * stride_vt + kv_heads[:, None] * stride_vh + d[None, :], mask=kv_mask[:, None])
             tl.store(
                 VCache + dst + kv_heads[:, None] * stride_cache_h + d[None, :],
-                v.to(VCache.dtype.element_ty),
+                to_cache_dtype(v, VCache, KV_FP8),
                 mask=kv_mask[:, None],
             )
 
@@ -173,6 +199,7 @@ def rope_and_write_kv_triton(
         BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv),
         HALF=d // 2,
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=4,
     )
     return q_out

@@ -16,6 +16,11 @@ Two launches cover every step:
   one KV group, again packed as rows, so K/V blocks are shared by the group. Each program finds
   its sequence from `cu_seqlens_q` itself, so the host builds no tile list (no copy, no sync).
 
+The cache holds the model's dtype or float8 e4m3 (`EngineConfig.kv_cache_dtype`); an fp8 cache's
+keys and values are widened to fp16 as they are loaded (`_mma_operand`), and the decode kernel's
+new key and value are saturated and rounded to fp8 before they join the softmax, so that this
+step sees what later steps read back.
+
 Both walk keys in blocks of BLOCK_N positions, look up each position's physical page in the
 block table, and only ever touch positions a query may see: [0, pos] on full layers,
 (pos - window, pos] on sliding ones. Freed pages (-1) lie outside every window, so they are never
@@ -33,11 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from inference.ops.attention.reference import AttentionMetadata, leading_decode_rows
+from inference.ops.attention.reference import FP8_KV_DTYPE, FP8_KV_MAX, AttentionMetadata, leading_decode_rows
+from inference.ops.attention.rope_cache import to_cache_dtype
 from inference.ops.dependent_launch import pdl_options, wait_for_previous
 from inference.ops.multiprocessors import multiprocessors
 
 LOG2E = 1.4426950408889634
+_FP8_KV_MAX = tl.constexpr(FP8_KV_MAX)
 
 
 @triton.jit
@@ -63,7 +70,8 @@ def _attend_blocks(
     MASKED: tl.constexpr,
     SLIDING: tl.constexpr,
 ):
-    """Fold keys [start, end) into the running softmax state of the rows of `q` [M, D].
+    """Fold keys [start, end) into the running softmax state of the rows of `q` [M, D]. Keys and
+    values are converted to q's dtype as they are loaded (an fp8 cache's to fp16, `_mma_operand`).
 
     Without MASKED every key in [start, end) must be visible to every row and `end - start` must
     be a multiple of BLOCK_N (no bounds checks at all); with MASKED, keys past `end`, after a
@@ -80,9 +88,9 @@ def _attend_blocks(
         offsets = page.to(tl.int64) * stride_page + (k_pos % PAGE_SIZE) * stride_slot + kv_head_offset
         ptrs = offsets[:, None] + dims[None, :]
         if MASKED:
-            k = tl.load(K + ptrs, mask=in_range[:, None], other=0.0)
+            k = tl.load(K + ptrs, mask=in_range[:, None], other=0.0).to(q.dtype)
         else:
-            k = tl.load(K + ptrs)
+            k = tl.load(K + ptrs).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             visible = in_range[None, :] & (k_pos[None, :] <= q_pos[:, None])
@@ -94,12 +102,43 @@ def _attend_blocks(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
-            v = tl.load(V + ptrs, mask=in_range[:, None], other=0.0)
+            v = tl.load(V + ptrs, mask=in_range[:, None], other=0.0).to(q.dtype)
         else:
-            v = tl.load(V + ptrs)
+            v = tl.load(V + ptrs).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _mma_operand(q, K, KV_FP8: tl.constexpr):
+    """q as the attention MMAs take it: in the cache's dtype, or for an fp8 cache (KV_FP8) in
+    fp16, which e4m3 widens to in one instruction a pair; q is clipped to fp16's range there."""
+    if KV_FP8:
+        operand = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    else:
+        operand = q.to(K.dtype.element_ty)
+    return operand
+
+
+@triton.jit
+def _as_cached(x, Cache, FP8: tl.constexpr):
+    """x (the model's dtype) as float32 holding what the cache at pointer `Cache` stores: for an
+    fp8 cache (FP8) e4m3 rounded to nearest even, saturated at +-448, computed in float32.
+    (Not an fp8 round trip in registers: on an H200 under triton 3.6, widening a [16, 64] fp8
+    tensor that the program had just narrowed gave wrong values, docs/benchmark-log.md.)"""
+    if FP8:
+        f = tl.clamp(x.to(tl.float32), -_FP8_KV_MAX, _FP8_KV_MAX)
+        # Normal e4m3 (from 2^-6) keeps 3 of float32's 23 mantissa bits: round the other 20 off
+        # to nearest even on the bits. Below 2^-6 e4m3 is subnormal, spaced 2^-9: round
+        # f * 2^9 to an integer by adding and subtracting 1.5 * 2^23.
+        bits = f.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+        subnormal = ((f * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        value = tl.where(tl.abs(f) < 0.015625, subnormal, normal)
+    else:
+        value = x.to(Cache.dtype.element_ty).to(tl.float32)
+    return value
 
 
 @triton.jit
@@ -162,6 +201,7 @@ def _decode_kernel(
     SLIDING: tl.constexpr,
     SPLIT: tl.constexpr,
     NEW_KV: tl.constexpr,
+    KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One (sequence, KV head, split). With NEW_KV, q is not yet rotated and the step's new key
@@ -203,13 +243,12 @@ def _decode_kernel(
         k_ptr = KNew + seq.to(tl.int64) * stride_kt + kv_head * stride_kh
         k_rows_x, k_rows_partner = _half_pair(k_ptr, head_row, dims[None, :] < HEAD_DIM, HALF)
         v_rows = tl.load(VNew + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + head_row)
-        v_rows = v_rows.to(V.dtype.element_ty)
         slot = tl.load(Slots + seq)
         # All of these are issued here: the compiler moves no load past a barrier, and without
         # one it has issued the new value's load after the wait for RoPE's factors.
         tl.debug_barrier()
     else:
-        q = tl.load(q_ptrs + dims[None, :], mask=row_ok[:, None], other=0.0).to(K.dtype.element_ty)
+        q = _mma_operand(tl.load(q_ptrs + dims[None, :], mask=row_ok[:, None], other=0.0), K, KV_FP8)
 
     if SLIDING:
         lo = tl.maximum(ctx - window, 0)
@@ -237,24 +276,28 @@ def _decode_kernel(
         # Round trip 2: RoPE's factors (the pages of the cached keys follow, then the keys).
         cos, signed_sin = _rope_factors(CosSin, pos, stride_cos, dims, HALF)
         q = q_x * cos[None, :] + q_partner * signed_sin[None, :]
-        q = q.to(Q.dtype.element_ty).to(K.dtype.element_ty)  # rounded like the separate RoPE kernel's output
+        q = _mma_operand(q.to(Q.dtype.element_ty), K, KV_FP8)  # rounded like the RoPE kernel's output
         # The new key is visible to the token on every layer kind (it is the token itself). A
         # split that does not hold it masks it out.
-        k_rows = (k_rows_x * cos[None, :] + k_rows_partner * signed_sin[None, :]).to(K.dtype.element_ty)
-        s = tl.sum(q.to(tl.float32) * k_rows.to(tl.float32), axis=1) * qk_scale
+        k_rows = (k_rows_x * cos[None, :] + k_rows_partner * signed_sin[None, :]).to(KNew.dtype.element_ty)
+        # The new key and value as the cache stores them, and as later steps read them back
+        # (float32), which is what this step's softmax takes too.
+        k_cached, v_cached = to_cache_dtype(k_rows, K, KV_FP8), to_cache_dtype(v_rows, V, KV_FP8)
+        k_rows, v_rows = _as_cached(k_rows, K, KV_FP8), _as_cached(v_rows, V, KV_FP8)
+        s = tl.sum(q.to(tl.float32) * k_rows, axis=1) * qk_scale
         s = tl.where(holds_new, s, float("-inf"))
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
         l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v_rows.to(tl.float32)
+        acc = acc * alpha[:, None] + p[:, None] * v_rows
         m_i = m_new
         row = tl.where(holds_new & (slot >= 0), 0, BLOCK_G)  # the row that writes to the cache, if any
         write = (rows[:, None] == row) & (dims[None, :] < HEAD_DIM)
         slot = tl.maximum(slot, 0)
         dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_off
-        tl.store(K + dst + head_row, k_rows, mask=write)
-        tl.store(V + dst + head_row, v_rows, mask=write)
+        tl.store(K + dst + head_row, k_cached, mask=write)
+        tl.store(V + dst + head_row, v_cached, mask=write)
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + (ctx - 1)
     acc, m_i, l_i = _attend_blocks(
         acc,
@@ -389,6 +432,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Tiles are numbered through the batch, sequence by sequence, and counted here from the
     # sequences' lengths (a CUDA graph's grid only bounds them, see `_prefill`). They run
@@ -426,7 +470,7 @@ def _prefill_kernel(
     heads = kv_head * G + g
     dims = tl.arange(0, HEAD_DIM)
     q_ptrs = (q_first + tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
-    q = tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0).to(K.dtype.element_ty)
+    q = _mma_operand(tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0), K, KV_FP8)
     q_pos = first_pos + tok
 
     sink = tl.load(Sinks + heads, mask=g < G, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -538,6 +582,10 @@ class DecodeConfig:
     # 15.5 on an H200), 64-key steps in 2-warp programs: 266 against 291 us a full layer at 256
     # sequences x 2k keys, 526 against 606 at 512 (95% of copy bandwidth against 83-87%).
     wide_waves: float = 12.0
+    # An fp8 cache's programs there take 1 warp: at 256 / 512 sequences x 2k keys 215 / 417 us
+    # a full layer against 241 / 470 with 2, and 255 / 505 for a bf16 cache (H200, one call,
+    # docs/benchmark-log.md); widening to fp16 leaves them issue-bound, at ~60% of copy bandwidth.
+    wide_fp8_warps: int = 1
 
 
 @dataclass(frozen=True)
@@ -581,11 +629,15 @@ def decode_block_n(batch: int, num_kv_heads: int, splits: int, sm_count: int, cf
     return 64 if programs <= cfg.waves * sm_count or programs > cfg.wide_waves * sm_count else 32
 
 
-def decode_num_warps(batch: int, num_kv_heads: int, splits: int, sm_count: int, cfg: DecodeConfig = DECODE) -> int:
-    """Warps a decode program (`DecodeConfig.wide_waves`)."""
+def decode_num_warps(
+    batch: int, num_kv_heads: int, splits: int, sm_count: int, cfg: DecodeConfig = DECODE, kv_fp8: bool = False
+) -> int:
+    """Warps a decode program (`DecodeConfig.wide_waves`, `wide_fp8_warps`)."""
     if cfg.num_warps is not None:
         return cfg.num_warps
-    return 2 if batch * num_kv_heads * splits > cfg.wide_waves * sm_count else 4
+    if batch * num_kv_heads * splits > cfg.wide_waves * sm_count:
+        return cfg.wide_fp8_warps if kv_fp8 else 2
+    return 4
 
 
 def _check_inputs(q, k_cache, v_cache, sinks) -> tuple[int, int, int, int, int]:
@@ -696,17 +748,17 @@ def mixed_decode_split(
 
 
 def warm_up_mixed_decode(
-    num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, windows, dtype, device
+    num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, windows, dtype, device, kv_dtype=None
 ) -> None:
     """Compile the decode kernel's variants that mixed steps launch (their leading decode rows,
     keys already in the cache): one split, each launch shape, each window. No CUDA graph
     capture compiles them (graphs fold RoPE and the cache write in), so without this each would
     compile the first time prompts join a batch of its shape: 30 s of stalls in the first
-    serving run on an H200 (docs/benchmark-log.md). The dummies have the engine's dtypes and a
-    block table 16 pages wide, as `step_inputs.table_width` pads a mixed step's, so the
-    specialisations match."""
+    serving run on an H200 (docs/benchmark-log.md). The dummies have the engine's dtypes
+    (`kv_dtype`: the cache's, None: `dtype`) and a block table 16 pages wide, as
+    `step_inputs.table_width` pads a mixed step's, so the specialisations match."""
     rows, pages = 4, 16
-    cache = torch.zeros(pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(pages, page_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype, device=device)
     q = torch.zeros(rows, num_q_heads, head_dim, dtype=dtype, device=device)
     sinks = torch.zeros(num_q_heads, dtype=torch.float32, device=device)
     table = torch.arange(rows * pages, dtype=torch.int32, device=device).view(rows, pages) % pages
@@ -720,8 +772,9 @@ def warm_up_mixed_decode(
         q_lens=[1] * rows,
         context_lens_list=[page_size] * rows,
     )
+    wide_warps = DECODE.wide_fp8_warps if cache.dtype == FP8_KV_DTYPE else 2
     for window in windows:
-        for block_n, warps in ((32, 4), (64, 4), (64, 2)):  # what decode_block_n, decode_num_warps pick
+        for block_n, warps in ((32, 4), (64, 4), (64, wide_warps)):  # what decode_block_n, decode_num_warps pick
             cfg = dataclasses.replace(DECODE, num_splits=1, block_n=block_n, num_warps=warps)
             _decode(q, cache, cache, meta, table, sinks, 1.0, window, torch.empty_like(q), cfg)
 
@@ -804,7 +857,7 @@ def _decode(
     sm_count = multiprocessors(q.device)
     splits = decode_num_splits(batch, hkv, max_keys, sm_count, cfg)
     block_n = decode_block_n(batch, hkv, splits, sm_count, cfg)
-    num_warps = decode_num_warps(batch, hkv, splits, sm_count, cfg)
+    num_warps = decode_num_warps(batch, hkv, splits, sm_count, cfg, k_cache.dtype == FP8_KV_DTYPE)
     split = splits > 1
     if split:
         part_acc = torch.empty((batch, hq, splits, d), dtype=torch.float32, device=q.device)
@@ -854,6 +907,7 @@ def _decode(
         SLIDING=window is not None,
         SPLIT=split,
         NEW_KV=new_kv is not None,
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=num_warps,
         num_stages=cfg.num_stages,
         **pdl_options(q.device, dependent=False),
@@ -922,6 +976,7 @@ def _prefill(q, k_cache, v_cache, meta, block_table, sinks, sm_scale, window, ou
         BLOCK_N=cfg.block_n,
         SLIDING=window is not None,
         BLOCK_B=PREFILL_SEQS_A_SCAN,
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=cfg.num_warps,
         num_stages=cfg.sliding_num_stages if window is not None else cfg.num_stages,
     )

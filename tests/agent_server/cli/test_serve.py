@@ -5,6 +5,7 @@ so its startup builds the engine from the flags on the tiny checkpoint."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from agent_server.cli.main import build_parser
 from tests.conftest import LiveServer, serve_captured
@@ -30,6 +31,8 @@ def test_engine_flags_reach_the_engine_config(tiny_checkpoint, tmp_path):
             "96",
             "--max-num-seqs",
             "8",
+            "--kv-cache-dtype",
+            "fp8",
             "--engine-option",
             "num_pages=500",
             "--engine-option",
@@ -43,6 +46,7 @@ def test_engine_flags_reach_the_engine_config(tiny_checkpoint, tmp_path):
         assert config.enforce_eager is True  # --engine-option still works beside the flags
         assert engine.cache.full.num_pages == 96 and engine.stats().pages_total == 96
         assert engine.scheduler.max_num_seqs == 8
+        assert config.kv_cache_dtype == "fp8" and engine.kv_caches[0][0].dtype == torch.float8_e4m3fn
 
 
 def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
@@ -56,6 +60,7 @@ def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
             None,
             EngineConfig.max_num_seqs,
         )
+        assert config.kv_cache_dtype == "auto" and server.engine.engine.kv_caches[0][0].dtype == torch.float32
 
 
 @pytest.mark.parametrize(
@@ -65,6 +70,7 @@ def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
         ("--gpu-memory-utilization", "1.5"),
         ("--num-pages", "0"),
         ("--max-num-seqs", "-1"),
+        ("--kv-cache-dtype", "fp16"),
         ("--gpu-memory-utilization", "lots"),
     ],
 )

@@ -19,8 +19,14 @@ import pytest
 import torch
 
 from inference.ops.attention.backend import ReferenceAttentionBackend, select_attention_backend  # noqa: E402
-from inference.ops.attention.reference import AttentionMetadata, sink_attention_reference  # noqa: E402
-from inference.ops.attention.rope_cache import rope_and_write_kv_reference  # noqa: E402
+from inference.ops.attention.reference import (  # noqa: E402
+    FP8_KV_DTYPE,
+    AttentionMetadata,
+    cache_values,
+    sink_attention_reference,
+    write_kv,
+)
+from inference.ops.attention.rope_cache import rope_and_write_kv_reference, rotate_half  # noqa: E402
 from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
     CUDA,
     DEVICE,
@@ -33,6 +39,7 @@ from tests.triton_interpreter import (  # noqa: E402  (first: sets TRITON_INTERP
 )
 
 TOL = 1e-2 if CUDA else 1e-4
+_AS_CACHED = None  # set by test_triton_fp8_rounding_in_float32_matches_torch
 
 
 def _kernel_modules():
@@ -62,8 +69,10 @@ def make_batch(
     dtype=DTYPE,
     device=DEVICE,
     whole_pages: bool = False,
+    kv_dtype=None,
 ):
     """A random paged step. Returns (q, k_cache, v_cache, meta, block_table, sinks, sm_scale).
+    `kv_dtype`: the caches' dtype (default: dtype), e.g. fp8; NaN stays NaN in it.
 
     Pages are scattered over a shuffled pool; every cache entry a query may not see is NaN.
     `whole_pages`: the slots below the window in a sequence's oldest kept page hold values too
@@ -118,6 +127,8 @@ def make_batch(
         q_lens=meta.q_lens,
         context_lens_list=meta.context_lens_list,
     )
+    if kv_dtype is not None:
+        k_store, v_store = k_store.to(kv_dtype), v_store.to(kv_dtype)
     k_cache, v_cache = to(k_store)[1:], to(v_store)[1:]  # slice after the move: keep the guard page
     return to(q), k_cache, v_cache, meta, to(block_table), to(sinks), 1 / math.sqrt(d)
 
@@ -128,13 +139,16 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def check_attention(kernel, seed, q_lens, context_lens, heads, page_size, window, **kw):
-    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(seed, q_lens, context_lens, heads, page_size, window)
+def check_attention(kernel, seed, q_lens, context_lens, heads, page_size, window, kv_dtype=None, **kw):
+    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(
+        seed, q_lens, context_lens, heads, page_size, window, kv_dtype=kv_dtype
+    )
     ref = sink_attention_reference(q, k_cache, v_cache, meta, table, sinks, scale, window)
     out = kernel(q, k_cache, v_cache, meta, table, sinks, scale, window, **kw)
     assert out.shape == ref.shape and out.dtype == q.dtype
     err = relative_error(out, ref)
-    assert err < TOL, f"relative error {err:.2e}"
+    tol = TOL if kv_dtype is None else max(TOL, 1e-3)  # an fp8 cache's MMAs take fp16
+    assert err < tol, f"relative error {err:.2e}"
 
 
 # ----------------------------------------------------------------------------- reference path
@@ -240,6 +254,43 @@ def test_rope_reference_is_the_models_rope():
     assert torch.equal(q_rot, apply_rope(q, table[positions]))
 
 
+def test_fp8_cache_values_round_to_nearest_even_and_saturate():
+    """What an fp8 cache stores: e4m3 rounded to nearest (ties to even), clipped at +-448, never
+    inf or NaN; a cache in the model's dtype takes values as they are."""
+    x = torch.tensor([0.0, 1.0, 1.0625, 1.1875, -3.3, 447.9, 500.0, -1e6, 2.0**-9, 2.0**-12])
+    out = cache_values(x, FP8_KV_DTYPE)
+    assert out.dtype == FP8_KV_DTYPE
+    assert out.float().tolist() == [0.0, 1.0, 1.0, 1.25, -3.25, 448.0, 448.0, -448.0, 2.0**-9, 0.0]
+    assert torch.equal(cache_values(x, torch.float32), x)
+
+
+def test_reference_writes_into_fp8_caches():
+    """`rope_and_write_kv_reference` and `write_kv` into fp8 caches (CPU has no float8 index_copy_):
+    rotated keys rounded to k's dtype, then saturated to fp8; values the same; skipped slots and
+    every other slot unchanged."""
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots = rope_inputs(3)
+    k = k * 400  # some rotated keys past 448
+    k_cache, v_cache = k_cache.to(FP8_KV_DTYPE), v_cache.to(FP8_KV_DTYPE)
+    k_before, v_before = k_cache.float(), v_cache.float()
+    rope_and_write_kv_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    keep = slots >= 0
+    k_rot = rotate_half(k, cos_sin[positions])
+    flat_k, flat_v = k_cache.float().view(-1, *k_cache.shape[2:]), v_cache.float().view(-1, *v_cache.shape[2:])
+    assert torch.equal(flat_k[slots[keep]], cache_values(k_rot[keep], FP8_KV_DTYPE).float())
+    assert torch.equal(flat_v[slots[keep]], cache_values(v[keep], FP8_KV_DTYPE).float())
+    assert flat_k.abs().max() == 448.0 and torch.isfinite(flat_k).all()
+    written = torch.zeros(flat_k.shape[0], dtype=torch.bool)
+    written[slots[keep]] = True
+    assert torch.equal(flat_k[~written], k_before.view_as(flat_k)[~written])
+    assert torch.equal(flat_v[~written], v_before.view_as(flat_v)[~written])
+
+    k_cache.zero_(), v_cache.zero_()
+    write_kv(k, v, k_cache, v_cache, slots)
+    flat_k = k_cache.float().view(-1, *k_cache.shape[2:])
+    assert torch.equal(flat_k[slots[keep]], cache_values(k[keep], FP8_KV_DTYPE).float())
+    assert flat_k[~written].abs().max() == 0
+
+
 def test_backend_selection():
     assert select_attention_backend("cpu").name == "reference"
     assert select_attention_backend("cpu", "reference").name == "reference"
@@ -324,6 +375,7 @@ def test_triton_decode_split_count():
     assert block_n(198, 8, 1, 132) == 32 and warps(198, 8, 1, 132) == 4  # 1,584: 12 a multiprocessor
     assert block_n(512, 8, 1, 132) == 64 and warps(512, 8, 1, 132) == 2
     assert warps(256, 8, 1, 132, attention_triton.DecodeConfig(num_warps=4)) == 4
+    assert warps(256, 8, 1, 132, kv_fp8=True) == 1 and warps(128, 8, 1, 132, kv_fp8=True) == 4  # fp8 cache
 
 
 @needs_triton
@@ -337,6 +389,13 @@ def test_triton_mixed_decode_warm_up_covers_every_launch_shape(monkeypatch):
     pick = attention_triton.decode_block_n, attention_triton.decode_num_warps
     shapes = {tuple(f(rows, 8, 1, sm) for f in pick) for rows in range(1, 1025) for sm in (78, 114, 132)}
     assert shapes == warmed == {(32, 4), (64, 4), (64, 2)}
+    warmed.clear()  # an fp8 cache's
+    attention_triton.warm_up_mixed_decode(64, 8, 64, 16, [None], torch.float32, "cpu", FP8_KV_DTYPE)
+    block_n, warps = pick
+    shapes = {
+        (block_n(rows, 8, 1, sm), warps(rows, 8, 1, sm, kv_fp8=True)) for rows in range(1, 1025) for sm in (78, 132)
+    }
+    assert shapes == warmed == {(32, 4), (64, 4), (64, 1)}
 
 
 def newest_slots(meta, table, page_size):
@@ -348,13 +407,15 @@ def newest_slots(meta, table, page_size):
     return torch.tensor(slots, dtype=torch.long, device=DEVICE)
 
 
-def check_decode_with_new_kv(decode_with_new_kv, seed, lens, heads, page_size, window, skip=(), **kw):
+def check_decode_with_new_kv(decode_with_new_kv, seed, lens, heads, page_size, window, skip=(), kv_dtype=None, **kw):
     """The fused kernel against `rope_and_write_kv_reference` then `sink_attention_reference`:
     outputs and both whole caches. The newest position starts as NaN in the cache (the step's K/V
     are not there yet), so a kernel that read it instead of the projected k and v fails. Sequences
     in `skip` get slot -1 (nothing written; their outputs are not compared)."""
     hq, hkv, d = heads
-    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(seed, [1] * len(lens), lens, heads, page_size, window)
+    q, k_cache, v_cache, meta, table, sinks, scale = make_batch(
+        seed, [1] * len(lens), lens, heads, page_size, window, kv_dtype=kv_dtype
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     k_new = torch.randn(len(lens), hkv, d, generator=gen).to(DTYPE).to(DEVICE)
     v_new = torch.randn(len(lens), hkv, d, generator=gen).to(DTYPE).to(DEVICE)
@@ -372,8 +433,12 @@ def check_decode_with_new_kv(decode_with_new_kv, seed, lens, heads, page_size, w
     keep = [b for b in range(len(lens)) if b not in skip]
     assert out.shape == ref.shape and out.dtype == q.dtype
     err = relative_error(out[keep], ref[keep])
-    assert err < TOL, f"relative error {err:.2e}"
+    tol = TOL if kv_dtype is None else max(TOL, 1e-3)  # an fp8 cache's MMAs take fp16
+    assert err < tol, f"relative error {err:.2e}"
     exact = dict(rtol=0, atol=0) if not CUDA else dict(rtol=8e-3, atol=1e-2)  # GPU: FMA contraction
+    if k_cache.dtype == FP8_KV_DTYPE:  # a contracted FMA can round the other way: one fp8 step
+        exact = dict(rtol=0.126, atol=2.0**-9)
+        k_cache, k_ref, v_cache, v_ref = k_cache.float(), k_ref.float(), v_cache.float(), v_ref.float()
     torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **exact)
     torch.testing.assert_close(v_cache, v_ref, equal_nan=True, rtol=0, atol=0)
 
@@ -660,6 +725,69 @@ def test_triton_rope_and_write_kv():
         torch.testing.assert_close(args[6], ref_args[6], **tol)  # v_cache
 
 
+@needs_triton
+@pytest.mark.parametrize("window", [None, 8])
+def test_triton_attention_reads_fp8_caches(window):
+    """Decode (split and not) and prefill/extend over fp8 caches: the kernels widen the same fp8
+    keys and values the reference reads. (The fp8 writes are checked on the GPU only: Triton's
+    interpreter rounds float32 to fp8 wrongly where the rounding carries into the exponent.)"""
+    attention_triton, _ = _kernel_modules()
+    lens = [1, 9, 17, 23, 40]
+    for splits in (1, 3):
+        cfg = attention_triton.DecodeConfig(block_n=16, num_splits=splits)
+        check_attention(
+            attention_triton.paged_sink_attention,
+            31,
+            [1] * 5,
+            lens,
+            (4, 2, 16),
+            4,
+            window,
+            FP8_KV_DTYPE,
+            decode_cfg=cfg,
+        )
+    check_attention(
+        attention_triton.paged_sink_attention,
+        32,
+        [19, 6, 1],
+        [19, 37, 12],
+        (4, 2, 16),
+        4,
+        window,
+        FP8_KV_DTYPE,
+        **small_cfgs(attention_triton),
+    )
+
+
+@needs_triton
+def test_triton_fp8_rounding_in_float32_matches_torch():
+    """`_as_cached`, the decode kernel's e4m3 rounding done in float32 (for the step's own new key
+    and value), gives the value torch's cast stores: every normal binade, the subnormals, ties,
+    saturation, signed zero."""
+    global _AS_CACHED  # (a jitted function reaches other jitted ones through its globals)
+    attention_triton, _ = _kernel_modules()
+    import triton
+    import triton.language as tl
+
+    _AS_CACHED = attention_triton._as_cached
+
+    @triton.jit
+    def as_cached(X, Out, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(Out + i, _AS_CACHED(tl.load(X + i), Out, True))
+
+    gen = torch.Generator().manual_seed(0)
+    scales = 2.0 ** torch.randint(-14, 10, (4096,), generator=gen).float()
+    x = torch.randn(4096, generator=gen) * scales
+    grid = torch.tensor([1.0, 1.0625, 1.1875, 1.3125, 2.0**-7 * 1.5, 2.0**-10, 3 * 2.0**-10, 464.0, 470.0, 1e9, -0.0])
+    x = torch.cat([x, grid, -grid])
+    x = torch.cat([x, torch.zeros(8192 - len(x))]).to(DEVICE)
+    out = torch.empty_like(x)
+    as_cached[(1,)](x, out, N=8192)
+    want = cache_values(x, FP8_KV_DTYPE).float()
+    assert torch.equal(out, want), (x[out != want][:8], out[out != want][:8], want[out != want][:8])
+
+
 # ----------------------------------------------------------------------------- GPU: real shapes
 
 GPT_OSS = (64, 8, 64)
@@ -764,6 +892,51 @@ def test_gpu_rope_and_write_kv_gpt_oss_shapes():
     ref = rope_and_write_kv_reference(*ref_args)
     for got, want in ((out, ref), (args[5], ref_args[5]), (args[6], ref_args[6])):
         assert relative_error(got, want) < 1e-2
+
+
+@gpu_only
+@pytest.mark.parametrize("window", [None, 128])
+def test_gpu_fp8_caches_gpt_oss_shapes(window):
+    """fp8 caches at gpt-oss's shapes: decode at batch 1-7 and at 256 sequences (the serving
+    launch shape), 256 decode rows beside a 1,024-token prompt, and the fused RoPE + write."""
+    attention_triton, _ = _kernel_modules()
+    fp8 = FP8_KV_DTYPE
+    paged = attention_triton.paged_sink_attention
+    check_attention(paged, 3, [1] * 7, [129, 1000, 3000, 1, 2048, 17, 700], GPT_OSS, 16, window, fp8)
+    check_attention(paged, 4, [1] * 256, [1500] * 256, GPT_OSS, 16, window, fp8)
+    check_attention(paged, 5, [1] * 256 + [1024], [1500] * 256 + [1024], GPT_OSS, 16, window, fp8)
+    for splits in (None, 1):
+        cfg = attention_triton.DecodeConfig(num_splits=splits)
+        check_decode_with_new_kv(
+            attention_triton.decode_attention_with_new_kv,
+            17,
+            [1, 129, 1000, 2500],
+            GPT_OSS,
+            16,
+            window,
+            skip=(2,),
+            kv_dtype=fp8,
+            decode_cfg=cfg,
+        )
+
+
+@gpu_only
+def test_gpu_fp8_rope_and_write_kv():
+    """The separate RoPE + write launch (prefill steps) into fp8 caches, keys large enough to
+    saturate: within one fp8 step of the reference (a contracted FMA), values exact."""
+    _, rope_cache = _kernel_modules()
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots = rope_inputs(
+        9, t=300, hq=64, hkv=8, d=64, page_size=16, num_pages=40, dtype=torch.bfloat16, device=DEVICE
+    )
+    k = k * 300
+    args = [q, k, v, positions, cos_sin, k_cache.to(FP8_KV_DTYPE), v_cache.to(FP8_KV_DTYPE), slots]
+    ref_args = [a.clone() for a in args]
+    out = rope_cache.rope_and_write_kv_triton(*args)
+    ref = rope_and_write_kv_reference(*ref_args)
+    assert relative_error(out, ref) < 1e-2
+    assert args[5].float().abs().max() == 448.0
+    torch.testing.assert_close(args[5].float(), ref_args[5].float(), rtol=0.126, atol=2.0**-9)
+    torch.testing.assert_close(args[6].float(), ref_args[6].float(), rtol=0, atol=0)
 
 
 @needs_triton

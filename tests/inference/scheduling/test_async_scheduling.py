@@ -12,6 +12,7 @@ The packed inputs are checked against `build_metadata`, the plain definition.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -309,6 +310,25 @@ def test_requests_joining_the_batch_and_later_chunks_are_planned_ahead(model):
         },
     )
     assert out == sync.tokens() and {len(v) for v in out.values()} == {12, 6, 4}
+    assert_back_to_baseline(eng)
+
+
+def test_a_lone_prompts_chunks_are_planned_ahead(model, caplog):
+    """A prompt longer than the step budget with nothing decoding beside it: its chunk steps
+    sample nothing, and the chunk after each is still launched ahead (it once failed there,
+    logged a traceback and ran synchronously)."""
+    eng = engine(model, True)  # 16-token budget
+    eng.add_request(request("long", prompt(83, 50), temperature=0.0, max_tokens=5))
+    out: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="inference.engine.core"):
+        caplog.clear()
+        while eng.has_unfinished():
+            for delta in eng.step():
+                out.extend(delta.token_ids)
+    assert not caplog.records
+    assert eng.stats().step_times.sync_steps == 1
+    sync = Run(engine(model, False), {0: [request("long", prompt(83, 50), temperature=0.0, max_tokens=5)]})
+    assert out == sync.tokens()["long"] and len(out) == 5
     assert_back_to_baseline(eng)
 
 
