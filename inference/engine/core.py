@@ -119,15 +119,17 @@ class LLMEngine:
         warmup = getattr(model.attention_backend, "warmup", None)
         if warmup is not None:  # JIT kernels compile now (and count in the memory profile), not mid-request
             lc = model.local_config
-            warmup(
-                lc.num_attention_heads,
-                lc.num_key_value_heads,
-                lc.head_dim,
-                config.page_size,
-                (None, c.sliding_window) if has_sliding else (None,),
-                dtype,
-                kv_dtype,
-            )
+            # An EAGLE-3 draft layer keeps its K/V in the model's dtype, beside an fp8 target cache.
+            for cache_dtype in dict.fromkeys([kv_dtype, dtype] if self.drafter is not None else [kv_dtype]):
+                warmup(
+                    lc.num_attention_heads,
+                    lc.num_key_value_heads,
+                    lc.head_dim,
+                    config.page_size,
+                    (None, c.sliding_window) if has_sliding else (None,),
+                    dtype,
+                    cache_dtype,
+                )
 
         memory = None
         if config.num_pages is None:

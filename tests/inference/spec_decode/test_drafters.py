@@ -153,6 +153,32 @@ def test_eagle3_greedy_equals_plain_greedy(model, tmp_path):
     assert_all_pages_free(eng)
 
 
+def test_eagle3_beside_an_fp8_target_cache(model, tmp_path, monkeypatch):
+    """kv_cache_dtype "fp8" with an EAGLE-3 drafter: the target's caches are fp8, the draft
+    layer's stay in the model's dtype, the attention warm-up covers both, and the speculative
+    greedy output equals plain greedy over the same fp8 cache."""
+    from inference.ops.attention.reference import FP8_KV_DTYPE
+    from inference.spec_decode.eagle3 import write_random_eagle3_checkpoint
+
+    draft = write_random_eagle3_checkpoint(
+        tmp_path / "draft", model.config, draft_vocab_size=3, seed=1, draft_token_ids=WORDS
+    )
+    warmed = []
+    monkeypatch.setattr(model.attention_backend, "warmup", lambda *args: warmed.append(args[-1]), raising=False)
+    reqs = requests_set(20)
+    plain = run(engine(model, kv_cache_dtype="fp8"), requests_set(20))
+    assert warmed == [FP8_KV_DTYPE]
+    warmed.clear()
+    eng = engine(model, kv_cache_dtype="fp8", speculative="eagle3", draft_model=str(draft), num_draft_tokens=3)
+    assert warmed == [FP8_KV_DTYPE, model.dtype]
+    assert eng.kv_caches[0][0].dtype == FP8_KV_DTYPE and eng.drafter.kv_cache[0].dtype == model.dtype
+    spec = run(eng, reqs, on_step=assert_pages_match_tokens)
+    for r in reqs:
+        assert tokens_of(spec[r.request_id]) == tokens_of(plain[r.request_id]), r.request_id
+    assert eng.stats().spec_accepted_tokens > 0
+    assert_all_pages_free(eng)
+
+
 # -- exact acceptance with a scripted drafter --------------------------------------------------
 
 
