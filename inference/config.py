@@ -268,7 +268,7 @@ class EngineConfig:
 
     `kv_cache_dtype` "fp8" stores keys and values as float8 e4m3 (one byte each, saturating at
     ±448, no scale): twice the tokens in the same memory and half the bytes decode attention
-    reads, for keys and values rounded to 3 significant bits (docs/design.md). "auto": the
+    reads, for keys and values rounded to 4 significant bits (docs/design.md). "auto": the
     model's dtype.
 
     `async_scheduling` launches each step (prompts joining included) before the previous one's

@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="how the KV cache stores keys and values: auto (the model's dtype, the default) or "
         "fp8 (float8 e4m3: twice the tokens in the same memory, half the bytes for decode "
-        "attention, keys and values rounded to 3 significant bits)",
+        "attention, keys and values rounded to 4 significant bits)",
     )
     parser.add_argument(
         "--speculative",

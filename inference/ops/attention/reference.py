@@ -88,8 +88,8 @@ def leading_decode_rows(meta: AttentionMetadata) -> int:
     return len(meta.q_lens)
 
 
-# An fp8 cache (`EngineConfig.kv_cache_dtype` "fp8") holds float8 e4m3 with no scale: 3 significant
-# bits, normal from 2^-6, largest finite value 448 (`torch.finfo(torch.float8_e4m3fn).max`).
+# An fp8 cache (`EngineConfig.kv_cache_dtype` "fp8") holds float8 e4m3 with no scale: 3 mantissa
+# bits (4 significant), normal from 2^-6, largest finite value 448 (`torch.finfo(torch.float8_e4m3fn).max`).
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_KV_MAX = 448.0
 

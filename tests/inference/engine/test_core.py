@@ -81,7 +81,7 @@ def test_concurrent_greedy_equals_each_alone(model):
 def test_fp8_cache_greedy_equals_each_alone(model):
     """kv_cache_dtype "fp8": the engine's caches are float8 e4m3 and its greedy outputs, batched,
     chunked and joining mid-run, equal one-sequence generation over fp8 caches token for token.
-    Their logits differ from the model-dtype cache's (so the test sees fp8), within what 3
+    Their logits differ from the model-dtype cache's (so the test sees fp8), within what 4
     significant bits of K and V give on this random model (2-9% a position, 18% over a prompt)."""
     prompts = [prompt(40 + i, n) for i, n in enumerate([3, 9, 14, 21, 30, 5])]
     alone = [generate(model, p, 10, kv_dtype=FP8_KV_DTYPE) for p in prompts]
