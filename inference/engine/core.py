@@ -133,7 +133,7 @@ class LLMEngine:
 
         memory = None
         if config.num_pages is None:
-            memory = self._profile_kv_memory() if device.type == "cuda" else config.kv_cache_memory
+            memory = self._profile_kv_memory(kv_dtype) if device.type == "cuda" else config.kv_cache_memory
             if model.tp is not None:  # every rank gets the same pages: the tightest rank decides
                 memory = model.tp.min_across_ranks(memory)
         plan = plan_cache(
@@ -277,14 +277,16 @@ class LLMEngine:
         )
         return cls(model, config, model_name=model_name)
 
-    def _profile_kv_memory(self) -> int:
-        """Bytes left for the KV cache on the GPU after the weights and one largest step."""
+    def _profile_kv_memory(self, kv_dtype: torch.dtype) -> int:
+        """Bytes left for the KV cache on the GPU after the weights and one largest step (over a
+        scratch cache of the engine's `kv_dtype`, so that the step also compiles the prefill
+        kernels serving will launch)."""
         c = self.model.config
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        scratch = SingleSequenceCache(self.model, tokens, self.config.page_size)
+        scratch = SingleSequenceCache(self.model, tokens, self.config.page_size, kv_dtype=kv_dtype)
         ids = torch.zeros(tokens, dtype=torch.long, device=self.model.device)
         hidden = self.model(ids, scratch.metadata(tokens), scratch.kv_caches)
         # One logits row per sequence, or per verified position with speculation (drafts + 1).
