@@ -867,9 +867,9 @@ def main() -> None:
     shape = (num_pages, args.page_size, config.num_key_value_heads, config.head_dim)
     progress(f"allocating KV cache: {num_pages} pages x {config.num_hidden_layers} layers")
     kv_caches = []
+    kv_dtype = FP8_KV_DTYPE if args.kv_cache_dtype == "fp8" else torch.bfloat16
     for _ in range(config.num_hidden_layers):
         k = torch.randn(shape, dtype=torch.bfloat16, device="cuda") * 0.5
-        kv_dtype = FP8_KV_DTYPE if args.kv_cache_dtype == "fp8" else torch.bfloat16
         kv_caches.append((k.to(kv_dtype), torch.randn_like(k).to(kv_dtype)))
     runner = DecodeGraphRunner(model, kv_caches, pages_per_seq, max_context, batch_sizes=tuple(batches))
     if not args.no_graphs:

@@ -68,6 +68,25 @@ if triton is not None:
         return x.to(Cache.dtype.element_ty)
 
     @triton.jit
+    def as_cached(x, Cache, FP8: tl.constexpr):
+        """x (the model's dtype) as float32 holding what the cache at pointer `Cache` stores: for an
+        fp8 cache (FP8) e4m3 rounded to nearest even, saturated at +-448, computed in float32.
+        (Not an fp8 round trip in registers: on an H200 under triton 3.6, widening a [16, 64] fp8
+        tensor that the program had just narrowed gave wrong values, docs/benchmark-log.md.)"""
+        if FP8:
+            f = tl.clamp(x.to(tl.float32), -_FP8_KV_MAX, _FP8_KV_MAX)
+            # Normal e4m3 (from 2^-6) keeps 3 of float32's 23 mantissa bits: round the other 20 off
+            # to nearest even on the bits. Below 2^-6 e4m3 is subnormal, spaced 2^-9: round
+            # f * 2^9 to an integer by adding and subtracting 1.5 * 2^23.
+            bits = f.to(tl.int32, bitcast=True)
+            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+            subnormal = ((f * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+            value = tl.where(tl.abs(f) < 0.015625, subnormal, normal)
+        else:
+            value = x.to(Cache.dtype.element_ty).to(tl.float32)
+        return value
+
+    @triton.jit
     def _rotate_store(
         src, dst, rows, row_mask, stride_src_h, stride_dst_h, cos, sin, HALF: tl.constexpr, FP8: tl.constexpr
     ):

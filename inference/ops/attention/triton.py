@@ -38,13 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
-from inference.ops.attention.reference import FP8_KV_DTYPE, FP8_KV_MAX, AttentionMetadata, leading_decode_rows
-from inference.ops.attention.rope_cache import to_cache_dtype
+from inference.ops.attention.reference import FP8_KV_DTYPE, AttentionMetadata, leading_decode_rows
+from inference.ops.attention.rope_cache import as_cached, to_cache_dtype
 from inference.ops.dependent_launch import pdl_options, wait_for_previous
 from inference.ops.multiprocessors import multiprocessors
 
 LOG2E = 1.4426950408889634
-_FP8_KV_MAX = tl.constexpr(FP8_KV_MAX)
 
 
 @triton.jit
@@ -119,26 +118,6 @@ def _mma_operand(q, K, KV_FP8: tl.constexpr):
     else:
         operand = q.to(K.dtype.element_ty)
     return operand
-
-
-@triton.jit
-def _as_cached(x, Cache, FP8: tl.constexpr):
-    """x (the model's dtype) as float32 holding what the cache at pointer `Cache` stores: for an
-    fp8 cache (FP8) e4m3 rounded to nearest even, saturated at +-448, computed in float32.
-    (Not an fp8 round trip in registers: on an H200 under triton 3.6, widening a [16, 64] fp8
-    tensor that the program had just narrowed gave wrong values, docs/benchmark-log.md.)"""
-    if FP8:
-        f = tl.clamp(x.to(tl.float32), -_FP8_KV_MAX, _FP8_KV_MAX)
-        # Normal e4m3 (from 2^-6) keeps 3 of float32's 23 mantissa bits: round the other 20 off
-        # to nearest even on the bits. Below 2^-6 e4m3 is subnormal, spaced 2^-9: round
-        # f * 2^9 to an integer by adding and subtracting 1.5 * 2^23.
-        bits = f.to(tl.int32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-        subnormal = ((f * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-        value = tl.where(tl.abs(f) < 0.015625, subnormal, normal)
-    else:
-        value = x.to(Cache.dtype.element_ty).to(tl.float32)
-    return value
 
 
 @triton.jit
@@ -283,7 +262,7 @@ def _decode_kernel(
         # The new key and value as the cache stores them, and as later steps read them back
         # (float32), which is what this step's softmax takes too.
         k_cached, v_cached = to_cache_dtype(k_rows, K, KV_FP8), to_cache_dtype(v_rows, V, KV_FP8)
-        k_rows, v_rows = _as_cached(k_rows, K, KV_FP8), _as_cached(v_rows, V, KV_FP8)
+        k_rows, v_rows = as_cached(k_rows, K, KV_FP8), as_cached(v_rows, V, KV_FP8)
         s = tl.sum(q.to(tl.float32) * k_rows, axis=1) * qk_scale
         s = tl.where(holds_new, s, float("-inf"))
         m_new = tl.maximum(m_i, s)
@@ -582,6 +561,7 @@ class DecodeConfig:
     # 15.5 on an H200), 64-key steps in 2-warp programs: 266 against 291 us a full layer at 256
     # sequences x 2k keys, 526 against 606 at 512 (95% of copy bandwidth against 83-87%).
     wide_waves: float = 12.0
+    wide_warps: int = 2
     # An fp8 cache's programs there take 1 warp: at 256 / 512 sequences x 2k keys 215 / 417 us
     # a full layer against 241 / 470 with 2, and 255 / 505 for a bf16 cache (H200, one call,
     # docs/benchmark-log.md); widening to fp16 leaves them issue-bound, at ~60% of copy bandwidth.
@@ -636,7 +616,7 @@ def decode_num_warps(
     if cfg.num_warps is not None:
         return cfg.num_warps
     if batch * num_kv_heads * splits > cfg.wide_waves * sm_count:
-        return cfg.wide_fp8_warps if kv_fp8 else 2
+        return cfg.wide_fp8_warps if kv_fp8 else cfg.wide_warps
     return 4
 
 
@@ -772,7 +752,7 @@ def warm_up_mixed_decode(
         q_lens=[1] * rows,
         context_lens_list=[page_size] * rows,
     )
-    wide_warps = DECODE.wide_fp8_warps if cache.dtype == FP8_KV_DTYPE else 2
+    wide_warps = DECODE.wide_fp8_warps if cache.dtype == FP8_KV_DTYPE else DECODE.wide_warps
     for window in windows:
         for block_n, warps in ((32, 4), (64, 4), (64, wide_warps)):  # what decode_block_n, decode_num_warps pick
             cfg = dataclasses.replace(DECODE, num_splits=1, block_n=block_n, num_warps=warps)

@@ -761,15 +761,15 @@ def test_triton_attention_reads_fp8_caches(window):
 
 @needs_triton
 def test_triton_fp8_rounding_in_float32_matches_torch():
-    """`_as_cached`, the decode kernel's e4m3 rounding done in float32 (for the step's own new key
+    """`as_cached`, the decode kernel's e4m3 rounding done in float32 (for the step's own new key
     and value), gives the value torch's cast stores: every normal binade, the subnormals, ties,
     saturation, signed zero."""
     global _AS_CACHED  # (a jitted function reaches other jitted ones through its globals)
-    attention_triton, _ = _kernel_modules()
+    _, rope_cache = _kernel_modules()
     import triton
     import triton.language as tl
 
-    _AS_CACHED = attention_triton._as_cached
+    _AS_CACHED = rope_cache.as_cached
 
     @triton.jit
     def as_cached(X, Out, N: tl.constexpr):
