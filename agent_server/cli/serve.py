@@ -117,6 +117,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"most sequences in one batch (default: {EngineConfig.max_num_seqs})",
     )
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        help=f"most tokens in one step, prompt chunks and decode rows together "
+        f"(default: {EngineConfig.max_num_batched_tokens})",
+    )
+    parser.add_argument(
+        "--max-prefill-tokens-decoding",
+        type=positive_int_or_none,
+        metavar="N|none",
+        help=f"while sequences decode, a step takes at most N prompt tokens: bounds the pause a "
+        f"joining prompt adds to every running stream (default: {EngineConfig.max_prefill_tokens_decoding}; "
+        f"smaller gives smoother streams for a little throughput; none: the whole step budget)",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         help="how the KV cache stores keys and values: auto (the model's dtype, the default) or "
@@ -250,6 +264,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization",
         "num_pages",
         "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_prefill_tokens_decoding",
         "kv_cache_dtype",
         "speculative",
         "num_draft_tokens",
@@ -257,8 +273,9 @@ def engine_options(args: argparse.Namespace) -> dict:
         "tensor_parallel_size",
         "async_scheduling",
     ):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
+        value = getattr(args, name)
+        if value is not None:
+            options[name] = None if value == UNCAPPED else value
     drafter = options.get("speculative")  # (the flag, or --engine-option speculative=...)
     if drafter is None and (args.draft_model or args.num_draft_tokens is not None):
         raise SystemExit("--draft-model and --num-draft-tokens take effect only with --speculative ngram|eagle3")
@@ -381,6 +398,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
+
+
+UNCAPPED = "none"  # --max-prefill-tokens-decoding none: the engine's None (no cap)
+
+
+def positive_int_or_none(text: str) -> int | str:
+    return UNCAPPED if text.strip().lower() == UNCAPPED else positive_int(text)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`oss-agent serve` engine flags (--gpu-memory-utilization, --num-pages, --max-num-seqs) reach
+"""`oss-agent serve` engine flags (--gpu-memory-utilization, --num-pages, --max-num-seqs, the step
+budgets, --kv-cache-dtype) reach
 the engine's `EngineConfig`. uvicorn is not started; the app serve makes is then served for real,
 so its startup builds the engine from the flags on the tiny checkpoint."""
 
@@ -33,8 +34,14 @@ def test_engine_flags_reach_the_engine_config(tiny_checkpoint, tmp_path):
             "8",
             "--kv-cache-dtype",
             "fp8",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-prefill-tokens-decoding",
+            "none",
             "--engine-option",
             "num_pages=500",
+            "--engine-option",
+            "max_prefill_tokens_decoding=64",
             "--engine-option",
             "enforce_eager=True",
         ]
@@ -46,6 +53,9 @@ def test_engine_flags_reach_the_engine_config(tiny_checkpoint, tmp_path):
         assert config.enforce_eager is True  # --engine-option still works beside the flags
         assert engine.cache.full.num_pages == 96 and engine.stats().pages_total == 96
         assert engine.scheduler.max_num_seqs == 8
+        # none is the engine's None (no prefill cap), and the flag wins over --engine-option.
+        assert (config.max_num_batched_tokens, config.max_prefill_tokens_decoding) == (512, None)
+        assert (engine.scheduler.max_num_batched_tokens, engine.scheduler.max_prefill_tokens_decoding) == (512, None)
         assert config.kv_cache_dtype == "fp8" and engine.kv_caches[0][0].dtype == torch.float8_e4m3fn
 
 
@@ -61,6 +71,29 @@ def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
             EngineConfig.max_num_seqs,
         )
         assert config.kv_cache_dtype == "auto" and server.engine.engine.kv_caches[0][0].dtype == torch.float32
+        assert (config.max_num_batched_tokens, config.max_prefill_tokens_decoding) == (
+            EngineConfig.max_num_batched_tokens,
+            EngineConfig.max_prefill_tokens_decoding,
+        )
+
+
+def test_prefill_cap_flag_takes_a_number(tiny_checkpoint, tmp_path):
+    app = serve(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--device",
+            "cpu",
+            "--store",
+            str(tmp_path / "r.db"),
+            "--num-pages",
+            "96",
+            "--max-prefill-tokens-decoding",
+            "48",
+        ]
+    )
+    with LiveServer(app) as server:
+        assert server.engine.engine.scheduler.max_prefill_tokens_decoding == 48
 
 
 @pytest.mark.parametrize(
@@ -71,6 +104,9 @@ def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
         ("--num-pages", "0"),
         ("--max-num-seqs", "-1"),
         ("--kv-cache-dtype", "fp16"),
+        ("--max-num-batched-tokens", "0"),
+        ("--max-prefill-tokens-decoding", "0"),
+        ("--max-prefill-tokens-decoding", "lots"),
         ("--gpu-memory-utilization", "lots"),
     ],
 )
