@@ -119,16 +119,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
-        help=f"most tokens in one step, prompt chunks and decode rows together "
+        help="most tokens in one step, prompt chunks and decode rows together "
         f"(default: {EngineConfig.max_num_batched_tokens})",
     )
     parser.add_argument(
         "--max-prefill-tokens-decoding",
         type=positive_int_or_none,
         metavar="N|none",
-        help=f"while sequences decode, a step takes at most N prompt tokens: bounds the pause a "
+        help="while sequences decode, a step takes at most N prompt tokens: bounds the pause a "
         f"joining prompt adds to every running stream (default: {EngineConfig.max_prefill_tokens_decoding}; "
-        f"smaller gives smoother streams for a little throughput; none: the whole step budget)",
+        "smaller gives smoother streams for a little throughput; none: the whole step budget)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -273,9 +273,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         "tensor_parallel_size",
         "async_scheduling",
     ):
-        value = getattr(args, name)
-        if value is not None:
-            options[name] = None if value == UNCAPPED else value
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if options.get("max_prefill_tokens_decoding") == UNCAPPED:  # (the flag, or --engine-option ...=none)
+        options["max_prefill_tokens_decoding"] = None
     drafter = options.get("speculative")  # (the flag, or --engine-option speculative=...)
     if drafter is None and (args.draft_model or args.num_draft_tokens is not None):
         raise SystemExit("--draft-model and --num-draft-tokens take effect only with --speculative ngram|eagle3")
