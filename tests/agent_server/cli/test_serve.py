@@ -12,39 +12,34 @@ from agent_server.cli.main import build_parser
 from tests.conftest import LiveServer, serve_captured
 
 
-def serve(argv):
-    """The app `oss-agent serve ARGV` would serve."""
+def serve(checkpoint, tmp_path, *flags: str):
+    """The app `oss-agent serve --model CHECKPOINT --device cpu --store TMP/r.db FLAGS` would serve."""
+    argv = ["--model", str(checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db"), *flags]
     return serve_captured(argv)["app"]
 
 
 def test_engine_flags_reach_the_engine_config(tiny_checkpoint, tmp_path):
     app = serve(
-        [
-            "--model",
-            str(tiny_checkpoint),
-            "--device",
-            "cpu",
-            "--store",
-            str(tmp_path / "r.db"),
-            "--gpu-memory-utilization",
-            "0.55",
-            "--num-pages",
-            "96",
-            "--max-num-seqs",
-            "8",
-            "--kv-cache-dtype",
-            "fp8",
-            "--max-num-batched-tokens",
-            "512",
-            "--max-prefill-tokens-decoding",
-            "none",
-            "--engine-option",
-            "num_pages=500",
-            "--engine-option",
-            "max_prefill_tokens_decoding=64",
-            "--engine-option",
-            "enforce_eager=True",
-        ]
+        tiny_checkpoint,
+        tmp_path,
+        "--gpu-memory-utilization",
+        "0.55",
+        "--num-pages",
+        "96",
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-dtype",
+        "fp8",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-prefill-tokens-decoding",
+        "none",
+        "--engine-option",
+        "num_pages=500",
+        "--engine-option",
+        "max_prefill_tokens_decoding=64",
+        "--engine-option",
+        "enforce_eager=True",
     )
     with LiveServer(app) as server:
         engine = server.engine.engine  # AsyncEngine -> LLMEngine
@@ -62,7 +57,7 @@ def test_engine_flags_reach_the_engine_config(tiny_checkpoint, tmp_path):
 def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
     from inference.config import EngineConfig
 
-    app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
+    app = serve(tiny_checkpoint, tmp_path)
     with LiveServer(app) as server:
         config = server.engine.engine.config
         assert (config.gpu_memory_utilization, config.num_pages, config.max_num_seqs) == (
@@ -79,18 +74,12 @@ def test_engine_flags_default_to_the_engine_defaults(tiny_checkpoint, tmp_path):
 
 def test_prefill_cap_flag_takes_a_number(tiny_checkpoint, tmp_path):
     app = serve(
-        [
-            "--model",
-            str(tiny_checkpoint),
-            "--device",
-            "cpu",
-            "--store",
-            str(tmp_path / "r.db"),
-            "--num-pages",
-            "96",
-            "--max-prefill-tokens-decoding",
-            "48",
-        ]
+        tiny_checkpoint,
+        tmp_path,
+        "--num-pages",
+        "96",
+        "--max-prefill-tokens-decoding",
+        "48",
     )
     with LiveServer(app) as server:
         assert server.engine.engine.scheduler.max_prefill_tokens_decoding == 48
@@ -124,19 +113,13 @@ def test_engine_process_flag_serves_the_same_engine_in_a_child_process(tiny_chec
     from inference.engine.process import EngineProcess
 
     app = serve(
-        [
-            "--model",
-            str(tiny_checkpoint),
-            "--device",
-            "cpu",
-            "--store",
-            str(tmp_path / "r.db"),
-            "--engine-process",
-            "--num-pages",
-            "96",
-            "--max-model-len",
-            "256",
-        ]
+        tiny_checkpoint,
+        tmp_path,
+        "--engine-process",
+        "--num-pages",
+        "96",
+        "--max-model-len",
+        "256",
     )
     with LiveServer(app) as server:
         engine = server.engine
@@ -146,7 +129,7 @@ def test_engine_process_flag_serves_the_same_engine_in_a_child_process(tiny_chec
             model=engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert reply.usage.completion_tokens == 4
-    app = serve(["--model", str(tiny_checkpoint), "--device", "cpu", "--store", str(tmp_path / "r.db")])
+    app = serve(tiny_checkpoint, tmp_path)
     with LiveServer(app) as server:  # on CPU the default is the engine thread
         assert isinstance(server.engine, AsyncEngine)
 
